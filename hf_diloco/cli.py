@@ -1,0 +1,279 @@
+"""`hf-diloco`: train from a recipe, launch replicas with accelerate, run the demo.
+
+    hf-diloco train --config recipes/tiny-pretrain.yaml [--field value ...]   # this process is one replica
+    hf-diloco launch recipes/tiny-pretrain.yaml --accelerate-config accelerate_configs/cpu-2proc.yaml [-- --field v]
+    hf-diloco demo                                                              # 2 CPU replicas, tiny model
+
+Design choices:
+- Recipes are YAML files whose keys are DiLoCoConfig / RunArguments fields; flags override them. Both go through
+  HfArgumentParser, so every field's help text is its `--help` and its documentation.
+- Errors a user can cause end in one sentence on stderr and exit status 2, never a traceback.
+- `launch` validates the recipe and the accelerate config in this process before starting anything.
+- The process group is destroyed before exit: a gloo process that exits with it alive can abort at interpreter
+  shutdown, turning a finished run into a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_RECIPE = REPO_ROOT / "recipes" / "tiny-pretrain.yaml"
+DEMO_ACCELERATE_CONFIG = REPO_ROOT / "accelerate_configs" / "cpu-2proc.yaml"
+
+
+class CLIError(Exception):
+    """Ends the command with its message and exit status 2."""
+
+
+# --- recipes ------------------------------------------------------------------------------------------------------
+
+
+def load_recipe(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CLIError(f"recipe {str(path)!r} does not exist.")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise CLIError(f"recipe {str(path)!r} is not valid YAML ({str(error).splitlines()[0]}).") from None
+    if not isinstance(values, dict):
+        raise CLIError(f"recipe {str(path)!r} must be a mapping of field names to values.")
+    return values
+
+
+def parse_train_args(recipe: str | None, overrides: list[str]):
+    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides."""
+    from transformers import HfArgumentParser
+
+    from .config import DiLoCoConfig, RunArguments
+
+    parser = HfArgumentParser((RunArguments, DiLoCoConfig))
+    values = load_recipe(recipe) if recipe else {}
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise CLIError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
+            f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
+        )
+    parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
+    try:
+        run, config, rest = parser.parse_args_into_dataclasses(args=overrides, return_remaining_strings=True)
+    except ValueError as error:
+        raise CLIError(str(error).strip().splitlines()[0]) from None
+    if rest:
+        raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
+    return run, config
+
+
+def check_output_dir(config) -> None:
+    """Refuse to train into a folder that already holds a run, unless resuming from it."""
+    out = Path(config.output_dir)
+    if config.resume_from_checkpoint or not out.exists():
+        return
+    from .metrics import SYNC_ROUNDS_FILE
+
+    if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
+        raise CLIError(
+            f"output_dir {str(out)!r} already holds a run; choose another output_dir or pass "
+            f"--resume_from_checkpoint latest to continue it."
+        )
+
+
+def resolve_checkpoint(config) -> str | None:
+    value = config.resume_from_checkpoint
+    if not value:
+        return None
+    if value in ("latest", "last", "True", "true"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        found = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
+        if found is None:
+            raise CLIError(f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder.")
+        return found
+    if not os.path.isdir(value):
+        raise CLIError(f"checkpoint {value!r} does not exist.")
+    return value
+
+
+# --- commands -------------------------------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    run, config = parse_train_args(args.config, args.overrides)
+    checkpoint = resolve_checkpoint(config)
+    check_output_dir(config)
+
+    from transformers import default_data_collator
+
+    from .data import build_datasets
+    from .models import load_model_and_tokenizer
+    from .trainer import DiLoCoTrainer
+
+    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
+    train_dataset, eval_dataset = build_datasets(run, tokenizer)
+    if eval_dataset is None and config.eval_strategy != "no":
+        raise CLIError("eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on.")
+    trainer = DiLoCoTrainer(
+        model=model,
+        args=config,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        print(f"[diloco] finished: model and sync_rounds.jsonl in {config.output_dir}", flush=True)
+    return 0
+
+
+def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None) -> list[str]:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
+    if port is not None:
+        command += ["--main_process_port", str(port)]
+    return command + ["-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    if not Path(args.accelerate_config).is_file():
+        raise CLIError(f"accelerate config {args.accelerate_config!r} does not exist.")
+    run, config = parse_train_args(args.recipe, args.overrides)  # fail here, before any process starts
+    resolve_checkpoint(config)
+    check_output_dir(config)
+    command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
+    print(" ".join(command), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.run(command).returncode
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    for needed in (DEMO_RECIPE, DEMO_ACCELERATE_CONFIG):
+        if not needed.is_file():
+            raise CLIError(f"the demo needs {needed}, which ships with the repository; run it from a clone.")
+    output_dir = Path(args.output_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    if output_dir.exists():
+        raise CLIError(f"output directory {str(output_dir)!r} already exists; choose another with --output-dir.")
+    overrides = [
+        "--output_dir", str(output_dir),
+        "--max_steps", str(args.max_steps),
+        "--inner_steps", str(args.inner_steps),
+        "--eval_steps", str(args.inner_steps),
+    ]
+    command = accelerate_command(str(DEMO_RECIPE), str(DEMO_ACCELERATE_CONFIG), overrides, args.port)
+    print("$ " + " ".join(command), flush=True)
+    started = time.time()
+    code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    if code != 0:
+        raise CLIError(f"the demo run failed with exit status {code}; its log is above.")
+    print_demo_summary(output_dir, time.time() - started)
+    return 0
+
+
+def print_demo_summary(output_dir: Path, seconds: float) -> None:
+    from .metrics import SUMMARY_FILE, format_bytes
+
+    summary = json.loads((output_dir / SUMMARY_FILE).read_text())
+    before, after = summary["eval_loss_initial"], summary["eval_loss_final"]
+    sent, ddp = summary["bytes_per_replica"], summary["ddp_bytes_per_replica"]
+    rows = [
+        ("replicas x inner steps (H)", f"{summary['num_replicas']} x {summary['inner_steps']}"),
+        ("steps / outer rounds", f"{summary['steps']} / {summary['rounds']}"),
+        ("eval loss before -> after", f"{before:.4f} -> {after:.4f}" if before and after else "n/a"),
+        ("throughput (all replicas)", f"{summary['tokens_per_second']:,.0f} tokens/s"),
+        ("time in outer syncs", f"{summary['sync_seconds']:.2f} s of {seconds:.0f} s"),
+        ("sent per replica (DiLoCo)", format_bytes(sent)),
+        ("DDP would have sent", f"{format_bytes(ddp)} ({ddp / sent:.0f}x more)" if sent else format_bytes(ddp)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\nhf-diloco demo: what happened")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print(f"  rounds: {output_dir / 'sync_rounds.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
+
+
+# --- entry point ----------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train", help="train in this process (one replica per process under accelerate launch)", add_help=False
+    )
+    train.add_argument("--config", help="recipe YAML whose keys are DiLoCoConfig/RunArguments fields")
+    train.add_argument("-h", "--help", action="store_true", help="list every field")
+    train.set_defaults(func=cmd_train)
+
+    launch = sub.add_parser("launch", help="print and run the accelerate launch command for a recipe")
+    launch.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-pretrain.yaml")
+    launch.add_argument(
+        "--accelerate-config", required=True, help="accelerate YAML, e.g. accelerate_configs/cpu-2proc.yaml"
+    )
+    launch.add_argument("--port", type=int, help="rendezvous port of the main process (default: the config's)")
+    launch.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    launch.set_defaults(func=cmd_launch)
+
+    demo = sub.add_parser("demo", help="2-replica DiLoCo run on the built-in tiny model and corpus (CPU)")
+    demo.add_argument("--output-dir", help="where the run goes (default: runs/demo-<time>)")
+    demo.add_argument("--max-steps", type=int, default=300, help="inner steps per replica (default 300)")
+    demo.add_argument("--inner-steps", type=int, default=50, help="H, steps between syncs (default 50)")
+    demo.add_argument("--port", type=int, help="rendezvous port (default: the config's)")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the sub-command that argparse does not know is a DiLoCoConfig/RunArguments override.
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    if "--" in overrides:
+        overrides.remove("--")
+    args.overrides = overrides
+    if args.command == "demo" and overrides:
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.command == "train" and args.help:
+        from transformers import HfArgumentParser
+
+        from .config import DiLoCoConfig, RunArguments
+
+        HfArgumentParser((RunArguments, DiLoCoConfig), prog="hf-diloco train").print_help()
+        return 0
+    try:
+        return args.func(args)
+    except (CLIError, ConfigError) as error:
+        print(f"hf-diloco: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-diloco: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""DiLoCoConfig: every DiLoCo knob as a `TrainingArguments` field.
+
+Design choices:
+- One dataclass extending `TrainingArguments`, so HfArgumentParser turns each field into a CLI flag and a YAML key
+  with no extra code, and `DiLoCoTrainer` takes it wherever `Trainer` takes its arguments.
+- Defaults are the DiLoCo paper's (arXiv 2311.08105): H = 500, outer SGD lr 0.7, momentum 0.9, Nesterov.
+- Trainer settings that would add a collective to every inner step are switched off here, because replicas must
+  not talk between syncs: `average_tokens_across_devices` is forced off and per-step token counting is refused.
+- Checkpoints and evaluations only happen on round boundaries: a `save_steps`/`eval_steps` that falls inside a
+  round is postponed to the end of that round (the trainer logs a notice once). Evaluating or saving mid-round
+  would measure or store one replica's private parameters instead of the global model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+OUTER_OPTIMIZERS = ("sgd", "adamw")
+
+
+def _launched_on_cpu_only() -> bool:
+    """True when several processes were launched and there is no GPU for them."""
+    import torch
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem, reported as one sentence."""
+
+
+@dataclass
+class DiLoCoConfig(TrainingArguments):
+    """`TrainingArguments` plus the DiLoCo outer loop.
+
+    >>> config = DiLoCoConfig(output_dir="out", inner_steps=50, outer_lr=0.7)
+    >>> config.inner_steps
+    50
+    """
+
+    inner_steps: int = field(
+        default=500,
+        metadata={"help": "H: inner optimizer steps each replica takes between two outer syncs (paper: 500)."},
+    )
+    outer_lr: float = field(
+        default=0.7,
+        metadata={"help": "Learning rate of the outer optimizer applied to the averaged pseudo-gradient (paper: 0.7)."},
+    )
+    outer_momentum: float = field(
+        default=0.9,
+        metadata={"help": "Momentum of the outer SGD optimizer; for outer_optimizer=adamw it is beta1 (paper: 0.9)."},
+    )
+    outer_nesterov: bool = field(
+        default=True,
+        metadata={"help": "Use Nesterov momentum in the outer SGD optimizer (paper: true)."},
+    )
+    outer_optimizer: str = field(
+        default="sgd",
+        metadata={"help": "Outer optimizer: 'sgd' (the paper's choice) or 'adamw' (for ablations).",
+                  "choices": list(OUTER_OPTIMIZERS)},
+    )
+    offload_outer_state: bool = field(
+        default=True,
+        metadata={"help": "Keep the fp32 global parameters and outer optimizer state on CPU, so DiLoCo costs no "
+                          "accelerator memory; when false they live on the model's device."},
+    )
+    replica_group_size: int = field(
+        default=1,
+        metadata={"help": "Processes per replica; 1 means every process is its own replica (the only layout "
+                          "supported so far)."},
+    )
+    sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={"help": "Largest fp32 pseudo-gradient buffer, in MB, reduced in one collective; bigger models "
+                          "are synced in several buckets so the extra memory stays bounded."},
+    )
+
+    def __post_init__(self):
+        self._validate_diloco_fields()
+        # Trainer gathers every step's token count across processes when this is on. DiLoCo replicas do not
+        # talk between syncs, so each replica normalises its loss by its own tokens.
+        self.average_tokens_across_devices = False
+        if self.include_num_input_tokens_seen not in (False, "no", None):
+            raise ConfigError(
+                "include_num_input_tokens_seen gathers a token count from every replica at every step, which DiLoCo "
+                "forbids; leave it off (tokens per round are reported in sync_rounds.jsonl instead)."
+            )
+        if not self.use_cpu and _launched_on_cpu_only():
+            # Under `accelerate launch --multi_gpu` on a machine without GPUs, TrainingArguments would otherwise
+            # see a single process and every replica would train the same data alone; use_cpu makes it a gloo
+            # MULTI_CPU run with one replica per process.
+            self.use_cpu = True
+        super().__post_init__()
+
+    def _validate_diloco_fields(self) -> None:
+        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps (H) must be a whole number of at least 1, got {self.inner_steps!r}.")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"outer_lr must be a positive number, got {self.outer_lr!r}.")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}.")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(
+                f"outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.outer_optimizer!r}."
+            )
+        if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
+            # torch's SGD refuses Nesterov without momentum; plain SGD is what the user means.
+            self.outer_nesterov = False
+        if self.replica_group_size != 1:
+            raise ConfigError(
+                f"replica_group_size={self.replica_group_size} is not supported yet; use 1 (one process per replica)."
+            )
+        if not self.sync_bucket_mb > 0:
+            raise ConfigError(f"sync_bucket_mb must be positive, got {self.sync_bucket_mb!r}.")
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must not be negative, got {self.learning_rate!r}.")
+
+
+@dataclass
+class RunArguments:
+    """What to train on: the model and the data. Parsed beside DiLoCoConfig by the CLI (YAML keys and flags)."""
+
+    model_name_or_path: str = field(
+        default="tiny-llama",
+        metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M), a local model "
+                          "directory, or a Hub model id."},
+    )
+    dataset_name: str = field(
+        default="builtin",
+        metadata={"help": "'builtin' (the stdlib's pydoc topics, no download), a local text/json/jsonl/csv/parquet "
+                          "file or folder, or a Hub dataset id."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name, if any."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
+    block_size: int = field(default=256, metadata={"help": "Tokens per training block (sequence length)."})
+    eval_fraction: float = field(
+        default=0.05, metadata={"help": "Fraction of blocks held out for evaluation (the last ones)."}
+    )
+    seed_model: int = field(default=0, metadata={"help": "Seed for the initial weights of a preset model."})
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be at least 2 tokens, got {self.block_size!r}.")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")

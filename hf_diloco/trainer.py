@@ -1,0 +1,345 @@
+"""DiLoCoTrainer: the DiLoCo outer loop wired into `transformers.Trainer`.
+
+Each process is one replica. Trainer runs the inner loop untouched (its optimizer, scheduler, gradient
+accumulation, clipping, mixed precision); this module adds what DiLoCo needs around it.
+
+Design choices:
+- No DDP. Accelerate would wrap the model in DistributedDataParallel and all-reduce gradients every step; the
+  trainer prepares the model the way Accelerate prepares a model for evaluation (mixed precision and compilation
+  only). The data loader is still sharded by Accelerate, so each replica reads its own disjoint batches.
+- No hidden per-step collective. Trainer averages the logged loss over processes with an all-gather; here each
+  replica logs its own loss, and the mean over replicas is reported once per round with the sync. Token-count
+  gathers are switched off in DiLoCoConfig.
+- The outer step runs in `on_step_end`, after the inner optimizer and scheduler stepped and before Trainer logs,
+  evaluates or saves, so evaluations and checkpoints see θ_global. Every H steps, plus once at the last step (a
+  partial last round is synced too, so the final model is always the global one).
+- Saves and evaluations that fall inside a round are postponed to the end of that round (see DiLoCoConfig).
+- Checkpoints hold, besides Trainer's files, each replica's own inner optimizer and scheduler state
+  (`replica-<rank>/`) and the outer state (`diloco_outer.pt`: θ_global in fp32 and the outer optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from .comm import ReplicaComm, ring_all_reduce_bytes
+from .config import DiLoCoConfig
+from .metrics import RoundWriter, format_round, write_summary
+from .outer import OuterLoop
+
+logger = logging.getLogger(__name__)
+
+OUTER_STATE_FILE = "diloco_outer.pt"
+REPLICA_DIR = "replica-{rank}"
+# Per-replica statistics that ride along with each sync (see comm.ReplicaComm.all_reduce_round).
+ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq")
+
+
+@contextlib.contextmanager
+def _replica_local_loss_logging():
+    """Make Trainer log this replica's own training loss instead of all-gathering it from every process.
+
+    Trainer's logging calls the module-level `nested_gather`; swapping it for the identity while Trainer logs
+    removes a collective per logging step. Nothing else in Trainer uses that name.
+    """
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.nested_gather
+    trainer_module.nested_gather = lambda tensors, parallel_mode, name=None: tensors
+    try:
+        yield
+    finally:
+        trainer_module.nested_gather = original
+
+
+class DiLoCoTrainer(Trainer):
+    """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
+
+    Takes exactly what `Trainer` takes; `args` must be a `DiLoCoConfig`.
+
+    >>> trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
+    ...                         train_dataset=train, eval_dataset=held_out)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    """
+
+    _tag_names = ["diloco", "hf-diloco"]
+    _paper = {
+        "title": "DiLoCo: Distributed Low-Communication Training of Language Models",
+        "id": "2311.08105",
+    }
+
+    def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            args = DiLoCoConfig(output_dir="trainer_output")
+        if not isinstance(args, DiLoCoConfig):
+            raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
+        super().__init__(model, args, *pargs, **kwargs)
+        self.diloco = OuterLoopCallback(self)
+        self.add_callback(self.diloco)
+
+    # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare_replica(model, device_placement=None, evaluation_mode=False):
+            # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP wrapper,
+            # so no gradient all-reduce and no buffer broadcast on every step.
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+        self.accelerator.prepare_model = prepare_replica
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.diloco.observe_micro_batch(loss, inputs)
+        return loss
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        with _replica_local_loss_logging():
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
+
+    def _replica_dir(self, checkpoint: str) -> Path:
+        return Path(checkpoint) / REPLICA_DIR.format(rank=self.args.process_index)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        replica_dir = self._replica_dir(output_dir)
+        replica_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), replica_dir / "optimizer.pt")
+        torch.save(self.lr_scheduler.state_dict(), replica_dir / "scheduler.pt")
+        if self.args.should_save and self.diloco.outer is not None:
+            torch.save(self.diloco.outer.state_dict(), Path(output_dir) / OUTER_STATE_FILE)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        replica_dir = self._replica_dir(checkpoint)
+        if (replica_dir / "optimizer.pt").exists():
+            device = self.args.device
+            self.optimizer.load_state_dict(torch.load(replica_dir / "optimizer.pt", map_location=device))
+            self.lr_scheduler.load_state_dict(torch.load(replica_dir / "scheduler.pt", weights_only=True))
+        else:
+            # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.
+            super()._load_optimizer_and_scheduler(checkpoint)
+        outer_file = Path(checkpoint) / OUTER_STATE_FILE
+        self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
+
+
+class OuterLoopCallback(TrainerCallback):
+    """Runs the outer step on round boundaries and reports the rounds. Owned by a DiLoCoTrainer."""
+
+    def __init__(self, trainer: DiLoCoTrainer):
+        self.trainer = trainer
+        self.args: DiLoCoConfig = trainer.args
+        self.outer: OuterLoop | None = None
+        self.comm: ReplicaComm | None = None
+        self.writer: RoundWriter | None = None
+        self.saved_outer_state: dict | None = None
+        self.deferred = {"should_save": False, "should_evaluate": False}
+        self.pending_record: dict | None = None
+        self.history: list[dict] = []
+        self.initial_eval_loss: float | None = None
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self.round_loss = torch.zeros(())
+        self.round_steps = 0
+        self.round_tokens = 0
+        self.round_compute = 0.0
+        self._step_started: float | None = None
+
+    # --- inner loop bookkeeping (local only) ---
+
+    def observe_micro_batch(self, loss: torch.Tensor, inputs: dict) -> None:
+        if self.round_loss.device != loss.device:
+            self.round_loss = self.round_loss.to(loss.device)
+        self.round_loss += loss.detach().float()
+        input_ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if input_ids is not None:
+            self.round_tokens += input_ids.numel()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._flush_pending()
+        self._step_started = time.perf_counter()
+
+    # --- start of training ---
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)
+        params = [p for p in replica.parameters() if p.requires_grad]
+        self.comm = ReplicaComm()
+        resumed = self.saved_outer_state is not None
+        if not resumed:
+            # The replicas must start from identical parameters (one broadcast, before the first inner step).
+            self.comm.broadcast_parameters(params)
+        self.outer = OuterLoop(
+            params,
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            nesterov=args.outer_nesterov,
+            optimizer=args.outer_optimizer,
+            offload=args.offload_outer_state,
+            bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)),
+        )
+        if resumed:
+            self.outer.load_state_dict(self.saved_outer_state)
+            self.outer.copy_global_to_replica()
+            self.saved_outer_state = None
+        self.total_rounds = math.ceil(state.max_steps / args.inner_steps) if state.max_steps > 0 else None
+        self.cumulative_bytes = 0
+        self.train_started = time.time()
+        if self.trainer.is_world_process_zero():
+            self.writer = RoundWriter(args.output_dir)
+            kept = self.writer.truncate_after(state.global_step)
+            self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
+            logger.info(
+                "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s",
+                self.comm.world_size, args.inner_steps, self.outer.numel, args.outer_optimizer, args.outer_lr,
+                args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "",
+            )
+        self._reset_round()
+
+    # --- end of each inner step: maybe sync ---
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_started is not None:
+            self.round_compute += time.perf_counter() - self._step_started
+            self._step_started = None
+        self.round_steps += 1
+        at_boundary = state.global_step % args.inner_steps == 0 or state.global_step >= state.max_steps
+        if at_boundary:
+            self._sync(state)
+        self._align_to_round(control, at_boundary)
+        return control
+
+    def _sync(self, state) -> None:
+        """One outer round: pseudo-gradient, the round's single all-reduce, outer step, θ_i ← θ_global."""
+        started = time.perf_counter()
+        deltas = self.outer.pseudo_gradient(self.comm.device)  # Δ_i = θ_global − θ_i
+        local_norm_sq = float(sum(d.double().square().sum() for d in deltas))
+        stats = torch.tensor(
+            [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, local_norm_sq],
+            dtype=torch.float64,
+        )
+        replica_stats, cost = self.comm.all_reduce_round(deltas, stats)  # Δ = (1/M) Σ Δ_i, in place
+        pseudo_grad_norm = math.sqrt(float(sum(d.double().square().sum() for d in deltas)))
+        outer_lr = self.outer.lr()
+        self.outer.apply(deltas)  # θ_global ← OuterOpt(θ_global, Δ); θ_i ← θ_global
+        sync_seconds = time.perf_counter() - started
+        self.pending_record = self._round_record(state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds)
+        self._reset_round()
+
+    def _round_record(self, state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds) -> dict:
+        stats = {name: replica_stats[:, i].tolist() for i, name in enumerate(ROUND_STATS)}
+        steps = stats["steps"]
+        replica_losses = [loss / max(n, 1) for loss, n in zip(stats["loss_sum"], steps, strict=True)]
+        compute = max(stats["compute_seconds"])
+        tokens = int(sum(stats["tokens"]))
+        self.cumulative_bytes += cost.bytes_sent
+        world = self.comm.world_size
+        ddp_payload = sum(p.numel() * p.element_size() for p in self.outer.params)
+        round_steps = int(steps[0])
+        record = {
+            "round": math.ceil(state.global_step / self.args.inner_steps),
+            "step": state.global_step,
+            "time": time.time(),
+            "loss": sum(replica_losses) / len(replica_losses),
+            "replica_losses": replica_losses,
+            "pseudo_grad_norm": pseudo_grad_norm,
+            "replica_pseudo_grad_norms": [math.sqrt(max(x, 0.0)) for x in stats["pseudo_grad_norm_sq"]],
+            "bytes_per_replica": cost.bytes_sent,
+            "cumulative_bytes_per_replica": self.cumulative_bytes,
+            "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, world),
+            "sync_seconds": sync_seconds,
+            "compute_seconds": compute,
+            "replica_compute_seconds": stats["compute_seconds"],
+            "tokens": tokens,
+            "tokens_per_second": tokens / (compute + sync_seconds) if compute + sync_seconds > 0 else 0.0,
+            "outer_lr": outer_lr,
+            "inner_lr": self.trainer._get_learning_rate(),
+            "inner_steps": round_steps,
+            "num_replicas": world,
+            "synced_parameters": self.outer.numel,
+            "collectives": cost.collectives,
+        }
+        return record
+
+    def _align_to_round(self, control, at_boundary: bool) -> None:
+        """Postpone saves and evaluations that fall inside a round to the round's end."""
+        for flag in self.deferred:
+            if at_boundary:
+                if self.deferred[flag]:
+                    setattr(control, flag, True)
+                    self.deferred[flag] = False
+            elif getattr(control, flag):
+                setattr(control, flag, False)
+                if not self.deferred[flag] and self.trainer.is_world_process_zero() and not self.history:
+                    logger.warning(
+                        "DiLoCo: %s at step %s falls inside a round; it is postponed to the end of the round "
+                        "(set save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
+                        flag.removeprefix("should_"), "this step", self.args.inner_steps,
+                    )
+                self.deferred[flag] = True
+
+    # --- reporting ---
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        eval_loss = (metrics or {}).get("eval_loss")
+        if self.pending_record is not None and self.pending_record["step"] == state.global_step:
+            self.pending_record["eval_loss"] = eval_loss
+            self._flush_pending()
+        elif state.global_step == 0:  # eval_on_start: the model before any training
+            self.initial_eval_loss = eval_loss
+
+    def _flush_pending(self) -> None:
+        record, self.pending_record = self.pending_record, None
+        if record is None:
+            return
+        self.history.append(record)
+        if self.writer is not None:
+            self.writer.write(record)
+            line = format_round(record, self.total_rounds)
+            if self.args.disable_tqdm:
+                print(line, flush=True)
+            else:
+                from tqdm.auto import tqdm
+
+                tqdm.write(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush_pending()
+        if self.writer is None:
+            return
+        self.writer.close()
+        write_summary(args.output_dir, self.summary(state))
+
+    def summary(self, state) -> dict:
+        rounds = self.history
+        wall = sum(r["compute_seconds"] + r["sync_seconds"] for r in rounds)
+        tokens = sum(r["tokens"] for r in rounds)
+        evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
+        return {
+            "rounds": len(rounds),
+            "steps": state.global_step,
+            "num_replicas": self.comm.world_size if self.comm else 1,
+            "inner_steps": self.args.inner_steps,
+            "synced_parameters": self.outer.numel if self.outer else 0,
+            "eval_loss_initial": self.initial_eval_loss,
+            "eval_loss_final": evals[-1] if evals else None,
+            "train_loss_final": rounds[-1]["loss"] if rounds else None,
+            "tokens": tokens,
+            "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+            "train_seconds": time.time() - self.train_started,
+            "sync_seconds": sum(r["sync_seconds"] for r in rounds),
+            "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
+            "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
+        }
