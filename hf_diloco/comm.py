@@ -63,17 +63,27 @@ class ReplicaComm:
         return self.distributed and self.world_size > 1
 
     def broadcast_parameters(self, tensors: list[torch.Tensor]) -> SyncCost:
-        """Make every replica start from rank 0's parameters. Called once, before the first inner step."""
+        """Make every replica start from rank 0's parameters.
+
+        Called once by every replica before the first inner step; one broadcast per parameter dtype.
+        """
         if not self.active:
             return SyncCost(0, 0, 0)
-        payload = 0
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
-            buffer = tensor.detach().to(self.device)
-            dist.broadcast(buffer, src=0, group=self.group)
-            tensor.data.copy_(buffer)
-            payload += buffer.numel() * buffer.element_size()
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        payload = 0
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
+            dist.broadcast(flat, src=0, group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+            payload += flat.numel() * flat.element_size()
         # A pipelined broadcast sends about one payload from every rank but the last.
-        return SyncCost(payload, payload, len(tensors))
+        return SyncCost(payload, payload, len(by_dtype))
 
     def all_reduce_round(self, buckets: list[torch.Tensor], stats: torch.Tensor) -> tuple[torch.Tensor, SyncCost]:
         """Average the pseudo-gradient buckets in place and gather every replica's round statistics.

@@ -106,6 +106,13 @@ class DiLoCoTrainer(Trainer):
         with _replica_local_loss_logging():
             return super()._maybe_log_save_evaluate(*args, **kwargs)
 
+    def store_flos(self) -> None:
+        # Trainer sums the floating point operations of all processes with an all-gather at every log. Replicas
+        # run the same number of steps on batches of the same shape, so this replica's count times the number
+        # of replicas is the total, with no collective.
+        self.state.total_flos += self.current_flos * self.args.world_size
+        self.current_flos = 0
+
     # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
 
     def _replica_dir(self, checkpoint: str) -> Path:

@@ -1,0 +1,100 @@
+"""One DiLoCo replica, run under `accelerate launch` by the distributed tests.
+
+Argument: a JSON object with the run's settings. Each rank writes `rank<r>.json` into `out`: every
+torch.distributed collective it made, tagged with the inner step it happened in (0 = before training), and a
+digest of its parameters after every sync; rank 0's final parameters go to `final.pt`.
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import pattern_dataset, tiny_llama  # noqa: E402
+from transformers import TrainerCallback, default_data_collator  # noqa: E402
+
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
+
+settings = json.loads(sys.argv[1])
+out = Path(settings.pop("out"))
+
+# --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco) ---
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "gather_object", "scatter", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv"]
+calls: list[tuple[int, str]] = []
+current_step = [0]
+
+
+def counting(name, original):
+    def wrapper(*args, **kwargs):
+        calls.append((current_step[0], name))
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+for name in COLLECTIVES:
+    original = getattr(dist.distributed_c10d, name, None)
+    if original is not None:
+        wrapped = counting(name, original)
+        setattr(dist.distributed_c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Probe(TrainerCallback):
+    def __init__(self):
+        self.digests = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        current_step[0] = state.global_step + 1
+
+
+config = DiLoCoConfig(
+    output_dir=str(out / "run"),
+    per_device_train_batch_size=2,
+    learning_rate=settings.pop("learning_rate", 3e-3),
+    lr_scheduler_type="constant",
+    optim="adamw_torch",
+    weight_decay=0.0,
+    max_grad_norm=0.0,
+    logging_steps=1,  # Trainer logs every step: proves the logged loss needs no gather
+    save_strategy="no",
+    eval_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+    **settings,
+)
+model = tiny_llama(seed=0)
+trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(),
+                        data_collator=default_data_collator, callbacks=[Probe()])
+original_sync = trainer.diloco._sync
+sync_digests = []
+
+
+def sync_and_record(state):
+    original_sync(state)
+    sync_digests.append((state.global_step, digest(trainer.model)))
+
+
+trainer.diloco._sync = sync_and_record
+trainer.train()
+rank = dist.get_rank()
+(out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests,
+                                                  "world_size": dist.get_world_size()}))
+if rank == 0:
+    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
+dist.destroy_process_group()
