@@ -131,8 +131,9 @@ class DiLoCoTrainer(Trainer):
             return
         replica_dir = self._replica_dir(checkpoint)
         if (replica_dir / "optimizer.pt").exists():
-            device = self.args.device
-            self.optimizer.load_state_dict(torch.load(replica_dir / "optimizer.pt", map_location=device))
+            # Loaded to CPU; the optimizer moves its state next to the parameters.
+            state = torch.load(replica_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state)
             self.lr_scheduler.load_state_dict(torch.load(replica_dir / "scheduler.pt", weights_only=True))
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.

@@ -1,0 +1,110 @@
+"""The outer step on hand-set tiny models, where the expected numbers are written down by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_diloco.comm import ReplicaComm, ring_all_reduce_bytes
+from hf_diloco.outer import OuterLoop, partition_into_buckets
+
+
+def move_replica(param: nn.Parameter, to: list[float]) -> None:
+    with torch.no_grad():
+        param.copy_(torch.tensor(to))
+
+
+def test_nesterov_outer_steps_match_hand_computation():
+    """Two rounds of Nesterov SGD (lr 0.5, momentum 0.9) on θ = [1, 2].
+
+    Round 1: θ_i = [0.8, 2.4] -> Δ = [0.2, -0.4]; v = Δ; update = Δ + 0.9 v = [0.38, -0.76];
+             θ = [1, 2] - 0.5 [0.38, -0.76] = [0.81, 2.38].
+    Round 2: θ_i = [0.71, 2.38] -> Δ = [0.1, 0]; v = 0.9 [0.2, -0.4] + [0.1, 0] = [0.28, -0.36];
+             update = [0.1, 0] + 0.9 [0.28, -0.36] = [0.352, -0.324]; θ = [0.81 - 0.176, 2.38 + 0.162].
+    """
+    replica = nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=True)
+
+    move_replica(replica, [0.8, 2.4])
+    delta = outer.pseudo_gradient(torch.device("cpu"))
+    assert delta[0].tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
+    outer.apply(delta)
+    assert replica.tolist() == pytest.approx([0.81, 2.38], abs=1e-6)
+
+    move_replica(replica, [0.71, 2.38])
+    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    assert replica.tolist() == pytest.approx([0.634, 2.542], abs=1e-6)
+
+
+def test_plain_momentum_differs_from_nesterov():
+    """Heavy-ball momentum on the same two rounds: round 2 update is v = [0.28, -0.36] itself."""
+    replica = nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=False)
+    move_replica(replica, [0.8, 2.4])
+    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    assert replica.tolist() == pytest.approx([0.9, 2.2], abs=1e-6)  # θ - 0.5 Δ
+    move_replica(replica, [0.8, 2.2])
+    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    # Δ = [0.1, 0]; v = 0.9 [0.2, -0.4] + [0.1, 0] = [0.28, -0.36]; θ = [0.9, 2.2] - 0.5 v
+    assert replica.tolist() == pytest.approx([0.76, 2.38], abs=1e-6)
+
+
+def test_outer_state_is_fp32_on_cpu_for_a_bf16_model():
+    replica = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    outer = OuterLoop([replica], lr=0.7, momentum=0.9, nesterov=True, offload=True)
+    assert outer.global_params[0].dtype == torch.float32
+    assert outer.global_params[0].device.type == "cpu"
+    move_replica(replica, [0.5, 1.5])
+    delta = outer.pseudo_gradient(torch.device("cpu"))
+    assert delta[0].dtype == torch.float32
+    outer.apply(delta)
+    assert replica.dtype == torch.bfloat16
+
+
+def test_state_dict_round_trip_continues_identically():
+    """Saving and loading the outer state mid-run gives the same next step as never stopping."""
+    a = nn.Parameter(torch.tensor([1.0, -1.0]))
+    b = nn.Parameter(torch.tensor([1.0, -1.0]))
+    first, second = (OuterLoop([p], lr=0.7, momentum=0.9, nesterov=True) for p in (a, b))
+    for outer, p in ((first, a), (second, b)):
+        move_replica(p, [0.5, -0.5])
+        outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    restored = OuterLoop([b], lr=0.7, momentum=0.9, nesterov=True)
+    restored.load_state_dict(second.state_dict())
+    for outer, p in ((first, a), (restored, b)):
+        move_replica(p, [0.2, 0.1])
+        outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    assert torch.equal(a, b)
+
+
+def test_buckets_cover_every_parameter_once_and_respect_the_limit():
+    numels = [5, 1, 7, 2, 2, 9, 1]
+    buckets = partition_into_buckets(numels, bucket_numel=8)
+    assert [i for bucket in buckets for i in bucket] == list(range(len(numels)))
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(numels[i] for i in bucket) <= 8
+
+
+def test_bucketed_pseudo_gradient_equals_unbucketed():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (3, 4, 5)]
+    small = OuterLoop(params, lr=1.0, momentum=0.0, nesterov=False, bucket_numel=4)
+    assert len(small.buckets) == 3
+    with torch.no_grad():
+        for p in params:
+            p.mul_(0.5)
+    flat = torch.cat(small.pseudo_gradient(torch.device("cpu")))
+    expected = torch.cat([(g - p).reshape(-1) for g, p in zip(small.global_params, params)])
+    assert torch.equal(flat, expected)
+
+
+def test_single_replica_comm_is_free_and_returns_own_stats():
+    comm = ReplicaComm()
+    stats = torch.tensor([1.5, 2.0])
+    gathered, cost = comm.all_reduce_round([torch.ones(3)], stats)
+    assert gathered.tolist() == [[1.5, 2.0]]
+    assert cost.bytes_sent == 0 and cost.collectives == 0
+
+
+@pytest.mark.parametrize("world,expected", [(1, 0), (2, 100), (4, 150), (8, 175)])
+def test_ring_all_reduce_bytes(world, expected):
+    assert ring_all_reduce_bytes(100, world) == expected
