@@ -121,6 +121,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .models import load_model_and_tokenizer
     from .trainer import DiLoCoTrainer
 
+    if not config.should_log:
+        import datasets
+
+        datasets.disable_progress_bars()  # one set of progress bars per run, from the main process
     model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
     train_dataset, eval_dataset = build_datasets(run, tokenizer)
     if eval_dataset is None and config.eval_strategy != "no":
@@ -194,7 +198,7 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
         ("steps / outer rounds", f"{summary['steps']} / {summary['rounds']}"),
         ("eval loss before -> after", f"{before:.4f} -> {after:.4f}" if before and after else "n/a"),
         ("throughput (all replicas)", f"{summary['tokens_per_second']:,.0f} tokens/s"),
-        ("time in outer syncs", f"{summary['sync_seconds']:.2f} s of {seconds:.0f} s"),
+        ("outer syncs, incl. waiting", f"{summary['sync_seconds']:.2f} s of {seconds:.0f} s"),
         ("sent per replica (DiLoCo)", format_bytes(sent)),
         ("DDP would have sent", f"{format_bytes(ddp)} ({ddp / sent:.0f}x more)" if sent else format_bytes(ddp)),
     ]

@@ -57,3 +57,36 @@ def test_sync_rounds_written_for_single_replica(tmp_path):
     assert all(r["bytes_per_replica"] == 0 and r["num_replicas"] == 1 for r in rounds)
     assert rounds[0]["loss"] == pytest.approx(rounds[0]["replica_losses"][0])
     assert torch.isfinite(torch.tensor([r["pseudo_grad_norm"] for r in rounds])).all()
+
+
+def test_gradient_accumulation_counts_as_one_inner_step(tmp_path):
+    """With 2 micro-batches per optimizer step, H = 3 means 3 optimizer steps, not 3 micro-batches."""
+    settings = {**COMMON, "max_steps": 6, "gradient_accumulation_steps": 2}
+    train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path), inner_steps=3, **settings))
+    from hf_diloco.metrics import read_sync_rounds
+
+    assert [(r["step"], r["inner_steps"]) for r in read_sync_rounds(tmp_path)] == [(3, 3), (6, 3)]
+
+
+def test_peft_model_syncs_only_trainable_parameters(tmp_path):
+    """With LoRA, only adapter weights form the pseudo-gradient; the frozen base stays bit-identical."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(seed=0)
+    frozen_before = {k: v.clone() for k, v in base.state_dict().items()}
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    args = DiLoCoConfig(output_dir=str(tmp_path), inner_steps=5, **{**COMMON, "max_steps": 10})
+    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=pattern_dataset(),
+                            data_collator=default_data_collator)
+    trainer.train()
+    from hf_diloco.metrics import read_sync_rounds
+
+    rounds = read_sync_rounds(tmp_path)
+    assert {r["synced_parameters"] for r in rounds} == {trainable}
+    assert trainable < sum(p.numel() for p in model.parameters()) / 10
+    assert rounds[-1]["pseudo_grad_norm"] > 0
+    for name, value in model.get_base_model().state_dict().items():
+        if "lora_" not in name:
+            key = name.replace(".base_layer", "")
+            assert torch.equal(value, frozen_before[key]), name

@@ -1,0 +1,91 @@
+"""Corpora become fixed-length blocks with a held-out tail; local files load through datasets."""
+
+import json
+
+import pytest
+
+from hf_diloco.config import ConfigError, RunArguments
+from hf_diloco.data import build_datasets, builtin_corpus, load_text_dataset, split_held_out, tokenize_into_blocks
+from hf_diloco.models import PRESETS, build_preset, byte_tokenizer, load_model_and_tokenizer
+
+
+def test_builtin_corpus_is_the_pydoc_topics():
+    from pydoc_data.topics import topics
+
+    corpus = builtin_corpus()
+    assert len(corpus) == len(topics)
+    assert sum(len(t) for t in corpus["text"]) == sum(len(t) for t in topics.values())
+
+
+def test_blocks_are_exact_length_and_preserve_the_byte_stream():
+    tokenizer = byte_tokenizer()
+    from datasets import Dataset
+
+    texts = ["hello world", "second document here"]
+    blocks = tokenize_into_blocks(Dataset.from_dict({"text": texts}), tokenizer, block_size=8)
+    stream = [b for t in texts for b in list(t.encode()) + [-2]]  # -2 marks EOS before the +3 id shift
+    expected = [x + 3 if x >= 0 else tokenizer.eos_token_id for x in stream]
+    assert len(blocks) == len(expected) // 8
+    assert [t for ids in blocks["input_ids"] for t in ids] == expected[: len(blocks) * 8]
+    assert blocks["labels"] == blocks["input_ids"]
+
+
+def test_held_out_split_is_the_last_blocks():
+    from datasets import Dataset
+
+    blocks = Dataset.from_dict({"input_ids": [[i] for i in range(100)]})
+    train, held_out = split_held_out(blocks, 0.05)
+    assert train["input_ids"][-1] == [94] and held_out["input_ids"] == [[95], [96], [97], [98], [99]]
+
+
+def test_builtin_datasets_for_the_tiny_preset():
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    assert model.config.vocab_size == len(tokenizer) == 259
+    assert 1.0e6 < sum(p.numel() for p in model.parameters()) < 1.2e6
+    train, held_out = build_datasets(RunArguments(), tokenizer)
+    assert len(held_out) == round(0.05 * (len(train) + len(held_out)))
+    assert all(len(ids) == 256 for ids in held_out["input_ids"])
+
+
+def test_presets_are_identical_for_a_seed_and_the_20m_preset_has_20m_params():
+    tokenizer = byte_tokenizer()
+    a, b = build_preset("tiny-llama", tokenizer, seed=3), build_preset("tiny-llama", tokenizer, seed=3)
+    assert all((x == y).all() for x, y in zip(a.parameters(), b.parameters()))
+    big = build_preset("llama-20m", tokenizer)
+    assert 18e6 < sum(p.numel() for p in big.parameters()) < 22e6
+    assert set(PRESETS) == {"tiny-llama", "llama-20m"}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".csv"])
+def test_local_files_load(tmp_path, suffix):
+    path = tmp_path / f"corpus{suffix}"
+    lines = [f"document number {i} with some text" for i in range(20)]
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps({"text": line}) for line in lines))
+    elif suffix == ".csv":
+        path.write_text("text\n" + "\n".join(lines))
+    else:
+        path.write_text("\n".join(lines))
+    assert load_text_dataset(str(path))["text"] == lines
+
+
+def test_local_folder_loads(tmp_path):
+    (tmp_path / "a.txt").write_text("first file\n")
+    (tmp_path / "b.txt").write_text("second file\n")
+    assert sorted(load_text_dataset(str(tmp_path))["text"]) == ["first file", "second file"]
+
+
+def test_saved_model_directory_loads_through_auto_classes(tmp_path):
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tokenizer = load_model_and_tokenizer(str(tmp_path))
+    assert len(loaded_tokenizer) == 259
+    assert all((x == y).all() for x, y in zip(model.parameters(), loaded.parameters()))
+
+
+def test_missing_text_column_names_the_columns(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"body": "x"}))
+    with pytest.raises(ConfigError, match="body"):
+        load_text_dataset(str(path))
