@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 OUTER_OPTIMIZERS = ("sgd", "adamw")
+DATA_SHARDINGS = ("iid", "non_iid")
 
 
 def _launched_on_cpu_only() -> bool:
@@ -72,6 +73,13 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "Processes per replica; 1 means every process is its own replica (the only layout "
                           "supported so far)."},
     )
+    data_sharding: str = field(
+        default="iid",
+        metadata={"help": "'iid': each replica reads every M-th batch of one seeded shuffle of the data; 'non_iid': "
+                          "replica r reads only the r-th contiguous slice of the corpus (for the built-in corpus, "
+                          "its own set of topics), as in the paper's non-i.i.d. experiment.",
+                  "choices": list(DATA_SHARDINGS)},
+    )
     sync_bucket_mb: float = field(
         default=256.0,
         metadata={"help": "Largest fp32 pseudo-gradient buffer, in MB, reduced in one collective; bigger models "
@@ -112,6 +120,10 @@ class DiLoCoConfig(TrainingArguments):
         if self.replica_group_size != 1:
             raise ConfigError(
                 f"replica_group_size={self.replica_group_size} is not supported yet; use 1 (one process per replica)."
+            )
+        if self.data_sharding not in DATA_SHARDINGS:
+            raise ConfigError(
+                f"data_sharding must be one of {', '.join(DATA_SHARDINGS)}, got {self.data_sharding!r}."
             )
         if not self.sync_bucket_mb > 0:
             raise ConfigError(f"sync_bucket_mb must be positive, got {self.sync_bucket_mb!r}.")

@@ -8,15 +8,18 @@ Design choices:
 - Texts are joined with EOS and cut into `block_size` blocks (the remainder is dropped); labels are the inputs
   (the model shifts them). The last `eval_fraction` of the blocks is held out, so evaluation text is never trained
   on and is the same for every replica count.
-- Sharding across replicas is left to the trainer's data loader: Accelerate hands each process every M-th batch
-  of one seeded shuffle, so replicas read disjoint i.i.d. shards without communicating.
+- Sharding across replicas needs no communication. i.i.d. (default): Accelerate hands each process every M-th batch
+  of one seeded shuffle. Non-i.i.d.: `ReplicaSliceSampler` gives replica r the r-th contiguous slice of the
+  corpus (the built-in corpus is in topic order, so each replica gets its own topics), shuffled within the slice.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from torch.utils.data import Sampler
 
 from .config import ConfigError, RunArguments
 
@@ -114,3 +117,35 @@ def build_datasets(run: RunArguments, tokenizer) -> tuple[Dataset, Dataset | Non
     if len(blocks) == 0:
         raise ConfigError(f"dataset {run.dataset_name!r} has fewer than {run.block_size} tokens of text.")
     return split_held_out(blocks, run.eval_fraction)
+
+
+class ReplicaSliceSampler(Sampler[int]):
+    """Replica `rank` of `world` reads only the rank-th contiguous slice of the examples, reshuffled every epoch.
+
+    Slices have equal length (the last `num_examples % world` examples are left out), so every replica runs the
+    same number of steps per epoch and they reach each sync together.
+
+    >>> list(ReplicaSliceSampler(10, rank=1, world=2, seed=0, shuffle=False))
+    [5, 6, 7, 8, 9]
+    """
+
+    def __init__(self, num_examples: int, rank: int, world: int, seed: int, shuffle: bool = True):
+        self.length = num_examples // world
+        if self.length == 0:
+            raise ConfigError(f"{num_examples} training examples cannot be split between {world} replicas.")
+        self.start = rank * self.length
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.start, self.start + self.length))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter((torch.randperm(self.length, generator=generator) + self.start).tolist())
+
+    def __len__(self) -> int:
+        return self.length

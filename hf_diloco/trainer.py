@@ -31,6 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from .comm import ReplicaComm, ring_all_reduce_bytes
 from .config import DiLoCoConfig
+from .data import ReplicaSliceSampler
 from .metrics import RoundWriter, format_round, write_summary
 from .outer import OuterLoop
 
@@ -96,6 +97,25 @@ class DiLoCoTrainer(Trainer):
             return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
         self.accelerator.prepare_model = prepare_replica
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.data_sharding == "non_iid" and self.args.world_size > 1 and hasattr(dataset, "__len__"):
+            return ReplicaSliceSampler(
+                len(dataset), self.args.process_index, self.args.world_size, self.args.seed,
+                shuffle=self.args.train_sampling_strategy != "sequential",
+            )
+        return super()._get_train_sampler(train_dataset)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        # A ReplicaSliceSampler already picks this replica's examples; Accelerate's batch sharding on top would
+        # keep only every M-th of its batches, so that wrapper is made a pass-through.
+        shard = getattr(loader, "batch_sampler", None)
+        inner = getattr(getattr(shard, "batch_sampler", None), "sampler", None)
+        if isinstance(inner, ReplicaSliceSampler):
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -50,7 +50,7 @@ def test_builtin_datasets_for_the_tiny_preset():
 def test_presets_are_identical_for_a_seed_and_the_20m_preset_has_20m_params():
     tokenizer = byte_tokenizer()
     a, b = build_preset("tiny-llama", tokenizer, seed=3), build_preset("tiny-llama", tokenizer, seed=3)
-    assert all((x == y).all() for x, y in zip(a.parameters(), b.parameters()))
+    assert all((x == y).all() for x, y in zip(a.parameters(), b.parameters(), strict=True))
     big = build_preset("llama-20m", tokenizer)
     assert 18e6 < sum(p.numel() for p in big.parameters()) < 22e6
     assert set(PRESETS) == {"tiny-llama", "llama-20m"}
@@ -81,7 +81,7 @@ def test_saved_model_directory_loads_through_auto_classes(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     loaded, loaded_tokenizer = load_model_and_tokenizer(str(tmp_path))
     assert len(loaded_tokenizer) == 259
-    assert all((x == y).all() for x, y in zip(model.parameters(), loaded.parameters()))
+    assert all((x == y).all() for x, y in zip(model.parameters(), loaded.parameters(), strict=True))
 
 
 def test_missing_text_column_names_the_columns(tmp_path):

@@ -5,7 +5,6 @@ Each test starts tests/scripts/replica_run.py as two processes and reads back wh
 
 import copy
 import json
-import math
 import sys
 
 import pytest
@@ -83,6 +82,23 @@ def test_tensorboard_scalars_match_sync_rounds(paper_run):
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in rounds], rel=1e-6)
 
 
+def test_iid_shards_are_disjoint(paper_run):
+    """Default i.i.d. sharding: the replicas read different blocks of one shuffle, never the same one."""
+    _, ranks = paper_run
+    seen = [set(rank["seen"]) for rank in ranks]
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 12 * 2
+    assert not seen[0] & seen[1]
+    assert min(seen[0]) < 32 <= max(seen[0]), "an i.i.d. shard spans the whole corpus"
+
+
+def test_non_iid_sharding_gives_each_replica_its_own_slice(tmp_path):
+    """data_sharding=non_iid: replica r trains only on the r-th contiguous half of the 64 blocks."""
+    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, data_sharding="non_iid")
+    assert all(0 <= b < 32 for b in ranks[0]["seen"]) and all(32 <= b < 64 for b in ranks[1]["seen"])
+    assert len(set(ranks[0]["seen"])) == 24, "shuffled within the slice, without repeats in one epoch"
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+
+
 def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2) -> dict:
     """Two replicas trained with a plain torch loop, parameters averaged every H steps.
 
@@ -94,7 +110,7 @@ def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2) ->
     replicas = [copy.deepcopy(base) for _ in range(2)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0) for m in replicas]
     for step in range(1, steps + 1):
-        for r, (model, optimizer) in enumerate(zip(replicas, optimizers)):
+        for r, (model, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
             index = 2 * (step - 1) + r
             ids = blocks[index * batch : (index + 1) * batch]
             model(input_ids=ids, labels=ids).loss.backward()
@@ -102,7 +118,7 @@ def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2) ->
             optimizer.zero_grad()
         if step % inner_steps == 0 or step == steps:
             with torch.no_grad():
-                for p0, p1 in zip(replicas[0].parameters(), replicas[1].parameters()):
+                for p0, p1 in zip(replicas[0].parameters(), replicas[1].parameters(), strict=True):
                     mean = (p0 + p1) / 2
                     p0.copy_(mean)
                     p1.copy_(mean)

@@ -93,7 +93,7 @@ def test_bucketed_pseudo_gradient_equals_unbucketed():
         for p in params:
             p.mul_(0.5)
     flat = torch.cat(small.pseudo_gradient(torch.device("cpu")))
-    expected = torch.cat([(g - p).reshape(-1) for g, p in zip(small.global_params, params)])
+    expected = torch.cat([(g - p).reshape(-1) for g, p in zip(small.global_params, params, strict=True)])
     assert torch.equal(flat, expected)
 
 

@@ -91,9 +91,19 @@ def sync_and_record(state):
 
 
 trainer.diloco._sync = sync_and_record
+seen_blocks = []  # which pattern blocks this replica trained on, identified by their first token
+original_training_step = trainer.training_step
+
+
+def recording_training_step(model, inputs, *args, **kwargs):
+    seen_blocks.extend((inputs["input_ids"][:, 0] * 55 % 64).tolist())  # 55 = 7^-1 mod 64
+    return original_training_step(model, inputs, *args, **kwargs)
+
+
+trainer.training_step = recording_training_step
 trainer.train()
 rank = dist.get_rank()
-(out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests,
+(out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
                                                   "world_size": dist.get_world_size()}))
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
