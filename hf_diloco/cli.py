@@ -54,6 +54,7 @@ def load_recipe(path: str | os.PathLike) -> dict:
 
 def parse_train_args(recipe: str | None, overrides: list[str]):
     """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides."""
+
     from transformers import HfArgumentParser
 
     from .config import DiLoCoConfig, RunArguments
@@ -67,6 +68,13 @@ def parse_train_args(recipe: str | None, overrides: list[str]):
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
             f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
         )
+    if _dry_run_requested(values, overrides):
+        import torch
+
+        if not torch.cuda.is_available():
+            # A dry run checks a GPU recipe on any machine: mixed precision only matters once training starts.
+            values = {**values, "bf16": False, "fp16": False}
+            overrides = _drop_flags(overrides, ("--bf16", "--fp16"))
     parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
     try:
         run, config, rest = parser.parse_args_into_dataclasses(args=overrides, return_remaining_strings=True)
@@ -75,6 +83,31 @@ def parse_train_args(recipe: str | None, overrides: list[str]):
     if rest:
         raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
     return run, config
+
+
+def _dry_run_requested(values: dict, overrides: list[str]) -> bool:
+    flag = None
+    for i, item in enumerate(overrides):
+        if item == "--dry_run":
+            flag = overrides[i + 1] if i + 1 < len(overrides) and not overrides[i + 1].startswith("--") else "true"
+        elif item.startswith("--dry_run="):
+            flag = item.split("=", 1)[1]
+    value = values.get("dry_run", False) if flag is None else flag
+    return str(value).lower() in ("true", "1", "yes")
+
+
+def _drop_flags(overrides: list[str], flags: tuple[str, ...]) -> list[str]:
+    kept, skip = [], False
+    for item in overrides:
+        if skip:
+            skip = False
+            continue
+        if item in flags:
+            skip = True
+            continue
+        if not item.startswith(tuple(f + "=" for f in flags)):
+            kept.append(item)
+    return kept
 
 
 def check_output_dir(config) -> None:
@@ -113,9 +146,10 @@ def resolve_checkpoint(config) -> str | None:
 def cmd_train(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.config, args.overrides)
     checkpoint = resolve_checkpoint(config)
-    check_output_dir(config)
+    if not run.dry_run:
+        check_output_dir(config)
 
-    from transformers import default_data_collator
+    from transformers import Trainer, default_data_collator
 
     from .data import build_datasets
     from .models import load_model_and_tokenizer
@@ -126,10 +160,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         datasets.disable_progress_bars()  # one set of progress bars per run, from the main process
     model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
+    if run.lora_r > 0:
+        model = add_lora(model, run)
+    if run.dry_run:
+        print_plan(run, config, model)
+        return 0
+    if run.streaming and config.max_steps <= 0:
+        raise CLIError("a streamed dataset has no length: set max_steps.")
     train_dataset, eval_dataset = build_datasets(run, tokenizer)
     if eval_dataset is None and config.eval_strategy != "no":
         raise CLIError("eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on.")
-    trainer = DiLoCoTrainer(
+    trainer_cls = DiLoCoTrainer if run.trainer == "diloco" else Trainer
+    trainer = trainer_cls(
         model=model,
         args=config,
         train_dataset=train_dataset,
@@ -140,8 +182,60 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
-        print(f"[diloco] finished: model and sync_rounds.jsonl in {config.output_dir}", flush=True)
+        if run.lora_r > 0 and run.merge_lora:
+            merged = Path(config.output_dir) / "merged"
+            model.merge_and_unload().save_pretrained(merged)
+            tokenizer.save_pretrained(merged)
+        print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
+
+
+def add_lora(model, run):
+    from peft import LoraConfig, get_peft_model
+
+    targets = [name.strip() for name in run.lora_target_modules.split(",") if name.strip()]
+    try:
+        return get_peft_model(
+            model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                              target_modules=targets, task_type="CAUSAL_LM")
+        )
+    except ValueError as error:
+        raise CLIError(f"cannot add LoRA adapters: {str(error).splitlines()[0]}") from None
+
+
+def print_plan(run, config, model) -> None:
+    """What a run would do, computed without loading data or training."""
+    from .comm import ring_all_reduce_bytes
+    from .metrics import format_bytes
+
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // config.replica_group_size
+    shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    per_round = ring_all_reduce_bytes(trainable * 4, shown)
+    tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
+    optim = getattr(config.optim, "value", config.optim)
+    schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+    plan = {
+        "trainer": run.trainer,
+        "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
+        "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
+        + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
+        "replicas in this launch": replicas,
+        "inner_steps (H)": config.inner_steps,
+        "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
+        + (" Nesterov" if config.outer_nesterov else ""),
+        "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
+        f"warmup {config.warmup_steps}, {schedule}",
+        "tokens per inner step per replica": f"{tokens_per_step:,}",
+        "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
+        f"sent per replica per round, M={shown}": format_bytes(per_round),
+        f"DDP for the same {config.inner_steps} steps": format_bytes(config.inner_steps * per_round),
+    }
+    width = max(map(len, plan))
+    print("hf-diloco dry run: nothing was downloaded or trained")
+    for key, value in plan.items():
+        print(f"  {key:<{width}}  {value}")
 
 
 def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None) -> list[str]:
@@ -151,12 +245,37 @@ def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str]
     return command + ["-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
 
 
+def check_accelerate_config(path: str, config) -> dict:
+    """The accelerate config exists, is readable, and fits the recipe's replica layout."""
+    if not Path(path).is_file():
+        raise CLIError(f"accelerate config {path!r} does not exist.")
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise CLIError(f"accelerate config {path!r} is not valid YAML ({str(error).splitlines()[0]}).") from None
+    if not isinstance(values, dict):
+        raise CLIError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
+    processes = int(values.get("num_processes", 1) or 1)
+    if processes % config.replica_group_size:
+        raise CLIError(
+            f"accelerate config {path!r} starts {processes} processes, which replica_group_size="
+            f"{config.replica_group_size} does not divide."
+        )
+    kind = str(values.get("distributed_type", "NO")).upper()
+    if kind in ("FSDP", "DEEPSPEED") and config.replica_group_size == 1:
+        raise CLIError(
+            f"accelerate config {path!r} uses {kind}, which shards one model over several processes; that is a "
+            f"replica of several processes (replica_group_size > 1), which is not supported yet."
+        )
+    return values
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
-    if not Path(args.accelerate_config).is_file():
-        raise CLIError(f"accelerate config {args.accelerate_config!r} does not exist.")
     run, config = parse_train_args(args.recipe, args.overrides)  # fail here, before any process starts
+    check_accelerate_config(args.accelerate_config, config)
     resolve_checkpoint(config)
-    check_output_dir(config)
+    if not run.dry_run:
+        check_output_dir(config)
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
     print(" ".join(command), flush=True)
     if args.dry_run:

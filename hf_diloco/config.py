@@ -102,6 +102,9 @@ class DiLoCoConfig(TrainingArguments):
             # MULTI_CPU run with one replica per process.
             self.use_cpu = True
         super().__post_init__()
+        # With an iterable (streaming) dataset Accelerate would otherwise read every batch on rank 0 and send it
+        # to the other processes at every step; each replica reads its own shard instead.
+        self.accelerator_config.dispatch_batches = False
 
     def _validate_diloco_fields(self) -> None:
         if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
@@ -152,9 +155,40 @@ class RunArguments:
         default=0.05, metadata={"help": "Fraction of blocks held out for evaluation (the last ones)."}
     )
     seed_model: int = field(default=0, metadata={"help": "Seed for the initial weights of a preset model."})
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Stream the dataset instead of downloading it whole (needs max_steps); the first "
+                          "eval_blocks blocks are held out."},
+    )
+    eval_blocks: int = field(default=64, metadata={"help": "Blocks held out for evaluation when streaming."})
+    trainer: str = field(
+        default="diloco",
+        metadata={"help": "'diloco', or 'ddp' for the ordinary data-parallel Trainer baseline (gradients "
+                          "all-reduced every step; the DiLoCo fields are ignored).", "choices": ["diloco", "ddp"]},
+    )
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model, > 0 trains PEFT LoRA "
+                                                      "adapters (only they are synced and counted)."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: str = field(
+        default="q_proj,v_proj", metadata={"help": "Comma-separated module names that get LoRA adapters."}
+    )
+    merge_lora: bool = field(
+        default=False,
+        metadata={"help": "After training, also save the model with the adapters merged in, to <output_dir>/merged."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Build the config, the model and the data pipeline description, print the plan (sizes, "
+                          "bytes per round) and exit without loading data or training."},
+    )
 
     def __post_init__(self):
         if self.block_size < 2:
             raise ConfigError(f"block_size must be at least 2 tokens, got {self.block_size!r}.")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
+        if self.trainer not in ("diloco", "ddp"):
+            raise ConfigError(f"trainer must be 'diloco' or 'ddp', got {self.trainer!r}.")
+        if self.lora_r < 0:
+            raise ConfigError(f"lora_r must be 0 (no LoRA) or a positive rank, got {self.lora_r!r}.")

@@ -110,8 +110,45 @@ def split_held_out(blocks: Dataset, eval_fraction: float) -> tuple[Dataset, Data
     return blocks.select(range(n_train)), blocks.select(range(n_train, len(blocks)))
 
 
+def build_streaming_datasets(run: RunArguments, tokenizer):
+    """A streamed corpus as (train, eval) iterable datasets: the first `eval_blocks` blocks are held out.
+
+    Texts are tokenized and cut into blocks 1,000 documents at a time (a block never spans two such batches).
+    """
+    name = run.dataset_name
+    path = os.path.expanduser(name)
+    try:
+        if os.path.isfile(path):
+            builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower(), "text")
+            stream = load_dataset(builder, data_files=path, split="train", streaming=True)
+        else:
+            stream = load_dataset(name, run.dataset_config, split="train", streaming=True)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"could not stream dataset {name!r}: {reason}") from None
+    columns = stream.column_names
+    if columns is not None and run.text_column not in columns:
+        raise ConfigError(
+            f"dataset {name!r} has no text column {run.text_column!r} (its columns: {', '.join(columns)}); "
+            f"set text_column to the column that holds the text."
+        )
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def to_blocks(batch):
+        ids = tokenizer(batch[run.text_column], add_special_tokens=False)["input_ids"]
+        flat = [token for x in ids for token in x + eos]
+        usable = len(flat) - len(flat) % run.block_size
+        blocks = [flat[i : i + run.block_size] for i in range(0, usable, run.block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    blocks = stream.map(to_blocks, batched=True, batch_size=1000, remove_columns=columns)
+    return blocks.skip(run.eval_blocks), blocks.take(run.eval_blocks)
+
+
 def build_datasets(run: RunArguments, tokenizer) -> tuple[Dataset, Dataset | None]:
     """Load, tokenize and split the corpus named by `run`."""
+    if run.streaming:
+        return build_streaming_datasets(run, tokenizer)
     dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column)
     blocks = tokenize_into_blocks(dataset, tokenizer, run.block_size, run.text_column)
     if len(blocks) == 0:

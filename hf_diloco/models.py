@@ -1,7 +1,7 @@
 """Model presets built from configs, a byte-level tokenizer that needs no files, and loading by name or path.
 
 Design choices:
-- Presets are small Llama decoders so that runs, tests and benchmarks work on a laptop CPU with nothing
+- Presets are Llama decoders; the small ones are so that runs, tests and benchmarks work on a laptop CPU with nothing
   downloaded. `tiny-llama` is the model of the benchmarks' peer task (hidden 128, 4 layers, tied embeddings).
 - The default tokenizer is ByT5's byte-level one (256 bytes + 3 specials): it is built in code, so a fresh
   machine with no network can still train and save a complete, reloadable model.
@@ -22,6 +22,8 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),
     # ≈ 19M parameters.
     "llama-20m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8),
+    # ≈ 155M parameters with the byte tokenizer: the size of the DiLoCo paper's smallest model, for GPU clusters.
+    "llama-150m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16),
 }
 
 
