@@ -312,9 +312,9 @@ class OuterLoopCallback(TrainerCallback):
                 setattr(control, flag, False)
                 if not self.deferred[flag] and self.trainer.is_world_process_zero() and not self.history:
                     logger.warning(
-                        "DiLoCo: %s at step %s falls inside a round; it is postponed to the end of the round "
-                        "(set save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
-                        flag.removeprefix("should_"), "this step", self.args.inner_steps,
+                        "DiLoCo: a %s falls inside a round; it is postponed to the end of the round (set "
+                        "save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
+                        "save" if flag == "should_save" else "evaluation", self.args.inner_steps,
                     )
                 self.deferred[flag] = True
 
