@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError
+from .config import ConfigError, first_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO_ROOT / "recipes" / "tiny-pretrain.yaml"
@@ -46,7 +46,7 @@ def load_recipe(path: str | os.PathLike) -> dict:
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise CLIError(f"recipe {str(path)!r} is not valid YAML ({str(error).splitlines()[0]}).") from None
+        raise CLIError(f"recipe {str(path)!r} is not valid YAML ({first_line(error)}).") from None
     if not isinstance(values, dict):
         raise CLIError(f"recipe {str(path)!r} must be a mapping of field names to values.")
     return values
@@ -79,7 +79,7 @@ def parse_train_args(recipe: str | None, overrides: list[str]):
     try:
         run, config, rest = parser.parse_args_into_dataclasses(args=overrides, return_remaining_strings=True)
     except ValueError as error:
-        raise CLIError(str(error).strip().splitlines()[0]) from None
+        raise CLIError(first_line(error) + ".") from None
     if rest:
         raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
     return run, config
@@ -200,7 +200,7 @@ def add_lora(model, run):
                               target_modules=targets, task_type="CAUSAL_LM")
         )
     except ValueError as error:
-        raise CLIError(f"cannot add LoRA adapters: {str(error).splitlines()[0]}") from None
+        raise CLIError(f"cannot add LoRA adapters: {first_line(error)}.") from None
 
 
 def print_plan(run, config, model) -> None:
@@ -252,7 +252,7 @@ def check_accelerate_config(path: str, config) -> dict:
     try:
         values = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as error:
-        raise CLIError(f"accelerate config {path!r} is not valid YAML ({str(error).splitlines()[0]}).") from None
+        raise CLIError(f"accelerate config {path!r} is not valid YAML ({first_line(error)}).") from None
     if not isinstance(values, dict):
         raise CLIError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
     processes = int(values.get("num_processes", 1) or 1)

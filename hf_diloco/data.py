@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 
 import torch
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset, load_from_disk
 from torch.utils.data import Sampler
 
-from .config import ConfigError, RunArguments
+from .config import ConfigError, RunArguments, first_line
 
 BUILTIN = "builtin"
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -37,19 +37,13 @@ def builtin_corpus() -> Dataset:
 
 def load_text_dataset(name: str, config: str | None = None, text_column: str = "text") -> Dataset:
     """Load a corpus and check it has `text_column`."""
-    if name == BUILTIN:
-        dataset = builtin_corpus()
-    else:
-        dataset = _load(name, config)
-    if text_column not in dataset.column_names:
-        raise ConfigError(
-            f"dataset {name!r} has no text column {text_column!r} (its columns: {', '.join(dataset.column_names)}); "
-            f"set text_column to the column that holds the text."
-        )
+    dataset = builtin_corpus() if name == BUILTIN else _load(name, config)
+    _check_text_column(name, dataset.column_names, text_column)
     return dataset
 
 
-def _load(name: str, config: str | None) -> Dataset:
+def _load(name: str, config: str | None, streaming: bool = False):
+    """A local file (by extension), a `save_to_disk` folder, a data folder, or a Hub id; the train split."""
     path = os.path.expanduser(name)
     try:
         if os.path.isfile(path):
@@ -58,44 +52,48 @@ def _load(name: str, config: str | None) -> Dataset:
                 raise ConfigError(
                     f"dataset file {name!r} has an unknown extension; use one of {', '.join(FILE_BUILDERS)}."
                 )
-            loaded = load_dataset(builder, data_files=path)
-        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+            loaded = load_dataset(builder, data_files=path, streaming=streaming)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")) and not streaming:
             loaded = load_from_disk(path)
-        elif os.path.isdir(path):
-            loaded = load_dataset(path, config)
-        elif name.startswith((".", "/", "~")):
-            raise ConfigError(f"dataset path {name!r} does not exist.")
+        elif os.path.isdir(path) or not name.startswith((".", "/", "~")):
+            loaded = load_dataset(path if os.path.isdir(path) else name, config, streaming=streaming)
         else:
-            loaded = load_dataset(name, config)
+            raise ConfigError(f"dataset path {name!r} does not exist.")
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; the user needs the one-line reason
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"could not load dataset {name!r}: {reason}") from None
-    if isinstance(loaded, DatasetDict):
-        split = "train" if "train" in loaded else next(iter(loaded))
-        loaded = loaded[split]
+        raise ConfigError(f"could not load dataset {name!r}: {first_line(error)}.") from None
+    if isinstance(loaded, (DatasetDict, IterableDatasetDict)):
+        loaded = loaded["train" if "train" in loaded else next(iter(loaded))]
     return loaded
 
 
-def tokenize_into_blocks(dataset: Dataset, tokenizer, block_size: int, text_column: str = "text") -> Dataset:
-    """Token blocks of exactly `block_size` ids, with `labels` equal to `input_ids`."""
+def _check_text_column(name: str, columns: list[str] | None, text_column: str) -> None:
+    if columns is not None and text_column not in columns:
+        raise ConfigError(
+            f"dataset {name!r} has no text column {text_column!r} (its columns: {', '.join(columns)}); "
+            f"set text_column to the column that holds the text."
+        )
+
+
+def _texts_to_blocks(texts: list[str], tokenizer, block_size: int) -> dict:
+    """Tokenize, join with EOS, cut into `block_size` blocks (the remainder is dropped); labels = inputs."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    flat = [token for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for token in ids + eos]
+    usable = len(flat) - len(flat) % block_size
+    blocks = [flat[i : i + block_size] for i in range(0, usable, block_size)]
+    return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
-    def tokenize(batch):
-        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
-        return {"ids": [x + eos for x in ids]}
 
-    def group(batch):
-        flat = [token for ids in batch["ids"] for token in ids]
-        usable = len(flat) - len(flat) % block_size
-        blocks = [flat[i : i + block_size] for i in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+def tokenize_into_blocks(dataset: Dataset, tokenizer, block_size: int, text_column: str = "text") -> Dataset:
+    """Token blocks of exactly `block_size` ids, with `labels` equal to `input_ids`.
 
-    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="Tokenizing")
-    # One batch for the whole corpus keeps the block boundaries independent of map's batch size.
-    return tokenized.map(
-        group, batched=True, batch_size=None, remove_columns=["ids"], desc=f"Grouping into {block_size}-token blocks"
+    The whole corpus is one map batch, so block boundaries do not depend on a batch size.
+    """
+    return dataset.map(
+        lambda batch: _texts_to_blocks(batch[text_column], tokenizer, block_size),
+        batched=True, batch_size=None, remove_columns=dataset.column_names,
+        desc=f"Tokenizing into {block_size}-token blocks",
     )
 
 
@@ -110,43 +108,22 @@ def split_held_out(blocks: Dataset, eval_fraction: float) -> tuple[Dataset, Data
     return blocks.select(range(n_train)), blocks.select(range(n_train, len(blocks)))
 
 
-def build_streaming_datasets(run: RunArguments, tokenizer):
-    """A streamed corpus as (train, eval) iterable datasets: the first `eval_blocks` blocks are held out.
+def build_streaming_datasets(run: RunArguments, tokenizer) -> tuple[IterableDataset, IterableDataset]:
+    """A streamed corpus as (train, eval): the first `eval_blocks` blocks are held out.
 
-    Texts are tokenized and cut into blocks 1,000 documents at a time (a block never spans two such batches).
+    Texts are cut into blocks 1,000 documents at a time (a block never spans two such batches).
     """
-    name = run.dataset_name
-    path = os.path.expanduser(name)
-    try:
-        if os.path.isfile(path):
-            builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower(), "text")
-            stream = load_dataset(builder, data_files=path, split="train", streaming=True)
-        else:
-            stream = load_dataset(name, run.dataset_config, split="train", streaming=True)
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"could not stream dataset {name!r}: {reason}") from None
-    columns = stream.column_names
-    if columns is not None and run.text_column not in columns:
-        raise ConfigError(
-            f"dataset {name!r} has no text column {run.text_column!r} (its columns: {', '.join(columns)}); "
-            f"set text_column to the column that holds the text."
-        )
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-    def to_blocks(batch):
-        ids = tokenizer(batch[run.text_column], add_special_tokens=False)["input_ids"]
-        flat = [token for x in ids for token in x + eos]
-        usable = len(flat) - len(flat) % run.block_size
-        blocks = [flat[i : i + run.block_size] for i in range(0, usable, run.block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
-
-    blocks = stream.map(to_blocks, batched=True, batch_size=1000, remove_columns=columns)
+    stream = _load(run.dataset_name, run.dataset_config, streaming=True)
+    _check_text_column(run.dataset_name, stream.column_names, run.text_column)
+    blocks = stream.map(
+        lambda batch: _texts_to_blocks(batch[run.text_column], tokenizer, run.block_size),
+        batched=True, batch_size=1000, remove_columns=stream.column_names,
+    )
     return blocks.skip(run.eval_blocks), blocks.take(run.eval_blocks)
 
 
-def build_datasets(run: RunArguments, tokenizer) -> tuple[Dataset, Dataset | None]:
-    """Load, tokenize and split the corpus named by `run`."""
+def build_datasets(run: RunArguments, tokenizer):
+    """Load, tokenize and split the corpus named by `run`: (train, eval or None)."""
     if run.streaming:
         return build_streaming_datasets(run, tokenizer)
     dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column)

@@ -15,7 +15,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
-from .config import ConfigError
+from .config import ConfigError, first_line
 
 PRESETS: dict[str, dict] = {
     # ≈ 1.1M parameters; trains at ~12k tokens/s on one CPU core.
@@ -69,7 +69,7 @@ def _from_pretrained(source: str, shown: str):
     except (OSError, ValueError) as error:
         raise ConfigError(
             f"could not load model {shown!r}: it is not a preset ({', '.join(PRESETS)}), not a local model "
-            f"directory, and the Hub did not provide it ({_first_line(error)})."
+            f"directory, and the Hub did not provide it ({first_line(error)})."
         ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -79,7 +79,3 @@ def _from_pretrained(source: str, shown: str):
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0].rstrip(".") if text else type(error).__name__

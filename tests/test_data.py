@@ -89,3 +89,23 @@ def test_missing_text_column_names_the_columns(tmp_path):
     path.write_text(json.dumps({"body": "x"}))
     with pytest.raises(ConfigError, match="body"):
         load_text_dataset(str(path))
+
+
+def test_streamed_file_gives_the_same_blocks_as_the_loaded_one(tmp_path):
+    """Streaming reads the same text into the same blocks (few documents: one 1,000-document batch)."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"streamed document {i} " * 5}) for i in range(30)))
+    tokenizer = byte_tokenizer()
+    streamed = RunArguments(dataset_name=str(path), block_size=32, streaming=True, eval_blocks=3)
+    train, held_out = build_datasets(streamed, tokenizer)
+    stream_blocks = [b["input_ids"] for b in held_out] + [b["input_ids"] for b in train]
+    loaded = tokenize_into_blocks(load_text_dataset(str(path)), tokenizer, block_size=32)
+    assert stream_blocks == loaded["input_ids"]
+    assert len(stream_blocks) > 3
+
+
+def test_streamed_dataset_without_text_column_is_refused(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"body": "x"}))
+    with pytest.raises(ConfigError, match="body"):
+        build_datasets(RunArguments(dataset_name=str(path), streaming=True), byte_tokenizer())
