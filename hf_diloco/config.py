@@ -76,8 +76,9 @@ class DiLoCoConfig(TrainingArguments):
     )
     replica_group_size: int = field(
         default=1,
-        metadata={"help": "Processes per replica; 1 means every process is its own replica (the only layout "
-                          "supported so far)."},
+        metadata={"help": "Processes per replica. 1: every process is a replica. g > 1: each g consecutive processes "
+                          "form one replica that trains with DDP inside it (e.g. one machine's GPUs), and DiLoCo "
+                          "runs across replicas; each member syncs only a 1/g slice across replicas."},
     )
     data_sharding: str = field(
         default="iid",
@@ -126,9 +127,15 @@ class DiLoCoConfig(TrainingArguments):
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
             # torch's SGD refuses Nesterov without momentum; plain SGD is what the user means.
             self.outer_nesterov = False
-        if self.replica_group_size != 1:
+        if not isinstance(self.replica_group_size, int) or self.replica_group_size < 1:
             raise ConfigError(
-                f"replica_group_size={self.replica_group_size} is not supported yet; use 1 (one process per replica)."
+                f"replica_group_size must be a whole number of at least 1, got {self.replica_group_size!r}."
+            )
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if processes % self.replica_group_size:
+            raise ConfigError(
+                f"replica_group_size={self.replica_group_size} does not divide the {processes} launched processes; "
+                f"launch a multiple of it."
             )
         if self.data_sharding not in DATA_SHARDINGS:
             raise ConfigError(

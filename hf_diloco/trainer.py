@@ -82,6 +82,7 @@ class DiLoCoTrainer(Trainer):
         if not isinstance(args, DiLoCoConfig):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         super().__init__(model, args, *pargs, **kwargs)
+        self.comm = ReplicaComm(args.replica_group_size)  # creates the replica/slice process groups
         self.diloco = OuterLoopCallback(self)
         self.add_callback(self.diloco)
 
@@ -92,9 +93,16 @@ class DiLoCoTrainer(Trainer):
         prepare_model = self.accelerator.prepare_model
 
         def prepare_replica(model, device_placement=None, evaluation_mode=False):
-            # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP wrapper,
-            # so no gradient all-reduce and no buffer broadcast on every step.
-            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+            # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP wrapper over
+            # all processes, so no gradient all-reduce across replicas and no buffer broadcast on every step.
+            model = prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+            if self.comm.replica_group is not None and not evaluation_mode:
+                # A replica of several processes: DDP inside the replica only.
+                device_ids = [torch.cuda.current_device()] if self.args.device.type == "cuda" else None
+                model = torch.nn.parallel.DistributedDataParallel(
+                    model, device_ids=device_ids, process_group=self.comm.replica_group, broadcast_buffers=False
+                )
+            return model
 
         self.accelerator.prepare_model = prepare_replica
 
@@ -204,7 +212,7 @@ class OuterLoopCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)
         params = [p for p in replica.parameters() if p.requires_grad]
-        self.comm = ReplicaComm()
+        self.comm = self.trainer.comm
         resumed = self.saved_outer_state is not None
         if not resumed:
             # The replicas must start from identical parameters (one broadcast, before the first inner step).
@@ -231,7 +239,7 @@ class OuterLoopCallback(TrainerCallback):
             self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
             logger.info(
                 "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s",
-                self.comm.world_size, args.inner_steps, self.outer.numel, args.outer_optimizer, args.outer_lr,
+                self.comm.num_replicas, args.inner_steps, self.outer.numel, args.outer_optimizer, args.outer_lr,
                 args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "",
             )
         self._reset_round()
@@ -273,7 +281,7 @@ class OuterLoopCallback(TrainerCallback):
         compute = max(stats["compute_seconds"])
         tokens = int(sum(stats["tokens"]))
         self.cumulative_bytes += cost.bytes_sent
-        world = self.comm.world_size
+        processes = self.comm.num_replicas * self.comm.group_size
         ddp_payload = sum(p.numel() * p.element_size() for p in self.outer.params)
         round_steps = int(steps[0])
         record = {
@@ -286,7 +294,8 @@ class OuterLoopCallback(TrainerCallback):
             "replica_pseudo_grad_norms": [math.sqrt(max(x, 0.0)) for x in stats["pseudo_grad_norm_sq"]],
             "bytes_per_replica": cost.bytes_sent,
             "cumulative_bytes_per_replica": self.cumulative_bytes,
-            "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, world),
+            "intra_replica_bytes": cost.intra_replica_bytes,
+            "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, processes),
             "sync_seconds": sync_seconds,
             "compute_seconds": compute,
             "replica_compute_seconds": stats["compute_seconds"],
@@ -295,7 +304,8 @@ class OuterLoopCallback(TrainerCallback):
             "outer_lr": outer_lr,
             "inner_lr": self.trainer._get_learning_rate(),
             "inner_steps": round_steps,
-            "num_replicas": world,
+            "num_replicas": self.comm.num_replicas,
+            "replica_group_size": self.comm.group_size,
             "synced_parameters": self.outer.numel,
             "collectives": cost.collectives,
         }
@@ -358,7 +368,8 @@ class OuterLoopCallback(TrainerCallback):
         return {
             "rounds": len(rounds),
             "steps": state.global_step,
-            "num_replicas": self.comm.world_size if self.comm else 1,
+            "num_replicas": self.comm.num_replicas if self.comm else 1,
+            "replica_group_size": self.args.replica_group_size,
             "inner_steps": self.args.inner_steps,
             "synced_parameters": self.outer.numel if self.outer else 0,
             "eval_loss_initial": self.initial_eval_loss,

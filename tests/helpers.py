@@ -10,6 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CPU_2PROC = REPO / "accelerate_configs" / "cpu-2proc.yaml"
+ACCELERATE_CPU_4PROC = REPO / "accelerate_configs" / "cpu-4proc.yaml"
 
 
 def free_port() -> int:
@@ -28,9 +29,9 @@ def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return result
 
 
-def accelerate_launch(target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch` with two CPU processes (gloo) on a free port; `target` is a script or `-m module` args."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_2PROC),
+def accelerate_launch(target: list[str], timeout: int = 300, config: Path = ACCELERATE_CPU_2PROC):
+    """`accelerate launch` with CPU processes (gloo) on a free port; `target` is a script or `-m module` args."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--main_process_port", str(free_port()), *target]
     return run(command, timeout)
 

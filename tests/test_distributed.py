@@ -9,15 +9,16 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, accelerate_launch, pattern_blocks, tiny_llama
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, pattern_blocks, tiny_llama
 
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 
 
-def launch_replicas(tmp_path, **settings) -> list[dict]:
-    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **settings})])
+def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
+    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
+    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **settings})], config=config)
     assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.fixture(scope="module")
@@ -99,30 +100,33 @@ def test_non_iid_sharding_gives_each_replica_its_own_slice(tmp_path):
     assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
-def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2) -> dict:
-    """Two replicas trained with a plain torch loop, parameters averaged every H steps.
+def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2, replicas: int = 2,
+                     group: int = 1) -> dict:
+    """Replicas trained with a plain torch loop, parameters averaged every H steps.
 
     Independent of Trainer and hf_diloco. Data: a sequential pass sharded the way the trainer's loader shards it,
-    batch b of the global order going to replica b mod 2.
+    batch b of the global order going to process b mod W (W = replicas x group). A replica of `group` processes
+    under DDP steps on the mean gradient of its processes' equal-sized batches, i.e. on their concatenation.
     """
     blocks = torch.tensor(pattern_blocks())
     base = tiny_llama(seed=0)
-    replicas = [copy.deepcopy(base) for _ in range(2)]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0) for m in replicas]
+    models = [copy.deepcopy(base) for _ in range(replicas)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0) for m in models]
+    processes = replicas * group
     for step in range(1, steps + 1):
-        for r, (model, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
-            index = 2 * (step - 1) + r
-            ids = blocks[index * batch : (index + 1) * batch]
+        for k, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            first = (processes * (step - 1) + k * group) * batch
+            ids = blocks[first : first + group * batch]
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         if step % inner_steps == 0 or step == steps:
             with torch.no_grad():
-                for p0, p1 in zip(replicas[0].parameters(), replicas[1].parameters(), strict=True):
-                    mean = (p0 + p1) / 2
-                    p0.copy_(mean)
-                    p1.copy_(mean)
-    return replicas[0].state_dict()
+                for params in zip(*(m.parameters() for m in models), strict=True):
+                    mean = sum(params) / replicas
+                    for p in params:
+                        p.copy_(mean)
+    return models[0].state_dict()
 
 
 def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
@@ -140,3 +144,55 @@ def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.fixture(scope="module")
+def grouped_run(tmp_path_factory):
+    """4 processes = 2 replicas x 2 (DDP inside a replica), FedAvg outer step, H = 3, 7 steps."""
+    tmp = tmp_path_factory.mktemp("groups")
+    ranks = launch_replicas(tmp, processes=4, replica_group_size=2, inner_steps=3, max_steps=7, outer_lr=1.0,
+                            outer_momentum=0.0, outer_nesterov=False, train_sampling_strategy="sequential")
+    return tmp, ranks
+
+
+def test_replica_groups_all_processes_identical_after_every_sync(grouped_run):
+    _, ranks = grouped_run
+    assert [s for s, _ in ranks[0]["digests"]] == [3, 6, 7]
+    assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
+
+
+def test_replica_groups_sync_is_one_sliced_all_reduce_and_one_all_gather(grouped_run):
+    """Across replicas only the sync; inside a replica only DDP (not visible here) and the slice all-gather."""
+    _, ranks = grouped_run
+    for rank in ranks:
+        by_step: dict[int, list[str]] = {}
+        for step, name in rank["calls"]:
+            by_step.setdefault(step, []).append(name)
+        for step in range(1, 8):
+            expected = ["all_reduce", "all_gather_into_tensor"] if step in (3, 6, 7) else []
+            assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
+
+
+def test_replica_groups_equal_averaging_of_ddp_replicas(grouped_run):
+    """Against the independent loop: 2 replicas, each the DDP pair of processes, averaged every 3 steps."""
+    tmp, _ = grouped_run
+    got = torch.load(tmp / "final.pt")
+    want = reference_fedavg(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
+
+
+def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run):
+    """Each member sends only its half of the pseudo-gradient to the other replica: g = 2 halves the bytes."""
+    rounds = {}
+    for name, (tmp, _) in (("grouped", grouped_run), ("single", paper_run)):
+        rounds[name] = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    numel = rounds["single"][0]["synced_parameters"]
+    grouped = rounds["grouped"][0]
+    assert grouped["replica_group_size"] == 2 and grouped["num_replicas"] == 2
+    # Main process: half the fp32 pseudo-gradient (padded to even length) plus 2 x 5 metric slots, ring factor 1.
+    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + 10) * 4
+    assert rounds["single"][0]["bytes_per_replica"] == (numel + 10) * 4
+    # The all-gather inside the replica sends the other half: (g - 1) / g of the padded payload.
+    assert grouped["intra_replica_bytes"] == (numel + numel % 2) // 2 * 4
+    assert len(grouped["replica_losses"]) == 2

@@ -22,7 +22,8 @@ from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
 
-# --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco) ---
+# --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
+# inside a replica of several processes run in C++ and are not seen here ---
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "all_to_all", "all_to_all_single",
@@ -103,8 +104,9 @@ def recording_training_step(model, inputs, *args, **kwargs):
 trainer.training_step = recording_training_step
 trainer.train()
 rank = dist.get_rank()
+world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
-                                                  "world_size": dist.get_world_size()}))
+                                                  "world_size": world}))
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
 dist.destroy_process_group()
