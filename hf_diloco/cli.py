@@ -212,7 +212,8 @@ def print_plan(run, config, model) -> None:
     shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    per_round = ring_all_reduce_bytes(trainable * 4, shown)
+    group = config.replica_group_size
+    per_round = ring_all_reduce_bytes(trainable * 4 // group, shown)  # each member syncs a 1/g slice
     tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
@@ -221,16 +222,18 @@ def print_plan(run, config, model) -> None:
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
-        "replicas in this launch": replicas,
+        "replicas in this launch": f"{replicas} of {group} process(es) each",
         "inner_steps (H)": config.inner_steps,
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
         + (" Nesterov" if config.outer_nesterov else ""),
         "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
         f"warmup {config.warmup_steps}, {schedule}",
-        "tokens per inner step per replica": f"{tokens_per_step:,}",
+        "tokens per inner step per process": f"{tokens_per_step:,}",
         "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
-        f"sent per replica per round, M={shown}": format_bytes(per_round),
-        f"DDP for the same {config.inner_steps} steps": format_bytes(config.inner_steps * per_round),
+        f"sent across replicas per process per round, M={shown}": format_bytes(per_round),
+        f"DDP for the same {config.inner_steps} steps": format_bytes(
+            config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
+        ),
     }
     width = max(map(len, plan))
     print("hf-diloco dry run: nothing was downloaded or trained")
@@ -262,10 +265,11 @@ def check_accelerate_config(path: str, config) -> dict:
             f"{config.replica_group_size} does not divide."
         )
     kind = str(values.get("distributed_type", "NO")).upper()
-    if kind in ("FSDP", "DEEPSPEED") and config.replica_group_size == 1:
+    if kind in ("FSDP", "DEEPSPEED"):
         raise CLIError(
-            f"accelerate config {path!r} uses {kind}, which shards one model over several processes; that is a "
-            f"replica of several processes (replica_group_size > 1), which is not supported yet."
+            f"accelerate config {path!r} uses {kind}, which would shard one model across replicas; use "
+            f"MULTI_GPU, with replica_group_size > 1 for DDP inside each replica (FSDP inside a replica is not "
+            f"supported yet)."
         )
     return values
 

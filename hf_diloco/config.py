@@ -131,8 +131,9 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(
                 f"replica_group_size must be a whole number of at least 1, got {self.replica_group_size!r}."
             )
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
-        if processes % self.replica_group_size:
+        # Only inside a launched process is the process count known (`hf-diloco launch` checks its config).
+        processes = int(os.environ.get("WORLD_SIZE", "0"))
+        if processes and processes % self.replica_group_size:
             raise ConfigError(
                 f"replica_group_size={self.replica_group_size} does not divide the {processes} launched processes; "
                 f"launch a multiple of it."

@@ -67,7 +67,18 @@ def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
     assert changed, "merging the trained adapters changes the attention weights"
 
 
-def test_launch_refuses_an_fsdp_config_for_single_process_replicas():
-    result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
-                       str(REPO / "accelerate_configs" / "hybrid.yaml"), "--dry-run")
+def test_launch_refuses_an_fsdp_config(tmp_path):
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config", str(fsdp), "--dry-run")
     assert result.returncode == 2 and "replica_group_size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_launch_checks_replica_group_size_divides_the_processes():
+    result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
+                       str(REPO / "accelerate_configs" / "hybrid.yaml"), "--dry-run", "--",
+                       "--replica_group_size", "3")
+    assert result.returncode == 2 and "does not divide" in result.stderr and "Traceback" not in result.stderr
+    ok = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
+                   str(REPO / "accelerate_configs" / "hybrid.yaml"), "--dry-run", "--", "--replica_group_size", "8")
+    assert ok.returncode == 0, ok.stderr[-2000:]
