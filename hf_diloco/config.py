@@ -22,11 +22,19 @@ OUTER_OPTIMIZERS = ("sgd", "adamw")
 DATA_SHARDINGS = ("iid", "non_iid")
 
 
+def launched_processes() -> int:
+    """Processes in this launch as torchrun/accelerate or an MPI launcher tells them; 0 outside a launch."""
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
+
+
 def _launched_on_cpu_only() -> bool:
     """True when several processes were launched and there is no GPU for them."""
     import torch
 
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    return launched_processes() > 1 and not torch.cuda.is_available()
 
 
 class ConfigError(ValueError):
@@ -132,7 +140,7 @@ class DiLoCoConfig(TrainingArguments):
                 f"replica_group_size must be a whole number of at least 1, got {self.replica_group_size!r}."
             )
         # Only inside a launched process is the process count known (`hf-diloco launch` checks its config).
-        processes = int(os.environ.get("WORLD_SIZE", "0"))
+        processes = launched_processes()
         if processes and processes % self.replica_group_size:
             raise ConfigError(
                 f"replica_group_size={self.replica_group_size} does not divide the {processes} launched processes; "
