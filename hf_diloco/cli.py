@@ -179,15 +179,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    trainer.train(resume_from_checkpoint=checkpoint)
+    output = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
+        write_run_metrics(config.output_dir, trainer, output.metrics)
         if run.lora_r > 0 and run.merge_lora:
             merged = Path(config.output_dir) / "merged"
             model.merge_and_unload().save_pretrained(merged)
             tokenizer.save_pretrained(merged)
         print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
+
+
+def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
+    """`run_metrics.json`: Trainer's end-of-training numbers, the last eval loss, and this process's peak memory.
+
+    Written for every trainer (DiLoCo or the DDP baseline), so baselines and DiLoCo runs compare from one file.
+    """
+    import resource
+
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    metrics = {
+        "global_step": trainer.state.global_step,
+        "eval_loss": evals[-1] if evals else None,
+        "eval_loss_initial": evals[0] if evals else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports kB
+        **train_metrics,
+    }
+    (Path(output_dir) / "run_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
 
 
 def add_lora(model, run):

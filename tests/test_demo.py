@@ -18,5 +18,7 @@ def test_demo_reports_rounds_losses_and_bytes(tmp_path):
     report = result.stdout[result.stdout.index("hf-diloco demo: what happened"):]
     for row in ("eval loss before -> after", "tokens/s", "sent per replica", "DDP would have sent"):
         assert row in report
+    run_metrics = json.loads((out / "run_metrics.json").read_text())
+    assert run_metrics["eval_loss"] == summary["eval_loss_final"] and run_metrics["global_step"] == 20
     rounds = [json.loads(line) for line in (out / "sync_rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2] and all(r.get("eval_loss") for r in rounds)
