@@ -54,6 +54,11 @@ def read_run(output_dir: Path) -> dict:
     return result
 
 
+def tokens_per_second(result: dict, replicas: int) -> float:
+    """Steady tokens/s of a run over all its replicas (the main replica's rate; replicas step in lockstep)."""
+    return result["metrics"]["steady_tokens_per_second"] * replicas
+
+
 def run_training(output_dir: Path, processes: int, overrides: list[str], threads: int = 1, **kwargs) -> dict:
     """Train one configuration to completion and return its numbers plus the wall time."""
     command = train_command(processes, ["--output_dir", str(output_dir), *overrides], **kwargs)

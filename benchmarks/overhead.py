@@ -1,6 +1,7 @@
 """What DiLoCo costs over training the same replicas alone: throughput, outer-step time, memory.
 
-Compares, on the peer task with 2 replicas (one CPU process each, one thread each):
+Compares, on the peer task with 2 replicas (one CPU process each, one thread each), steady tokens/s (the steps
+after the first tenth, so start-up is not counted):
 - DiLoCoTrainer, H = 50, with and without offload_outer_state;
 - the same two replicas as two independent plain-Trainer processes that never sync.
 Also times the outer step alone (pseudo-gradient, averaging, Nesterov step, copy back) for the presets, in process.
@@ -16,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, markdown_table, read_run, run_env, run_training, save, train_command
+from common import REPO, markdown_table, read_run, run_env, run_training, save, tokens_per_second, train_command
 
 
 def independent_pair(tmp: Path, overrides: list[str]) -> list[dict]:
@@ -65,13 +66,12 @@ def main() -> None:
     steps = 100 if args.quick else 400
     overrides = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false",
                  "--save_strategy", "no", "--logging_steps", "50"]
-    tokens_per_replica = steps * 8 * 256
     rows, raw = [], {"steps": steps}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         print("independent replicas (plain Trainer, no sync) ...", flush=True)
         alone = independent_pair(tmp, overrides)
-        alone_tps = sum(tokens_per_replica / r["metrics"]["train_runtime"] for r in alone)
+        alone_tps = sum(tokens_per_second(r, 1) for r in alone)
         rows.append(["2 independent plain Trainers", f"{alone_tps:,.0f}", "100.0%", "-", "-",
                      f"{max(r['metrics']['peak_rss_mb'] for r in alone):.0f}"])
         raw["independent"] = {"tokens_per_second": alone_tps, "runs": [r["metrics"] for r in alone]}
@@ -79,7 +79,7 @@ def main() -> None:
             print(f"DiLoCoTrainer H=50, offload_outer_state={offload} ...", flush=True)
             result = run_training(tmp / f"diloco-{offload}", 2, [*overrides, "--inner_steps", "50",
                                                                   "--offload_outer_state", offload])
-            tps = 2 * tokens_per_replica / result["metrics"]["train_runtime"]
+            tps = tokens_per_second(result, 2)
             sync = [r["sync_seconds"] for r in result["rounds"]]
             rows.append([f"DiLoCoTrainer, offload_outer_state={offload}", f"{tps:,.0f}", f"{tps / alone_tps:.1%}",
                          f"{sum(sync) / len(sync):.3f}", f"{max(sync):.3f}", f"{result['metrics']['peak_rss_mb']:.0f}"])

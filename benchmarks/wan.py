@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, free_port, markdown_table, read_run, run_env, save, train_command
+from common import REPO, free_port, markdown_table, read_run, run_env, save, tokens_per_second, train_command
 from netns import NamespaceError, two_hosts
 from overhead import independent_pair
 
@@ -54,7 +54,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         print("baseline: the two replicas alone, unshaped and unsynced ...", flush=True)
         alone = independent_pair(tmp, [*base, "--max_steps", str(diloco_steps)])
-        alone_tps = sum(diloco_steps * 8 * 256 / r["metrics"]["train_runtime"] for r in alone)
+        alone_tps = sum(tokens_per_second(r, 1) for r in alone)
         raw["independent_tokens_per_second"] = alone_tps
         try:
             for rate in links:
@@ -67,7 +67,7 @@ def main() -> None:
                         print(f"{method} over {link} ...", flush=True)
                         result, sent = two_node_run(hosts, tmp / f"{method}-{link}".replace(" ", ""),
                                                     [*base, *overrides])
-                        tps = 2 * steps * 8 * 256 / result["metrics"]["train_runtime"]
+                        tps = tokens_per_second(result, 2)
                         per_step = max(sent) / steps
                         rows.append([link, method, steps, f"{tps:,.0f}", f"{tps / alone_tps:.1%}",
                                      f"{max(sent) / 1e6:.1f}", f"{per_step / 1e3:.0f}"])

@@ -152,6 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from transformers import Trainer, default_data_collator
 
     from .data import build_datasets
+    from .metrics import SteadyClock
     from .models import load_model_and_tokenizer
     from .trainer import DiLoCoTrainer
 
@@ -171,6 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if eval_dataset is None and config.eval_strategy != "no":
         raise CLIError("eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on.")
     trainer_cls = DiLoCoTrainer if run.trainer == "diloco" else Trainer
+    clock = SteadyClock()
     trainer = trainer_cls(
         model=model,
         args=config,
@@ -178,11 +180,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=default_data_collator,
+        callbacks=[clock],
     )
     output = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
-        write_run_metrics(config.output_dir, trainer, output.metrics)
+        tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
+        write_run_metrics(config.output_dir, trainer, {**output.metrics, **clock.metrics(tokens_per_step)})
         if run.lora_r > 0 and run.merge_lora:
             merged = Path(config.output_dir) / "merged"
             model.merge_and_unload().save_pretrained(merged)
