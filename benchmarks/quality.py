@@ -56,7 +56,8 @@ def main() -> None:
                 sent = steps * 2 * (m - 1) * params * 4 // m
             tokens = steps * 8 * block * m
             loss = result["metrics"]["eval_loss"]
-            rows.append([config["name"], f"{tokens:,}", loss, syncs, sent / 1e6, result["wall_seconds"]])
+            rows.append([config["name"], f"{tokens:,}", f"{loss:.4f}", syncs, f"{sent / 1e6:,.1f}",
+                         f"{result['wall_seconds']:.0f}"])
             raw.append({**config, "steps": steps, "tokens": tokens, "eval_loss": loss, "syncs": syncs,
                         "bytes_per_replica": sent, "wall_seconds": result["wall_seconds"]})
     table = markdown_table(["method", "tokens", "final eval loss", "syncs", "MB sent per replica", "wall s"], rows)
