@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, first_line
+from .runs import accelerate_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO_ROOT / "recipes" / "tiny-pretrain.yaml"
@@ -182,6 +184,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         data_collator=default_data_collator,
         callbacks=[clock],
     )
+    if isinstance(trainer, DiLoCoTrainer):
+        # `kill -USR1` (what the app's Stop sends): finish the round, save a checkpoint, exit.
+        signal.signal(signal.SIGUSR1, lambda *_: trainer.diloco.request_stop())
     output = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
@@ -262,13 +267,6 @@ def print_plan(run, config, model) -> None:
     print("hf-diloco dry run: nothing was downloaded or trained")
     for key, value in plan.items():
         print(f"  {key:<{width}}  {value}")
-
-
-def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None) -> list[str]:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
-    if port is not None:
-        command += ["--main_process_port", str(port)]
-    return command + ["-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
 
 
 def check_accelerate_config(path: str, config) -> dict:

@@ -14,10 +14,11 @@ Design choices:
   j-th 1/g slice with its counterparts in the other replicas, then the g averaged slices are all-gathered inside
   the replica: the bytes that cross replicas drop g-fold per process, and the all-gather stays on the fast
   intra-replica links.
-- The per-replica round statistics (loss, steps, tokens, time, pseudo-gradient norm) ride in a few extra slots of
-  member 0's last slice: replica k writes its statistics into row k of an M x k block and zeros elsewhere, so the
-  summed block holds every replica's row. Metrics cost no extra collective and no extra round trip. Only member 0
-  of each replica (the world's main process among them) sees every replica's row.
+- The round statistics (loss, steps, tokens, time, pseudo-gradient norm, stop request) ride in a few extra slots
+  of the last bucket: replica r writes its statistics into row r of an M x k block and zeros elsewhere, so the
+  summed block holds every replica's row; with g > 1 the blocks of all members travel in the all-gather too.
+  Every process ends with every process's statistics, so decisions taken from them (stop now) are the same
+  everywhere. Metrics cost no extra collective and no extra round trip.
 - Bytes are counted with the ring model: an all-reduce sends 2 (M - 1) / M x payload per process, an all-gather
   (g - 1) / g x payload; NCCL's and gloo's ring algorithms send that. The WAN benchmark checks it against the
   network interface counters.
@@ -125,46 +126,50 @@ class ReplicaComm:
         return SyncCost(payload, payload, 0, len(by_dtype))
 
     def all_reduce_round(self, buckets: list[torch.Tensor], stats: torch.Tensor) -> tuple[torch.Tensor, SyncCost]:
-        """Average the pseudo-gradient buckets over replicas, in place, and gather every replica's statistics.
+        """Average the pseudo-gradient buckets over replicas, in place, and gather every process's statistics.
 
         Called by every process at the end of every round, with buckets of identical sizes everywhere. Makes, per
-        bucket, one all-reduce across replicas and, when g > 1, one all-gather inside the replica; `stats` (k
-        values of this replica) rides in member 0's last all-reduce.
+        bucket, one all-reduce across replicas and, when g > 1, one all-gather inside the replica. `stats` (k
+        values of this process) rides in the last bucket's all-reduce (as row `replica_index` of an M x k block)
+        and, with g > 1, in its all-gather, so every process ends with the same statistics.
 
-        Returns the [num_replicas, k] matrix of the replicas' statistics (complete on member 0 of each replica;
-        other members see only their own replica's row) and the cost of the round.
+        Returns the [g, M, k] tensor of all processes' statistics (member, replica, value), identical on every
+        process, and the cost of the round.
         """
         k = stats.numel()
-        own = torch.zeros(self.num_replicas, k, dtype=torch.float32)
-        own[self.replica_index] = stats.detach().to(torch.float32).cpu()
+        g, m = self.group_size, self.num_replicas
+        block = torch.zeros(m, k, dtype=torch.float32)
+        block[self.replica_index] = stats.detach().to(torch.float32).cpu()
         if not self.active:
             payload = sum(b.numel() * b.element_size() for b in buckets)
-            return own, SyncCost(payload, 0, 0, 0)
-        carries_stats = self.member == 0
-        block = own.reshape(-1).to(self.device)
+            return block.reshape(1, m, k), SyncCost(payload, 0, 0, 0)
+        block = block.reshape(-1).to(self.device)
         payload = sent = intra = collectives = 0
         last = len(buckets) - 1
+        gathered_stats = None
         for index, bucket in enumerate(buckets):
-            g = self.group_size
             pad = -bucket.numel() % g  # slices must have equal sizes for the all-gather
             padded = torch.cat([bucket, bucket.new_zeros(pad)]) if pad else bucket
             chunk = padded.view(g, -1)[self.member]
-            with_stats = index == last and carries_stats
-            buffer = torch.cat([chunk, block]) if with_stats else chunk  # in place: the bucket is overwritten below
+            n = chunk.numel()
+            # In place when nothing rides along: the bucket is overwritten below anyway.
+            buffer = torch.cat([chunk, block]) if index == last else chunk
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.slice_group)
             collectives += 1
             payload += buffer.numel() * buffer.element_size()
-            sent += ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), self.num_replicas)
-            if with_stats:
-                block = buffer[chunk.numel() :]
-            averaged = buffer[: chunk.numel()] / self.num_replicas
-            if g > 1:
-                gathered = torch.empty_like(padded)
-                dist.all_gather_into_tensor(gathered, averaged, group=self.replica_group)
-                collectives += 1
-                intra += ring_all_gather_bytes(padded.numel() * padded.element_size(), g)
-                bucket.copy_(gathered[: bucket.numel()])
-            else:
-                bucket.copy_(averaged)
-        replica_stats = block.reshape(self.num_replicas, k).cpu() if carries_stats else own
-        return replica_stats, SyncCost(payload, sent, intra, collectives)
+            sent += ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), m)
+            buffer[:n] /= m
+            if g == 1:
+                bucket.copy_(buffer[:n])
+                if index == last:
+                    gathered_stats = buffer[n:].reshape(1, m, k)
+                continue
+            gathered = torch.empty(g * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+            dist.all_gather_into_tensor(gathered, buffer, group=self.replica_group)
+            collectives += 1
+            intra += ring_all_gather_bytes(gathered.numel() * gathered.element_size(), g)
+            rows = gathered.view(g, -1)
+            bucket.copy_(rows[:, :n].reshape(-1)[: bucket.numel()])
+            if index == last:
+                gathered_stats = rows[:, n:].reshape(g, m, k)
+        return gathered_stats.cpu(), SyncCost(payload, sent, intra, collectives)

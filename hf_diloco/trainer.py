@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_DIR = "replica-{rank}"
 # Per-replica statistics that ride along with each sync (see comm.ReplicaComm.all_reduce_round).
-ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq")
+ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested")
 
 
 @contextlib.contextmanager
@@ -184,7 +184,15 @@ class OuterLoopCallback(TrainerCallback):
         self.pending_record: dict | None = None
         self.history: list[dict] = []
         self.initial_eval_loss: float | None = None
+        self.stop_requested = False
         self._reset_round()
+
+    def request_stop(self) -> None:
+        """Stop at the end of the current round, with a checkpoint. Safe to call from a signal handler.
+
+        The request rides along with the round's sync, so every replica stops after the same step.
+        """
+        self.stop_requested = True
 
     def _reset_round(self) -> None:
         self.round_loss = torch.zeros(())
@@ -253,17 +261,27 @@ class OuterLoopCallback(TrainerCallback):
         self.round_steps += 1
         at_boundary = state.global_step % args.inner_steps == 0 or state.global_step >= state.max_steps
         if at_boundary:
-            self._sync(state)
+            stop = self._sync(state)
+            if stop and state.global_step < state.max_steps:
+                if self.trainer.is_world_process_zero():
+                    logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.",
+                                   state.global_step)
+                control.should_save = True
+                control.should_training_stop = True
         self._align_to_round(control, at_boundary)
         return control
 
-    def _sync(self, state) -> None:
-        """One outer round: pseudo-gradient, the round's single all-reduce, outer step, θ_i ← θ_global."""
+    def _sync(self, state) -> bool:
+        """One outer round: pseudo-gradient, the round's single all-reduce, outer step, θ_i ← θ_global.
+
+        Returns whether any replica asked to stop.
+        """
         started = time.perf_counter()
         deltas = self.outer.pseudo_gradient(self.comm.device)  # Δ_i = θ_global − θ_i
         local_norm_sq = float(sum(d.double().square().sum() for d in deltas))
         stats = torch.tensor(
-            [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, local_norm_sq],
+            [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, local_norm_sq,
+             float(self.stop_requested)],
             dtype=torch.float64,
         )
         replica_stats, cost = self.comm.all_reduce_round(deltas, stats)  # Δ = (1/M) Σ Δ_i, in place
@@ -273,17 +291,21 @@ class OuterLoopCallback(TrainerCallback):
         sync_seconds = time.perf_counter() - started
         self.pending_record = self._round_record(state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds)
         self._reset_round()
+        return bool(replica_stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
 
     def _round_record(self, state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds) -> dict:
-        stats = {name: replica_stats[:, i].tolist() for i, name in enumerate(ROUND_STATS)}
-        steps = stats["steps"]
-        replica_losses = [loss / max(n, 1) for loss, n in zip(stats["loss_sum"], steps, strict=True)]
-        compute = max(stats["compute_seconds"])
-        tokens = int(sum(stats["tokens"]))
+        # replica_stats: [member, replica, value]. A replica's loss is over all its members' micro-batches, its
+        # tokens are its members' sum, its compute time its slowest member's; members share one pseudo-gradient.
+        stat = {name: replica_stats[..., i] for i, name in enumerate(ROUND_STATS)}
+        steps = stat["steps"].sum(0)
+        replica_losses = (stat["loss_sum"].sum(0) / steps.clamp(min=1)).tolist()
+        replica_compute = stat["compute_seconds"].amax(0).tolist()
+        compute = max(replica_compute)
+        tokens = int(stat["tokens"].sum())
         self.cumulative_bytes += cost.bytes_sent
         processes = self.comm.num_replicas * self.comm.group_size
         ddp_payload = sum(p.numel() * p.element_size() for p in self.outer.params)
-        round_steps = int(steps[0])
+        round_steps = int(stat["steps"][0, 0])
         record = {
             "round": math.ceil(state.global_step / self.args.inner_steps),
             "step": state.global_step,
@@ -291,14 +313,14 @@ class OuterLoopCallback(TrainerCallback):
             "loss": sum(replica_losses) / len(replica_losses),
             "replica_losses": replica_losses,
             "pseudo_grad_norm": pseudo_grad_norm,
-            "replica_pseudo_grad_norms": [math.sqrt(max(x, 0.0)) for x in stats["pseudo_grad_norm_sq"]],
+            "replica_pseudo_grad_norms": stat["pseudo_grad_norm_sq"][0].clamp(min=0).sqrt().tolist(),
             "bytes_per_replica": cost.bytes_sent,
             "cumulative_bytes_per_replica": self.cumulative_bytes,
             "intra_replica_bytes": cost.intra_replica_bytes,
             "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, processes),
             "sync_seconds": sync_seconds,
             "compute_seconds": compute,
-            "replica_compute_seconds": stats["compute_seconds"],
+            "replica_compute_seconds": replica_compute,
             "tokens": tokens,
             "tokens_per_second": tokens / (compute + sync_seconds) if compute + sync_seconds > 0 else 0.0,
             "outer_lr": outer_lr,

@@ -11,7 +11,10 @@ import pytest
 import torch
 from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, pattern_blocks, tiny_llama
 
+from hf_diloco.trainer import ROUND_STATS  # noqa: E402
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
+SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values
 
 
 def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
@@ -64,8 +67,8 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
     for r in rounds:
         assert r["loss"] == pytest.approx(sum(r["replica_losses"]) / 2, rel=1e-9)
         numel = r["synced_parameters"]
-        # Ring all-reduce of the fp32 pseudo-gradient plus 2 x 5 metric slots: 2 (M-1)/M x payload = payload.
-        assert r["bytes_per_replica"] == (numel + 10) * 4
+        # Ring all-reduce of the fp32 pseudo-gradient plus M x k metric slots: 2 (M-1)/M x payload = payload.
+        assert r["bytes_per_replica"] == (numel + SLOTS) * 4
         assert r["ddp_bytes_per_replica"] == r["inner_steps"] * numel * 4
 
 
@@ -190,9 +193,9 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
     numel = rounds["single"][0]["synced_parameters"]
     grouped = rounds["grouped"][0]
     assert grouped["replica_group_size"] == 2 and grouped["num_replicas"] == 2
-    # Main process: half the fp32 pseudo-gradient (padded to even length) plus 2 x 5 metric slots, ring factor 1.
-    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + 10) * 4
-    assert rounds["single"][0]["bytes_per_replica"] == (numel + 10) * 4
-    # The all-gather inside the replica sends the other half: (g - 1) / g of the padded payload.
-    assert grouped["intra_replica_bytes"] == (numel + numel % 2) // 2 * 4
+    # Main process: half the fp32 pseudo-gradient (padded to even length) plus M x k metric slots, ring factor 1.
+    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + SLOTS) * 4
+    assert rounds["single"][0]["bytes_per_replica"] == (numel + SLOTS) * 4
+    # The all-gather inside the replica sends this member's half and its metric slots: (g - 1) / g of the result.
+    assert grouped["intra_replica_bytes"] == ((numel + numel % 2) // 2 + SLOTS) * 4
     assert len(grouped["replica_losses"]) == 2

@@ -101,7 +101,7 @@ def test_single_replica_comm_is_free_and_returns_own_stats():
     comm = ReplicaComm()
     stats = torch.tensor([1.5, 2.0])
     gathered, cost = comm.all_reduce_round([torch.ones(3)], stats)
-    assert gathered.tolist() == [[1.5, 2.0]]
+    assert gathered.tolist() == [[[1.5, 2.0]]]  # [member, replica, value]
     assert cost.bytes_sent == 0 and cost.collectives == 0
 
 
