@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_DIR = "replica-{rank}"
 # Per-replica statistics that ride along with each sync (see comm.ReplicaComm.all_reduce_round).
-ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested")
+ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested",
+               "previous_agreement")
 
 
 @contextlib.contextmanager
@@ -185,6 +186,7 @@ class OuterLoopCallback(TrainerCallback):
         self.history: list[dict] = []
         self.initial_eval_loss: float | None = None
         self.stop_requested = False
+        self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
         self._reset_round()
 
     def request_stop(self) -> None:
@@ -279,13 +281,19 @@ class OuterLoopCallback(TrainerCallback):
         started = time.perf_counter()
         deltas = self.outer.pseudo_gradient(self.comm.device)  # Δ_i = θ_global − θ_i
         local_norm_sq = float(sum(d.double().square().sum() for d in deltas))
+        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the all-reduce; it is computed then and
+        # sent with the NEXT round's statistics, so it costs no collective of its own.
+        own = [d.clone() for d in deltas] if self.comm.active else deltas
         stats = torch.tensor(
             [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, local_norm_sq,
-             float(self.stop_requested)],
+             float(self.stop_requested), self.previous_agreement],
             dtype=torch.float64,
         )
         replica_stats, cost = self.comm.all_reduce_round(deltas, stats)  # Δ = (1/M) Σ Δ_i, in place
         pseudo_grad_norm = math.sqrt(float(sum(d.double().square().sum() for d in deltas)))
+        dot = float(sum((a.double() * b.double()).sum() for a, b in zip(own, deltas, strict=True)))
+        norms = math.sqrt(local_norm_sq) * pseudo_grad_norm
+        self.previous_agreement = dot / norms if norms > 0 else float("nan")
         outer_lr = self.outer.lr()
         self.outer.apply(deltas)  # θ_global ← OuterOpt(θ_global, Δ); θ_i ← θ_global
         sync_seconds = time.perf_counter() - started
@@ -331,6 +339,10 @@ class OuterLoopCallback(TrainerCallback):
             "synced_parameters": self.outer.numel,
             "collectives": cost.collectives,
         }
+        previous = stat["previous_agreement"][0].tolist()
+        if all(math.isfinite(x) for x in previous):
+            record["agreement_round"] = record["round"] - 1
+            record["replica_agreement"] = previous  # cos(Δ_i, Δ) of round `agreement_round`, one per replica
         return record
 
     def _align_to_round(self, control, at_boundary: bool) -> None:

@@ -72,6 +72,22 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
         assert r["ddp_bytes_per_replica"] == r["inner_steps"] * numel * 4
 
 
+def test_replica_agreement_matches_the_recorded_norms(paper_run):
+    """cos(Δ_i, Δ) arrives one round late; for M = 2 it follows from the norms recorded with the round:
+    <Δ0, Δ1> = (4|Δ|² − |Δ0|² − |Δ1|²) / 2 and <Δi, Δ> = (|Δi|² + <Δ0, Δ1>) / 2."""
+    tmp, _ = paper_run
+    rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    assert "replica_agreement" not in rounds[0]
+    for earlier, later in zip(rounds, rounds[1:], strict=False):
+        assert later["agreement_round"] == earlier["round"]
+        n0, n1 = earlier["replica_pseudo_grad_norms"]
+        mean = earlier["pseudo_grad_norm"]
+        cross = (4 * mean**2 - n0**2 - n1**2) / 2
+        expected = [(n**2 + cross) / 2 / (n * mean) for n in (n0, n1)]
+        assert later["replica_agreement"] == pytest.approx(expected, abs=1e-4)
+        assert all(-1 <= a <= 1 for a in later["replica_agreement"])
+
+
 def test_tensorboard_scalars_match_sync_rounds(paper_run):
     """The same per-round numbers are in TensorBoard under diloco/ (event files read back)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
