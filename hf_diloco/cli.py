@@ -184,6 +184,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         data_collator=default_data_collator,
         callbacks=[clock],
     )
+    if trainer.is_world_process_zero():
+        write_run_config(config.output_dir, run, config)
     if isinstance(trainer, DiLoCoTrainer):
         # `kill -USR1` (what the app's Stop sends): finish the round, save a checkpoint, exit.
         signal.signal(signal.SIGUSR1, lambda *_: trainer.diloco.request_stop())
@@ -198,6 +200,25 @@ def cmd_train(args: argparse.Namespace) -> int:
             tokenizer.save_pretrained(merged)
         print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
+
+
+def write_run_config(output_dir: str, run, config) -> None:
+    """`run_config.json`: the run's model/data arguments and DiLoCo settings, for model cards (no tokens)."""
+    from dataclasses import asdict
+
+    from .hub import DILOCO_ROWS, RUN_CONFIG_FILE
+
+    training_keys = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "lr_scheduler_type", "seed")
+    values = {
+        "run": asdict(run),
+        "diloco": {key: getattr(config, key) for key, _, _ in DILOCO_ROWS},
+        "training": {key: str(getattr(config, key)) if key == "lr_scheduler_type" else getattr(config, key)
+                     for key in training_keys},
+        "num_processes": config.world_size,
+    }
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / RUN_CONFIG_FILE).write_text(json.dumps(values, indent=2, default=str) + "\n")
 
 
 def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
@@ -356,6 +377,28 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
 # --- entry point ----------------------------------------------------------------------------------------------------
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    from .hub import push
+
+    try:
+        push(args.output_dir, args.repo_id, private=args.private, merge_lora=args.merge_lora,
+             commit_message=args.commit_message)
+    except ConfigError:
+        raise
+    except Exception as error:  # network and Hub errors: the user needs the reason, not a traceback
+        raise CLIError(f"push to {args.repo_id!r} failed: {first_line(error)}.") from None
+    return 0
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    if not (REPO_ROOT / "app" / "server.py").is_file():
+        raise CLIError("the app ships with the repository; run `hf-diloco app` from a clone.")
+    sys.path.insert(0, str(REPO_ROOT))
+    from app.server import serve
+
+    return serve(host=args.host, port=args.port, runs_dir=Path(args.runs_dir), auth=args.auth, share=args.share)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -382,6 +425,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inner-steps", type=int, default=50, help="H, steps between syncs (default 50)")
     demo.add_argument("--port", type=int, help="rendezvous port (default: the config's)")
     demo.set_defaults(func=cmd_demo)
+
+    push = sub.add_parser("push", help="push a finished run's model to the Hugging Face Hub with a DiLoCo card")
+    push.add_argument("output_dir", help="the run's output_dir")
+    push.add_argument("--repo-id", required=True, help="'owner/name' or 'name'")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--merge-lora", action="store_true", help="push the merged model instead of the LoRA adapter")
+    push.add_argument("--commit-message", default="Upload DiLoCo model", help="commit message")
+    push.set_defaults(func=cmd_push)
+
+    app = sub.add_parser("app", help="the Gradio app: launch recipes, watch sync rounds, push to the Hub")
+    app.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    app.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    app.add_argument("--runs-dir", default="runs", help="where runs live (default runs/)")
+    app.add_argument("--auth", default=os.environ.get("HF_DILOCO_APP_AUTH"),
+                     help="'user:password' required to use the app (default: $HF_DILOCO_APP_AUTH)")
+    app.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
+    app.set_defaults(func=cmd_app)
     return parser
 
 

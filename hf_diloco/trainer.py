@@ -142,6 +142,16 @@ class DiLoCoTrainer(Trainer):
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
 
+    def create_model_card(self, *args, **kwargs) -> None:
+        """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it."""
+        if not self.is_world_process_zero():
+            return
+        from .hub import CARD_FILE, CURVE_FILE, model_card, write_training_curve
+
+        output_dir = Path(self.args.output_dir)
+        write_training_curve(output_dir, output_dir / CURVE_FILE)
+        (output_dir / CARD_FILE).write_text(model_card(output_dir, self.hub_model_id))
+
     # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
 
     def _replica_dir(self, checkpoint: str) -> Path:

@@ -1,0 +1,192 @@
+"""Push a finished run to the Hugging Face Hub with a DiLoCo model card.
+
+Design choices:
+- The card is built from what the run left in its output folder (run_config.json, diloco_summary.json,
+  run_metrics.json, sync_rounds.jsonl), so `hf-diloco push`, the app and `DiLoCoTrainer.push_to_hub` write the
+  same card: a table of the DiLoCo settings, the final metrics, a training-curve image, tags `diloco` and
+  `hf-diloco`, base model and datasets in the metadata.
+- Only what a model repo needs is uploaded: weights, config, tokenizer, card, curve and the round log. Checkpoints,
+  per-replica optimizer states and TensorBoard files stay local.
+- The token comes from the caller, HF_TOKEN, or the huggingface_hub login, in that order. It is only ever passed to
+  huggingface_hub: never written to a file, a log or the card.
+- The endpoint follows huggingface_hub (HF_ENDPOINT); the tests push to a local server that speaks the Hub's
+  repo-creation, preupload and commit endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .config import ConfigError
+
+CARD_FILE = "README.md"
+CURVE_FILE = "training_curve.png"
+RUN_CONFIG_FILE = "run_config.json"
+UPLOAD_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.txt", "tokenizer*", "sync_rounds.jsonl", CURVE_FILE)
+NOT_UPLOADED = ("run_metrics.json",)
+REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+PRESET_PREFIXES = ("tiny-llama", "llama-")
+
+DILOCO_ROWS = (
+    ("inner_steps", "H, inner steps between syncs", 500),
+    ("outer_optimizer", "outer optimizer", "sgd"),
+    ("outer_lr", "outer learning rate", 0.7),
+    ("outer_momentum", "outer momentum", 0.9),
+    ("outer_nesterov", "Nesterov", True),
+    ("replica_group_size", "processes per replica", 1),
+    ("data_sharding", "data sharding", "iid"),
+)
+
+
+def check_repo_id(repo_id: str) -> str:
+    repo_id = (repo_id or "").strip()
+    if not REPO_ID.match(repo_id):
+        raise ConfigError(
+            f"repo id {repo_id!r} is not valid; use 'name' or 'owner/name' with letters, digits, '-', '_' or '.'."
+        )
+    return repo_id
+
+
+def resolve_token(token: str | None) -> str:
+    """The token to push with: given, HF_TOKEN, or the huggingface_hub login."""
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise ConfigError("no Hugging Face token: set HF_TOKEN, run `hf auth login`, or enter one in the app.")
+    return token
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _rounds(output_dir: Path) -> list[dict]:
+    path = output_dir / "sync_rounds.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def write_training_curve(output_dir: Path, target: Path) -> Path | None:
+    """Inner loss per round (mean over replicas) and held-out loss, as a PNG; None without rounds."""
+    rounds = _rounds(output_dir)
+    if not rounds:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rounds], [r["loss"] for r in rounds], marker="o", label="train loss (mean of replicas)")
+    evals = [r for r in rounds if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="s", label="held-out loss")
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("loss")
+    ax.set_title("DiLoCo training (one point per sync round)")
+    ax.legend()
+    fig.savefig(target, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return target
+
+
+def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool = True) -> str:
+    """The DiLoCo model card of a run folder, as markdown with YAML metadata."""
+    output_dir = Path(output_dir)
+    config = _read_json(output_dir / RUN_CONFIG_FILE)
+    run, diloco, training = config.get("run", {}), config.get("diloco", {}), config.get("training", {})
+    summary = _read_json(output_dir / "diloco_summary.json")
+    metrics = _read_json(output_dir / "run_metrics.json")
+    model = run.get("model_name_or_path", "")
+    dataset = run.get("dataset_name", "")
+    meta = ["---", "library_name: transformers", "tags:", "- diloco", "- hf-diloco", "- distributed-training"]
+    if model and not model.startswith(PRESET_PREFIXES) and not Path(model).exists():
+        meta.append(f"base_model: {model}")
+    if dataset and dataset != "builtin" and not Path(dataset).exists():
+        meta += ["datasets:", f"- {dataset}"]
+    meta.append("---")
+    name = repo_id or output_dir.name
+    lines = [*meta, "", f"# {name}", "",
+             f"Trained with hf-diloco using DiLoCo (Douillard et al., "
+             f"[arXiv 2311.08105](https://arxiv.org/abs/2311.08105)): {summary.get('num_replicas', '?')} replicas "
+             f"trained independently and averaged their pseudo-gradients every "
+             f"{diloco.get('inner_steps', '?')} steps.", "",
+             "## DiLoCo settings", "", "| setting | value | paper |", "|---|---|---|"]
+    for key, label, paper in DILOCO_ROWS:
+        if key in diloco:
+            lines.append(f"| {label} (`{key}`) | {diloco[key]} | {paper} |")
+    lines.append(f"| replicas | {summary.get('num_replicas', '?')} | 8 |")
+    for key in ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size"):
+        if key in training:
+            lines.append(f"| inner {key} | {training[key]} | |")
+    lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
+    results = {
+        "model": model or "?",
+        "data": dataset or "?",
+        "steps": summary.get("steps", metrics.get("global_step")),
+        "outer rounds": summary.get("rounds"),
+        "held-out loss before training": summary.get("eval_loss_initial"),
+        "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
+        "bytes sent per replica": summary.get("bytes_per_replica"),
+        "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
+        "tokens/s (all replicas)": summary.get("tokens_per_second"),
+    }
+    for key, value in results.items():
+        if value is not None:
+            shown = f"{value:,.4f}" if isinstance(value, float) and value < 100 else (
+                f"{value:,.0f}" if isinstance(value, (int, float)) else value)
+            lines.append(f"| {key} | {shown} |")
+    if curve and _rounds(output_dir):
+        lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
+    lines += ["", "Per-round metrics are in `sync_rounds.jsonl`.", ""]
+    return "\n".join(lines)
+
+
+def stage(output_dir: Path, target: Path, repo_id: str | None, merge_lora: bool) -> list[str]:
+    """Copy what the repo should hold into `target`, write the card and the curve; returns the file names."""
+    target.mkdir(parents=True, exist_ok=True)
+    adapter = (output_dir / "adapter_config.json").exists()
+    if merge_lora and adapter:
+        merged = output_dir / "merged"
+        if not merged.is_dir():
+            raise ConfigError(f"{output_dir} has a LoRA adapter but no merged/ model; train with merge_lora: true.")
+        source = merged
+    else:
+        source = output_dir
+    for pattern in UPLOAD_PATTERNS:
+        for path in source.glob(pattern):
+            if path.is_file() and path.name not in NOT_UPLOADED:
+                shutil.copy2(path, target / path.name)
+    for name in ("sync_rounds.jsonl", "diloco_summary.json", RUN_CONFIG_FILE):
+        if (output_dir / name).exists():
+            shutil.copy2(output_dir / name, target / name)
+    if not any(target.glob("*.safetensors")):
+        raise ConfigError(f"{output_dir} holds no saved model (*.safetensors); is the run finished?")
+    write_training_curve(output_dir, target / CURVE_FILE)
+    (target / CARD_FILE).write_text(model_card(output_dir, repo_id))
+    return sorted(p.name for p in target.iterdir())
+
+
+def push(output_dir: str | Path, repo_id: str, token: str | None = None, private: bool = False,
+         merge_lora: bool = False, commit_message: str = "Upload DiLoCo model", endpoint: str | None = None,
+         progress=print) -> str:
+    """Create (or reuse) the repo and upload the run's model with its card; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise ConfigError(f"output folder {str(output_dir)!r} does not exist.")
+    repo_id = check_repo_id(repo_id)
+    api = HfApi(endpoint=endpoint, token=resolve_token(token))
+    with tempfile.TemporaryDirectory() as staging:
+        files = stage(output_dir, Path(staging), repo_id, merge_lora)
+        progress(f"[push] staged {len(files)} files: {', '.join(files)}")
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        progress(f"[push] repository {url}")
+        api.upload_folder(folder_path=staging, repo_id=repo_id, commit_message=commit_message)
+    progress(f"[push] done: {url}")
+    return str(url)
