@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, first_line
+from .errors import ConfigError, first_line
 from .runs import accelerate_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +153,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from transformers import Trainer, default_data_collator
 
+    from .callbacks import SteadyClock
     from .data import build_datasets
-    from .metrics import SteadyClock
     from .models import load_model_and_tokenizer
     from .trainer import DiLoCoTrainer
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
+
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 DATA_SHARDINGS = ("iid", "non_iid")
 
@@ -37,14 +39,6 @@ def _launched_on_cpu_only() -> bool:
     return launched_processes() > 1 and not torch.cuda.is_available()
 
 
-class ConfigError(ValueError):
-    """A user-caused configuration problem, reported as one sentence."""
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (or its type), to quote inside a one-sentence error."""
-    lines = str(error).strip().splitlines()
-    return lines[0].rstrip(".") if lines else type(error).__name__
 
 
 @dataclass

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import ConfigError
 
 CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"

@@ -35,12 +35,16 @@ STOP_SIGNAL = signal.SIGUSR1
 ACTIVE = ("starting", "running", "stopping")
 
 
-def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None) -> list[str]:
-    """The `accelerate launch ... -m hf_diloco.cli train --config RECIPE ...` command, as an argument list."""
+def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
+                       launch_args: list[str] | None = None) -> list[str]:
+    """The `accelerate launch ... -m hf_diloco.cli train --config RECIPE ...` command, as an argument list.
+
+    `launch_args` are accelerate's own flags (e.g. --num_processes, --machine_rank); `overrides` are recipe fields.
+    """
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
     if port is not None:
         command += ["--main_process_port", str(port)]
-    return command + ["-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
+    return command + [*(launch_args or []), "-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
 
 
 @dataclass
@@ -110,15 +114,19 @@ def new_run_id(runs_dir: Path, recipe: str) -> str:
     return run_id
 
 
-def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None) -> Run:
-    """Create the run folder and start the run under its supervisor, detached in its own session."""
-    runs_dir.mkdir(parents=True, exist_ok=True)
+def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
+         launch_args: list[str] | None = None) -> Run:
+    """The run that `start_planned` will start: its id, output folder and exact command (nothing is created)."""
     run_id = new_run_id(runs_dir, recipe)
-    run_dir = runs_dir / run_id
-    run_dir.mkdir()
-    output_dir = str((run_dir / OUTPUT_DIR).resolve())
-    command = accelerate_command(recipe, accelerate_config, [*overrides, "--output_dir", output_dir], port)
-    run = Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir)
+    output_dir = str((runs_dir / run_id / OUTPUT_DIR).resolve())
+    command = accelerate_command(recipe, accelerate_config, [*overrides, "--output_dir", output_dir], port, launch_args)
+    return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir)
+
+
+def start_planned(run: Run) -> Run:
+    """Create the run folder and start the run under its supervisor, detached in its own session."""
+    run_dir = run.folder
+    run_dir.mkdir(parents=True)
     _write(run_dir, run)
     with (run_dir / LOG_FILE).open("ab") as log:  # the supervisor's own errors, if any, end up in the log
         supervisor = subprocess.Popen(
@@ -129,6 +137,13 @@ def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[s
     run.status = "running"
     _write(run_dir, run)
     return run
+
+
+def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
+          launch_args: list[str] | None = None) -> Run:
+    """Plan and start a run."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    return start_planned(plan(runs_dir, recipe, accelerate_config, overrides, port, launch_args))
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,11 @@
+"""Errors a user can cause, reported as one sentence (kept free of heavy imports so the app can use them)."""
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem, reported as one sentence."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (or its type), to quote inside a one-sentence error."""
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(error).__name__

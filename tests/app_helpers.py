@@ -1,0 +1,47 @@
+"""Start the real app server for tests, on a free port, with its own runs folder."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+import urllib.request
+
+from helpers import REPO, env, free_port
+
+TINY_YAML = (REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("block_size: 256", "block_size: 64") \
+    .replace("eval_on_start: true", "eval_on_start: false").replace("eval_strategy: steps", "eval_strategy: \"no\"")
+
+
+@contextlib.contextmanager
+def app_server(runs_dir, extra_env: dict | None = None, args: tuple = ()):
+    port = free_port()
+    command = [sys.executable, "-m", "hf_diloco.cli", "app", "--port", str(port), "--runs-dir", str(runs_dir), *args]
+    process = subprocess.Popen(command, cwd=REPO, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if process.poll() is not None or time.time() > deadline:
+                    raise AssertionError(f"app did not start:\n{process.stdout.read()[-3000:]}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def knobs(**values) -> list[str]:
+    """The form's knob values in the order of app.forms.Knobs."""
+    sys.path.insert(0, str(REPO))
+    from dataclasses import fields
+
+    from app.forms import Knobs
+
+    return [str(values.get(f.name, "")) for f in fields(Knobs)]

@@ -1,0 +1,100 @@
+"""The app as a real server, driven by gradio_client: launch, watch rounds, stop, push; bad input refused."""
+
+import json
+import time
+
+import pytest
+from app_helpers import TINY_YAML, app_server, knobs
+from gradio_client import Client
+from hub_server import FakeHub
+
+from hf_diloco import runs
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_launch_watch_stop_and_push(tmp_path):
+    runs_dir = tmp_path / "runs"
+    with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
+        client = Client(url, verbose=False)
+        form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=400)]
+        command, message = client.predict(*form, api_name="/preview")
+        assert "Form is valid" in message
+        assert "--inner_steps 5" in command and "accelerate.commands.launch" in command
+
+        message, selected, started_command = client.predict(*form, api_name="/start")
+        assert message.startswith("Started")
+        assert started_command == command, "Start runs exactly the previewed command"
+        run_id = selected["value"] if isinstance(selected, dict) else selected  # a dropdown update
+        assert (runs_dir / run_id / "run.json").is_file()
+
+        def rounds_shown():
+            live = client.predict(run_id, api_name="/refresh")
+            table = live[6]
+            return live if table["data"] else None
+
+        live = wait_for(rounds_shown, 240, "sync rounds in the live view")
+        assert "data-status='running'" in live[0]
+        assert {row[2] for row in live[1]["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
+        assert live[4]["data"], "bytes vs DDP plotted"
+
+        assert "Stopping" in client.predict(run_id, api_name="/stop")
+        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to stop")
+        run = runs.load(runs_dir / run_id)
+        assert run.status == "stopped"
+        assert list((runs_dir / run_id / "output").glob("checkpoint-*")), "Stop leaves a checkpoint"
+        assert runs.training_pids(run) == [] and not runs._alive(run.supervisor_pid, "hf_diloco.runs")
+        assert "data-status='stopped'" in client.predict(run_id, api_name="/refresh")[0]
+
+        card, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")
+        assert "## DiLoCo settings" in card and "- diloco" in card
+        result, log = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
+                                     api_name="/push")
+        assert result.startswith("Pushed"), result
+        assert "alice/tiny-diloco" in result
+        files = hub.files["alice/tiny-diloco"]
+        assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+        assert hub.commits[-1]["header"]["summary"] == "from the app"
+        assert all(t == "Bearer hf_app_token_456" for t in hub.tokens)
+    leaked = [p for p in runs_dir.rglob("*") if p.is_file() and b"hf_app_token_456" in p.read_bytes()]
+    assert leaked == [], "the token never reaches the run folders"
+
+
+@pytest.mark.parametrize("case", ["no recipe", "H = 0", "outside folders", "bad replicas"])
+def test_bad_form_input_gets_a_message_and_starts_nothing(tmp_path, case):
+    runs_dir = tmp_path / "runs"
+    forms = {
+        "no recipe": (["", "", "cpu-2proc.yaml", *knobs()], "choose a recipe"),
+        "H = 0": (["tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=0)], "inner_steps"),
+        "outside folders": (["/etc/hostname", "", "cpu-2proc.yaml", *knobs()], "is not a file in"),
+        "bad replicas": (["tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(replicas="two")], "whole number"),
+    }
+    form, words = forms[case]
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        message = client.predict(*form, api_name="/start")[0]
+    assert message.startswith("**Cannot start:**") and words in message, message
+    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
+
+
+def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
+    runs_dir = tmp_path / "runs"
+    folder = runs_dir / "done"
+    folder.mkdir(parents=True)
+    (folder / "output").mkdir()
+    runs._write(folder, runs.Run("done", "r.yaml", "c.yaml", [], ["true"], str(folder / "output"), status="finished"))
+    with app_server(runs_dir, {"HOME": str(tmp_path), "HF_TOKEN": ""}) as url:
+        client = Client(url, verbose=False)
+        spaces = client.predict("done", "my model", False, "hf_x", False, "", api_name="/push")[0]
+        no_token = client.predict("done", "alice/model", False, "", False, "", api_name="/push")[0]
+    assert "repo id" in spaces and "not valid" in spaces
+    assert "no Hugging Face token" in no_token
+    assert json.loads((folder / "run.json").read_text())["status"] == "finished"
