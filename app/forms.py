@@ -66,7 +66,7 @@ def allowed(path: str | Path, roots: list[Path], what: str) -> Path:
 def recipe_path(name: str, edited_yaml: str, runs_dir: Path) -> Path:
     """The recipe to run: the chosen file, or the edited text saved under the runs directory."""
     chosen = allowed(RECIPES / name if name and "/" not in name else name, [RECIPES, runs_dir], "recipe")
-    if edited_yaml.strip() and edited_yaml != chosen.read_text():
+    if edited_yaml.strip() and edited_yaml.strip() != chosen.read_text().strip():
         drafts = runs_dir / "drafts"
         drafts.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256(edited_yaml.encode()).hexdigest()[:10]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hf_diloco.runs import LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "train loss", "eval loss", "Δ norm", "MB sent", "sync s", "compute s", "tokens/s"]
 
 
@@ -140,7 +142,8 @@ def log_tail(run: Run | None, lines: int = 200) -> str:
         f.seek(max(0, f.tell() - 256_000))
         text = f.read().decode(errors="replace")
     complete = text[: text.rfind("\n") + 1] if "\n" in text else ""
-    cleaned = [line.split("\r")[-1] for line in complete.splitlines()]
+    # split on newlines only: a carriage return is a redraw of the same line, of which only the last state counts
+    cleaned = [line.split("\r")[-1] for line in ANSI_ESCAPE.sub("", complete).split("\n")]
     return "\n".join([line for line in cleaned if line.strip()][-lines:])
 
 
