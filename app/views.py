@@ -7,13 +7,13 @@ long format for the plots, rows for the round table, the tail of the log.
 from __future__ import annotations
 
 import html
-import json
 import re
 import time
 from pathlib import Path
 
 import pandas as pd
 
+from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.runs import LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
@@ -24,18 +24,7 @@ ROUND_COLUMNS = ["round", "step", "train loss", "eval loss", "Δ norm", "MB sent
 
 def read_rounds(run: Run | None) -> list[dict]:
     """The run's sync_rounds.jsonl; a half-written last line of a live run is skipped."""
-    if run is None:
-        return []
-    path = Path(run.output_dir) / "sync_rounds.jsonl"
-    if not path.exists():
-        return []
-    rounds = []
-    for line in path.read_text().splitlines():
-        try:
-            rounds.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rounds
+    return read_sync_rounds(run.output_dir) if run is not None else []
 
 
 def max_steps(run: Run) -> int | None:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ConfigError
+from .metrics import read_sync_rounds
 
 CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"
@@ -65,14 +66,9 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _rounds(output_dir: Path) -> list[dict]:
-    path = output_dir / "sync_rounds.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     """Inner loss per round (mean over replicas) and held-out loss, as a PNG; None without rounds."""
-    rounds = _rounds(output_dir)
+    rounds = read_sync_rounds(output_dir)
     if not rounds:
         return None
     import matplotlib
@@ -140,7 +136,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
             shown = f"{value:,.4f}" if isinstance(value, float) and value < 100 else (
                 f"{value:,.0f}" if isinstance(value, (int, float)) else value)
             lines.append(f"| {key} | {shown} |")
-    if curve and _rounds(output_dir):
+    if curve and read_sync_rounds(output_dir):
         lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
     lines += ["", "Per-round metrics are in `sync_rounds.jsonl`.", ""]
     return "\n".join(lines)
