@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from . import train as training
 from .errors import ConfigError, first_line
 from .runs import accelerate_command
 
@@ -34,11 +35,35 @@ DEMO_RECIPE = REPO_ROOT / "recipes" / "tiny-pretrain.yaml"
 DEMO_ACCELERATE_CONFIG = REPO_ROOT / "accelerate_configs" / "cpu-2proc.yaml"
 
 
-class CLIError(Exception):
+class CLIError(ConfigError):
     """Ends the command with its message and exit status 2."""
 
 
-# --- recipes ------------------------------------------------------------------------------------------------------
+# --- argument parsing -----------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag or value in one sentence (CLIError, exit 2) instead of printing its usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a misspelt or shortened flag is an error, not a guess
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        raise CLIError(f"{message}; see `{self.prog} --help`.")
+
+
+def _field_parser():
+    """HfArgumentParser over RunArguments and DiLoCoConfig that reports errors like `_Parser`."""
+    from transformers import HfArgumentParser
+
+    from .config import DiLoCoConfig, RunArguments
+
+    class FieldParser(HfArgumentParser):
+        def error(self, message: str):
+            raise CLIError(f"{message}; see `hf-diloco train --help`.")
+
+    return FieldParser((RunArguments, DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
@@ -55,91 +80,50 @@ def load_recipe(path: str | os.PathLike) -> dict:
 
 
 def parse_train_args(recipe: str | None, overrides: list[str]):
-    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides."""
-
-    from transformers import HfArgumentParser
+    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides; every key and flag must be a field."""
+    from dataclasses import fields
 
     from .config import DiLoCoConfig, RunArguments
 
-    parser = HfArgumentParser((RunArguments, DiLoCoConfig))
+    parser = _field_parser()
     values = load_recipe(recipe) if recipe else {}
-    known = {action.dest for action in parser._actions}
+    known = {f.name for dtype in (RunArguments, DiLoCoConfig) for f in fields(dtype) if f.init}
     unknown = sorted(set(values) - known)
     if unknown:
         raise CLIError(
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
             f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
         )
-    if _dry_run_requested(values, overrides):
-        import torch
-
-        if not torch.cuda.is_available():
-            # A dry run checks a GPU recipe on any machine: mixed precision only matters once training starts.
-            values = {**values, "bf16": False, "fp16": False}
-            overrides = _drop_flags(overrides, ("--bf16", "--fp16"))
+    # Floats go back to text so that argparse converts them with the field's own type, like a flag.
     parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
-    try:
-        run, config, rest = parser.parse_args_into_dataclasses(args=overrides, return_remaining_strings=True)
-    except ValueError as error:
-        raise CLIError(first_line(error) + ".") from None
+    namespace, rest = parser.parse_known_args(overrides)
     if rest:
         raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
-    return run, config
+    if namespace.dry_run:
+        # Whatever its spelling (--dry_run, --dry-run, --dry_run=true, dry_run: true in the recipe), a dry run
+        # checks a recipe on any machine: device settings only matter once training starts.
+        _drop_device_requirements(namespace)
+    try:
+        return (RunArguments(**_fields_of(RunArguments, namespace)),
+                DiLoCoConfig(**_fields_of(DiLoCoConfig, namespace)))
+    except ValueError as error:
+        raise CLIError(first_line(error) + ".") from None
 
 
-def _dry_run_requested(values: dict, overrides: list[str]) -> bool:
-    flag = None
-    for i, item in enumerate(overrides):
-        if item == "--dry_run":
-            flag = overrides[i + 1] if i + 1 < len(overrides) and not overrides[i + 1].startswith("--") else "true"
-        elif item.startswith("--dry_run="):
-            flag = item.split("=", 1)[1]
-    value = values.get("dry_run", False) if flag is None else flag
-    return str(value).lower() in ("true", "1", "yes")
+def _fields_of(dtype, namespace: argparse.Namespace) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(namespace, f.name) for f in fields(dtype) if f.init and hasattr(namespace, f.name)}
 
 
-def _drop_flags(overrides: list[str], flags: tuple[str, ...]) -> list[str]:
-    kept, skip = [], False
-    for item in overrides:
-        if skip:
-            skip = False
-            continue
-        if item in flags:
-            skip = True
-            continue
-        if not item.startswith(tuple(f + "=" for f in flags)):
-            kept.append(item)
-    return kept
+def _drop_device_requirements(namespace: argparse.Namespace) -> None:
+    """Switch off the settings TrainingArguments refuses on a machine without the device they need."""
+    import torch
 
-
-def check_output_dir(config) -> None:
-    """Refuse to train into a folder that already holds a run, unless resuming from it."""
-    out = Path(config.output_dir)
-    if config.resume_from_checkpoint or not out.exists():
-        return
-    from .metrics import SYNC_ROUNDS_FILE
-
-    if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
-        raise CLIError(
-            f"output_dir {str(out)!r} already holds a run; choose another output_dir or pass "
-            f"--resume_from_checkpoint latest to continue it."
-        )
-
-
-def resolve_checkpoint(config) -> str | None:
-    value = config.resume_from_checkpoint
-    if not value:
-        return None
-    if value in ("latest", "last", "True", "true"):
-        from transformers.trainer_utils import get_last_checkpoint
-
-        found = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
-        if found is None:
-            raise CLIError(f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder.")
-        return found
-    if not os.path.isdir(value):
-        raise CLIError(f"checkpoint {value!r} does not exist.")
-    return value
+    if not torch.cuda.is_available():
+        for name in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval"):
+            setattr(namespace, name, False)
+        namespace.tf32 = None
 
 
 # --- commands -------------------------------------------------------------------------------------------------------
@@ -147,181 +131,42 @@ def resolve_checkpoint(config) -> str | None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.config, args.overrides)
-    checkpoint = resolve_checkpoint(config)
-    if not run.dry_run:
-        check_output_dir(config)
+    if run.dry_run:
+        print_plan(training.dry_run_plan(run, config))
+        return 0
 
-    from transformers import Trainer, default_data_collator
-
-    from .callbacks import SteadyClock
-    from .data import build_datasets
-    from .models import load_model_and_tokenizer
+    from .callbacks import RunRecorder, StopOnRequest
     from .trainer import DiLoCoTrainer
 
-    if not config.should_log:
-        import datasets
+    stopper = StopOnRequest(config.output_dir)
 
-        datasets.disable_progress_bars()  # one set of progress bars per run, from the main process
-    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
-    if run.lora_r > 0:
-        model = add_lora(model, run)
-    if run.dry_run:
-        print_plan(run, config, model)
-        return 0
-    if run.streaming and config.max_steps <= 0:
-        raise CLIError("a streamed dataset has no length: set max_steps.")
-    train_dataset, eval_dataset = build_datasets(run, tokenizer)
-    if eval_dataset is None and config.eval_strategy != "no":
-        raise CLIError("eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on.")
-    trainer_cls = DiLoCoTrainer if run.trainer == "diloco" else Trainer
-    clock = SteadyClock()
-    trainer = trainer_cls(
-        model=model,
-        args=config,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=default_data_collator,
-        callbacks=[clock],
-    )
+    def stop_on_request(trainer) -> None:
+        if isinstance(trainer, DiLoCoTrainer):
+            stopper.attach(trainer.diloco.request_stop)  # DiLoCo stops at a round boundary, all replicas together
+        # `<output_dir>/stop.request` or `kill -USR1` (what the app's Stop does): stop with a checkpoint, exit.
+        signal.signal(signal.SIGUSR1, lambda *_: stopper.request())
+
+    trainer = training.train(run, config, callbacks=[RunRecorder(config.output_dir), stopper],
+                             before_train=stop_on_request)
     if trainer.is_world_process_zero():
-        write_run_config(config.output_dir, run, config)
-    if isinstance(trainer, DiLoCoTrainer):
-        # `kill -USR1` (what the app's Stop sends): finish the round, save a checkpoint, exit.
-        signal.signal(signal.SIGUSR1, lambda *_: trainer.diloco.request_stop())
-    output = trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model()
-    if trainer.is_world_process_zero():
-        tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
-        write_run_metrics(config.output_dir, trainer, {**output.metrics, **clock.metrics(tokens_per_step)})
-        if run.lora_r > 0 and run.merge_lora:
-            merged = Path(config.output_dir) / "merged"
-            model.merge_and_unload().save_pretrained(merged)
-            tokenizer.save_pretrained(merged)
         print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
 
 
-def write_run_config(output_dir: str, run, config) -> None:
-    """`run_config.json`: the run's model/data arguments and DiLoCo settings, for model cards (no tokens)."""
-    from dataclasses import asdict
-
-    from .hub import DILOCO_ROWS, RUN_CONFIG_FILE
-
-    training_keys = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size",
-                     "gradient_accumulation_steps", "lr_scheduler_type", "seed")
-    values = {
-        "run": asdict(run),
-        "diloco": {key: getattr(config, key) for key, _, _ in DILOCO_ROWS},
-        "training": {key: str(getattr(config, key)) if key == "lr_scheduler_type" else getattr(config, key)
-                     for key in training_keys},
-        "num_processes": config.world_size,
-    }
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / RUN_CONFIG_FILE).write_text(json.dumps(values, indent=2, default=str) + "\n")
-
-
-def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
-    """`run_metrics.json`: Trainer's end-of-training numbers, the last eval loss, and this process's peak memory.
-
-    Written for every trainer (DiLoCo or the DDP baseline), so baselines and DiLoCo runs compare from one file.
-    """
-    import resource
-
-    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
-    metrics = {
-        "global_step": trainer.state.global_step,
-        "eval_loss": evals[-1] if evals else None,
-        "eval_loss_initial": evals[0] if evals else None,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports kB
-        **train_metrics,
-    }
-    (Path(output_dir) / "run_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-
-
-def add_lora(model, run):
-    from peft import LoraConfig, get_peft_model
-
-    targets = [name.strip() for name in run.lora_target_modules.split(",") if name.strip()]
-    try:
-        return get_peft_model(
-            model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                              target_modules=targets, task_type="CAUSAL_LM")
-        )
-    except ValueError as error:
-        raise CLIError(f"cannot add LoRA adapters: {first_line(error)}.") from None
-
-
-def print_plan(run, config, model) -> None:
-    """What a run would do, computed without loading data or training."""
-    from .comm import ring_all_reduce_bytes
-    from .metrics import format_bytes
-
-    replicas = int(os.environ.get("WORLD_SIZE", "1")) // config.replica_group_size
-    shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    group = config.replica_group_size
-    per_round = ring_all_reduce_bytes(trainable * 4 // group, shown)  # each member syncs a 1/g slice
-    tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
-    optim = getattr(config.optim, "value", config.optim)
-    schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
-    plan = {
-        "trainer": run.trainer,
-        "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
-        "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
-        + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
-        "replicas in this launch": f"{replicas} of {group} process(es) each",
-        "inner_steps (H)": config.inner_steps,
-        "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
-        + (" Nesterov" if config.outer_nesterov else ""),
-        "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
-        f"warmup {config.warmup_steps}, {schedule}",
-        "tokens per inner step per process": f"{tokens_per_step:,}",
-        "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
-        f"sent across replicas per process per round, M={shown}": format_bytes(per_round),
-        f"DDP for the same {config.inner_steps} steps": format_bytes(
-            config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
-        ),
-    }
+def print_plan(plan: dict[str, str]) -> None:
     width = max(map(len, plan))
     print("hf-diloco dry run: nothing was downloaded or trained")
     for key, value in plan.items():
         print(f"  {key:<{width}}  {value}")
 
 
-def check_accelerate_config(path: str, config) -> dict:
-    """The accelerate config exists, is readable, and fits the recipe's replica layout."""
-    if not Path(path).is_file():
-        raise CLIError(f"accelerate config {path!r} does not exist.")
-    try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as error:
-        raise CLIError(f"accelerate config {path!r} is not valid YAML ({first_line(error)}).") from None
-    if not isinstance(values, dict):
-        raise CLIError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
-    processes = int(values.get("num_processes", 1) or 1)
-    if processes % config.replica_group_size:
-        raise CLIError(
-            f"accelerate config {path!r} starts {processes} processes, which replica_group_size="
-            f"{config.replica_group_size} does not divide."
-        )
-    kind = str(values.get("distributed_type", "NO")).upper()
-    if kind in ("FSDP", "DEEPSPEED"):
-        raise CLIError(
-            f"accelerate config {path!r} uses {kind}, which would shard one model across replicas; use "
-            f"MULTI_GPU, with replica_group_size > 1 for DDP inside each replica (FSDP inside a replica is not "
-            f"supported yet)."
-        )
-    return values
-
-
 def cmd_launch(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.recipe, args.overrides)  # fail here, before any process starts
-    check_accelerate_config(args.accelerate_config, config)
-    resolve_checkpoint(config)
+    training.check_accelerate_config(args.accelerate_config, config)
+    training.check_arguments(run, config)
+    training.resolve_checkpoint(config)
     if not run.dry_run:
-        check_output_dir(config)
+        training.check_output_dir(config)
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
     print(" ".join(command), flush=True)
     if args.dry_run:

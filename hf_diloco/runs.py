@@ -2,7 +2,12 @@
 
     <runs_dir>/<run_id>/run.json     recipe, accelerate config, overrides, command, pids, status, times, exit code
     <runs_dir>/<run_id>/run.log      everything the run printed
-    <runs_dir>/<run_id>/output/      the run's output_dir (sync_rounds.jsonl, checkpoints, model)
+    <runs_dir>/<run_id>/output/      the run's output_dir (sync_rounds.jsonl, checkpoints, model, and the files
+                                     below, written by hf_diloco.callbacks)
+        progress.json       step, max_steps and phase, rewritten by the main process as it trains
+        trainer_log.jsonl   every dict Trainer logged (loss, eval_loss, ...): what a baseline run shows
+        stop.request        written by `stop`; the run stops at the next round boundary (or step) and removes it
+        stopped.json        written by the run when it has stopped on request, with the step and checkpoint
 
 Design choices:
 - State lives on disk, never in a server's memory: any number of runs, and an app restart loses nothing.
@@ -11,9 +16,15 @@ Design choices:
   and writes the exit code and final status into run.json, so the outcome is recorded even if the app is gone.
 - Status is read from the processes, not guessed: a run.json saying "running" whose supervisor no longer exists
   is reported as failed.
-- Stop is graceful: SIGUSR1 goes to the training processes, which finish the current round, save a checkpoint and
-  exit (see DiLoCoTrainer); the stop request rides along with the round's sync, so every replica stops at the same
-  step. The supervisor and everything below it are killed only if the run is still alive after `grace_seconds`.
+- Stop is graceful: `stop` writes `stop.request` into the output folder; the runs' StopOnRequest callback finishes the current round (DiLoCo; the request rides
+  along with the round's sync, so every replica stops at the same step) or step (plain Trainer), saves a checkpoint
+  and exits. A request made while the run is still starting is honoured at its first step. The status says
+  `stopped` only if the run wrote `stopped.json`; a run that reached its end first is `finished`. The supervisor
+  and everything below it are killed only if the run is still alive after `grace_seconds` (status `failed`).
+- A failed run keeps its own one-sentence reason (`reason`): the CLI's last `hf-diloco: error:` line, else the
+  last exception line of the log.
+- Run ids come from the run's name plus a counter, not a clock, so the command Preview shows is the one Start
+  runs; the run's clock (`created`) starts when it is started.
 - This module imports neither torch nor transformers, so the app stays light.
 """
 
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +44,13 @@ RUN_FILE = "run.json"
 LOG_FILE = "run.log"
 OUTPUT_DIR = "output"
 STOP_SIGNAL = signal.SIGUSR1
+STOP_FILE = "stop.request"
+STOPPED_FILE = "stopped.json"
+PROGRESS_FILE = "progress.json"
+TRAINER_LOG_FILE = "trainer_log.jsonl"
 ACTIVE = ("starting", "running", "stopping")
+ERROR_PREFIX = "hf-diloco: error: "
+EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
 
 def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
@@ -61,6 +79,8 @@ class Run:
     ended: float | None = None
     exit_code: int | None = None
     stop_requested: float | None = None
+    name: str = ""
+    reason: str = ""
 
     @property
     def folder(self) -> Path:
@@ -83,9 +103,11 @@ def _alive(pid: int | None, marker: str) -> bool:
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return marker in cmdline and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    # An empty command line is a process in the middle of exec (just started): alive, marker not yet readable.
+    return (marker in cmdline or not cmdline) and state != "Z"
 
 
 def load(run_dir: Path) -> Run:
@@ -94,6 +116,7 @@ def load(run_dir: Path) -> Run:
     if run.status in ACTIVE and not _alive(run.supervisor_pid, "hf_diloco.runs"):
         run.status = "failed"
         run.ended = run.ended or time.time()
+        run.reason = run.reason or "its supervisor process is gone (the machine restarted or it was killed)."
     return run
 
 
@@ -105,8 +128,18 @@ def list_runs(runs_dir: Path) -> list[Run]:
     return sorted(runs, key=lambda r: r.created, reverse=True)
 
 
-def new_run_id(runs_dir: Path, recipe: str) -> str:
-    base = f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+def slug(name: str) -> str:
+    """A folder-safe form of a run name: letters, digits, '.', '_' and '-'.
+
+    >>> slug("tiny pretrain H=5 / lr 0.7")
+    'tiny-pretrain-H-5-lr-0.7'
+    """
+    return re.sub(r"[^A-Za-z0-9._]+", "-", name).strip("-.") or "run"
+
+
+def new_run_id(runs_dir: Path, name: str) -> str:
+    """`name` as a folder name, with -2, -3, ... if taken."""
+    base = slug(Path(name).stem if name.endswith(".yaml") else name)
     run_id, n = base, 1
     while (runs_dir / run_id).exists():
         n += 1
@@ -115,18 +148,19 @@ def new_run_id(runs_dir: Path, recipe: str) -> str:
 
 
 def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
-         launch_args: list[str] | None = None) -> Run:
+         launch_args: list[str] | None = None, name: str = "") -> Run:
     """The run that `start_planned` will start: its id, output folder and exact command (nothing is created)."""
-    run_id = new_run_id(runs_dir, recipe)
+    run_id = new_run_id(runs_dir, name or recipe)
     output_dir = str((runs_dir / run_id / OUTPUT_DIR).resolve())
     command = accelerate_command(recipe, accelerate_config, [*overrides, "--output_dir", output_dir], port, launch_args)
-    return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir)
+    return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir, name=name or run_id)
 
 
 def start_planned(run: Run) -> Run:
     """Create the run folder and start the run under its supervisor, detached in its own session."""
     run_dir = run.folder
     run_dir.mkdir(parents=True)
+    run.created = time.time()  # the run's clock starts now, not when it was planned
     _write(run_dir, run)
     with (run_dir / LOG_FILE).open("ab") as log:  # the supervisor's own errors, if any, end up in the log
         supervisor = subprocess.Popen(
@@ -177,11 +211,10 @@ def stop(run_dir: Path, grace_seconds: float = 600.0) -> Run:
     run = load(run_dir)
     if run.status not in ACTIVE:
         return run
-    for pid in training_pids(run):
-        try:
-            os.kill(pid, STOP_SIGNAL)
-        except ProcessLookupError:
-            pass
+    Path(run.output_dir).mkdir(parents=True, exist_ok=True)
+    # Read by the runs' StopOnRequest callback at every step, from before the first one. No signal is sent: a
+    # process still importing would die of SIGUSR1 (`kill -USR1` works by hand once training runs).
+    (Path(run.output_dir) / STOP_FILE).write_text(f"{time.time()}\n")
     run.stop_requested = run.stop_requested or time.time()
     run.status = "stopping"
     _write(run_dir, run)
@@ -204,9 +237,28 @@ def _supervise(run_dir: Path) -> int:
     run = _read(run_dir)  # the app may have asked to stop meanwhile
     run.exit_code = code
     run.ended = time.time()
-    run.status = ("stopped" if run.stop_requested else "finished") if code == 0 else "failed"
+    stopped = (Path(run.output_dir) / STOPPED_FILE).exists()  # what the run did, not what was asked
+    run.status = ("stopped" if stopped else "finished") if code == 0 else "failed"
+    if code != 0:
+        run.reason = failure_reason(run_dir / LOG_FILE) or f"the run exited with status {code}; see its log."
     _write(run_dir, run)
     return code
+
+
+def failure_reason(log_file: Path) -> str:
+    """The run's own one-sentence reason: the CLI's last error line, else the last exception line of the log."""
+    try:
+        with log_file.open("rb") as f:
+            f.seek(max(0, log_file.stat().st_size - 200_000))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.split(ERROR_PREFIX, 1)[1].strip() for line in lines if ERROR_PREFIX in line]
+    if errors:
+        return errors[-1]
+    exceptions = [m for line in lines if (m := EXCEPTION_LINE.match(line.strip()))
+                  and m.group(1) != "CalledProcessError"]  # the launcher's own "a process failed" line
+    return f"{exceptions[-1].group(1)}: {exceptions[-1].group(2)}" if exceptions else ""
 
 
 def _reap(run_dir: Path, grace_seconds: float) -> None:
@@ -223,8 +275,9 @@ def _reap(run_dir: Path, grace_seconds: float) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        run.status, run.ended = "stopped", time.time()
+        run.status, run.ended = "failed", time.time()
         run.exit_code = run.exit_code if run.exit_code is not None else -signal.SIGKILL
+        run.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
         _write(run_dir, run)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import time
 
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
@@ -49,6 +50,63 @@ def test_stop_finishes_the_round_saves_a_checkpoint_and_leaves_no_process(tmp_pa
     assert not runs._alive(final.supervisor_pid, "hf_diloco.runs")
     log = (run.folder / "run.log").read_text()
     assert "stop requested" in log
+
+
+def test_a_ddp_baseline_stops_on_request_with_a_checkpoint_and_records_its_progress(tmp_path, monkeypatch):
+    """The plain Trainer (`trainer: ddp`) honours the same stop file: both processes stop after the same step
+    (they all-reduce every step, so a stop on one alone would hang the other) and the step's checkpoint is saved.
+    Its loss and step reach the run folder from Trainer's own logs (no sync rounds exist for DDP)."""
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    recipe = str(REPO / "recipes" / "ddp-baseline.yaml")
+    run = runs.start(tmp_path, recipe, str(ACCELERATE_CPU_2PROC), [*SHORT[:2], *SHORT[4:]], port=free_port())
+    progress = run.folder / "output" / runs.PROGRESS_FILE
+    wait_for(lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 10, 180, "ten steps")
+    runs.stop(run.folder, grace_seconds=120)
+    final = wait_for(lambda: (r := runs.load(run.folder)).status not in runs.ACTIVE and r, 150, "the run to end")
+    assert final.status == "stopped" and final.exit_code == 0, (run.folder / "run.log").read_text()[-3000:]
+    stopped = json.loads((run.folder / "output" / runs.STOPPED_FILE).read_text())
+    assert 10 <= stopped["step"] < 400 and stopped["checkpoint"] == f"checkpoint-{stopped['step']}"
+    assert (run.folder / "output" / stopped["checkpoint"]).is_dir()
+    assert not (run.folder / "output" / runs.STOP_FILE).exists(), "the request is consumed"
+    assert json.loads(progress.read_text())["step"] == stopped["step"]
+    logged = [json.loads(line) for line in (run.folder / "output" / runs.TRAINER_LOG_FILE).read_text().splitlines()]
+    assert any("loss" in entry for entry in logged)
+
+
+def test_a_stop_requested_while_starting_is_honoured_at_the_first_round(tmp_path, monkeypatch):
+    """Stop pressed before the processes have imported torch: the request waits in the output folder and the
+    DiLoCo replicas stop together at the end of their first round, with a checkpoint."""
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    run = runs.start(tmp_path, RECIPE, str(ACCELERATE_CPU_2PROC), SHORT, port=free_port())
+    runs.stop(run.folder, grace_seconds=150)
+    assert runs.load(run.folder).status == "stopping"
+    final = wait_for(lambda: (r := runs.load(run.folder)).status not in runs.ACTIVE and r, 180, "the run to end")
+    assert final.status == "stopped", (run.folder / "run.log").read_text()[-3000:]
+    assert json.loads((run.folder / "output" / runs.STOPPED_FILE).read_text())["step"] == 5
+    assert (run.folder / "output" / "checkpoint-5" / "diloco_outer.pt").is_file()
+
+
+def test_a_stop_that_did_not_happen_never_reads_as_stopped(tmp_path):
+    """Status comes from what the run did: a run that ends normally after Stop was pressed (it never wrote
+    stopped.json) is finished, not stopped."""
+    folder = tmp_path / "quick"
+    plan = runs.Run("quick", RECIPE, "c.yaml", [], [sys.executable, "-c", "import time; time.sleep(3)"],
+                    str(folder / "output"))
+    runs.start_planned(plan)
+    assert runs.stop(folder, grace_seconds=60).status == "stopping"
+    final = wait_for(lambda: (r := runs.load(folder)).status not in runs.ACTIVE and r, 60, "the run to end")
+    assert final.status == "finished" and final.exit_code == 0
+
+
+def test_a_failed_run_keeps_its_one_sentence_reason(tmp_path):
+    folder = tmp_path / "bad"
+    script = "import sys; print('Traceback ...'); print('hf-diloco: error: model \"m\" does not exist.', " \
+             "file=sys.stderr); print('subprocess.CalledProcessError: Command died'); sys.exit(2)"
+    runs.start_planned(runs.Run("bad", RECIPE, "c.yaml", [], [sys.executable, "-c", script], str(folder / "output")))
+    final = wait_for(lambda: (r := runs.load(folder)).status not in runs.ACTIVE and r, 60, "the run to end")
+    assert final.status == "failed" and final.reason == 'model "m" does not exist.'
 
 
 def test_a_run_whose_supervisor_died_reads_as_failed(tmp_path):
