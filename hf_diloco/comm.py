@@ -9,22 +9,33 @@ With g = 1 a replica is one process and the slice group is the whole world.
 Design choices:
 - This module is the only place where replicas talk. Every collective below says who calls it, when, and what it
   costs. Between two outer syncs nothing here is called, so zero bytes cross replicas.
-- A sync round is ONE all-reduce per bucket of the flat fp32 pseudo-gradient across replicas. With g > 1 the
-  replica's members hold the same pseudo-gradient (DDP keeps them identical), so member j all-reduces only the
-  j-th 1/g slice with its counterparts in the other replicas, then the g averaged slices are all-gathered inside
-  the replica: the bytes that cross replicas drop g-fold per process, and the all-gather stays on the fast
+- A sync is a sequence of buckets of the flat fp32 pseudo-gradient, averaged one at a time (`average`). With
+  g > 1 the replica's members hold the same pseudo-gradient (DDP keeps them identical), so member j averages only
+  the j-th 1/g slice with its counterparts in the other replicas, then the g averaged slices are all-gathered
+  inside the replica: the bytes that cross replicas drop g-fold per process, and the all-gather stays on the fast
   intra-replica links.
-- The round statistics (loss, steps, tokens, time, pseudo-gradient norm, stop request) ride in a few extra slots
-  of the last bucket: replica r writes its statistics into row r of an M x k block and zeros elsewhere, so the
-  summed block holds every replica's row; with g > 1 the blocks of all members travel in the all-gather too.
-  Every process ends with every process's statistics, so decisions taken from them (stop now) are the same
-  everywhere. Metrics cost no extra collective and no extra round trip.
-- Bytes are counted with the ring model: an all-reduce sends 2 (M - 1) / M x payload per process, an all-gather
-  (g - 1) / g x payload; NCCL's and gloo's ring algorithms send that. The WAN benchmark checks it against the
-  network interface counters.
-- All processes must call `all_reduce_round` the same number of times with buffers of the same sizes, in the same
-  order (bucket 0, 1, ...), or the collectives deadlock; the trainer guarantees this by syncing at the same global
-  steps everywhere. Process groups are created in the constructor, which every process must run, in the same order.
+- Three ways across replicas, by codec:
+    none      one fp32 all-reduce per bucket: 2 (M − 1)/M · 4n bytes sent per process (ring).
+    dense     (bf16, fp16, int8, int4) a quantized reduce-scatter, as an all-to-all of the M encoded shards of
+              the bucket; each process decodes the M copies of its own shard and sums them in fp32; it
+              re-encodes the average and an all-gather hands every process every encoded average:
+              2 (M − 1)/M · S bytes sent per process, S the encoded bucket, so the cost does not grow with M.
+    sparse    an all-gather of every replica's payload (top-k positions differ between replicas, so sparse
+              vectors cannot be summed on the way): (M − 1) · S bytes per process. S is ~1/136 of fp32 with the
+              defaults, so this beats the dense codecs until M is in the dozens.
+  Every process decodes the same bytes in the same order, so all hold bit-identical averages.
+- The round statistics (loss, steps, tokens, time, pseudo-gradient norm, stop request) ride with the last
+  bucket: in the fp32 all-reduce as row r of an M x k block of zeros, in the codecs' all-gather as k fp32 values
+  appended to the payload, and with g > 1 in the all-gather inside the replica. Every process ends with every
+  process's statistics, so decisions taken from them (stop now) are the same everywhere. Metrics cost no extra
+  collective and no extra round trip.
+- Bytes are counted from the payload sizes and the algorithm: ring all-reduce 2 (M − 1)/M x payload, all-to-all
+  (M − 1) shards, ring all-gather (M − 1) payloads (inside a replica: (g − 1)/g of the result). The two-node test
+  checks the count against the network interface counters.
+- All processes must call `average` the same number of times with buckets of the same sizes, in the same order,
+  or the collectives deadlock; the trainer guarantees this by syncing the same buckets at the same global steps
+  everywhere. Process groups are created in the constructor, which every process must run, in the same order.
+  A sync overlapped with training runs in one background thread on process groups of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .codecs import Codec, ErrorFeedback, SparseCodec, from_bytes
 
 
 @dataclass
@@ -72,7 +85,7 @@ class ReplicaComm:
     the same code path serves a single process and a fleet.
     """
 
-    def __init__(self, group_size: int = 1):
+    def __init__(self, group_size: int = 1, background: bool = False):
         self.distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if self.distributed else 1
         rank = dist.get_rank() if self.distributed else 0
@@ -83,16 +96,26 @@ class ReplicaComm:
         self.replica_index, self.member = divmod(rank, group_size)
         self.replica_group: dist.ProcessGroup | None = None  # None: a replica of one process
         self.slice_group: dist.ProcessGroup | None = None  # None: the whole world (g = 1)
+        self.gather_group: dist.ProcessGroup | None = None  # the sync's all-gather inside the replica
         if self.distributed and group_size > 1:
             # dist.new_group is collective: every process creates every group, in the same order.
             for k in range(self.num_replicas):
                 group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
                 if k == self.replica_index:
-                    self.replica_group = group
+                    self.replica_group = self.gather_group = group
             for j in range(group_size):
                 group = dist.new_group(list(range(j, world, group_size)))
                 if j == self.member:
                     self.slice_group = group
+        if self.distributed and background:
+            # A sync running in a background thread gets process groups of its own, so its collectives never
+            # interleave with the training thread's (DDP inside a replica, Trainer's evaluation gathers).
+            if group_size == 1:
+                self.slice_group = dist.new_group(list(range(world)))
+            for k in range(self.num_replicas if group_size > 1 else 0):
+                group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
+                if k == self.replica_index:
+                    self.gather_group = group
         backend = dist.get_backend() if self.distributed else "none"
         # NCCL reduces device tensors; gloo (and no backend at all) works on CPU tensors.
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -125,51 +148,162 @@ class ReplicaComm:
         # A pipelined broadcast sends about one payload from every process but the last.
         return SyncCost(payload, payload, 0, len(by_dtype))
 
-    def all_reduce_round(self, buckets: list[torch.Tensor], stats: torch.Tensor) -> tuple[torch.Tensor, SyncCost]:
-        """Average the pseudo-gradient buckets over replicas, in place, and gather every process's statistics.
 
-        Called by every process at the end of every round, with buckets of identical sizes everywhere. Makes, per
-        bucket, one all-reduce across replicas and, when g > 1, one all-gather inside the replica. `stats` (k
-        values of this process) rides in the last bucket's all-reduce (as row `replica_index` of an M x k block)
-        and, with g > 1, in its all-gather, so every process ends with the same statistics.
-
-        Returns the [g, M, k] tensor of all processes' statistics (member, replica, value), identical on every
-        process, and the cost of the round.
-        """
-        k = stats.numel()
-        g, m = self.group_size, self.num_replicas
-        block = torch.zeros(m, k, dtype=torch.float32)
-        block[self.replica_index] = stats.detach().to(torch.float32).cpu()
+    def fp32_bytes_sent(self, numel: int, with_stats: int = 0) -> int:
+        """What this process would send to average `numel` values (+ k stats) with an fp32 all-reduce."""
         if not self.active:
-            payload = sum(b.numel() * b.element_size() for b in buckets)
-            return block.reshape(1, m, k), SyncCost(payload, 0, 0, 0)
-        block = block.reshape(-1).to(self.device)
-        payload = sent = intra = collectives = 0
-        last = len(buckets) - 1
-        gathered_stats = None
-        for index, bucket in enumerate(buckets):
-            pad = -bucket.numel() % g  # slices must have equal sizes for the all-gather
-            padded = torch.cat([bucket, bucket.new_zeros(pad)]) if pad else bucket
-            chunk = padded.view(g, -1)[self.member]
-            n = chunk.numel()
-            # In place when nothing rides along: the bucket is overwritten below anyway.
-            buffer = torch.cat([chunk, block]) if index == last else chunk
+            return 0
+        values = -(-numel // self.group_size) + self.num_replicas * with_stats
+        return ring_all_reduce_bytes(4 * values, self.num_replicas)
+
+    def average(
+        self,
+        delta: torch.Tensor,
+        *,
+        codec: Codec | None = None,
+        feedback: ErrorFeedback | None = None,
+        key: str = "",
+        stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, SyncCost]:
+        """Δ = (1/M) Σ_i Δ_i for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
+
+        Called by every process, once per bucket, in the same bucket order everywhere, with buckets of identical
+        sizes (the trainer syncs the same buckets at the same steps on every process). With g > 1 each member
+        averages its 1/g slice across replicas, then the slices are all-gathered inside the replica.
+
+        `codec` None (or "none") is an fp32 all-reduce. A dense codec (bf16, fp16, int8, int4) is a quantized
+        reduce-scatter (all-to-all of encoded shards), an fp32 sum of the M decoded copies of this process's
+        shard, a re-encode of the average and an all-gather of the encoded averages: about 2·S bytes sent per
+        process whatever M (S = the encoded bucket). `sparse` all-gathers every replica's payload and sums the M
+        decoded payloads in replica order: (M − 1)·S, fine while M is small, and the only way to add sparse
+        vectors whose kept positions differ. Every process decodes the same bytes in the same order, so all hold
+        bit-identical Δ.
+
+        `feedback` (error feedback, codecs only) adds this replica's residual for `key` before encoding and keeps
+        what the encoding lost. `stats` (k values of this process) ride along with the bucket's collective; the
+        [g, M, k] statistics of every process come back, identical everywhere.
+        """
+        codec = None if codec is None or codec.name == "none" else codec
+        g, m = self.group_size, self.num_replicas
+        pad = -delta.numel() % g  # slices must have equal sizes for the all-gather inside the replica
+        flat = torch.cat([delta, delta.new_zeros(pad)]) if pad else delta
+        chunk = flat.view(g, -1)[self.member]
+        if codec is None:
+            average, rows, cost = self._average_fp32(chunk, stats)
+        elif isinstance(codec, SparseCodec):
+            average, rows, cost = self._average_sparse(chunk, codec, feedback, key, stats)
+        else:
+            average, rows, cost = self._average_dense(chunk, codec, feedback, key, stats)
+        if g == 1:
+            return average[: delta.numel()], None if rows is None else rows.reshape(1, m, -1).cpu(), cost
+        # Inside the replica: every member contributes its averaged slice (fp32, fast links) and its stats rows.
+        k = 0 if rows is None else rows.numel() // m
+        piece = average if rows is None else torch.cat([average, rows.reshape(-1).to(average.device)])
+        gathered = torch.empty(g * piece.numel(), dtype=piece.dtype, device=piece.device)
+        dist.all_gather_into_tensor(gathered, piece, group=self.gather_group)
+        cost.collectives += 1
+        cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * gathered.element_size(), g)
+        pieces = gathered.view(g, -1)
+        n = chunk.numel()
+        result = pieces[:, :n].reshape(-1)[: delta.numel()].clone()
+        return result, None if rows is None else pieces[:, n:].reshape(g, m, k).cpu(), cost
+
+    # --- the three ways across replicas, for this process's slice ---
+
+    def _stats_row(self, stats: torch.Tensor) -> torch.Tensor:
+        return stats.detach().to(torch.float32).reshape(-1).to(self.device)
+
+    def _average_fp32(self, chunk: torch.Tensor, stats):
+        """One fp32 all-reduce; the stats travel as row `replica_index` of an M x k block of zeros."""
+        m, n = self.num_replicas, chunk.numel()
+        buffer = chunk.to(self.device, torch.float32, copy=True)
+        if stats is not None:
+            block = torch.zeros(m, stats.numel(), dtype=torch.float32, device=self.device)
+            block[self.replica_index] = self._stats_row(stats)
+            buffer = torch.cat([buffer, block.reshape(-1)])
+        cost = SyncCost(buffer.numel() * 4, 0, 0, 0)
+        if self.active:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.slice_group)
-            collectives += 1
-            payload += buffer.numel() * buffer.element_size()
-            sent += ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), m)
+            cost.bytes_sent = ring_all_reduce_bytes(buffer.numel() * 4, m)
+            cost.collectives = 1
             buffer[:n] /= m
-            if g == 1:
-                bucket.copy_(buffer[:n])
-                if index == last:
-                    gathered_stats = buffer[n:].reshape(1, m, k)
-                continue
-            gathered = torch.empty(g * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-            dist.all_gather_into_tensor(gathered, buffer, group=self.replica_group)
-            collectives += 1
-            intra += ring_all_gather_bytes(gathered.numel() * gathered.element_size(), g)
-            rows = gathered.view(g, -1)
-            bucket.copy_(rows[:, :n].reshape(-1)[: bucket.numel()])
-            if index == last:
-                gathered_stats = rows[:, n:].reshape(g, m, k)
-        return gathered_stats.cpu(), SyncCost(payload, sent, intra, collectives)
+        return buffer[:n], None if stats is None else buffer[n:].view(m, -1), cost
+
+    def _encode_with_feedback(self, x, codec, feedback, key, encode) -> torch.Tensor:
+        """Encode x (+ this replica's residual); keep what the encoding lost for the next round."""
+        if feedback is None:
+            return encode(x)
+        accumulated = feedback.add(key, x)
+        payload, sent = encode(accumulated, with_decoded=True)
+        feedback.update(key, accumulated, sent)
+        return payload
+
+    def _gather_payloads(self, payload: torch.Tensor, stats, cost: SyncCost) -> torch.Tensor:
+        """All-gather one uint8 payload (plus this process's stats bytes) per replica: rows [M, bytes]."""
+        if stats is not None:
+            payload = torch.cat([payload, self._stats_row(stats).view(torch.uint8)])
+        payload = payload.to(self.device)
+        cost.payload_bytes += payload.numel()
+        if not self.active:
+            return payload.view(1, -1)
+        gathered = torch.empty(self.num_replicas * payload.numel(), dtype=torch.uint8, device=self.device)
+        dist.all_gather_into_tensor(gathered, payload, group=self.slice_group)
+        cost.collectives += 1
+        cost.bytes_sent += (self.num_replicas - 1) * payload.numel()  # ring: every other replica's share once
+        return gathered.view(self.num_replicas, -1)
+
+    def _stats_rows(self, gathered: torch.Tensor, body: int, stats):
+        if stats is None:
+            return None
+        return from_bytes(gathered[:, body:].contiguous(), torch.float32).view(self.num_replicas, -1)
+
+    def _average_dense(self, chunk, codec: Codec, feedback, key, stats):
+        """Quantized reduce-scatter, fp32 sum, re-quantize, all-gather."""
+        m, n = self.num_replicas, chunk.numel()
+        shard = -(-n // m)
+        shard_bytes = codec.encoded_bytes(shard)
+
+        def encode_shards(x, with_decoded=False):
+            padded = torch.cat([x, x.new_zeros(shard * m - n)]) if shard * m > n else x
+            parts = [codec.encode(padded[j * shard : (j + 1) * shard].cpu()) for j in range(m)]
+            payload = torch.cat(parts)
+            if not with_decoded:
+                return payload
+            sent = torch.cat([codec.decode(part, shard) for part in parts])[:n].to(x.device)
+            return payload, sent
+
+        send = self._encode_with_feedback(chunk.to(torch.float32), codec, feedback, key, encode_shards)
+        send = send.to(self.device)
+        cost = SyncCost(send.numel(), 0, 0, 0)
+        if self.active:
+            received = torch.empty_like(send)
+            dist.all_to_all_single(received, send, group=self.slice_group)
+            cost.collectives += 1
+            cost.bytes_sent += (m - 1) * shard_bytes  # every shard but this process's own leaves it
+        else:
+            received = send
+        copies = received.cpu().view(m, shard_bytes)
+        total = codec.decode(copies[0], shard)
+        for r in range(1, m):  # fp32 sum in replica order
+            total += codec.decode(copies[r], shard)
+        mine = codec.encode(total / m)
+        gathered = self._gather_payloads(mine, stats, cost).cpu()
+        average = torch.cat([codec.decode(gathered[r, :shard_bytes], shard) for r in range(m)])[:n]
+        return average.to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
+
+    def _average_sparse(self, chunk, codec: SparseCodec, feedback, key, stats):
+        """All-gather of every replica's sparse payload, summed in fp32 in replica order."""
+        m, n = self.num_replicas, chunk.numel()
+        body = codec.encoded_bytes(n)
+
+        def encode(x, with_decoded=False):
+            payload = codec.encode(x.cpu())
+            return (payload, codec.decode(payload, n).to(x.device)) if with_decoded else payload
+
+        payload = self._encode_with_feedback(chunk.to(torch.float32), codec, feedback, key, encode)
+        cost = SyncCost(0, 0, 0, 0)
+        gathered = self._gather_payloads(payload, stats, cost).cpu()
+        total = codec.decode(gathered[0, :body], n)
+        for r in range(1, m):
+            total += codec.decode(gathered[r, :body], n)
+        return (total / m).to(self.device), self._stats_rows(gathered, body, stats), cost

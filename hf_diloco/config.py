@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
+
+FRAGMENT_PATTERNS = ("strided", "sequential")
 
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 DATA_SHARDINGS = ("iid", "non_iid")
@@ -91,8 +94,61 @@ class DiLoCoConfig(TrainingArguments):
     )
     sync_bucket_mb: float = field(
         default=256.0,
-        metadata={"help": "Largest fp32 pseudo-gradient buffer, in MB, reduced in one collective; bigger models "
-                          "are synced in several buckets so the extra memory stays bounded."},
+        metadata={"help": "Largest fp32 pseudo-gradient bucket, in MB. A sync forms, sends, receives and applies one "
+                          "bucket before the next, so its extra memory is about two buckets plus the codec's "
+                          "payloads whatever the model's size."},
+    )
+    compression: str = field(
+        default="none",
+        metadata={"help": "Codec for the pseudo-gradient on the wire: 'none' (fp32 all-reduce), 'bf16', 'fp16', "
+                          "'int8' or 'int4' (one fp32 scale per compression_chunk values; sent as a quantized "
+                          "reduce-scatter + all-gather, about 2x the encoded size per process whatever the number "
+                          "of replicas), or 'sparse' (top sparse_k of every sparse_chunk values at sparse_bits "
+                          "bits, all-gathered). Decoded values are always applied in fp32.",
+                  "choices": list(CODECS)},
+    )
+    compression_chunk: int = field(
+        default=1024,
+        metadata={"help": "Values per fp32 scale for int8/int4 (1024: int8 sends 1.004 bytes a value, int4 0.504)."},
+    )
+    sparse_k: int = field(default=64, metadata={"help": "sparse: values kept in every sparse_chunk (SparseLoCo: 64)."})
+    sparse_chunk: int = field(
+        default=4096, metadata={"help": "sparse: values per chunk; positions are packed in log2(chunk) bits."}
+    )
+    sparse_bits: int = field(
+        default=2, metadata={"help": "sparse: bits per kept value, one of them the sign (SparseLoCo: 2)."}
+    )
+    error_feedback: bool = field(
+        default=False,
+        metadata={"help": "Keep, per replica, what the codec failed to send and add it to the next pseudo-gradient "
+                          "(e <- decay*e + delta; send C(e); e <- e - C(e)). Recommended for int4 and sparse."},
+    )
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata={"help": "Decay of the error-feedback residual in (0, 1] (1: nothing forgotten; SparseLoCo: 0.95)."},
+    )
+    num_fragments: int = field(
+        default=1,
+        metadata={"help": "Streaming DiLoCo: sync the model in F fragments, one every inner_steps/F steps, each "
+                          "fragment once per inner_steps (peak bandwidth drops F-fold). With F > 1, fragment 0 holds "
+                          "the non-layer parameters (embeddings, final norm, head) and the layers are spread over "
+                          "the other F-1. Needs inner_steps % F == 0."},
+    )
+    fragment_pattern: str = field(
+        default="strided",
+        metadata={"help": "How layers are assigned to fragments: 'strided' (layer l -> fragment 1 + l mod (F-1), "
+                          "the paper's better choice) or 'sequential' (contiguous runs of layers).",
+                  "choices": list(FRAGMENT_PATTERNS)},
+    )
+    sync_delay: int = field(
+        default=0,
+        metadata={"help": "tau: inner steps a sync runs in the background before its outer step is applied (0: "
+                          "blocking). Must be below inner_steps/num_fragments; the paper finds tau < 5 robust."},
+    )
+    fragment_alpha: float = field(
+        default=0.0,
+        metadata={"help": "When a sync lands, theta_local <- alpha*theta_local + (1-alpha)*theta_global (0: take the "
+                          "global parameters; Streaming DiLoCo's overlap runs use 0.5)."},
     )
 
     def __post_init__(self):
@@ -146,8 +202,69 @@ class DiLoCoConfig(TrainingArguments):
             )
         if not self.sync_bucket_mb > 0:
             raise ConfigError(f"sync_bucket_mb must be positive, got {self.sync_bucket_mb!r}.")
+        self._validate_compression()
+        self._validate_streaming()
+        self._refuse_sharded_replicas()
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must not be negative, got {self.learning_rate!r}.")
+
+
+    def _validate_compression(self) -> None:
+        if self.compression not in CODECS:
+            raise ConfigError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}.")
+        if not isinstance(self.compression_chunk, int) or self.compression_chunk < 1:
+            raise ConfigError(
+                f"compression_chunk must be a whole number of at least 1, got {self.compression_chunk!r}."
+            )
+        if not isinstance(self.sparse_chunk, int) or self.sparse_chunk < 2:
+            raise ConfigError(f"sparse_chunk must be a whole number of at least 2, got {self.sparse_chunk!r}.")
+        if not isinstance(self.sparse_k, int) or not 1 <= self.sparse_k <= self.sparse_chunk:
+            raise ConfigError(
+                f"sparse_k must be between 1 and sparse_chunk={self.sparse_chunk}, got {self.sparse_k!r}."
+            )
+        if not isinstance(self.sparse_bits, int) or not 1 <= self.sparse_bits <= 8:
+            raise ConfigError(f"sparse_bits must be between 1 and 8, got {self.sparse_bits!r}.")
+        if not 0 < self.error_feedback_decay <= 1:
+            raise ConfigError(f"error_feedback_decay must be in (0, 1], got {self.error_feedback_decay!r}.")
+        if self.error_feedback and self.compression == "none":
+            raise ConfigError(
+                "error_feedback needs a lossy compression (bf16, fp16, int8, int4 or sparse); with 'none' nothing "
+                "is lost to feed back."
+            )
+
+    def _validate_streaming(self) -> None:
+        fragments, delay = self.num_fragments, self.sync_delay
+        if not isinstance(fragments, int) or fragments < 1:
+            raise ConfigError(f"num_fragments must be a whole number of at least 1, got {fragments!r}.")
+        if self.inner_steps % fragments:
+            raise ConfigError(
+                f"inner_steps={self.inner_steps} must be a multiple of num_fragments={fragments}, so that one "
+                f"fragment syncs every inner_steps/num_fragments steps."
+            )
+        if self.fragment_pattern not in FRAGMENT_PATTERNS:
+            raise ConfigError(
+                f"fragment_pattern must be one of {', '.join(FRAGMENT_PATTERNS)}, got {self.fragment_pattern!r}."
+            )
+        if not isinstance(delay, int) or delay < 0:
+            raise ConfigError(f"sync_delay must be a whole number of steps, 0 or more, got {delay!r}.")
+        if delay >= self.inner_steps // fragments:
+            raise ConfigError(
+                f"sync_delay={delay} must be below inner_steps/num_fragments={self.inner_steps // fragments}, so a "
+                f"fragment's sync lands before the next one starts."
+            )
+        if not 0 <= self.fragment_alpha < 1:
+            raise ConfigError(f"fragment_alpha must be in [0, 1), got {self.fragment_alpha!r}.")
+
+    def _refuse_sharded_replicas(self) -> None:
+        """FSDP or DeepSpeed would shard one model over all processes, i.e. over the replicas: wrong DiLoCo."""
+        env = {name: os.environ.get(f"ACCELERATE_USE_{name.upper()}", "").lower() in ("1", "true")
+               for name in ("fsdp", "deepspeed")}
+        if self.fsdp or env["fsdp"] or self.deepspeed or env["deepspeed"]:
+            kind = "FSDP" if self.fsdp or env["fsdp"] else "DeepSpeed"
+            raise ConfigError(
+                f"{kind} would shard one model across the DiLoCo replicas; turn it off and use replica_group_size > "
+                f"1 for DDP inside each replica (FSDP or DeepSpeed inside a replica is not supported yet)."
+            )
 
 
 @dataclass

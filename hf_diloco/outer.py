@@ -1,30 +1,45 @@
-"""The DiLoCo outer step (Douillard et al., arXiv 2311.08105, Algorithm 1).
+"""The DiLoCo outer step (Douillard et al., arXiv 2311.08105, Algorithm 1), one bucket at a time.
 
     θ_global  parameters every replica agreed on at the start of the round (fp32)
     for each round:
         each replica i:  θ_i ← InnerOpt^H(θ_i)             (H local steps, no communication; done by Trainer)
-        each replica i:  Δ_i ← θ_global − θ_i               (pseudo-gradient)             -> pseudo_gradient()
-        all replicas:    Δ  ← (1/M) Σ_i Δ_i                 (the round's only collective)  -> comm.ReplicaComm
+        each replica i:  Δ_i ← θ_global − θ_i               (pseudo-gradient)
+        all replicas:    Δ  ← (1/M) Σ_i Δ_i                 (the round's only collective; comm.ReplicaComm)
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
-        each replica i:  θ_i ← θ_global                     (inner optimizer state is kept) -> apply()
+        each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
+
+`outer_round` is that loop body, line for line. Streaming DiLoCo (arXiv 2501.18512) runs it for one fragment of
+the model at a time, and with an overlap of τ inner steps splits it in two: `exchange` (the first three lines,
+which may run in the background) and `apply` (the last two, after the τ steps), where the copy back mixes
+θ_i ← α·θ_i + (1 − α)·θ_global.
 
 Design choices:
 - θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`), so the
-  outer loop costs no accelerator memory. The pseudo-gradient is formed on the communication device, bucket by
-  bucket, so the extra memory is one bucket at a time.
-- Every replica runs the identical outer step on the identical averaged Δ, so after `apply()` all replicas hold
-  bit-identical parameters without a broadcast.
-- The outer optimizer is a stock torch optimizer whose "gradient" is Δ: torch's Nesterov SGD computes
-  v ← μ v + Δ;  θ ← θ − lr (Δ + μ v), the formulation DiLoCo uses.
+  outer loop costs no accelerator memory.
+- Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking round forms,
+  sends, receives and applies one bucket before it starts the next. The extra memory of a sync is the bucket's
+  Δ_i, its average Δ and the codec's payloads, whatever the model's size.
+- The outer optimizer is one stock torch optimizer over θ_global; a bucket's step sets the gradients of its
+  parameters only, and torch optimizers skip parameters without a gradient, so stepping bucket by bucket is the
+  same arithmetic as one step over all of them. torch's Nesterov SGD computes v ← μ v + Δ; θ ← θ − lr (Δ + μ v),
+  the formulation DiLoCo uses.
+- Every replica runs the identical outer step on the identical averaged Δ, so after `apply` (with α = 0) all
+  replicas hold bit-identical parameters without a broadcast.
 - Only the parameters handed in are synced: for a PEFT model these are the trainable adapter weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .codecs import Codec, ErrorFeedback
+from .comm import ReplicaComm, SyncCost
 
 
 def build_outer_optimizer(
@@ -60,17 +75,65 @@ def partition_into_buckets(numels: list[int], bucket_numel: int) -> list[list[in
     return buckets
 
 
+def layer_of(name: str) -> int | None:
+    """The transformer layer a parameter belongs to: the first number in its dotted name, None for embeddings,
+    final norms and heads.
+
+    >>> layer_of("model.layers.3.mlp.up_proj.weight"), layer_of("model.embed_tokens.weight")
+    (3, None)
+    """
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return int(found.group(1)) if found else None
+
+
+def assign_fragments(names: list[str], num_fragments: int, pattern: str = "strided") -> list[list[int]]:
+    """Parameter indices of each streaming fragment.
+
+    One fragment: everything. F > 1: fragment 0 holds the parameters outside the layers (embeddings, final norm,
+    head); the layers are spread over fragments 1..F−1, strided (layer l goes to 1 + l mod (F−1), the paper's
+    better choice) or sequential (contiguous runs of layers).
+
+    >>> names = ["embed.weight", "layers.0.w", "layers.1.w", "layers.2.w", "layers.3.w", "norm.weight"]
+    >>> assign_fragments(names, 3), assign_fragments(names, 3, "sequential")
+    ([[0, 5], [1, 3], [2, 4]], [[0, 5], [1, 2], [3, 4]])
+    """
+    if num_fragments == 1:
+        return [list(range(len(names)))]
+    layers = sorted({layer for layer in map(layer_of, names) if layer is not None})
+    groups = num_fragments - 1
+    if len(layers) < groups:
+        raise ValueError(
+            f"num_fragments={num_fragments} needs at least {groups} layers besides the non-layer fragment, but the "
+            f"model's trainable parameters span {len(layers)} layer(s); use fewer fragments."
+        )
+    per_group = math.ceil(len(layers) / groups)
+    rank = {layer: position for position, layer in enumerate(layers)}
+
+    def fragment(layer: int | None) -> int:
+        if layer is None:
+            return 0
+        position = rank[layer]
+        return 1 + (position % groups if pattern == "strided" else position // per_group)
+
+    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
+    for index, name in enumerate(names):
+        fragments[fragment(layer_of(name))].append(index)
+    return fragments
+
+
 class OuterLoop:
-    """θ_global, the outer optimizer, and the two halves of a sync: pseudo-gradient out, averaged Δ in.
+    """θ_global, the outer optimizer, and the per-bucket halves of a sync.
 
     >>> replica = [nn.Parameter(torch.tensor([1.0, 2.0]))]
     >>> outer = OuterLoop(replica, lr=1.0, momentum=0.0, nesterov=False)
     >>> with torch.no_grad():
-    ...     _ = replica[0].sub_(torch.tensor([0.5, 0.5]))      # pretend the inner steps moved θ_i
-    >>> delta = outer.pseudo_gradient(torch.device("cpu"))  # Δ_i = θ_global − θ_i
-    >>> delta[0].tolist()
+    ...     _ = replica[0].sub_(torch.tensor([0.5, 0.5]))     # pretend the inner steps moved θ_i
+    >>> bucket = outer.buckets[0]
+    >>> delta = outer.pseudo_gradient(bucket)               # Δ_i = θ_global − θ_i
+    >>> delta.tolist()
     [0.5, 0.5]
-    >>> outer.apply(delta)                                   # lr 1, no momentum: θ_global ← θ_i
+    >>> outer.step(bucket, delta)                            # lr 1, no momentum: θ_global ← θ_i
+    >>> outer.copy_to_replica(bucket)
     >>> replica[0].tolist()
     [0.5, 1.5]
     """
@@ -85,6 +148,7 @@ class OuterLoop:
         optimizer: str = "sgd",
         offload: bool = True,
         bucket_numel: int = 64 * 2**20,
+        fragments: list[list[int]] | None = None,
     ):
         self.params = list(params)
         if not self.params:
@@ -94,49 +158,60 @@ class OuterLoop:
             nn.Parameter(p.detach().to(device=state_device, dtype=torch.float32, copy=True)) for p in self.params
         ]
         self.optimizer = build_outer_optimizer(self.global_params, optimizer, lr, momentum, nesterov)
-        self.buckets = partition_into_buckets([p.numel() for p in self.params], bucket_numel)
+        # Buckets never straddle fragments: fragment f syncs buckets fragment_buckets[f].
+        fragments = fragments or [list(range(len(self.params)))]
+        self.buckets: list[list[int]] = []
+        self.fragment_buckets: list[list[int]] = []
+        for members in fragments:
+            first = len(self.buckets)
+            for group in partition_into_buckets([self.params[i].numel() for i in members], bucket_numel):
+                self.buckets.append([members[j] for j in group])
+            self.fragment_buckets.append(list(range(first, len(self.buckets))))
 
     @property
     def numel(self) -> int:
         """Number of synced values (trainable parameters)."""
         return sum(p.numel() for p in self.params)
 
-    @torch.no_grad()
-    def pseudo_gradient(self, device: torch.device) -> list[torch.Tensor]:
-        """Δ_i = θ_global − θ_i in fp32, flattened into one buffer per bucket on `device`."""
-        return [
-            torch.cat([
-                (self.global_params[i].to(device) - self.params[i].to(device, torch.float32)).reshape(-1)
-                for i in bucket
-            ])
-            for bucket in self.buckets
-        ]
+    def bucket_numel(self, bucket: list[int]) -> int:
+        return sum(self.params[i].numel() for i in bucket)
 
     @torch.no_grad()
-    def apply(self, averaged: list[torch.Tensor]) -> None:
-        """Outer step with the averaged Δ as gradient, then θ_i ← θ_global."""
-        for bucket, flat in zip(self.buckets, averaged, strict=True):
-            offset = 0
-            for i in bucket:
-                target = self.global_params[i]
-                n = target.numel()
-                target.grad = flat[offset : offset + n].view_as(target).to(target.device)
-                offset += n
-            assert offset == flat.numel(), "pseudo-gradient bucket size does not match its parameters"
+    def pseudo_gradient(self, bucket: list[int], device: torch.device | None = None) -> torch.Tensor:
+        """Δ_i = θ_global − θ_i for one bucket, flat fp32 on `device` (the communication device)."""
+        device = device or torch.device("cpu")
+        return torch.cat([
+            (self.global_params[i].to(device) - self.params[i].to(device, torch.float32)).reshape(-1)
+            for i in bucket
+        ])
+
+    @torch.no_grad()
+    def step(self, bucket: list[int], delta: torch.Tensor) -> None:
+        """θ_global ← OuterOpt(θ_global, Δ) for the bucket's parameters only."""
+        offset = 0
+        for i in bucket:
+            target = self.global_params[i]
+            n = target.numel()
+            target.grad = delta[offset : offset + n].view_as(target).to(target.device)
+            offset += n
+        assert offset == delta.numel(), "pseudo-gradient bucket size does not match its parameters"
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.copy_global_to_replica()
+        for i in bucket:
+            self.global_params[i].grad = None
 
     @torch.no_grad()
+    def copy_to_replica(self, bucket: list[int], alpha: float = 0.0) -> None:
+        """θ_i ← α·θ_i + (1 − α)·θ_global for the bucket (α = 0: a plain copy, bit for bit)."""
+        for i in bucket:
+            param, global_param = self.params[i], self.global_params[i]
+            if alpha == 0:
+                param.copy_(global_param)
+            else:
+                param.copy_(alpha * param.to(global_param.device, torch.float32) + (1 - alpha) * global_param)
+
     def copy_global_to_replica(self) -> None:
-        for param, global_param in zip(self.params, self.global_params, strict=True):
-            param.copy_(global_param)
-
-    @torch.no_grad()
-    def reset_global_from_replica(self) -> None:
-        """θ_global ← θ_i (used after the replicas were made identical at the start of training)."""
-        for param, global_param in zip(self.params, self.global_params, strict=True):
-            global_param.copy_(param)
+        for bucket in self.buckets:
+            self.copy_to_replica(bucket)
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -158,3 +233,106 @@ class OuterLoop:
         for target, value in zip(self.global_params, saved, strict=True):
             target.copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+# --- one round ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundResult:
+    """What a round measured beside the math: norms, agreement, statistics of every process, cost."""
+
+    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this process's slice of the round (this replica's pseudo-gradient)
+    average_norm_sq: float = 0.0  # ‖Δ‖²
+    dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
+    stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
+    cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
+    fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
+
+    @property
+    def agreement(self) -> float:
+        norms = math.sqrt(self.local_norm_sq * self.average_norm_sq)
+        return self.dot / norms if norms > 0 else float("nan")
+
+    def add_cost(self, cost: SyncCost, fp32_bytes: int) -> None:
+        self.cost.payload_bytes += cost.payload_bytes
+        self.cost.bytes_sent += cost.bytes_sent
+        self.cost.intra_replica_bytes += cost.intra_replica_bytes
+        self.cost.collectives += cost.collectives
+        self.fp32_bytes_sent += fp32_bytes
+
+
+@dataclass
+class Exchange:
+    """The first half of a round: the buckets' averaged Δ, waiting to be applied."""
+
+    buckets: list[int]
+    deltas: list[torch.Tensor]
+    result: RoundResult
+
+
+# Statistics that ride along with a round's last collective, made once ‖Δ_i‖² of the whole round is known.
+StatsFn = Callable[[float], torch.Tensor]
+
+
+def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult,
+                    codec: Codec | None, feedback: ErrorFeedback | None, stats: StatsFn | None) -> torch.Tensor:
+    """Δ for one bucket, with its norms, agreement terms and cost added to `result`."""
+    result.local_norm_sq += float(delta_i.double().square().sum())
+    riding = None if stats is None else stats(result.local_norm_sq)
+    delta, rows, cost = comm.average(delta_i, codec=codec, feedback=feedback, key=str(index), stats=riding)
+    result.average_norm_sq += float(delta.double().square().sum())
+    result.dot += float(delta_i.double() @ delta.double())
+    result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if riding is None else riding.numel()))
+    if rows is not None:
+        result.stats = rows
+    return delta
+
+
+def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
+                feedback: ErrorFeedback | None = None, stats: StatsFn | None = None,
+                alpha: float = 0.0) -> RoundResult:
+    """One blocking outer round over `buckets` (all of them, or one fragment's), one bucket at a time.
+
+    `stats` ride along with the last bucket's collective. Every process must call this with the same buckets.
+    """
+    result = RoundResult()
+    for position, index in enumerate(buckets):
+        bucket = outer.buckets[index]
+        last = position == len(buckets) - 1
+        delta_i = outer.pseudo_gradient(bucket, comm.device)                  # Δ_i = θ_global − θ_i
+        delta = _average_bucket(comm, index, delta_i, result, codec,          # Δ = (1/M) Σ_i Δ_i
+                                feedback, stats if last else None)
+        del delta_i
+        outer.step(bucket, delta)                                             # θ_global ← OuterOpt(θ_global, Δ)
+        outer.copy_to_replica(bucket, alpha)                                  # θ_i ← θ_global
+    return result
+
+
+def snapshot(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:
+    """Δ_i of `buckets`, taken now (before the replica trains on while they are sent)."""
+    return [outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets]
+
+
+def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor], *,
+             codec: Codec | None = None, feedback: ErrorFeedback | None = None,
+             stats: StatsFn | None = None) -> Exchange:
+    """The communication half of an overlapped round: average the snapshotted Δ_i of `buckets`.
+
+    Touches neither θ_global nor the replica's parameters, so it may run in a background thread while the
+    replica takes its next inner steps.
+    """
+    result = RoundResult()
+    averaged = []
+    for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True)):
+        last = position == len(buckets) - 1
+        averaged.append(_average_bucket(comm, index, delta_i, result, codec, feedback, stats if last else None))
+    return Exchange(buckets, averaged, result)
+
+
+def apply(outer: OuterLoop, landed: Exchange, alpha: float = 0.0) -> None:
+    """The second half of an overlapped round: outer step, then θ_i ← α·θ_i + (1 − α)·θ_global."""
+    for index, delta in zip(landed.buckets, landed.deltas, strict=True):
+        bucket = outer.buckets[index]
+        outer.step(bucket, delta)
+        outer.copy_to_replica(bucket, alpha)

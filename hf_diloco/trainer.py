@@ -24,22 +24,26 @@ import contextlib
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .codecs import Codec, ErrorFeedback, make_codec
 from .comm import ReplicaComm, ring_all_reduce_bytes
-from .config import DiLoCoConfig
+from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
 from .metrics import RoundWriter, format_round, write_summary
-from .outer import OuterLoop
+from .outer import OuterLoop, RoundResult, apply, assign_fragments, exchange, outer_round, snapshot
 
 logger = logging.getLogger(__name__)
 
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_DIR = "replica-{rank}"
-# Per-replica statistics that ride along with each sync (see comm.ReplicaComm.all_reduce_round).
+REPLICA_STATE_FILE = "diloco_replica.pt"
+# Per-replica statistics that ride along with each sync (see comm.ReplicaComm.average).
 ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested",
                "previous_agreement")
 
@@ -83,7 +87,8 @@ class DiLoCoTrainer(Trainer):
         if not isinstance(args, DiLoCoConfig):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         super().__init__(model, args, *pargs, **kwargs)
-        self.comm = ReplicaComm(args.replica_group_size)  # creates the replica/slice process groups
+        # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
+        self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0)
         self.diloco = OuterLoopCallback(self)
         self.add_callback(self.diloco)
 
@@ -143,14 +148,18 @@ class DiLoCoTrainer(Trainer):
         self.current_flos = 0
 
     def create_model_card(self, *args, **kwargs) -> None:
-        """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it."""
+        """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
+
+        The settings come from this trainer's own args, so a trainer used from Python gets the full card.
+        """
         if not self.is_world_process_zero():
             return
-        from .hub import CARD_FILE, CURVE_FILE, model_card, write_training_curve
+        from .hub import CARD_FILE, CURVE_FILE, model_card, trainer_settings, write_training_curve
 
         output_dir = Path(self.args.output_dir)
         write_training_curve(output_dir, output_dir / CURVE_FILE)
-        (output_dir / CARD_FILE).write_text(model_card(output_dir, self.hub_model_id))
+        card = model_card(output_dir, self.hub_model_id, settings=trainer_settings(self))
+        (output_dir / CARD_FILE).write_text(card)
 
     # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
 
@@ -162,6 +171,9 @@ class DiLoCoTrainer(Trainer):
         replica_dir.mkdir(parents=True, exist_ok=True)
         torch.save(self.optimizer.state_dict(), replica_dir / "optimizer.pt")
         torch.save(self.lr_scheduler.state_dict(), replica_dir / "scheduler.pt")
+        replica_state = self.diloco.replica_state()
+        if replica_state:
+            torch.save(replica_state, replica_dir / REPLICA_STATE_FILE)
         if self.args.should_save and self.diloco.outer is not None:
             torch.save(self.diloco.outer.state_dict(), Path(output_dir) / OUTER_STATE_FILE)
 
@@ -177,12 +189,31 @@ class DiLoCoTrainer(Trainer):
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.
             super()._load_optimizer_and_scheduler(checkpoint)
+        replica_file = replica_dir / REPLICA_STATE_FILE
+        self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
         outer_file = Path(checkpoint) / OUTER_STATE_FILE
         self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
 
 
+@dataclass
+class InFlight:
+    """An overlapped round: its exchange runs in the background from `launched_at` until `lands_at`."""
+
+    future: Future
+    launched_at: int
+    lands_at: int
+    fragments: list[int]
+    outer_lr: float
+    launch_seconds: float  # time the inner loop spent starting it (taking the pseudo-gradient snapshot)
+
+
 class OuterLoopCallback(TrainerCallback):
-    """Runs the outer step on round boundaries and reports the rounds. Owned by a DiLoCoTrainer."""
+    """Runs the outer rounds on their schedule and reports them. Owned by a DiLoCoTrainer.
+
+    Schedule: with F fragments, fragment f syncs at the steps s with s mod H = (f + 1)·H/F mod H (F = 1: every H
+    steps), and every fragment syncs at the last step so the final model is the global one. With sync_delay τ > 0
+    a fragment's exchange runs in a background thread and is applied τ steps later; the last step waits for it.
+    """
 
     def __init__(self, trainer: DiLoCoTrainer):
         self.trainer = trainer
@@ -190,13 +221,20 @@ class OuterLoopCallback(TrainerCallback):
         self.outer: OuterLoop | None = None
         self.comm: ReplicaComm | None = None
         self.writer: RoundWriter | None = None
+        self.codec: Codec | None = None if self.args.compression == "none" else make_codec(
+            self.args.compression, chunk=self.args.compression_chunk, sparse_k=self.args.sparse_k,
+            sparse_chunk=self.args.sparse_chunk, sparse_bits=self.args.sparse_bits)
+        self.feedback: ErrorFeedback | None = None
         self.saved_outer_state: dict | None = None
+        self.saved_replica_state: dict | None = None
         self.deferred = {"should_save": False, "should_evaluate": False}
         self.pending_record: dict | None = None
         self.history: list[dict] = []
         self.initial_eval_loss: float | None = None
         self.stop_requested = False
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
+        self.in_flight: InFlight | None = None
+        self.background: ThreadPoolExecutor | None = None
         self._reset_round()
 
     def request_stop(self) -> None:
@@ -231,12 +269,17 @@ class OuterLoopCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)
-        params = [p for p in replica.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         self.comm = self.trainer.comm
         resumed = self.saved_outer_state is not None
         if not resumed:
             # The replicas must start from identical parameters (one broadcast, before the first inner step).
             self.comm.broadcast_parameters(params)
+        try:
+            fragments = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self.outer = OuterLoop(
             params,
             lr=args.outer_lr,
@@ -245,12 +288,18 @@ class OuterLoopCallback(TrainerCallback):
             optimizer=args.outer_optimizer,
             offload=args.offload_outer_state,
             bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)),
+            fragments=fragments,
         )
+        if args.error_feedback:
+            self.feedback = ErrorFeedback(args.error_feedback_decay,
+                                          "cpu" if args.offload_outer_state else self.comm.device)
         if resumed:
             self.outer.load_state_dict(self.saved_outer_state)
             self.outer.copy_global_to_replica()
+            self._load_replica_state()
             self.saved_outer_state = None
-        self.total_rounds = math.ceil(state.max_steps / args.inner_steps) if state.max_steps > 0 else None
+        self.sync_every = args.inner_steps // args.num_fragments
+        self.total_rounds = math.ceil(state.max_steps / self.sync_every) if state.max_steps > 0 else None
         self.cumulative_bytes = 0
         self.train_started = time.time()
         if self.trainer.is_world_process_zero():
@@ -258,63 +307,113 @@ class OuterLoopCallback(TrainerCallback):
             kept = self.writer.truncate_after(state.global_step)
             self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
             logger.info(
-                "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s",
+                "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s, "
+                "compression %s%s, %d fragment(s), sync delay %d",
                 self.comm.num_replicas, args.inner_steps, self.outer.numel, args.outer_optimizer, args.outer_lr,
-                args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "",
+                args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "", args.compression,
+                " + error feedback" if args.error_feedback else "", args.num_fragments, args.sync_delay,
             )
         self._reset_round()
 
     # --- end of each inner step: maybe sync ---
+
+    def due_fragments(self, step: int, max_steps: int) -> list[int]:
+        """Fragments whose round ends at `step`: every fragment at the last step."""
+        if step >= max_steps:
+            return list(range(self.args.num_fragments))
+        if step % self.sync_every:
+            return []
+        return [(step // self.sync_every - 1) % self.args.num_fragments]
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._step_started is not None:
             self.round_compute += time.perf_counter() - self._step_started
             self._step_started = None
         self.round_steps += 1
-        at_boundary = state.global_step % args.inner_steps == 0 or state.global_step >= state.max_steps
-        if at_boundary:
+        step = state.global_step
+        lands = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps)
+        at_boundary = False
+        if lands or self.due_fragments(step, state.max_steps):
             stop = self._sync(state)
-            if stop and state.global_step < state.max_steps:
+            at_boundary = self.in_flight is None
+            if stop and step < state.max_steps:
                 if self.trainer.is_world_process_zero():
-                    logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.",
-                                   state.global_step)
+                    logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
                 control.should_save = True
                 control.should_training_stop = True
         self._align_to_round(control, at_boundary)
         return control
 
     def _sync(self, state) -> bool:
-        """One outer round: pseudo-gradient, the round's single all-reduce, outer step, θ_i ← θ_global.
-
-        Returns whether any replica asked to stop.
+        """The sync work of this step: apply an overlapped round that is due, then run or start the rounds of the
+        fragments due now. Returns whether any replica asked to stop (known from the rounds that completed).
         """
-        started = time.perf_counter()
-        deltas = self.outer.pseudo_gradient(self.comm.device)  # Δ_i = θ_global − θ_i
-        local_norm_sq = float(sum(d.double().square().sum() for d in deltas))
-        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the all-reduce; it is computed then and
-        # sent with the NEXT round's statistics, so it costs no collective of its own.
-        own = [d.clone() for d in deltas] if self.comm.active else deltas
-        stats = torch.tensor(
-            [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, local_norm_sq,
-             float(self.stop_requested), self.previous_agreement],
-            dtype=torch.float64,
-        )
-        replica_stats, cost = self.comm.all_reduce_round(deltas, stats)  # Δ = (1/M) Σ Δ_i, in place
-        pseudo_grad_norm = math.sqrt(float(sum(d.double().square().sum() for d in deltas)))
-        dot = float(sum((a.double() * b.double()).sum() for a, b in zip(own, deltas, strict=True)))
-        norms = math.sqrt(local_norm_sq) * pseudo_grad_norm
-        self.previous_agreement = dot / norms if norms > 0 else float("nan")
+        step, stop = state.global_step, False
+        if self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps):
+            stop |= self._land(state)
+        due = self.due_fragments(step, state.max_steps)
+        if not due:
+            return stop
+        buckets = [b for f in due for b in self.outer.fragment_buckets[f]]
+        stats = self._round_stats()
+        launched = time.perf_counter()
+        if self.args.sync_delay > 0 and step < state.max_steps:
+            deltas = snapshot(self.outer, self.comm, buckets)
+            if self.background is None:
+                self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
+            future = self.background.submit(self._timed_exchange, buckets, deltas, stats)
+            self.in_flight = InFlight(future, step, step + self.args.sync_delay, due, self.outer.lr(),
+                                      time.perf_counter() - launched)
+            self._reset_round()
+            return stop
         outer_lr = self.outer.lr()
-        self.outer.apply(deltas)  # θ_global ← OuterOpt(θ_global, Δ); θ_i ← θ_global
-        sync_seconds = time.perf_counter() - started
-        self.pending_record = self._round_record(state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds)
+        result = outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
+                             stats=stats, alpha=0.0)  # a blocking round takes θ_global as it is
+        seconds = time.perf_counter() - launched
         self._reset_round()
-        return bool(replica_stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
+        return stop | self._complete(state, result, due, step, outer_lr, seconds, seconds)
 
-    def _round_record(self, state, replica_stats, cost, pseudo_grad_norm, outer_lr, sync_seconds) -> dict:
-        # replica_stats: [member, replica, value]. A replica's loss is over all its members' micro-batches, its
+    def _timed_exchange(self, buckets, deltas, stats):
+        started = time.perf_counter()
+        landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats)
+        return landed, time.perf_counter() - started
+
+    def _land(self, state) -> bool:
+        """Wait for the overlapped round (the time it makes the inner loop wait is blocked time) and apply it."""
+        flight, self.in_flight = self.in_flight, None
+        waited = time.perf_counter()
+        landed, exchange_seconds = flight.future.result()
+        apply(self.outer, landed, self.args.fragment_alpha)
+        blocked = flight.launch_seconds + time.perf_counter() - waited
+        return self._complete(state, landed.result, flight.fragments, flight.launched_at, flight.outer_lr,
+                              exchange_seconds, blocked)
+
+    def _round_stats(self):
+        """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
+        values = [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, 0.0,
+                  float(self.stop_requested), self.previous_agreement]
+        slot = ROUND_STATS.index("pseudo_grad_norm_sq")
+
+        def stats(local_norm_sq: float) -> torch.Tensor:
+            values[slot] = local_norm_sq
+            return torch.tensor(values, dtype=torch.float64)
+
+        return stats
+
+    def _complete(self, state, result: RoundResult, fragments, launched_at, outer_lr, sync_seconds, blocked) -> bool:
+        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange; it is sent with the NEXT
+        # round's statistics, so it costs no collective of its own.
+        self.previous_agreement = result.agreement
+        self.pending_record = self._round_record(state, result, fragments, launched_at, outer_lr, sync_seconds,
+                                                 blocked)
+        return bool(result.stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
+
+    def _round_record(self, state, result: RoundResult, fragments, launched_at, outer_lr, sync_seconds,
+                      blocked) -> dict:
+        # result.stats: [member, replica, value]. A replica's loss is over all its members' micro-batches, its
         # tokens are its members' sum, its compute time its slowest member's; members share one pseudo-gradient.
-        stat = {name: replica_stats[..., i] for i, name in enumerate(ROUND_STATS)}
+        stat = {name: result.stats[..., i] for i, name in enumerate(ROUND_STATS)}
+        cost = result.cost
         steps = stat["steps"].sum(0)
         replica_losses = (stat["loss_sum"].sum(0) / steps.clamp(min=1)).tolist()
         replica_compute = stat["compute_seconds"].amax(0).tolist()
@@ -325,35 +424,62 @@ class OuterLoopCallback(TrainerCallback):
         ddp_payload = sum(p.numel() * p.element_size() for p in self.outer.params)
         round_steps = int(stat["steps"][0, 0])
         record = {
-            "round": math.ceil(state.global_step / self.args.inner_steps),
+            "round": math.ceil(launched_at / self.sync_every),
             "step": state.global_step,
             "time": time.time(),
             "loss": sum(replica_losses) / len(replica_losses),
             "replica_losses": replica_losses,
-            "pseudo_grad_norm": pseudo_grad_norm,
+            "pseudo_grad_norm": math.sqrt(result.average_norm_sq),
             "replica_pseudo_grad_norms": stat["pseudo_grad_norm_sq"][0].clamp(min=0).sqrt().tolist(),
             "bytes_per_replica": cost.bytes_sent,
             "cumulative_bytes_per_replica": self.cumulative_bytes,
             "intra_replica_bytes": cost.intra_replica_bytes,
             "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, processes),
+            "compression": self.args.compression + ("+ef" if self.feedback is not None else ""),
+            "compression_ratio": result.fp32_bytes_sent / cost.bytes_sent if cost.bytes_sent else None,
+            "fragments": fragments,
             "sync_seconds": sync_seconds,
+            "blocked_seconds": blocked,
             "compute_seconds": compute,
             "replica_compute_seconds": replica_compute,
             "tokens": tokens,
-            "tokens_per_second": tokens / (compute + sync_seconds) if compute + sync_seconds > 0 else 0.0,
+            "tokens_per_second": tokens / (compute + blocked) if compute + blocked > 0 else 0.0,
             "outer_lr": outer_lr,
             "inner_lr": self.trainer._get_learning_rate(),
             "inner_steps": round_steps,
             "num_replicas": self.comm.num_replicas,
             "replica_group_size": self.comm.group_size,
-            "synced_parameters": self.outer.numel,
+            "synced_parameters": sum(self.outer.bucket_numel(self.outer.buckets[b])
+                                     for f in fragments for b in self.outer.fragment_buckets[f]),
             "collectives": cost.collectives,
         }
+        if launched_at != state.global_step:
+            record["launch_step"] = launched_at
         previous = stat["previous_agreement"][0].tolist()
         if all(math.isfinite(x) for x in previous):
             record["agreement_round"] = record["round"] - 1
             record["replica_agreement"] = previous  # cos(Δ_i, Δ) of round `agreement_round`, one per replica
         return record
+
+    # --- per-replica state in checkpoints ---
+
+    def replica_state(self) -> dict:
+        """What only this replica knows: its error-feedback residuals and, when replicas may differ after a
+        round (several fragments, or α > 0), its own trainable parameters."""
+        state: dict = {}
+        if self.feedback is not None:
+            state["error_feedback"] = self.feedback.state_dict()
+        if self.outer is not None and (self.args.num_fragments > 1 or self.args.fragment_alpha > 0):
+            state["params"] = [p.detach().cpu().clone() for p in self.outer.params]
+        return state
+
+    @torch.no_grad()
+    def _load_replica_state(self) -> None:
+        state, self.saved_replica_state = self.saved_replica_state or {}, None
+        if self.feedback is not None and "error_feedback" in state:
+            self.feedback.load_state_dict(state["error_feedback"])
+        for param, saved in zip(self.outer.params, state.get("params", []), strict=False):
+            param.copy_(saved)
 
     def _align_to_round(self, control, at_boundary: bool) -> None:
         """Postpone saves and evaluations that fall inside a round to the round's end."""
@@ -398,6 +524,9 @@ class OuterLoopCallback(TrainerCallback):
                 tqdm.write(line)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.background is not None:
+            self.background.shutdown(wait=True)
+            self.background = None
         self._flush_pending()
         if self.writer is None:
             return
@@ -406,7 +535,7 @@ class OuterLoopCallback(TrainerCallback):
 
     def summary(self, state) -> dict:
         rounds = self.history
-        wall = sum(r["compute_seconds"] + r["sync_seconds"] for r in rounds)
+        wall = sum(r["compute_seconds"] + r["blocked_seconds"] for r in rounds)
         tokens = sum(r["tokens"] for r in rounds)
         evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
         return {
@@ -423,6 +552,10 @@ class OuterLoopCallback(TrainerCallback):
             "tokens_per_second": tokens / wall if wall > 0 else 0.0,
             "train_seconds": time.time() - self.train_started,
             "sync_seconds": sum(r["sync_seconds"] for r in rounds),
+            "blocked_seconds": sum(r["blocked_seconds"] for r in rounds),
+            "compression": self.args.compression + ("+ef" if self.args.error_feedback else ""),
+            "num_fragments": self.args.num_fragments,
+            "sync_delay": self.args.sync_delay,
             "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
             "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
         }

@@ -5,7 +5,12 @@ import torch
 from torch import nn
 
 from hf_diloco.comm import ReplicaComm, ring_all_reduce_bytes
-from hf_diloco.outer import OuterLoop, partition_into_buckets
+from hf_diloco.outer import OuterLoop, outer_round, partition_into_buckets
+
+
+def sync_alone(outer: OuterLoop) -> None:
+    """One blocking outer round of a single replica (Δ = Δ_i)."""
+    outer_round(outer, ReplicaComm(), list(range(len(outer.buckets))))
 
 
 def move_replica(param: nn.Parameter, to: list[float]) -> None:
@@ -25,13 +30,12 @@ def test_nesterov_outer_steps_match_hand_computation():
     outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=True)
 
     move_replica(replica, [0.8, 2.4])
-    delta = outer.pseudo_gradient(torch.device("cpu"))
-    assert delta[0].tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
-    outer.apply(delta)
+    assert outer.pseudo_gradient(outer.buckets[0]).tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
+    sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.81, 2.38], abs=1e-6)
 
     move_replica(replica, [0.71, 2.38])
-    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.634, 2.542], abs=1e-6)
 
 
@@ -40,10 +44,10 @@ def test_plain_momentum_differs_from_nesterov():
     replica = nn.Parameter(torch.tensor([1.0, 2.0]))
     outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=False)
     move_replica(replica, [0.8, 2.4])
-    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.9, 2.2], abs=1e-6)  # θ - 0.5 Δ
     move_replica(replica, [0.8, 2.2])
-    outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+    sync_alone(outer)
     # Δ = [0.1, 0]; v = 0.9 [0.2, -0.4] + [0.1, 0] = [0.28, -0.36]; θ = [0.9, 2.2] - 0.5 v
     assert replica.tolist() == pytest.approx([0.76, 2.38], abs=1e-6)
 
@@ -54,9 +58,8 @@ def test_outer_state_is_fp32_on_cpu_for_a_bf16_model():
     assert outer.global_params[0].dtype == torch.float32
     assert outer.global_params[0].device.type == "cpu"
     move_replica(replica, [0.5, 1.5])
-    delta = outer.pseudo_gradient(torch.device("cpu"))
-    assert delta[0].dtype == torch.float32
-    outer.apply(delta)
+    assert outer.pseudo_gradient(outer.buckets[0]).dtype == torch.float32
+    sync_alone(outer)
     assert replica.dtype == torch.bfloat16
 
 
@@ -67,12 +70,12 @@ def test_state_dict_round_trip_continues_identically():
     first, second = (OuterLoop([p], lr=0.7, momentum=0.9, nesterov=True) for p in (a, b))
     for outer, p in ((first, a), (second, b)):
         move_replica(p, [0.5, -0.5])
-        outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+        sync_alone(outer)
     restored = OuterLoop([b], lr=0.7, momentum=0.9, nesterov=True)
     restored.load_state_dict(second.state_dict())
     for outer, p in ((first, a), (restored, b)):
         move_replica(p, [0.2, 0.1])
-        outer.apply(outer.pseudo_gradient(torch.device("cpu")))
+        sync_alone(outer)
     assert torch.equal(a, b)
 
 
@@ -92,7 +95,7 @@ def test_bucketed_pseudo_gradient_equals_unbucketed():
     with torch.no_grad():
         for p in params:
             p.mul_(0.5)
-    flat = torch.cat(small.pseudo_gradient(torch.device("cpu")))
+    flat = torch.cat([small.pseudo_gradient(bucket) for bucket in small.buckets])
     expected = torch.cat([(g - p).reshape(-1) for g, p in zip(small.global_params, params, strict=True)])
     assert torch.equal(flat, expected)
 
@@ -100,7 +103,8 @@ def test_bucketed_pseudo_gradient_equals_unbucketed():
 def test_single_replica_comm_is_free_and_returns_own_stats():
     comm = ReplicaComm()
     stats = torch.tensor([1.5, 2.0])
-    gathered, cost = comm.all_reduce_round([torch.ones(3)], stats)
+    average, gathered, cost = comm.average(torch.ones(3), stats=stats)
+    assert average.tolist() == [1.0, 1.0, 1.0]
     assert gathered.tolist() == [[[1.5, 2.0]]]  # [member, replica, value]
     assert cost.bytes_sent == 0 and cost.collectives == 0
 
