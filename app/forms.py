@@ -4,14 +4,19 @@ Design choices:
 - Recipes and accelerate configs can only come from the project's recipes/ and accelerate_configs/ folders or from
   the runs directory (edited recipes are saved there); any other path is refused, so the form cannot be used to
   read or run files elsewhere.
-- The form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a
-  subprocess (the app never imports torch), and its one-sentence error is shown beside the form.
+- Every knob is checked as it is typed (`check_knobs`: whole numbers, ranges, machine rank below the number of
+  machines), model and dataset paths are checked to exist before Preview says anything is valid, and then the
+  form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a subprocess
+  (the app never imports torch), and its one-sentence error is shown beside the form.
 - Commands are argument lists, never shell strings.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -48,6 +53,83 @@ LAUNCH_FIELDS = {"replicas": "--num_processes", "num_machines": "--num_machines"
                  "main_process_ip": "--main_process_ip", "main_process_port": "--main_process_port"}
 
 
+# name: (label in messages, type, lowest allowed, highest allowed or None, is the lowest allowed itself)
+NUMBERS = {
+    "replicas": ("replicas", int, 1, None, True),
+    "inner_steps": ("H (inner steps)", int, 1, None, True),
+    "outer_lr": ("outer learning rate", float, 0.0, None, False),
+    "outer_momentum": ("outer momentum", float, 0.0, 1.0, True),
+    "max_steps": ("max steps", int, 1, None, True),
+    "num_machines": ("machines", int, 1, None, True),
+    "machine_rank": ("this machine's rank", int, 0, None, True),
+    "main_process_port": ("main machine port", int, 1, 65535, True),
+}
+SHORT_NAMES = {"replicas": "x", "inner_steps": "H", "outer_lr": "olr", "outer_momentum": "mom", "max_steps": "steps",
+               "model_name_or_path": "", "dataset_name": "", "num_machines": "nodes"}
+# The model presets, read from hf_diloco/models.py's PRESETS keys without importing it (it imports torch).
+PRESETS = tuple(re.findall(r'^    "([\w.-]+)": dict\(', (PROJECT / "hf_diloco" / "models.py").read_text(), re.M))
+DATA_FILES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow")  # a name ending so is a file, not a Hub id
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_knobs(knobs: Knobs) -> None:
+    """Refuse a knob that cannot be right, with one sentence, before anything runs."""
+    for name, (label, kind, low, high, low_allowed) in NUMBERS.items():
+        text = str(getattr(knobs, name)).strip()
+        if not text:
+            continue
+        try:
+            value = kind(text)
+        except ValueError:
+            wanted = "a whole number" if kind is int else "a number"
+            raise FormError(f"{label} must be {wanted}, got {text!r}.") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_allowed) or \
+                (high is not None and value > high):
+            bound = f"at least {low:g}" if low_allowed else f"above {low:g}"
+            raise FormError(f"{label} must be {bound}" + (f" and at most {high:g}" if high is not None else "")
+                            + f", got {text!r}.")
+    machines, rank = str(knobs.num_machines).strip(), str(knobs.machine_rank).strip()
+    if machines and rank and int(rank) >= int(machines):
+        raise FormError(f"this machine's rank must be below the number of machines ({machines}), got {rank}; "
+                        f"ranks count from 0.")
+
+
+def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
+    """A model or dataset is a preset/builtin name, an existing local path, or a Hub id (which must be in the local
+    cache when HF_HUB_OFFLINE is set; online, the run itself finds out). A path that does not exist is refused now,
+    not minutes into a run."""
+    value = value.strip()
+    if not value or value in builtin:
+        return
+    path = Path(value).expanduser()
+    looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1 or not HUB_ID.match(value) \
+        or (path.parts and Path(path.parts[0]).is_dir()) or path.suffix in DATA_FILES
+    if path.exists():
+        if what == "model" and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise FormError(f"model path {value!r} is not a model folder (expected a folder with config.json).")
+        return
+    if looks_local:
+        raise FormError(f"{what} path {value!r} does not exist.")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        from huggingface_hub import snapshot_download
+
+        try:
+            snapshot_download(value, repo_type=what if what == "dataset" else "model", local_files_only=True)
+        except Exception:  # noqa: BLE001 (any failure means: not usable offline)
+            raise FormError(f"{what} {value!r} is neither a local path nor in the Hugging Face cache (HF_HUB_OFFLINE "
+                            f"is set); give an existing path or download it first.") from None
+
+
+def auto_name(recipe: str, knobs: Knobs) -> str:
+    """Default run name: the recipe plus the knobs that were changed, e.g. `tiny-pretrain-H5-steps400`."""
+    parts = [Path(recipe).stem.split("-edited-")[0] if recipe else "run"]
+    for name, short in SHORT_NAMES.items():
+        value = str(getattr(knobs, name)).strip()
+        if value:
+            parts.append(f"{short}{Path(value).name if not short else value}")
+    return "-".join(parts)
+
+
 def choices(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.yaml"))
 
@@ -82,6 +164,9 @@ def config_path(name: str) -> Path:
 
 def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
     """(recipe overrides, accelerate launch flags) from the knobs that were filled in."""
+    check_knobs(knobs)
+    check_source(knobs.model_name_or_path, "model", PRESETS)
+    check_source(knobs.dataset_name, "dataset", ("builtin",))
     overrides, launch = [], []
     for name in RECIPE_FIELDS:
         value = str(getattr(knobs, name)).strip()
@@ -90,8 +175,6 @@ def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
     for name, flag in LAUNCH_FIELDS.items():
         value = str(getattr(knobs, name)).strip()
         if value:
-            if name != "main_process_ip" and not value.isdigit():
-                raise FormError(f"{name.replace('_', ' ')} must be a whole number, got {value!r}.")
             launch += [flag, value]
     return overrides, launch
 
@@ -102,5 +185,7 @@ def validate(recipe: Path, config: Path, overrides: list[str]) -> None:
                "--dry-run", "--", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT, timeout=300)
     if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("hf-diloco: error:")]
-        raise FormError(errors[-1].removeprefix("hf-diloco: error: ") if errors else result.stderr.strip()[-500:])
+        # The CLI's own sentence ("hf-diloco: error: ..."), else the last error line (e.g. argparse's), never a dump.
+        errors = [line.split("error:", 1)[1].strip() for line in result.stderr.splitlines() if "error:" in line]
+        lines = result.stderr.strip().splitlines()
+        raise FormError(errors[-1] if errors else lines[-1] if lines else f"the check failed ({result.returncode}).")

@@ -1,15 +1,21 @@
 """The Gradio app: a control room for DiLoCo runs.
 
 Layout, top to bottom: the selected run's status and progress (always visible), the run picker with Stop, then
-tabs: Launch (recipe, accelerate config, main knobs, distributed settings, Preview/Start), Live (per-replica loss,
-eval loss, pseudo-gradient norms, replica agreement, bytes vs DDP, sync vs compute time, round table, log tail),
-Runs (every run on disk) and Push to Hub.
+tabs: Launch (run name, recipe, accelerate config, main knobs, distributed settings, Preview/Start), Live
+(per-replica loss, held-out loss, pseudo-gradient norms, replica agreement, bytes vs DDP on a log scale, sync vs
+compute time, round table, log tail that follows its newest line), Runs (every run on disk; click a row to select
+it), Compare (held-out loss of several runs against tokens and against bytes sent, and a table) and Push to Hub.
 
 Design choices:
 - The app holds no run state in memory: runs are folders (hf_diloco.runs), so several runs can exist, a page
   reload re-attaches to the newest active run and refills the form, and a restarted app finds everything again.
 - Preview and Start share one plan: Start runs exactly the command Preview showed (same run id and output folder)
-  unless the form changed in between, in which case it plans again.
+  unless the form changed in between, in which case it plans again. Run ids come from the run name, so planning
+  at Preview does not start the run's clock; Start does. Start stays available while other runs train.
+- Live plots: the page fixes a native plot's spec (column types, series) when it first draws; frames are typed
+  even when empty and every refresh sends the series' colour map, which changes, and so redraws the plot, exactly
+  when a series appears. Bytes are drawn with matplotlib because they need a log scale.
+- Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
 - Long work (validation, pushing) runs as `hf-diloco` subprocesses; the app never imports torch.
 - Binds 127.0.0.1 unless --host says otherwise; --auth (or HF_DILOCO_APP_AUTH) asks for a user and password; no
   share link unless --share. Tokens typed into the push form go to the push process's environment only.
@@ -65,34 +71,43 @@ class App:
 
     # --- launch ---------------------------------------------------------------------------------------------
 
-    def _plan(self, recipe_name, yaml_text, config_name, *knob_values) -> runs.Run:
+    def _plan(self, name, recipe_name, yaml_text, config_name, *knob_values) -> runs.Run:
         # Typed paths are accepted by the dropdowns; forms.allowed keeps them inside the project's folders.
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
+        overrides, launch = forms.flags(knobs)
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
         config = forms.config_path(config_name)
-        overrides, launch = forms.flags(knobs)
-        plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, launch_args=launch)
+        name = (name or "").strip() or forms.auto_name(recipe_name or "", knobs)
+        plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, launch_args=launch, name=name)
         forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir])
         return plan
 
-    def preview(self, recipe_name, yaml_text, config_name, *knob_values):
+    def check(self, *knob_values):
+        """The instant check of the knobs, run as they are typed."""
+        try:
+            forms.check_knobs(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]))
+        except forms.FormError as error:
+            return f"**Cannot start:** {error}"
+        return ""
+
+    def preview(self, name, recipe_name, yaml_text, config_name, *knob_values):
         """Show the exact command Start will run, or why the form is wrong."""
         try:
-            plan = self._plan(recipe_name, yaml_text, config_name, *knob_values)
+            plan = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
         except (forms.FormError, ConfigError) as error:
             return "", f"**Cannot start:** {error}", None
-        signature = [recipe_name, yaml_text, config_name, *knob_values]
-        return command_text(plan.command), "Form is valid. **Start** runs exactly this command.", \
-            {"plan": asdict(plan), "form": signature}
+        signature = [name, recipe_name, yaml_text, config_name, *knob_values]
+        return command_text(plan.command), f"Form is valid. **Start** runs exactly this command as run " \
+            f"**{plan.id}**.", {"plan": asdict(plan), "form": signature}
 
-    def start(self, planned, recipe_name, yaml_text, config_name, *knob_values):
-        """Start the previewed plan (or plan again if the form changed)."""
-        signature = [recipe_name, yaml_text, config_name, *knob_values]
+    def start(self, planned, name, recipe_name, yaml_text, config_name, *knob_values):
+        """Start the previewed plan (or plan again if the form changed or its run id was taken meanwhile)."""
+        signature = [name, recipe_name, yaml_text, config_name, *knob_values]
         try:
-            if planned and planned.get("form") == signature and not self.run(planned["plan"]["id"]):
+            if planned and planned.get("form") == signature and not (self.runs_dir / planned["plan"]["id"]).exists():
                 plan = runs.Run(**planned["plan"])
             else:
-                plan = self._plan(recipe_name, yaml_text, config_name, *knob_values)
+                plan = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
         except (forms.FormError, ConfigError) as error:
             return f"**Cannot start:** {error}", gr.update(), "", None
         run = runs.start_planned(plan)
@@ -104,40 +119,81 @@ class App:
         if run is None or run.status not in runs.ACTIVE:
             return "Nothing to stop: select a running run."
         runs.stop(run.folder)
-        return f"Stopping **{run.id}**: it finishes the current round, saves a checkpoint and exits."
+        return f"Stopping **{run.id}**: it stops at the next round boundary (DiLoCo) or step (DDP), saves a " \
+            "checkpoint and exits; the status turns to stopped once it has."
+
+    def _recipe_file(self, recipe_name) -> Path | None:
+        """A recipe by name (recipes/) or path (recipes/ or a draft under the runs folder)."""
+        name = recipe_name or ""
+        try:
+            return forms.allowed(forms.RECIPES / name if "/" not in name else name, [forms.RECIPES, self.runs_dir],
+                                 "recipe")
+        except forms.FormError:
+            return None
 
     def load_recipe(self, recipe_name):
+        path = self._recipe_file(recipe_name)
+        return path.read_text() if path else ""
+
+    def recipe_source(self, recipe_name, yaml_text):
+        """Which recipe the form holds: a recipe as shipped, a saved draft, or unsaved edits."""
+        path = self._recipe_file(recipe_name)
+        if path is None:
+            return "Recipe: none chosen."
+        shown = path.name if path.parent == forms.RECIPES else str(path.relative_to(self.runs_dir))
+        kind = "saved draft" if path.is_relative_to(self.runs_dir) else "recipe"
+        if (yaml_text or "").strip() and yaml_text.strip() != path.read_text().strip():
+            return f"Recipe: **{shown}** with **unsaved edits** below (Start saves them as a new draft and runs it)."
+        return f"Recipe: **{shown}** ({kind})."
+
+    def select_row(self, table, event: gr.SelectData):
+        """A click on a row of the Runs table selects that run."""
+        row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
         try:
-            return forms.allowed(forms.RECIPES / recipe_name, [forms.RECIPES], "recipe").read_text()
-        except forms.FormError:
-            return ""
+            return gr.update(value=table.iloc[row, 0]) if hasattr(table, "iloc") else gr.update(
+                value=table["data"][row][0])
+        except (IndexError, KeyError, TypeError):
+            return gr.update()
 
     # --- live view ------------------------------------------------------------------------------------------
 
-    def refresh(self, run_id):
+    def refresh(self, run_id, drawn):
         run = self.run(run_id)
         rounds = views.read_rounds(run)
+        trainer_log = views.read_trainer_log(run)
         active = run is not None and run.status in runs.ACTIVE
+        total = views.max_steps(run) if run is not None else None
+        axis = views.round_axis(run, rounds)
+        # The bytes figure is drawn again only when there is something new to draw.
+        key = [run_id, len(rounds), run.status if run else None]
+        figure = views.bytes_figure(run, rounds) if key != drawn else gr.skip()
         return (
             views.status_html(run),
-            views.replica_loss_frame(rounds),
-            views.norm_frame(rounds),
-            views.agreement_frame(rounds),
-            views.bytes_frame(rounds),
-            views.time_frame(rounds),
+            plot(views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
+            plot(views.norm_frame(rounds), "of", axis),
+            plot(views.agreement_frame(rounds), "replica", axis),
+            figure,
+            plot(views.time_frame(rounds), "part", axis),
             views.round_rows(rounds),
             views.log_tail(run),
             views.tensorboard_hint(run),
             views.runs_table(runs.list_runs(self.runs_dir)),
-            gr.update(interactive=not active),  # Start: not while the selected run is active
             gr.update(interactive=active),  # Stop
+            key,
         )
+
+    def compare(self, run_ids):
+        chosen = [run for run in (self.run(i) for i in run_ids or []) if run is not None]
+        return views.compare_figure(chosen), views.compare_rows(chosen)
+
+    def compare_choices(self):
+        return gr.update(choices=self.run_ids())
 
     def reattach(self):
         """On page load: select the newest active run (else the newest) and refill the form from it."""
         all_runs = runs.list_runs(self.runs_dir)
         chosen = next((r for r in all_runs if r.status in runs.ACTIVE), all_runs[0] if all_runs else None)
-        form = [gr.update()] * (3 + len(fields(forms.Knobs)))
+        form = [gr.update()] * (4 + len(fields(forms.Knobs)))
         if chosen is not None:
             recipe = Path(chosen.recipe)
             values = dict(zip(chosen.overrides[::2], chosen.overrides[1::2], strict=False))
@@ -145,8 +201,11 @@ class App:
             launch_values = dict(zip(launch[::2], launch[1::2], strict=False))
             knob_values = [launch_values.get(forms.LAUNCH_FIELDS[f.name], "") if f.name in forms.LAUNCH_FIELDS
                            else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
-            form = [recipe.name if recipe.parent == forms.RECIPES else gr.update(), recipe.read_text()
-                    if recipe.exists() else gr.update(), Path(chosen.accelerate_config).name, *knob_values]
+            # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.
+            shown = recipe.name if recipe.parent == forms.RECIPES else str(recipe)
+            form = [chosen.name or chosen.id, shown if recipe.exists() else gr.update(),
+                    recipe.read_text() if recipe.exists() else gr.update(), Path(chosen.accelerate_config).name,
+                    *knob_values]
         return gr.update(choices=[r.id for r in all_runs], value=chosen.id if chosen else None), *form
 
     # --- push -----------------------------------------------------------------------------------------------
@@ -156,10 +215,11 @@ class App:
 
         run = self.run(run_id)
         if run is None:
-            return "Select a run first.", None
+            return "Select a run first.", "", None
         output = Path(run.output_dir)
         curve = write_training_curve(output, Path(tempfile.mkdtemp()) / "curve.png")
-        return model_card(output, repo_id or None), str(curve) if curve else None
+        metadata, body = views.card_preview(model_card(output, repo_id or None))
+        return body, metadata, str(curve) if curve else None
 
     def push(self, run_id, repo_id, private, token, merge_lora, message, progress=gr.Progress()):  # noqa: B008 (Gradio injects it)
         from hf_diloco.hub import check_repo_id
@@ -193,6 +253,24 @@ class App:
         return f"Pushed: [{url}]({url})", log
 
 
+def plot(frame, series: str, x_lim: list | None):
+    """A native plot's new value, with its series' colours (a new series redraws the plot) and x range."""
+    return gr.update(value=frame, color_map=views.colors(frame, series), x_lim=x_lim)
+
+
+FOLLOW_LOG = """() => {
+  const box = document.querySelector('#log textarea');
+  if (!box) return;
+  if (!box.dataset.follow) {  // follow the newest line until the reader scrolls up; scrolling back down resumes
+    box.dataset.follow = '1';
+    box.addEventListener('scroll', () => {
+      box.dataset.follow = box.scrollTop + box.clientHeight >= box.scrollHeight - 24 ? '1' : '0';
+    });
+  }
+  if (box.dataset.follow === '1') box.scrollTop = box.scrollHeight;
+}"""
+
+
 def command_text(command: list[str]) -> str:
     """The command as one copyable shell line (for reading and copying; the app itself never uses a shell)."""
     import shlex
@@ -209,53 +287,62 @@ def build(runs_dir: Path) -> gr.Blocks:
             run_select = gr.Dropdown(app.run_ids(), label="Run", scale=4, elem_id="run-select")
             stop_button = gr.Button("Stop (checkpoint at round end)", variant="stop", interactive=False,
                                     elem_id="stop", scale=1)
-        stop_message = gr.Markdown()
+        stop_message = gr.Markdown(elem_id="stop-message")
         planned = gr.State(None)
+        drawn = gr.State(None)
         with gr.Tabs():
             with gr.Tab("Launch", id="launch"):
+                name = gr.Textbox(label="Run name (blank: the recipe plus the knobs you changed)", elem_id="run-name")
                 with gr.Row():
-                    recipe = gr.Dropdown(recipes, value="tiny-pretrain.yaml" if "tiny-pretrain.yaml" in recipes
-                                         else None, label="Recipe", elem_id="recipe", allow_custom_value=True)
+                    first = "tiny-pretrain.yaml" if "tiny-pretrain.yaml" in recipes else None
+                    recipe = gr.Dropdown(recipes, value=first, label="Recipe", elem_id="recipe",
+                                         allow_custom_value=True)
                     config = gr.Dropdown(configs, value="cpu-2proc.yaml" if "cpu-2proc.yaml" in configs else None,
                                          label="Accelerate config", elem_id="config", allow_custom_value=True)
+                recipe_note = gr.Markdown(app.recipe_source(first, app.load_recipe(first)), elem_id="recipe-source")
                 knobs = {}
                 with gr.Row():
-                    for name in ("replicas", "inner_steps", "outer_lr", "outer_momentum", "max_steps"):
-                        knobs[name] = gr.Textbox(label=KNOB_LABELS[name], elem_id=f"knob-{name}")
+                    for knob in ("replicas", "inner_steps", "outer_lr", "outer_momentum", "max_steps"):
+                        knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
                 with gr.Row():
-                    for name in ("model_name_or_path", "dataset_name"):
-                        knobs[name] = gr.Textbox(label=KNOB_LABELS[name], elem_id=f"knob-{name}")
+                    for knob in ("model_name_or_path", "dataset_name"):
+                        knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
                 with gr.Accordion("Distributed settings (multi-node; blank = as in the accelerate config)", open=False):
                     with gr.Row():
-                        for name in DISTRIBUTED:
-                            knobs[name] = gr.Textbox(label=KNOB_LABELS[name], elem_id=f"knob-{name}")
-                with gr.Accordion("Recipe YAML (edits are saved as a new recipe under the runs folder)", open=False):
-                    yaml_text = gr.Code(app.load_recipe(recipe.value) if recipe.value else "", language="yaml",
-                                        label="recipe", interactive=True)
+                        for knob in DISTRIBUTED:
+                            knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
+                with gr.Accordion("Recipe YAML (edits are saved as a new draft under the runs folder)", open=False):
+                    yaml_text = gr.Code(app.load_recipe(first), language="yaml", label="recipe", interactive=True)
                 form_message = gr.Markdown(elem_id="form-message")
                 with gr.Row():
                     preview_button = gr.Button("Preview command", elem_id="preview")
-                    start_button = gr.Button("Start", variant="primary", elem_id="start")
+                    start_button = gr.Button("Start a new run", variant="primary", elem_id="start")
                 command = gr.Code(label="Command (exactly what Start runs)", language="shell", elem_id="command")
             with gr.Tab("Live", id="live"):
                 with gr.Row():
                     loss_plot = gr.LinePlot(x="step", y="loss", color="replica", title="Inner loss per replica, "
-                                            "held-out loss of the global model", height=280)
-                    bytes_plot = gr.LinePlot(x="step", y="MB", color="traffic", title="MB sent per replica vs DDP",
-                                             height=280)
+                                            "held-out loss of the global model", height=280, elem_id="loss-plot")
+                    bytes_plot = gr.Plot(label="MB sent per replica vs DDP", elem_id="bytes-plot")
                 with gr.Row():
-                    norm_plot = gr.LinePlot(x="round", y="norm", color="of", title="Pseudo-gradient norm", height=250)
-                    agreement_plot = gr.LinePlot(x="round", y="cosine", color="replica",
-                                                 title="Agreement: cos(Δ_replica, Δ_mean)", height=250)
+                    norm_plot = gr.ScatterPlot(x="round", y="norm", color="of", title="Pseudo-gradient norm",
+                                               height=250, elem_id="norm-plot")
+                    agreement_plot = gr.ScatterPlot(x="round", y="cosine", color="replica", height=250,
+                                                    title="Agreement cos(Δ_replica, Δ_mean), per round",
+                                                    elem_id="agreement-plot")
                     time_plot = gr.BarPlot(x="round", y="seconds", color="part", title="Compute vs sync time",
-                                           height=250)
+                                           height=250, elem_id="time-plot")
                 rounds_table = gr.Dataframe(headers=views.ROUND_COLUMNS, label="Rounds (newest first)",
                                             elem_id="rounds")
                 tensorboard = gr.Markdown()
-                log = gr.Textbox(label="Log (newest at the bottom)", lines=14, max_lines=14, autoscroll=True,
-                                 elem_id="log")
+                log = gr.Textbox(label="Log (follows the newest line at the bottom)", lines=14, max_lines=14,
+                                 autoscroll=False, elem_id="log")
             with gr.Tab("Runs", id="runs"):
-                all_runs = gr.Dataframe(label="Runs on disk", elem_id="runs-table")
+                gr.Markdown("Click a run to select it.")
+                all_runs = gr.Dataframe(label="Runs on disk", elem_id="runs-table", interactive=False)
+            with gr.Tab("Compare", id="compare") as compare_tab:
+                compared = gr.Dropdown([], multiselect=True, label="Runs to compare", elem_id="compare-select")
+                compare_plot = gr.Plot(label="Held-out loss vs tokens and vs bytes sent", elem_id="compare-plot")
+                compare_table = gr.Dataframe(headers=views.COMPARE_COLUMNS, label="Totals", elem_id="compare-table")
             with gr.Tab("Push to Hub", id="push"):
                 with gr.Row():
                     repo_id = gr.Textbox(label="Repo id (owner/name)", elem_id="repo-id")
@@ -269,20 +356,30 @@ def build(runs_dir: Path) -> gr.Blocks:
                 push_result = gr.Markdown(elem_id="push-result")
                 push_log = gr.Textbox(label="Push log", lines=4)
                 with gr.Row():
-                    card = gr.Markdown()
+                    with gr.Column():
+                        card = gr.Markdown(elem_id="card")
+                        with gr.Accordion("Card metadata (YAML)", open=False):
+                            card_metadata = gr.Code(language="yaml", label="metadata")
                     curve = gr.Image(label="Training curve", type="filepath")
 
-        form = [recipe, yaml_text, config, *[knobs[f.name] for f in fields(forms.Knobs)]]
+        knob_inputs = [knobs[f.name] for f in fields(forms.Knobs)]
+        form = [name, recipe, yaml_text, config, *knob_inputs]
         live = [status, loss_plot, norm_plot, agreement_plot, bytes_plot, time_plot, rounds_table, log, tensorboard,
-                all_runs, start_button, stop_button]
+                all_runs, stop_button, drawn]
         recipe.change(app.load_recipe, recipe, yaml_text, api_name=False)
+        yaml_text.change(app.recipe_source, [recipe, yaml_text], recipe_note, api_name=False)
+        for box in knob_inputs:
+            box.change(app.check, knob_inputs, form_message, api_name=False)
         preview_button.click(app.preview, form, [command, form_message, planned], api_name="preview")
         start_button.click(app.start, [planned, *form], [form_message, run_select, command, planned],
                            api_name="start")
         stop_button.click(app.stop, run_select, stop_message, api_name="stop")
-        run_select.change(app.refresh, run_select, live, api_name=False)
-        gr.Timer(2.0).tick(app.refresh, run_select, live, api_name="refresh")
-        card_button.click(app.card, [run_select, repo_id], [card, curve], api_name="card")
+        run_select.change(app.refresh, [run_select, drawn], live, api_name=False).then(None, js=FOLLOW_LOG)
+        gr.Timer(2.0).tick(app.refresh, [run_select, drawn], live, api_name="refresh").then(None, js=FOLLOW_LOG)
+        all_runs.select(app.select_row, all_runs, run_select, api_name=False)
+        compare_tab.select(app.compare_choices, None, compared, api_name=False)
+        compared.change(app.compare, compared, [compare_plot, compare_table], api_name="compare")
+        card_button.click(app.card, [run_select, repo_id], [card, card_metadata, curve], api_name="card")
         push_button.click(app.push, [run_select, repo_id, private, token, merge, message], [push_result, push_log],
                           api_name="push")
         page.load(app.reattach, None, [run_select, *form], api_name=False)

@@ -1,12 +1,19 @@
 """What the app shows about a run, computed from its folder only (no torch, no Gradio).
 
-Every function takes a `Run` (hf_diloco.runs) and returns plain data: HTML for the status bar, pandas frames in
-long format for the plots, rows for the round table, the tail of the log.
+Every function takes a `Run` (hf_diloco.runs) or what was read from its folder and returns plain data: HTML for the
+status bar, pandas frames in long format for the plots, matplotlib figures where a log scale is needed, rows for
+the tables, the tail of the log.
+
+Sources, all under the run's output folder: `sync_rounds.jsonl` (DiLoCo rounds), `progress.json` (step and phase,
+rewritten as the run trains, so progress moves between syncs), `trainer_log.jsonl` (what Trainer logs: the only
+source for a DDP baseline), `run_config.json`, `diloco_summary.json` and `run_metrics.json` (settings and totals).
 """
 
 from __future__ import annotations
 
 import html
+import json
+import math
 import re
 import time
 from pathlib import Path
@@ -14,12 +21,23 @@ from pathlib import Path
 import pandas as pd
 
 from hf_diloco.metrics import read_sync_rounds
-from hf_diloco.runs import LOG_FILE, Run
+from hf_diloco.runs import LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "train loss", "eval loss", "Δ norm", "MB sent", "sync s", "compute s", "tokens/s"]
+RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "codec", "loss", "started", "reason"]
+COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
+                   "wall time"]
+# Series keep their colour whatever else is on the plot: replica i is always PALETTE[i], held-out loss black.
+PALETTE = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
+FIXED_COLORS = {"held-out (global model)": "#111827", "held-out loss": "#111827", "averaged Δ": "#111827",
+                "train loss (all processes)": "#2563eb", "compute": "#2563eb", "sync": "#ea580c"}
+MIN_ROUND_AXIS = 10  # round axes span at least 0..10, so their ticks fall on whole rounds
+
+
+# --- reading a run folder -------------------------------------------------------------------------------------
 
 
 def read_rounds(run: Run | None) -> list[dict]:
@@ -27,18 +45,72 @@ def read_rounds(run: Run | None) -> list[dict]:
     return read_sync_rounds(run.output_dir) if run is not None else []
 
 
-def max_steps(run: Run) -> int | None:
-    """max_steps from the overrides, else from the recipe (a plain `key: value` line)."""
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_progress(run: Run | None) -> dict:
+    """progress.json: {"phase", "step", "max_steps", ...}; empty before the run's first step."""
+    return _json(Path(run.output_dir) / PROGRESS_FILE) if run is not None else {}
+
+
+def read_trainer_log(run: Run | None) -> list[dict]:
+    """Every dict Trainer logged (loss, eval_loss, learning_rate, ...), with its step."""
+    if run is None:
+        return []
+    path = Path(run.output_dir) / TRAINER_LOG_FILE
+    entries = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                break
+    return entries
+
+
+def recipe_value(run: Run, key: str) -> str | None:
+    """A setting as the run got it: a --key override, else the recipe's plain `key: value` line."""
     values = dict(zip(run.overrides[::2], run.overrides[1::2], strict=False))
-    if "--max_steps" in values:
-        return int(values["--max_steps"])
+    if f"--{key}" in values:
+        return values[f"--{key}"]
     try:
         for line in Path(run.recipe).read_text().splitlines():
-            if line.startswith("max_steps:"):
-                return int(line.split(":", 1)[1].split("#")[0])
-    except (OSError, ValueError):
+            if line.startswith(f"{key}:"):
+                return line.split(":", 1)[1].split("#")[0].strip().strip("\"'")
+    except OSError:
         pass
     return None
+
+
+def max_steps(run: Run) -> int | None:
+    try:
+        value = int(recipe_value(run, "max_steps") or "")
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def trainer_kind(run: Run) -> str:
+    """"diloco" or "ddp" (the baseline Trainer)."""
+    return recipe_value(run, "trainer") or "diloco"
+
+
+def replicas(run: Run) -> str:
+    """How many processes the run starts (--num_processes, else the accelerate config's num_processes)."""
+    if "--num_processes" in run.command:
+        return run.command[run.command.index("--num_processes") + 1]
+    try:
+        for line in Path(run.accelerate_config).read_text().splitlines():
+            if line.startswith("num_processes:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _duration(seconds: float) -> str:
@@ -48,53 +120,122 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def current_step(run: Run, rounds: list[dict], progress: dict) -> int:
+    return max(progress.get("step") or 0, rounds[-1]["step"] if rounds else 0)
+
+
+# --- status bar -------------------------------------------------------------------------------------------------
+
+
 def status_html(run: Run | None) -> str:
-    """The bar at the top of the page: run, state, progress, throughput, bytes."""
+    """The bar at the top of the page: run, state, phase, progress, loss, throughput, bytes, and why it failed."""
     if run is None:
         return "<div class='hfd-status'><b>No run selected.</b> Start one from the Launch tab.</div>"
-    rounds = read_rounds(run)
-    step = rounds[-1]["step"] if rounds else 0
-    total = max_steps(run)
+    rounds, progress, log = read_rounds(run), read_progress(run), read_trainer_log(run)
+    step, total = current_step(run, rounds, progress), max_steps(run)
     color = STATUS_COLORS.get(run.status, "#6b7280")
     elapsed = (run.ended or time.time()) - run.created
     parts = [f"<span class='hfd-badge' style='background:{color}'>{html.escape(run.status)}</span>",
-             f"<b>{html.escape(run.id)}</b>"]
+             f"<b>{html.escape(run.name or run.id)}</b>"]
+    if run.status in ("starting", "running"):
+        phase = progress.get("phase") or "starting: loading model and data"
+        if phase != "training":
+            parts.append(f"<i class='hfd-phase'>{html.escape(phase)}</i>")
     if total:
-        parts.append(f"<progress value='{step}' max='{total}'></progress> step {step}/{total}")
+        parts.append(f"<progress value='{min(step, total)}' max='{total}'></progress> step {step}/{total}")
     if rounds:
         last = rounds[-1]
         sent = sum(r["bytes_per_replica"] for r in rounds)
         parts.append(f"round {last['round']} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
                      f" · {last['num_replicas']} replicas · sent {sent / 1e6:,.1f} MB/replica")
-    parts.append(f"{_duration(elapsed)}")
-    if run.exit_code not in (None, 0):
-        parts.append(f"exit code {run.exit_code}")
+    elif trainer_kind(run) == "ddp":
+        losses = [e["loss"] for e in log if "loss" in e]
+        parts.append((f"loss {losses[-1]:.4f} · " if losses else "") + "DDP baseline: no syncs "
+                     "(gradients all-reduced every step)")
+    parts.append(_duration(elapsed))
+    if run.status == "failed":
+        reason = run.reason or (f"exit code {run.exit_code}" if run.exit_code is not None else "")
+        parts.append(f"<span class='hfd-reason'>{html.escape(reason)}</span>")
     return "<div class='hfd-status' id='hfd-status' data-status='" + html.escape(run.status) + "'>" + \
         " &nbsp;|&nbsp; ".join(parts) + "</div>"
 
 
-def replica_loss_frame(rounds: list[dict]) -> pd.DataFrame:
-    rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
-            for r in rounds for i, loss in enumerate(r["replica_losses"])]
-    rows += [{"step": r["step"], "loss": r["eval_loss"], "replica": "held-out (global model)"}
-             for r in rounds if r.get("eval_loss") is not None]
-    return pd.DataFrame(rows, columns=["step", "loss", "replica"])
+# --- live plots ---------------------------------------------------------------------------------------------------
+
+
+def _frame(rows: list[dict], x: str, y: str, series: str) -> pd.DataFrame:
+    """A plot frame whose column types hold even when empty (the page types a plot from its first frame)."""
+    frame = pd.DataFrame(rows, columns=[x, y, series])
+    return frame.astype({x: "float64", y: "float64", series: "string"})
+
+
+def colors(frame: pd.DataFrame, series: str) -> dict[str, str]:
+    """A fixed colour per series present: `replica i` → PALETTE[i], named series their own colour."""
+    chosen = {}
+    for name in sorted(set(frame[series].dropna())):
+        match = re.search(r"(\d+)$", name)
+        chosen[name] = FIXED_COLORS.get(name) or PALETTE[int(match.group(1)) % len(PALETTE) if match else
+                                                        len(chosen) % len(PALETTE)]
+    return chosen
+
+
+def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
+    """Inner loss per replica per round and held-out loss (DiLoCo), or Trainer's logged losses (DDP baseline).
+
+    A round's inner loss is the mean over its steps; a replica with one round so far is drawn as a flat segment over
+    that round's steps, so that a one-round run shows a line too.
+    """
+    evals = [{"step": e["step"], "loss": e["eval_loss"]} for e in trainer_log if e.get("eval_loss") is not None]
+    if rounds:
+        rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
+                for r in rounds for i, loss in enumerate(r["replica_losses"])]
+        if len(rounds) == 1:
+            first = rounds[0]["step"] - rounds[0].get("inner_steps", rounds[0]["step"])
+            rows += [{**row, "step": first} for row in rows]
+        held_out = evals or [{"step": r["step"], "loss": r["eval_loss"]} for r in rounds
+                             if r.get("eval_loss") is not None]
+        rows += [{**e, "replica": "held-out (global model)"} for e in held_out]
+    else:
+        rows = [{"step": e["step"], "loss": e["loss"], "replica": "train loss (all processes)"}
+                for e in trainer_log if e.get("loss") is not None]
+        rows += [{**e, "replica": "held-out loss"} for e in evals]
+    return _frame(sorted(rows, key=lambda row: row["step"]), "step", "loss", "replica")
 
 
 def norm_frame(rounds: list[dict]) -> pd.DataFrame:
     rows = [{"round": r["round"], "norm": r["pseudo_grad_norm"], "of": "averaged Δ"} for r in rounds]
     rows += [{"round": r["round"], "norm": n, "of": f"replica {i}"}
              for r in rounds for i, n in enumerate(r.get("replica_pseudo_grad_norms", []))]
-    return pd.DataFrame(rows, columns=["round", "norm", "of"])
+    return _frame(rows, "round", "norm", "of")
 
 
 def agreement_frame(rounds: list[dict]) -> pd.DataFrame:
+    """cos(Δ_i, Δ) per replica, at the round it measures (it is reported with the next round's sync)."""
     rows = [{"round": r["agreement_round"], "cosine": c, "replica": f"replica {i}"}
             for r in rounds if "replica_agreement" in r for i, c in enumerate(r["replica_agreement"])]
-    return pd.DataFrame(rows, columns=["round", "cosine", "replica"])
+    return _frame(rows, "round", "cosine", "replica")
 
 
-def bytes_frame(rounds: list[dict]) -> pd.DataFrame:
+def time_frame(rounds: list[dict]) -> pd.DataFrame:
+    rows = [{"round": r["round"], "seconds": r[key], "part": part}
+            for r in rounds for key, part in (("compute_seconds", "compute"), ("sync_seconds", "sync"))]
+    return _frame(rows, "round", "seconds", "part")
+
+
+def round_axis(run: Run | None, rounds: list[dict]) -> list[float]:
+    """x limits of the per-round plots: the whole run (when known), at least 0..MIN_ROUND_AXIS, whole numbers."""
+    total = None
+    if run is not None and max_steps(run):
+        try:
+            total = math.ceil(max_steps(run) / int(recipe_value(run, "inner_steps") or "0"))
+        except (ValueError, ZeroDivisionError):
+            total = None
+    last = rounds[-1]["round"] if rounds else 0
+    return [0, max(total or 0, last, MIN_ROUND_AXIS)]
+
+
+def bytes_rows(rounds: list[dict]) -> pd.DataFrame:
+    """Cumulative MB sent per replica by DiLoCo, and what DDP would have sent for the same steps."""
     rows, diloco, ddp = [], 0.0, 0.0
     for r in rounds:
         diloco += r["bytes_per_replica"] / 1e6
@@ -102,13 +243,42 @@ def bytes_frame(rounds: list[dict]) -> pd.DataFrame:
         rows += [{"step": r["step"], "MB": diloco, "traffic": "DiLoCo (cumulative)"},
                  {"step": r["step"], "MB": ddp, "traffic": "DDP for the same steps"},
                  {"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this round)"}]
-    return pd.DataFrame(rows, columns=["step", "MB", "traffic"])
+    return _frame(rows, "step", "MB", "traffic")
 
 
-def time_frame(rounds: list[dict]) -> pd.DataFrame:
-    rows = [{"round": r["round"], "seconds": r[key], "part": part}
-            for r in rounds for key, part in (("compute_seconds", "compute"), ("sync_seconds", "sync"))]
-    return pd.DataFrame(rows, columns=["round", "seconds", "part"])
+def _figure(width: float = 6.0, height: float = 3.2):
+    from matplotlib.figure import Figure  # the object API: no pyplot state shared between the server's threads
+
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return figure
+
+
+def bytes_figure(run: Run | None, rounds: list[dict]):
+    """MB sent per replica vs DDP on a log scale (DiLoCo's line sits orders of magnitude below DDP's)."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    axes.set_title("MB sent per replica vs DDP (log scale)", fontsize=10)
+    frame = bytes_rows(rounds)
+    if run is not None and not rounds and trainer_kind(run) == "ddp":
+        axes.text(0.5, 0.5, "no syncs: the DDP baseline all-reduces\ngradients at every step", ha="center",
+                  va="center", transform=axes.transAxes)
+        axes.set_axis_off()
+        return figure
+    if frame.empty:
+        axes.text(0.5, 0.5, "no sync round yet", ha="center", va="center", transform=axes.transAxes)
+        axes.set_axis_off()
+        return figure
+    styles = {"DDP for the same steps": ("#dc2626", "--"), "DiLoCo (cumulative)": ("#2563eb", "-"),
+              "DiLoCo (this round)": ("#2563eb", ":")}
+    for name, (color, line) in styles.items():
+        part = frame[frame["traffic"] == name]
+        axes.plot(part["step"], part["MB"], line, color=color, marker="o", markersize=3, label=name)
+    axes.set_yscale("log")
+    axes.set_xlabel("step")
+    axes.set_ylabel("MB per replica")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize=8)
+    return figure
 
 
 def round_rows(rounds: list[dict]) -> pd.DataFrame:
@@ -136,17 +306,105 @@ def log_tail(run: Run | None, lines: int = 200) -> str:
     return "\n".join([line for line in cleaned if line.strip()][-lines:])
 
 
+# --- runs and comparing them ----------------------------------------------------------------------------------
+
+
 def runs_table(runs: list[Run]) -> pd.DataFrame:
     rows = []
     for run in runs:
         rounds = read_rounds(run)
-        rows.append([run.id, run.status, Path(run.recipe).name, rounds[-1]["step"] if rounds else 0,
-                     round(rounds[-1]["loss"], 4) if rounds else None,
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created))])
-    return pd.DataFrame(rows, columns=["run", "status", "recipe", "step", "loss", "started"])
+        log = read_trainer_log(run) if not rounds else []
+        losses = [e["loss"] for e in log if e.get("loss") is not None]
+        loss = rounds[-1]["loss"] if rounds else (losses[-1] if losses else None)
+        kind = trainer_kind(run)
+        rows.append([run.id, run.status, kind, recipe_value(run, "inner_steps") or "" if kind == "diloco" else "",
+                     replicas(run), current_step(run, rounds, read_progress(run)),
+                     recipe_value(run, "codec") or ("fp32" if kind == "diloco" else ""),
+                     round(loss, 4) if loss is not None else None,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created)),
+                     run.reason if run.status == "failed" else ""])
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def held_out_curve(run: Run) -> pd.DataFrame:
+    """Held-out loss against tokens trained (all processes) and MB sent per replica, for comparing runs."""
+    output = Path(run.output_dir)
+    config, progress, rounds = _json(output / "run_config.json"), read_progress(run), read_rounds(run)
+    training = config.get("training", {})
+    processes = int(config.get("num_processes") or progress.get("world_size") or 1)
+    tokens_per_step = int(training.get("per_device_train_batch_size") or 0) * int(
+        training.get("gradient_accumulation_steps") or 1) * int(config.get("run", {}).get("block_size") or 0) \
+        * processes
+    evals = [(e["step"], e["eval_loss"]) for e in read_trainer_log(run) if e.get("eval_loss") is not None]
+    if not evals:
+        evals = [(r["step"], r["eval_loss"]) for r in rounds if r.get("eval_loss") is not None]
+    rows = []
+    for step, loss in evals:
+        if rounds:
+            sent = sum(r["bytes_per_replica"] for r in rounds if r["step"] <= step)
+        else:
+            sent = step * float(progress.get("ddp_bytes_per_step") or 0)
+        rows.append({"run": run.name or run.id, "step": step, "tokens": step * tokens_per_step, "MB": sent / 1e6,
+                     "loss": loss})
+    return pd.DataFrame(rows, columns=["run", "step", "tokens", "MB", "loss"])
+
+
+def compare_figure(runs: list[Run]):
+    """Held-out loss against tokens and against MB sent per replica (log scale), one line per run."""
+    figure = _figure(11, 3.6)
+    by_tokens, by_bytes = figure.subplots(1, 2)
+    for i, run in enumerate(runs):
+        curve = held_out_curve(run)
+        color, label = PALETTE[i % len(PALETTE)], run.name or run.id
+        by_tokens.plot(curve["tokens"], curve["loss"], "-o", markersize=3, color=color, label=label)
+        sent = curve[curve["MB"] > 0]  # nothing sent yet has no place on a log scale
+        by_bytes.plot(sent["MB"], sent["loss"], "-o", markersize=3, color=color, label=label)
+    by_tokens.set(title="Held-out loss vs tokens trained", xlabel="tokens (all processes)", ylabel="held-out loss")
+    by_bytes.set(title="Held-out loss vs MB sent per replica", xlabel="MB sent per replica (log scale)",
+                 ylabel="held-out loss")
+    by_bytes.set_xscale("log")
+    for axes in (by_tokens, by_bytes):
+        axes.grid(True, alpha=0.3)
+        axes.title.set_fontsize(10)
+    if runs:
+        by_tokens.legend(fontsize=8)
+    return figure
+
+
+def compare_rows(runs: list[Run]) -> pd.DataFrame:
+    rows = []
+    for run in runs:
+        output = Path(run.output_dir)
+        summary, metrics = _json(output / "diloco_summary.json"), _json(output / "run_metrics.json")
+        curve, rounds, kind = held_out_curve(run), read_rounds(run), trainer_kind(run)
+        processes = int(_json(output / "run_config.json").get("num_processes") or 1)
+        if summary.get("tokens_per_second"):
+            speed = summary["tokens_per_second"]
+        elif metrics.get("steady_tokens_per_second"):
+            speed = metrics["steady_tokens_per_second"] * processes  # the processes step in lockstep
+        else:
+            speed = None
+        sent = curve["MB"].iloc[-1] if len(curve) else (
+            sum(r["bytes_per_replica"] for r in rounds) / 1e6 if rounds else None)
+        wall = (run.ended or time.time()) - run.created
+        rows.append([run.name or run.id, kind, recipe_value(run, "inner_steps") if kind == "diloco" else "",
+                     replicas(run), round(curve["loss"].iloc[-1], 4) if len(curve) else None,
+                     round(speed) if speed else None, round(sent, 2) if sent is not None else None,
+                     _duration(wall)])
+    return pd.DataFrame(rows, columns=COMPARE_COLUMNS)
 
 
 def tensorboard_hint(run: Run | None) -> str:
     if run is None:
         return ""
     return f"TensorBoard for this run: `tensorboard --logdir {Path(run.output_dir) / 'runs'}`"
+
+
+def card_preview(card: str) -> tuple[str, str]:
+    """(metadata, body) of a model card: the YAML front matter apart, and images dropped (the curve is shown
+    beside the card; a relative image path would be a broken image in the page)."""
+    metadata, body = "", card
+    if card.startswith("---\n") and "\n---\n" in card[4:]:
+        metadata, body = card[4:].split("\n---\n", 1)
+    body = "\n".join(line for line in body.splitlines() if not re.match(r"\s*!\[[^\]]*\]\([^)]*\)\s*$", line))
+    return metadata.strip(), body.strip()

@@ -16,11 +16,12 @@ Design choices:
   and writes the exit code and final status into run.json, so the outcome is recorded even if the app is gone.
 - Status is read from the processes, not guessed: a run.json saying "running" whose supervisor no longer exists
   is reported as failed.
-- Stop is graceful: `stop` writes `stop.request` into the output folder; the runs' StopOnRequest callback finishes the current round (DiLoCo; the request rides
-  along with the round's sync, so every replica stops at the same step) or step (plain Trainer), saves a checkpoint
-  and exits. A request made while the run is still starting is honoured at its first step. The status says
-  `stopped` only if the run wrote `stopped.json`; a run that reached its end first is `finished`. The supervisor
-  and everything below it are killed only if the run is still alive after `grace_seconds` (status `failed`).
+- Stop is graceful: `stop` writes `stop.request` into the output folder; the runs' StopOnRequest callback
+  finishes the current round (DiLoCo; the request rides along with the round's sync, so every replica stops at
+  the same step) or step (plain Trainer), saves a checkpoint and exits. A request made while the run is still
+  starting is honoured at its first step. The status says `stopped` only if the run wrote `stopped.json`; a run
+  that reached its end first is `finished`. The supervisor and everything below it are killed only if the run is
+  still alive after `grace_seconds` (status `failed`).
 - A failed run keeps its own one-sentence reason (`reason`): the CLI's last `hf-diloco: error:` line, else the
   last exception line of the log.
 - Run ids come from the run's name plus a counter, not a clock, so the command Preview shows is the one Start

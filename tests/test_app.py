@@ -3,7 +3,6 @@
 import json
 import time
 
-import pytest
 from app_helpers import TINY_YAML, app_server, knobs
 from gradio_client import Client
 from hub_server import FakeHub
@@ -25,16 +24,20 @@ def test_launch_watch_stop_and_push(tmp_path):
     runs_dir = tmp_path / "runs"
     with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
         client = Client(url, verbose=False)
-        form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=400)]
+        form = ["", "tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=400)]
         command, message = client.predict(*form, api_name="/preview")
         assert "Form is valid" in message
         assert "--inner_steps 5" in command and "accelerate.commands.launch" in command
+        assert "tiny-pretrain-H5-steps400" in message, "the default name: recipe plus the knobs changed"
 
+        time.sleep(2)  # the run's clock starts at Start, not at Preview
+        clicked = time.time()
         message, selected, started_command = client.predict(*form, api_name="/start")
         assert message.startswith("Started")
         assert started_command == command, "Start runs exactly the previewed command"
         run_id = selected["value"] if isinstance(selected, dict) else selected  # a dropdown update
         assert (runs_dir / run_id / "run.json").is_file()
+        assert runs.load(runs_dir / run_id).created >= clicked
 
         def rounds_shown():
             live = client.predict(run_id, api_name="/refresh")
@@ -43,8 +46,8 @@ def test_launch_watch_stop_and_push(tmp_path):
 
         live = wait_for(rounds_shown, 240, "sync rounds in the live view")
         assert "data-status='running'" in live[0]
-        assert {row[2] for row in live[1]["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
-        assert live[4]["data"], "bytes vs DDP plotted"
+        assert {row[2] for row in live[1]["value"]["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
+        assert live[4]["type"] == "matplotlib", "bytes vs DDP plotted"
 
         assert "Stopping" in client.predict(run_id, api_name="/stop")
         wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to stop")
@@ -54,8 +57,9 @@ def test_launch_watch_stop_and_push(tmp_path):
         assert runs.training_pids(run) == [] and not runs._alive(run.supervisor_pid, "hf_diloco.runs")
         assert "data-status='stopped'" in client.predict(run_id, api_name="/refresh")[0]
 
-        card, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")
-        assert "## DiLoCo settings" in card and "- diloco" in card
+        card, metadata, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")
+        assert "## DiLoCo settings" in card and "- diloco" in metadata
+        assert not card.startswith("---") and "![" not in card, "the preview renders the card, not its YAML header"
         result, log = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
                                      api_name="/push")
         assert result.startswith("Pushed"), result
@@ -68,20 +72,37 @@ def test_launch_watch_stop_and_push(tmp_path):
     assert leaked == [], "the token never reaches the run folders"
 
 
-@pytest.mark.parametrize("case", ["no recipe", "H = 0", "outside folders", "bad replicas"])
-def test_bad_form_input_gets_a_message_and_starts_nothing(tmp_path, case):
+BAD_FORMS = {
+    "no recipe": (["", "cpu-2proc.yaml", knobs()], "choose a recipe"),
+    "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)], "H (inner steps) must be at least 1"),
+    "H = abc": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps="abc")], "must be a whole number"),
+    "max steps -5": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(max_steps=-5)], "max steps must be at least 1"),
+    "rank 5 of 2": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(num_machines=2, machine_rank=5)],
+                    "rank must be below the number of machines"),
+    "outside folders": (["/etc/hostname", "cpu-2proc.yaml", knobs()], "is not a file in"),
+    "bad replicas": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(replicas="two")], "whole number"),
+    "missing model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="models/missing-model")],
+                      "'models/missing-model' is neither a local path"),
+    "not a model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="../../etc/passwd")],
+                    "is not a model folder"),
+    "missing dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="data/nothing.txt")],
+                        "dataset path 'data/nothing.txt' does not exist"),
+}
+
+
+def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_nothing(tmp_path):
+    """Every knob is checked: Preview never calls a form valid that Start would run into an error, and the
+    message is one sentence, not a usage dump."""
     runs_dir = tmp_path / "runs"
-    forms = {
-        "no recipe": (["", "", "cpu-2proc.yaml", *knobs()], "choose a recipe"),
-        "H = 0": (["tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=0)], "inner_steps"),
-        "outside folders": (["/etc/hostname", "", "cpu-2proc.yaml", *knobs()], "is not a file in"),
-        "bad replicas": (["tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(replicas="two")], "whole number"),
-    }
-    form, words = forms[case]
     with app_server(runs_dir) as url:
         client = Client(url, verbose=False)
-        message = client.predict(*form, api_name="/start")[0]
-    assert message.startswith("**Cannot start:**") and words in message, message
+        for case, ((recipe, config, values), words) in BAD_FORMS.items():
+            form = ["", recipe, "", config, *values]
+            previewed = client.predict(*form, api_name="/preview")[1]
+            started = client.predict(*form, api_name="/start")[0]
+            for message in (previewed, started):
+                assert message.startswith("**Cannot start:**") and words in message, (case, message)
+                assert "usage:" not in message and message.count("\n") == 0, (case, message)
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 

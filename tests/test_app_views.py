@@ -43,9 +43,9 @@ def test_status_bar_shows_state_progress_and_bytes(tmp_path):
 
 def test_plot_frames_are_long_format_per_replica(tmp_path):
     rounds = [round_record(1), round_record(2, agreement=[0.9, 0.8])]
-    losses = views.replica_loss_frame(rounds)
+    losses = views.loss_frame(rounds, [])
     assert set(losses["replica"]) == {"replica 0", "replica 1"} and len(losses) == 4
-    traffic = views.bytes_frame(rounds)
+    traffic = views.bytes_rows(rounds)
     cumulative = traffic[traffic["traffic"] == "DiLoCo (cumulative)"]["MB"].tolist()
     ddp = traffic[traffic["traffic"] == "DDP for the same steps"]["MB"].tolist()
     assert cumulative == [2.0, 4.0] and ddp == [20.0, 40.0]
@@ -59,3 +59,57 @@ def test_half_written_round_is_ignored(tmp_path):
     with open(tmp_path / "output" / "sync_rounds.jsonl", "a") as f:
         f.write('{"round": 2, "st')
     assert [r["round"] for r in views.read_rounds(run)] == [1]
+
+
+def test_empty_plot_frames_are_typed_as_numbers():
+    """The page types a plot once, from its first frame, which is empty for a fresh run: x and y must already
+    be numbers there, or the page draws one tick per raw value and no line."""
+    import pandas as pd
+
+    for frame in (views.loss_frame([], []), views.norm_frame([]), views.agreement_frame([]), views.time_frame([])):
+        x, y, series = frame.columns
+        assert pd.api.types.is_numeric_dtype(frame[x]) and pd.api.types.is_numeric_dtype(frame[y])
+        assert pd.api.types.is_string_dtype(frame[series])
+
+
+def test_series_keep_their_colour_and_a_one_round_run_still_draws_a_line():
+    one = views.loss_frame([round_record(1)], [{"step": 0, "eval_loss": 5.0}, {"step": 10, "eval_loss": 3.0}])
+    for replica in ("replica 0", "replica 1"):
+        assert len(one[one["replica"] == replica]) == 2, "one round: a flat segment over its steps, not a dot"
+    assert one[one["replica"] == "held-out (global model)"]["step"].tolist() == [0, 10]
+    colors = views.colors(one, "replica")
+    assert colors["replica 1"] == views.PALETTE[1] and colors["held-out (global model)"] == "#111827"
+
+
+def test_a_ddp_baseline_is_drawn_from_trainer_logs(tmp_path):
+    run = make_run(tmp_path)
+    run.recipe = str(REPO / "recipes" / "ddp-baseline.yaml")
+    log = [{"step": 10, "loss": 4.0}, {"step": 20, "loss": 3.5}, {"step": 20, "eval_loss": 3.6}]
+    (tmp_path / "output" / "trainer_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    (tmp_path / "output" / "progress.json").write_text(json.dumps({"phase": "training", "step": 23}))
+    frame = views.loss_frame([], views.read_trainer_log(run))
+    assert frame["loss"].tolist() == [4.0, 3.5, 3.6]
+    bar = views.status_html(run)
+    assert "step 23/100" in bar and "loss 3.5000" in bar and "no syncs" in bar
+    texts = [t.get_text() for t in views.bytes_figure(run, []).axes[0].texts]
+    assert any("no syncs" in t for t in texts)
+
+
+def test_bytes_are_on_a_log_scale_and_round_axes_hold_whole_rounds(tmp_path):
+    run = make_run(tmp_path, rounds=[round_record(1), round_record(2)])
+    figure = views.bytes_figure(run, views.read_rounds(run))
+    assert figure.axes[0].get_yscale() == "log"
+    assert views.round_axis(run, views.read_rounds(run)) == [0, 10]  # max_steps 100 / H 50 = 2 rounds: at least 10
+
+
+def test_status_bar_shows_phase_while_starting_and_a_failed_runs_reason(tmp_path):
+    run = make_run(tmp_path)
+    assert "loading model and data" in views.status_html(run)
+    run.status, run.reason = "failed", "model path 'x' does not exist."
+    bar = views.status_html(run)
+    assert "data-status='failed'" in bar and "model path &#x27;x&#x27; does not exist." in bar
+
+
+def test_card_preview_drops_front_matter_and_images():
+    metadata, body = views.card_preview("---\ntags:\n- diloco\n---\n# Model\n\n![curve](training_curve.png)\ntext")
+    assert metadata == "tags:\n- diloco" and body == "# Model\n\ntext"
