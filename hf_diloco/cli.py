@@ -245,8 +245,8 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser(
         "train", help="train in this process (one replica per process under accelerate launch)", add_help=False
@@ -290,26 +290,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # Everything after the sub-command that argparse does not know is a DiLoCoConfig/RunArguments override.
+# Sub-commands whose extra flags are recipe fields (checked against DiLoCoConfig/RunArguments when parsed).
+TAKES_RECIPE_FIELDS = ("train", "launch")
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The sub-command's arguments; `overrides` holds the recipe-field flags of train/launch (none elsewhere)."""
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
+    if args.command not in TAKES_RECIPE_FIELDS and overrides:
+        raise CLIError(f"unrecognized arguments: {' '.join(overrides)}; see `hf-diloco {args.command} --help`.")
     if "--" in overrides:
         overrides.remove("--")
     args.overrides = overrides
-    if args.command == "demo" and overrides:
-        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
-    if args.command == "train" and args.help:
-        from transformers import HfArgumentParser
+    return args
 
-        from .config import DiLoCoConfig, RunArguments
 
-        HfArgumentParser((RunArguments, DiLoCoConfig), prog="hf-diloco train").print_help()
-        return 0
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        args = parse_command_line(argv)
+        if args.command == "train" and args.help:
+            _field_parser().print_help()
+            return 0
         return args.func(args)
-    except (CLIError, ConfigError) as error:
+    except ConfigError as error:
         print(f"hf-diloco: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,10 +1,12 @@
 """Push a finished run to the Hugging Face Hub with a DiLoCo model card.
 
 Design choices:
-- The card is built from what the run left in its output folder (run_config.json, diloco_summary.json,
-  run_metrics.json, sync_rounds.jsonl), so `hf-diloco push`, the app and `DiLoCoTrainer.push_to_hub` write the
-  same card: a table of the DiLoCo settings, the final metrics, a training-curve image, tags `diloco` and
-  `hf-diloco`, base model and datasets in the metadata.
+- The card's settings come from the training arguments themselves (`run_settings`): `DiLoCoTrainer` passes its
+  own args, and `hf-diloco train` stores the same dict in run_config.json for `hf-diloco push` and the app, so
+  every path writes the same card: a table of the settings, the final metrics (diloco_summary.json,
+  run_metrics.json), a training-curve image, base model and datasets in the metadata.
+- The card says what ran: a DiLoCo run is tagged `diloco` and described with its replicas and H; a `trainer: ddp`
+  baseline is described as ordinary data-parallel training, with no DiLoCo settings.
 - Only what a model repo needs is uploaded: weights, config, tokenizer, card, curve and the round log. Checkpoints,
   per-replica optimizer states and TensorBoard files stay local.
 - The token comes from the caller, HF_TOKEN, or the huggingface_hub login, in that order. It is only ever passed to
@@ -62,8 +64,36 @@ def resolve_token(token: str | None) -> str:
     return token
 
 
+TRAINING_KEYS = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "lr_scheduler_type", "seed")
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _plain(value):
+    """A JSON-friendly form of an argument value (enums become their value)."""
+    value = getattr(value, "value", value)
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def run_settings(args, run=None, trainer: str | None = None) -> dict:
+    """What the model card needs from a run's arguments: `args` (a DiLoCoConfig or TrainingArguments), the
+    model/data arguments `run` (a RunArguments, when there are any), and which trainer ran ("diloco" or "ddp";
+    default: `run.trainer`, else "diloco"). Holds no token.
+    """
+    from dataclasses import asdict
+
+    trainer = trainer or getattr(run, "trainer", None) or "diloco"
+    return {
+        "trainer": trainer,
+        "run": {key: _plain(value) for key, value in asdict(run).items()} if run is not None else {},
+        "diloco": {key: _plain(getattr(args, key)) for key, _, _ in DILOCO_ROWS if hasattr(args, key)}
+        if trainer == "diloco" else {},
+        "training": {key: _plain(getattr(args, key)) for key in TRAINING_KEYS if hasattr(args, key)},
+        "num_processes": args.world_size,
+    }
 
 
 def write_training_curve(output_dir: Path, target: Path) -> Path | None:
@@ -90,42 +120,67 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     return target
 
 
-def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool = True) -> str:
-    """The DiLoCo model card of a run folder, as markdown with YAML metadata."""
+def trainer_settings(trainer) -> dict:
+    """`run_settings` of a live DiLoCoTrainer from its own args; model and data names from run_config.json when
+    `hf-diloco train` wrote one, else the model's own name."""
+    settings = run_settings(trainer.args, trainer="diloco")
+    stored = _read_json(Path(trainer.args.output_dir) / RUN_CONFIG_FILE).get("run", {})
+    model = getattr(getattr(trainer.model, "config", None), "name_or_path", "") or ""
+    settings["run"] = stored or ({"model_name_or_path": model} if model else {})
+    return settings
+
+
+def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool = True,
+               settings: dict | None = None) -> str:
+    """The model card of a run folder, as markdown with YAML metadata.
+
+    `settings` is `run_settings(...)` of the run; without it, the run_config.json that `hf-diloco train` wrote.
+    """
     output_dir = Path(output_dir)
-    config = _read_json(output_dir / RUN_CONFIG_FILE)
-    run, diloco, training = config.get("run", {}), config.get("diloco", {}), config.get("training", {})
+    settings = settings if settings is not None else _read_json(output_dir / RUN_CONFIG_FILE)
+    run, diloco, training = settings.get("run", {}), settings.get("diloco", {}), settings.get("training", {})
+    trainer = settings.get("trainer") or run.get("trainer") or "diloco"
     summary = _read_json(output_dir / "diloco_summary.json")
     metrics = _read_json(output_dir / "run_metrics.json")
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
-    meta = ["---", "library_name: transformers", "tags:", "- diloco", "- hf-diloco", "- distributed-training"]
+    tags = ["diloco", "hf-diloco", "distributed-training"] if trainer == "diloco" else ["hf-diloco", "ddp-baseline"]
+    meta = ["---", "library_name: transformers", "tags:", *(f"- {tag}" for tag in tags)]
     if model and not model.startswith(PRESET_PREFIXES) and not Path(model).exists():
         meta.append(f"base_model: {model}")
     if dataset and dataset != "builtin" and not Path(dataset).exists():
         meta += ["datasets:", f"- {dataset}"]
     meta.append("---")
-    name = repo_id or output_dir.name
-    lines = [*meta, "", f"# {name}", "",
-             f"Trained with hf-diloco using DiLoCo (Douillard et al., "
-             f"[arXiv 2311.08105](https://arxiv.org/abs/2311.08105)): {summary.get('num_replicas', '?')} replicas "
-             f"trained independently and averaged their pseudo-gradients every "
-             f"{diloco.get('inner_steps', '?')} steps.", "",
-             "## DiLoCo settings", "", "| setting | value | paper |", "|---|---|---|"]
-    for key, label, paper in DILOCO_ROWS:
-        if key in diloco:
-            lines.append(f"| {label} (`{key}`) | {diloco[key]} | {paper} |")
-    lines.append(f"| replicas | {summary.get('num_replicas', '?')} | 8 |")
+    processes = settings.get("num_processes")
+    group = diloco.get("replica_group_size", 1)
+    replicas = summary.get("num_replicas") or (processes // group if processes else "?")
+    lines = [*meta, "", f"# {repo_id or output_dir.name}", ""]
+    if trainer == "diloco":
+        lines += [f"Trained with hf-diloco using DiLoCo (Douillard et al., "
+                  f"[arXiv 2311.08105](https://arxiv.org/abs/2311.08105)): {replicas} replicas trained "
+                  f"independently and averaged their pseudo-gradients every {diloco.get('inner_steps', '?')} steps.",
+                  "", "## DiLoCo settings", "", "| setting | value | paper |", "|---|---|---|"]
+        for key, label, paper in DILOCO_ROWS:
+            if key in diloco:
+                lines.append(f"| {label} (`{key}`) | {diloco[key]} | {paper} |")
+        lines.append(f"| replicas | {replicas} | 8 |")
+        prefix = "inner "
+    else:
+        lines += [f"Trained with hf-diloco's data-parallel baseline: the ordinary `transformers` Trainer on "
+                  f"{processes or '?'} process(es), gradients all-reduced at every step (not DiLoCo).", "",
+                  "## Training settings", "", "| setting | value |", "|---|---|"]
+        lines.append(f"| processes | {processes or '?'} |")
+        prefix = ""
     for key in ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size"):
         if key in training:
-            lines.append(f"| inner {key} | {training[key]} | |")
+            lines.append(f"| {prefix}{key} | {training[key]} |" + (" |" if trainer == "diloco" else ""))
     lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
     results = {
         "model": model or "?",
         "data": dataset or "?",
         "steps": summary.get("steps", metrics.get("global_step")),
         "outer rounds": summary.get("rounds"),
-        "held-out loss before training": summary.get("eval_loss_initial"),
+        "held-out loss before training": summary.get("eval_loss_initial", metrics.get("eval_loss_initial")),
         "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
         "bytes sent per replica": summary.get("bytes_per_replica"),
         "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
@@ -138,7 +193,8 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
             lines.append(f"| {key} | {shown} |")
     if curve and read_sync_rounds(output_dir):
         lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
-    lines += ["", "Per-round metrics are in `sync_rounds.jsonl`.", ""]
+        lines += ["", "Per-round metrics are in `sync_rounds.jsonl`."]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -76,3 +76,92 @@ def test_train_help_lists_diloco_fields():
     assert result.returncode == 0
     for name in ("--inner_steps", "--outer_lr", "--outer_momentum", "--model_name_or_path", "--dataset_name"):
         assert name in result.stdout
+
+
+def test_type_and_choice_errors_are_one_sentence_without_usage(tmp_path):
+    """A value of the wrong type or outside a field's choices: one sentence naming the flag, exit 2, no usage dump."""
+    for flag, value in (("--inner_steps", "five"), ("--outer_optimizer", "lion")):
+        result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), flag, value)
+        assert result.returncode == 2
+        assert_one_sentence_error(result, flag, value)
+        assert "usage:" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[:500]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def saved_run(tmp_path):
+    """A folder that `hf-diloco push` accepts as a finished run (a model file is all it needs to stage)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    (out / "config.json").write_text("{}")
+    return out
+
+
+def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
+    """A misspelt or shortened flag is refused before anything happens, for every sub-command.
+
+    Before, `push --privte` pushed a public repository, `demo --max-step 5` guessed --max-steps, and recipe
+    fields could be shortened (`--outer_l` silently set outer_lr).
+    """
+    from hub_server import FakeHub
+
+    with FakeHub() as hub:
+        result = run_with_hub(hub, "push", str(saved_run), "--repo-id", "alice/model", "--privte")
+        assert result.returncode == 2
+        assert_one_sentence_error(result, "--privte")
+        assert hub.repos == {} and hub.commits == [], "nothing reaches the Hub"
+    demo_out = tmp_path / "demo"
+    demo_out.mkdir()
+    cases = [
+        (["demo", "--output-dir", str(demo_out), "--max-step", "5"], "--max-step"),
+        (["app", "--auht", "u:p", "--port", "1", "--runs-dir", str(tmp_path / "runs")], "--auht"),
+        (["train", "--config", RECIPE, "--dry_run", "true", "--outer_l", "0.5"], "--outer_l"),
+        (["train", "--conf", RECIPE, "--dry_run", "true"], "--conf"),
+        (["launch", RECIPE, "--accelerate-config", str(REPO / "accelerate_configs" / "cpu-2proc.yaml"),
+          "--dry-run", "--", "--inner_step", "3"], "--inner_step"),
+    ]
+    for args, word in cases:
+        result = hf_diloco(*args, timeout=120)
+        assert result.returncode == 2, (args, result.stdout[-500:])
+        assert_one_sentence_error(result, word)
+
+
+def run_with_hub(hub, *args):
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    return subprocess.run([sys.executable, "-m", "hf_diloco.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "0"},
+                          timeout=120)
+
+
+@pytest.mark.parametrize("spelling", [["--dry-run"], ["--dry-run=true"], ["--dry_run"], ["--dry_run", "yes"],
+                                      "recipe key"])
+def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
+    """A recipe asking for bf16 and tf32 dry-runs on a machine without a GPU, however the dry run is spelt."""
+    recipe = tmp_path / "gpu.yaml"
+    text = (REPO / "recipes" / "tiny-pretrain.yaml").read_text() + "\nbf16: true\ntf32: true\n"
+    if spelling == "recipe key":
+        text += "dry_run: true\n"
+        spelling = []
+    recipe.write_text(text)
+    result = hf_diloco("train", "--config", str(recipe), "--output_dir", str(tmp_path / "out"), *spelling)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "hf-diloco dry run" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_streaming_with_non_iid_sharding_is_refused(tmp_path):
+    """A stream has no length to slice, so non-i.i.d. shards cannot be made: refused instead of silently i.i.d."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(40)))
+    out = tmp_path / "out"
+    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(out), "--dataset_name", str(corpus),
+                       "--streaming", "true", "--data_sharding", "non_iid", "--max_steps", "2", "--block_size", "32",
+                       "--eval_strategy", "no", "--eval_on_start", "false")
+    assert result.returncode == 2
+    assert_one_sentence_error(result, "non_iid", "stream")
+    assert not (out / "model.safetensors").exists()

@@ -1,0 +1,255 @@
+"""One training process, assembled from a recipe's arguments: the library behind `hf-diloco train` and the demo.
+
+    from hf_diloco.train import train
+    trainer = train(run, config)            # run: RunArguments, config: DiLoCoConfig
+
+Design choices:
+- One function, `train`, does what a run is: check the output folder and the checkpoint to resume from, build the
+  model (plus LoRA adapters), load and cut the data, pick the trainer (`DiLoCoTrainer`, or plain `Trainer` for the
+  `trainer: ddp` baseline), train, save the model (and the merged model), write run_config.json and
+  run_metrics.json. The CLI only parses arguments, registers its callbacks and signals, and prints.
+- Checks that need no model or data (`check_arguments`, `check_output_dir`, `resolve_checkpoint`,
+  `check_accelerate_config`) run before anything is built, so bad input costs nothing and overwrites nothing.
+- `dry_run_plan` is the same assembly up to the model, with the byte maths of a round instead of training.
+- Every error a user can cause is a `ConfigError` with one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from .errors import ConfigError, first_line
+
+if TYPE_CHECKING:  # importing them pulls in torch and transformers, which `hf-diloco app` never needs
+    from .config import DiLoCoConfig, RunArguments
+
+RUN_METRICS_FILE = "run_metrics.json"
+
+
+# --- checks before anything is built --------------------------------------------------------------------------------
+
+
+def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
+    """Combinations of model/data and training arguments that cannot work, refused in one sentence."""
+    if run.streaming and config.max_steps <= 0:
+        raise ConfigError("a streamed dataset has no length: set max_steps.")
+    if run.streaming and run.trainer == "diloco" and config.data_sharding == "non_iid":
+        raise ConfigError(
+            "data_sharding=non_iid needs the dataset's length to give each replica a contiguous slice, which a "
+            "streamed dataset does not have; set streaming: false or data_sharding: iid."
+        )
+
+
+def check_output_dir(config: DiLoCoConfig) -> None:
+    """Refuse to train into a folder that already holds a run, unless resuming from it."""
+    from .metrics import SYNC_ROUNDS_FILE
+
+    out = Path(config.output_dir)
+    if config.resume_from_checkpoint or not out.exists():
+        return
+    if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
+        raise ConfigError(
+            f"output_dir {str(out)!r} already holds a run; choose another output_dir or pass "
+            f"--resume_from_checkpoint latest to continue it."
+        )
+
+
+def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
+    """The checkpoint folder to resume from (`latest` finds the newest in output_dir), or None."""
+    value = config.resume_from_checkpoint
+    if not value:
+        return None
+    if value in ("latest", "last", "True", "true"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        found = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
+        if found is None:
+            raise ConfigError(
+                f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder."
+            )
+        return found
+    if not os.path.isdir(value):
+        raise ConfigError(f"checkpoint {value!r} does not exist.")
+    return value
+
+
+def check_accelerate_config(path: str, config: DiLoCoConfig) -> dict:
+    """The accelerate config exists, is readable, and fits the recipe's replica layout; returns its settings."""
+    if not Path(path).is_file():
+        raise ConfigError(f"accelerate config {path!r} does not exist.")
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"accelerate config {path!r} is not valid YAML ({first_line(error)}).") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
+    processes = int(values.get("num_processes", 1) or 1)
+    if processes % config.replica_group_size:
+        raise ConfigError(
+            f"accelerate config {path!r} starts {processes} processes, which replica_group_size="
+            f"{config.replica_group_size} does not divide."
+        )
+    kind = str(values.get("distributed_type", "NO")).upper()
+    if kind in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(
+            f"accelerate config {path!r} uses {kind}, which would shard one model across replicas; use "
+            f"MULTI_GPU, with replica_group_size > 1 for DDP inside each replica (FSDP inside a replica is not "
+            f"supported yet)."
+        )
+    return values
+
+
+# --- the model -------------------------------------------------------------------------------------------------------
+
+
+def build_model(run: RunArguments):
+    """(model, tokenizer) named by `run`, with LoRA adapters when `lora_r > 0`."""
+    from .models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
+    if run.lora_r > 0:
+        model = add_lora(model, run)
+    return model, tokenizer
+
+
+def add_lora(model, run: RunArguments):
+    """PEFT LoRA adapters on `run.lora_target_modules`; only they train, so only they are synced."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = [name.strip() for name in run.lora_target_modules.split(",") if name.strip()]
+    try:
+        return get_peft_model(
+            model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                              target_modules=targets, task_type="CAUSAL_LM")
+        )
+    except ValueError as error:
+        raise ConfigError(f"cannot add LoRA adapters: {first_line(error)}.") from None
+
+
+# --- dry run ---------------------------------------------------------------------------------------------------------
+
+
+def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
+    """What a run would do, computed from the model alone: sizes and the bytes of a round; nothing is trained."""
+    from .comm import ring_all_reduce_bytes
+    from .metrics import format_bytes
+
+    check_arguments(run, config)
+    model, _ = build_model(run)
+    group = config.replica_group_size
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // group
+    shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    per_round = ring_all_reduce_bytes(trainable * 4 // group, shown)  # each member syncs a 1/g slice
+    optim = getattr(config.optim, "value", config.optim)
+    schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+    return {
+        "trainer": run.trainer,
+        "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
+        "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
+        + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
+        "replicas in this launch": f"{replicas} of {group} process(es) each",
+        "inner_steps (H)": str(config.inner_steps),
+        "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
+        + (" Nesterov" if config.outer_nesterov else ""),
+        "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
+        f"warmup {config.warmup_steps}, {schedule}",
+        "tokens per inner step per process": f"{tokens_per_step(run, config):,}",
+        "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
+        f"sent across replicas per process per round, M={shown}": format_bytes(per_round),
+        f"DDP for the same {config.inner_steps} steps": format_bytes(
+            config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
+        ),
+    }
+
+
+def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:
+    return config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
+
+
+# --- the run ---------------------------------------------------------------------------------------------------------
+
+
+def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (),
+          before_train: Callable | None = None):
+    """Train one process of a run (one replica, or one member of a replica) and save what it produced.
+
+    `callbacks` are added to the trainer; `before_train(trainer)` runs once the trainer exists (the CLI registers
+    its stop signal there). Returns the trainer.
+    """
+    from transformers import Trainer, default_data_collator
+
+    from .callbacks import SteadyClock
+    from .data import build_datasets
+    from .trainer import DiLoCoTrainer
+
+    check_arguments(run, config)
+    checkpoint = resolve_checkpoint(config)
+    check_output_dir(config)
+    if not config.should_log:
+        import datasets
+
+        datasets.disable_progress_bars()  # one set of progress bars per run, from the main process
+    model, tokenizer = build_model(run)
+    train_dataset, eval_dataset = build_datasets(run, tokenizer)
+    if eval_dataset is None and config.eval_strategy != "no":
+        raise ConfigError(
+            "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
+        )
+    clock = SteadyClock()
+    trainer = (DiLoCoTrainer if run.trainer == "diloco" else Trainer)(
+        model=model,
+        args=config,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        callbacks=[clock, *callbacks],
+    )
+    if trainer.is_world_process_zero():
+        write_run_config(config.output_dir, run, config)
+    if before_train is not None:
+        before_train(trainer)
+    output = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        write_run_metrics(config.output_dir, trainer, {**output.metrics, **clock.metrics(tokens_per_step(run, config))})
+        if run.lora_r > 0 and run.merge_lora:
+            merged = Path(config.output_dir) / "merged"
+            model.merge_and_unload().save_pretrained(merged)
+            tokenizer.save_pretrained(merged)
+    return trainer
+
+
+def write_run_config(output_dir: str, run: RunArguments, config: DiLoCoConfig) -> None:
+    """`run_config.json`: the model/data arguments and the settings the model card shows (no tokens)."""
+    from .hub import RUN_CONFIG_FILE, run_settings
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    settings = run_settings(config, run)
+    (Path(output_dir) / RUN_CONFIG_FILE).write_text(json.dumps(settings, indent=2, default=str) + "\n")
+
+
+def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
+    """`run_metrics.json`: Trainer's end-of-training numbers, the last eval loss, and this process's peak memory.
+
+    Written for every trainer (DiLoCo or the DDP baseline), so baselines and DiLoCo runs compare from one file.
+    """
+    import resource
+
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    metrics = {
+        "global_step": trainer.state.global_step,
+        "eval_loss": evals[-1] if evals else None,
+        "eval_loss_initial": evals[0] if evals else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports kB
+        **train_metrics,
+    }
+    (Path(output_dir) / RUN_METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
