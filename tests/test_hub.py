@@ -16,7 +16,7 @@ def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pushme") / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", RECIPE, "--output_dir", str(out),
                "--max_steps", "6", "--inner_steps", "3", "--block_size", "64", "--eval_steps", "3",
-               "--disable_tqdm", "true"]
+               "--save_strategy", "steps", "--save_steps", "3", "--disable_tqdm", "true"]
     result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -37,7 +37,14 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
     for name in ("config.json", "model.safetensors", "tokenizer_config.json", "README.md", "training_curve.png",
                  "sync_rounds.jsonl"):
         assert name in files, sorted(files)
-    assert not any(name.startswith(("checkpoint", "replica-", "runs")) for name in files)
+    # The run folder holds checkpoints (with per-replica optimizer states), TensorBoard files and run metrics;
+    # none of them belongs in the model repository.
+    local = {str(p.relative_to(finished_run)) for p in finished_run.rglob("*") if p.is_file()}
+    for kept_local in ("checkpoint-3/model.safetensors", "checkpoint-6/replica-0/optimizer.pt", "run_metrics.json"):
+        assert kept_local in local, sorted(local)
+    assert any(name.startswith("runs/") for name in local)
+    assert not any(name.startswith(("checkpoint", "replica-", "runs")) or "/" in name for name in files), sorted(files)
+    assert "run_metrics.json" not in files and "optimizer.pt" not in files
     card = files["README.md"].decode()
     assert "- diloco" in card and "- hf-diloco" in card
     assert "| H, inner steps between syncs (`inner_steps`) | 3 | 500 |" in card
@@ -63,3 +70,42 @@ def test_bad_push_input_is_one_sentence(finished_run, repo_id, token, words, tmp
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert all(w in result.stderr for w in words), result.stderr
         assert hub.commits == []
+
+
+def test_push_to_hub_from_python_writes_the_settings_from_the_trainer_args(tmp_path):
+    """`DiLoCoTrainer.push_to_hub()` from Python (no CLI, no run_config.json): the card's settings table is the
+    trainer's own args."""
+    out = tmp_path / "python-run"
+    with FakeHub() as hub:
+        result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "python_push.py"), str(out)],
+                                capture_output=True, text=True, cwd=REPO, timeout=300,
+                                env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_py", "HF_HUB_OFFLINE": "0"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        files = hub.files["alice/from-python"]
+    assert not (out / "run_config.json").exists()
+    card = files["README.md"].decode()
+    for row in ("| H, inner steps between syncs (`inner_steps`) | 4 | 500 |",
+                "| outer learning rate (`outer_lr`) | 0.6 | 0.7 |",
+                "| outer momentum (`outer_momentum`) | 0.8 | 0.9 |",
+                "| replicas | 1 | 8 |",
+                "| inner learning_rate | 0.002 | |",
+                "| inner max_steps | 8 | |"):
+        assert row in card, card
+    assert "- diloco" in card and "model.safetensors" in files
+
+
+def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
+    """A `trainer: ddp` run is pushed with a card that says what ran: no DiLoCo description, settings or tag."""
+    from hf_diloco.hub import model_card
+
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" / "ddp-baseline.yaml"),
+               "--output_dir", str(out), "--max_steps", "2", "--block_size", "32", "--eval_strategy", "no",
+               "--eval_on_start", "false", "--disable_tqdm", "true"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = model_card(out, "alice/ddp")
+    assert "data-parallel baseline" in card and "gradients all-reduced at every step" in card
+    assert "using DiLoCo" not in card and "DiLoCo settings" not in card and "- diloco" not in card
+    assert "inner_steps" not in card and "replicas" not in card
+    assert "| processes | 1 |" in card and "| max_steps | 2 |" in card
