@@ -119,18 +119,22 @@ def test_non_iid_sharding_gives_each_replica_its_own_slice(tmp_path):
     assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
-def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2, replicas: int = 2,
-                     group: int = 1) -> dict:
-    """Replicas trained with a plain torch loop, parameters averaged every H steps.
+def reference_diloco(steps: int, inner_steps: int, lr: float, batch: int = 2, replicas: int = 2, group: int = 1,
+                     outer_lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False) -> dict:
+    """Replicas trained with a plain torch loop and an outer SGD step every H steps, written from the paper.
 
     Independent of Trainer and hf_diloco. Data: a sequential pass sharded the way the trainer's loader shards it,
     batch b of the global order going to process b mod W (W = replicas x group). A replica of `group` processes
     under DDP steps on the mean gradient of its processes' equal-sized batches, i.e. on their concatenation.
+    Outer step (torch SGD's convention): Δ = θ_global − mean_i θ_i; v ← Δ (first round) or momentum·v + Δ;
+    θ_global ← θ_global − outer_lr · (Δ + momentum·v if Nesterov else v). Outer lr 1, momentum 0 is FedAvg.
     """
     blocks = torch.tensor(pattern_blocks())
     base = tiny_llama(seed=0)
     models = [copy.deepcopy(base) for _ in range(replicas)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0) for m in models]
+    global_params = [p.detach().clone() for p in base.parameters()]
+    velocity: list[torch.Tensor] | None = None
     processes = replicas * group
     for step in range(1, steps + 1):
         for k, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
@@ -141,11 +145,23 @@ def reference_fedavg(steps: int, inner_steps: int, lr: float, batch: int = 2, re
             optimizer.zero_grad()
         if step % inner_steps == 0 or step == steps:
             with torch.no_grad():
-                for params in zip(*(m.parameters() for m in models), strict=True):
-                    mean = sum(params) / replicas
-                    for p in params:
-                        p.copy_(mean)
+                replica_params = list(zip(*(m.parameters() for m in models), strict=True))
+                deltas = [g - sum(ps) / replicas for g, ps in zip(global_params, replica_params, strict=True)]
+                if momentum:
+                    velocity = [d.clone() if velocity is None else momentum * v + d
+                                for d, v in zip(deltas, velocity or deltas, strict=True)]
+                    updates = [d + momentum * v if nesterov else v for d, v in zip(deltas, velocity, strict=True)]
+                else:
+                    updates = deltas
+                for g, u, ps in zip(global_params, updates, replica_params, strict=True):
+                    g -= outer_lr * u
+                    for p in ps:
+                        p.copy_(g)
     return models[0].state_dict()
+
+
+def max_difference(got: dict, want: dict) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
 def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
@@ -153,16 +169,13 @@ def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
     launch_replicas(tmp_path, inner_steps=4, max_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False,
                     learning_rate=3e-3, train_sampling_strategy="sequential")
     got = torch.load(tmp_path / "final.pt")
-    want = reference_fedavg(steps=10, inner_steps=4, lr=3e-3)
+    want = reference_diloco(steps=10, inner_steps=4, lr=3e-3)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
     # And training really moved the parameters (the check above is not trivially true).
     start = tiny_llama(seed=0).state_dict()
     assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-3
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +209,7 @@ def test_replica_groups_equal_averaging_of_ddp_replicas(grouped_run):
     """Against the independent loop: 2 replicas, each the DDP pair of processes, averaged every 3 steps."""
     tmp, _ = grouped_run
     got = torch.load(tmp / "final.pt")
-    want = reference_fedavg(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2)
+    want = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
 
@@ -215,3 +228,85 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
     # The all-gather inside the replica sends this member's half and its metric slots: (g - 1) / g of the result.
     assert grouped["intra_replica_bytes"] == ((numel + numel % 2) // 2 + SLOTS) * 4
     assert len(grouped["replica_losses"]) == 2
+
+
+def rounds_of(tmp) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+
+
+def assert_reported_bytes_are_on_the_wire(tmp, ranks) -> None:
+    """What a round reports sending (across and inside replicas) is what the main process wrote to its sockets.
+
+    Measured by the kernel (bytes passed to write-like system calls during the sync, see replica_run.py); gloo
+    adds a small header per message, hence the tolerance of 0.5% plus 16 kB.
+    """
+    rounds = rounds_of(tmp)
+    measured = dict(ranks[0]["wire_bytes"])
+    assert sorted(measured) == [r["step"] for r in rounds]
+    for r in rounds:
+        reported = r["bytes_per_replica"] + r.get("intra_replica_bytes", 0)
+        assert reported > 0
+        assert reported <= measured[r["step"]] <= reported * 1.005 + 16384, (r["step"], reported, measured)
+
+
+def test_reported_bytes_per_round_are_the_bytes_sent(paper_run):
+    tmp, ranks = paper_run
+    assert_reported_bytes_are_on_the_wire(tmp, ranks)
+
+
+def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(tmp_path):
+    """Rank 0 alone asks to stop after step 3 (H = 5): the request rides the round's sync, so both replicas stop
+    after step 5 with a checkpoint, not at max_steps 12."""
+    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, stop_at_step=3)
+    for rank in ranks:
+        assert [step for step, _ in rank["digests"]] == [5]
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    assert (tmp_path / "run" / "checkpoint-5").is_dir()
+    assert not (tmp_path / "run" / "checkpoint-10").exists()
+
+
+def test_replica_groups_with_nesterov_momentum_and_several_buckets(tmp_path):
+    """g = 2, the paper's outer Nesterov SGD (lr 0.7, momentum 0.9) and buckets of 4096 values (the model has ≈ 23k
+    trainable values, so every sync is several bucketed collectives): equal to the independent loop (tol 1e-5),
+    the same on every process, and the bytes reported are the bytes sent."""
+    from hf_diloco.outer import partition_into_buckets
+
+    ranks = launch_replicas(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=7, outer_lr=0.7,
+                            outer_momentum=0.9, outer_nesterov=True, sync_bucket_mb=4096 * 4 / 2**20,
+                            train_sampling_strategy="sequential")
+    assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
+    numels = [p.numel() for p in tiny_llama().parameters()]
+    buckets = len(partition_into_buckets(numels, 4096))
+    assert buckets >= 4
+    for rank in ranks:
+        at_sync = [name for step, name in rank["calls"] if step == 3]
+        assert at_sync.count("all_reduce") == buckets, at_sync
+    want = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2, outer_lr=0.7, momentum=0.9,
+                            nesterov=True)
+    worst = max_difference(torch.load(tmp_path / "final.pt"), want)
+    assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
+    fedavg = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2)
+    assert max_difference(fedavg, want) > 1e-3, "momentum must matter, or the check above proves nothing"
+    assert_reported_bytes_are_on_the_wire(tmp_path, ranks)
+
+
+def test_non_iid_sharding_with_replica_groups(tmp_path):
+    """non_iid with g = 2: replica r (processes 2r, 2r + 1) reads only the r-th contiguous half of the 64 blocks,
+    its two members read different blocks of it, and all four processes end every round identical."""
+    ranks = launch_replicas(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=7,
+                            data_sharding="non_iid")
+    assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
+    halves = [set(ranks[0]["seen"]) | set(ranks[1]["seen"]), set(ranks[2]["seen"]) | set(ranks[3]["seen"])]
+    assert all(b < 32 for b in halves[0]) and all(b >= 32 for b in halves[1])
+    assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"]) and not set(ranks[2]["seen"]) & set(ranks[3]["seen"])
+    assert all(len(rank["seen"]) == 7 * 2 for rank in ranks)
+    assert len(halves[0]) == 28, "each member reads 14 distinct blocks of its replica's 32"
+
+
+def test_replica_groups_report_the_bytes_sent(grouped_run):
+    tmp, ranks = grouped_run
+    assert_reported_bytes_are_on_the_wire(tmp, ranks)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,8 +1,10 @@
 """One DiLoCo replica, run under `accelerate launch` by the distributed tests.
 
 Argument: a JSON object with the run's settings. Each rank writes `rank<r>.json` into `out`: every
-torch.distributed collective it made, tagged with the inner step it happened in (0 = before training), and a
-digest of its parameters after every sync; rank 0's final parameters go to `final.pt`.
+torch.distributed collective it made, tagged with the inner step it happened in (0 = before training), a digest
+of its parameters after every sync, and the bytes it wrote to its sockets during every sync (from the kernel's
+count of bytes written, /proc/self/io `wchar`); rank 0's final parameters go to `final.pt`. The setting
+`stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does).
 """
 
 import hashlib
@@ -21,6 +23,7 @@ from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 
 settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
+stop_at_step = settings.pop("stop_at_step", None)
 
 # --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
 # inside a replica of several processes run in C++ and are not seen here ---
@@ -48,6 +51,14 @@ for name in COLLECTIVES:
         setattr(dist, name, wrapped)
 
 
+def bytes_written() -> int:
+    """Bytes this process (all its threads) has passed to write-like system calls, sockets included."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no wchar line")
+
+
 def digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -61,6 +72,10 @@ class Probe(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         current_step[0] = state.global_step + 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == stop_at_step and dist.get_rank() == 0:
+            trainer.diloco.request_stop()
 
 
 config = DiLoCoConfig(
@@ -86,9 +101,15 @@ original_sync = trainer.diloco._sync
 sync_digests = []
 
 
+sync_wire_bytes = []
+
+
 def sync_and_record(state):
-    original_sync(state)
+    before = bytes_written()
+    stop = original_sync(state)
+    sync_wire_bytes.append((state.global_step, bytes_written() - before))
     sync_digests.append((state.global_step, digest(trainer.model)))
+    return stop  # whether a replica asked to stop: the trainer acts on it
 
 
 trainer.diloco._sync = sync_and_record
@@ -106,7 +127,7 @@ trainer.train()
 rank = dist.get_rank()
 world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
-                                                  "world_size": world}))
+                                                  "wire_bytes": sync_wire_bytes, "world_size": world}))
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
 dist.destroy_process_group()
