@@ -1,24 +1,103 @@
-"""Shared by the benchmarks: the peer task, launching runs through the CLI, tables, plots, raw JSON.
+"""Shared by the benchmarks: the peer task, named variants, launching runs, the loop clock, spreads, reports.
 
-The peer task (DESIGN.md §6) is tiny-pretrain.yaml: tiny Llama (hidden 128, 4 layers, tied embeddings, seed 0),
-built-in corpus in 256-token blocks with the last 5% held out, batch 8 per replica, AdamW lr 1e-3, wd 0.1,
-20 warmup steps then cosine, clip 1.0. `--quick` modes shrink steps and blocks, never the method.
+Design choices:
+- The peer task (DESIGN.md §6) is recipes/tiny-pretrain.yaml: tiny Llama (hidden 128, 4 layers, tied embeddings,
+  seed 0, 256 positions), built-in corpus in 256-token blocks with the last 5% held out, batch 8 per replica,
+  AdamW lr 1e-3 wd 0.1, 20 warmup steps then cosine, clip 1.0, DiLoCo H = 50, outer Nesterov SGD lr 0.7 momentum
+  0.9. Every benchmark runs it through the CLI; `--quick` modes shrink steps, never the method.
+- One clock for every row: tokens/s = tokens trained ÷ `train_runtime`, Trainer's wall time of its training loop
+  (from just before the first step to the end of the last, the initial broadcast and every sync included). It is
+  the same code for DiLoCoTrainer, plain Trainer baselines and the peers, none of which can start it late.
+- A variant is a name and the CLI overrides it adds (`--compression int8 ...`); benchmarks take a list of them,
+  so a codec or streaming row is one line in VARIANTS. Overrides are checked against the library's fields before
+  anything runs, so a variant whose field does not exist yet fails in a second, not after an hour.
+- A ratio's baseline runs in the same invocation, interleaved with what it divides and repeated; `spread` gives
+  the median and the [min, max] of the repeats.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
+import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny-pretrain.yaml"
 RESULTS = REPO / "benchmarks" / "results"
+BATCH, BLOCK = 8, 256  # the peer task's batch per replica and tokens per block (the recipe's values)
+
+# Named variants of DiLoCo: name -> extra `hf-diloco train` flags. Add a codec or streaming row with one line, once
+# its fields exist in DiLoCoConfig, e.g.
+#     "int8": ["--compression", "int8"],
+#     "int4 + EF": ["--compression", "int4", "--error_feedback", "true"],
+#     "sparse + EF": ["--compression", "sparse", "--error_feedback", "true"],
+#     "streaming P=4 τ=5": ["--num_fragments", "4", "--sync_delay", "5", "--fragment_alpha", "0.5"],
+# A variant with `--sync_delay` above 0 overlaps its sync with compute; the WAN benchmark bounds it accordingly.
+VARIANTS: dict[str, list[str]] = {
+    "fp32": [],  # the paper's DiLoCo: blocking fp32 all-reduce of the pseudo-gradients
+}
+
+
+# --- variants ----------------------------------------------------------------------------------------------------
+
+
+def add_variant_arguments(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    parser.add_argument("--variants", nargs="+", default=default, metavar="NAME",
+                        help=f"named variants from common.VARIANTS (known: {', '.join(VARIANTS)}; default: "
+                             f"{' '.join(default)})")
+    parser.add_argument("--variant", action="append", default=[], metavar="'NAME=--field value ...'",
+                        help="an extra variant given inline, e.g. 'int8=--compression int8' (repeatable)")
+
+
+def selected_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The variants asked for, each checked against the library's fields (exits with one sentence if not)."""
+    chosen = {}
+    for name in args.variants:
+        if name not in VARIANTS:
+            sys.exit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)} (or give one inline with --variant).")
+        chosen[name] = VARIANTS[name]
+    for spec in args.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            sys.exit(f"--variant {spec!r} must look like 'NAME=--field value ...'.")
+        chosen[name.strip()] = shlex.split(flags)
+    for name, overrides in chosen.items():
+        check_overrides(overrides, f"variant {name!r}")
+    return chosen
+
+
+def check_overrides(overrides: list[str], what: str) -> None:
+    """Parse the recipe plus `overrides` as `hf-diloco train` would; exit with its one-sentence error if bad."""
+    from hf_diloco.cli import parse_train_args
+    from hf_diloco.config import ConfigError
+
+    try:
+        parse_train_args(str(RECIPE), ["--output_dir", "unused", *overrides])
+    except ConfigError as error:
+        sys.exit(f"{what}: {error}")
+
+
+def overlaps_compute(overrides: list[str]) -> bool:
+    """Whether the variant's sync runs in the background of later inner steps (`--sync_delay` above 0)."""
+    for i, flag in enumerate(overrides):
+        value = flag.partition("=")[2] if "=" in flag else (overrides[i + 1] if i + 1 < len(overrides) else "0")
+        if flag.split("=")[0] == "--sync_delay" and float(value) > 0:
+            return True
+    return False
+
+
+# --- launching runs -----------------------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -44,6 +123,80 @@ def run_env(threads: int = 1, **extra: str) -> dict:
             **extra}
 
 
+class RunFailed(RuntimeError):
+    """A benchmark run exited non-zero; the message holds the command and the end of its output."""
+
+
+class Processes:
+    """Processes started together; their output is read as it comes (`on_line` sees the first one's lines)."""
+
+    def __init__(self, commands: list[list[str]], cwd: Path = REPO, on_line: Callable[[str], None] | None = None):
+        self.commands = commands
+        # Each in its own session, so that a failure or an interrupt can end the launcher and its children together.
+        self.procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=run_env(1), cwd=cwd, start_new_session=True) for c in commands]
+        self.tails: list[list[str]] = [[] for _ in commands]
+        self.readers = [threading.Thread(target=self._read, args=(i, on_line if i == 0 else None), daemon=True)
+                        for i in range(len(commands))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, index: int, on_line) -> None:
+        for line in self.procs[index].stdout:
+            if on_line is not None:
+                on_line(line)
+            tail = self.tails[index]
+            tail.append(line)
+            del tail[:-60]
+
+    def wait(self, timeout: float = 1800) -> None:
+        """Wait for all; if one fails (or time runs out) end the others, then raise RunFailed."""
+        deadline = time.time() + timeout
+        try:
+            while any(p.poll() is None for p in self.procs):
+                if time.time() > deadline or any(p.poll() not in (None, 0) for p in self.procs):
+                    break
+                time.sleep(0.2)
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        for reader in self.readers:
+            reader.join(timeout=5)
+        failed = [i for i, p in enumerate(self.procs) if p.returncode != 0]
+        if failed:
+            first = min(failed, key=lambda i: self.procs[i].returncode == -signal.SIGKILL)  # not one we ended
+            raise RunFailed(f"benchmark run failed (exit {self.procs[first].returncode}: "
+                            f"{shlex.join(self.commands[first])}):\n{''.join(self.tails[first])[-3000:]}")
+
+
+def run_training(output_dir: Path, processes: int, overrides: list[str]) -> dict:
+    """Train one configuration to completion on this machine and return what it left behind."""
+    Processes([train_command(processes, ["--output_dir", str(output_dir), *overrides])]).wait()
+    return read_run(output_dir)
+
+
+def run_concurrently(jobs: list[tuple[Path, int, list[str]]], cores: int = os.cpu_count() or 2) -> list[dict]:
+    """Run (output_dir, processes, overrides) jobs, as many at a time as fit one process per core; for runs whose
+    loss is measured, not their speed."""
+    results: dict[int, dict] = {}
+    pending = list(enumerate(jobs))
+    running: list[tuple[int, int, Processes]] = []
+    while pending or running:
+        while pending and (not running or sum(p for _, p, _ in running) + pending[0][1][1] <= cores):
+            index, (out, processes, overrides) = pending.pop(0)
+            print(f"  start {out.name} ({processes} process{'es' if processes > 1 else ''})", flush=True)
+            running.append((index, processes, Processes([train_command(processes, ["--output_dir", str(out),
+                                                                                  *overrides])])))
+        time.sleep(0.5)
+        for item in [r for r in running if all(p.poll() is not None for p in r[2].procs)]:
+            running.remove(item)
+            item[2].wait()
+            results[item[0]] = read_run(jobs[item[0]][0])
+    return [results[i] for i in range(len(jobs))]
+
+
 def read_run(output_dir: Path) -> dict:
     """What a finished run left behind: run_metrics.json, and for DiLoCo the summary and the rounds."""
     result = {"metrics": json.loads((output_dir / "run_metrics.json").read_text())}
@@ -54,19 +207,42 @@ def read_run(output_dir: Path) -> dict:
     return result
 
 
-def tokens_per_second(result: dict, replicas: int) -> float:
-    """Steady tokens/s of a run over all its replicas (the main replica's rate; replicas step in lockstep)."""
-    return result["metrics"]["steady_tokens_per_second"] * replicas
+def loop_seconds(result: dict) -> float:
+    """Trainer's wall time of the training loop (the one clock of every benchmark)."""
+    return float(result["metrics"]["train_runtime"])
 
 
-def run_training(output_dir: Path, processes: int, overrides: list[str], threads: int = 1, **kwargs) -> dict:
-    """Train one configuration to completion and return its numbers plus the wall time."""
-    command = train_command(processes, ["--output_dir", str(output_dir), *overrides], **kwargs)
-    started = time.time()
-    result = subprocess.run(command, capture_output=True, text=True, env=run_env(threads), cwd=REPO)
-    if result.returncode != 0:
-        sys.exit(f"benchmark run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
-    return {**read_run(output_dir), "wall_seconds": time.time() - started}
+def loop_tokens_per_second(result: dict, replicas: int) -> float:
+    """Tokens all replicas trained ÷ the loop's wall time."""
+    return result["metrics"]["global_step"] * BATCH * BLOCK * replicas / loop_seconds(result)
+
+
+def parameter_hash(model_dir: Path) -> str:
+    """SHA-256 over a saved model's parameters (names, shapes, fp32 bytes), in the model's order."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        digest.update(param.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --- statistics and reports ------------------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict:
+    """Median and [min, max] of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
+
+
+def show(s: dict, pattern: str = "{:,.0f}") -> str:
+    """'median [min, max]' of a spread."""
+    return f"{pattern.format(s['median'])} [{pattern.format(s['min'])}, {pattern.format(s['max'])}]"
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
@@ -81,17 +257,44 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+    try:
+        load = f"load average at start {os.getloadavg()[0]:.2f}"
+    except OSError:
+        load = "load average unknown"
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, {load}"
 
 
-def save(name: str, table: str, raw: dict, figure=None) -> None:
-    """Print the table and write results/<name>.md, .json and .png."""
+MACHINE_AT_START = machine()
+
+
+def save(name: str, table: str, raw: dict, figure=None, quick: bool = False, seconds: float | None = None) -> None:
+    """Print the table and write results/<name>.md, .json and .png (a quick run says so in all three)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    text = f"{table}\n\n_{stamp}, {machine()}_\n"
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    mode = "quick run (--quick: fewer steps, same method)" if quick else "full run"
+    took = f", {seconds:.0f} s" if seconds is not None else ""
+    text = f"{table}\n\n_{mode}, {stamp}, {MACHINE_AT_START}{took}_\n"
     print(text)
     (RESULTS / f"{name}.md").write_text(text)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"date": stamp, "machine": machine(), **raw}, indent=2) + "\n")
+    meta = {"date": stamp, "machine": MACHINE_AT_START, "quick": quick, "seconds": seconds}
+    (RESULTS / f"{name}.json").write_text(json.dumps({**meta, **raw}, indent=2) + "\n")
     if figure is not None:
+        if quick:
+            figure.text(0.99, 0.01, "quick run", ha="right", va="bottom", fontsize=8, color="#888")
         figure.savefig(RESULTS / f"{name}.png", dpi=120, bbox_inches="tight")
         print(f"plot: {RESULTS / f'{name}.png'}")
+
+
+def skip(benchmark: str, reason: str) -> None:
+    """A benchmark that cannot run on this machine says why in one sentence and exits 0 without results."""
+    print(f"{benchmark}: skipped: {reason}", flush=True)
+    sys.exit(0)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

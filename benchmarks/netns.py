@@ -1,7 +1,10 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, optionally shaped with tc tbf.
 
 Used by the WAN benchmark and the two-node test. Needs root and iproute2. netem is not available on these
-machines, so links are shaped in bandwidth only (token bucket); latency is not simulated.
+machines, so links are shaped in bandwidth only (token bucket); latency is not simulated. `shape` changes the rate
+of a live pair, so a benchmark can run its unshaped baseline and its shaped runs in the same namespaces.
+Everything made here is removed on exit from `two_hosts`, failure included (deleting a namespace deletes its veth
+end and qdisc).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+BURST_BYTES = 32 * 1024  # tbf bucket: this many bytes may leave at line rate before the rate limit applies
 
 
 class NamespaceError(RuntimeError):
@@ -38,9 +43,25 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True)
 
 
+def _tbf(rate_bits_per_second: float) -> list[str]:
+    return ["tbf", "rate", f"{int(rate_bits_per_second)}bit", "burst", str(BURST_BYTES), "latency", "400ms"]
+
+
+def shape(hosts: list[Host], rate_bits_per_second: float | None) -> None:
+    """Limit both directions of the link to `rate_bits_per_second` (None: no limit)."""
+    for host in hosts:
+        tc = ("netns", "exec", host.namespace, "tc", "qdisc")
+        if rate_bits_per_second is None:
+            _ip(*tc, "del", "dev", host.link, "root")  # fails harmlessly when there is no qdisc
+            continue
+        result = _ip(*tc, "replace", "dev", host.link, "root", *_tbf(rate_bits_per_second))
+        if result.returncode != 0:
+            raise NamespaceError(f"tc qdisc replace on {host.link}: {result.stderr.strip()}")
+
+
 @contextlib.contextmanager
 def two_hosts(rate: str | None = None, subnet: str = "10.77.0") -> Iterator[list[Host]]:
-    """Two namespaces joined by a veth pair; `rate` (e.g. "10mbit") shapes both directions."""
+    """Two namespaces joined by a veth pair; `rate` (a tc rate, e.g. "10mbit") shapes both directions."""
     if shutil.which("ip") is None:
         raise NamespaceError("iproute2's `ip` is not installed")
     tag = str(os.getpid() % 100000)

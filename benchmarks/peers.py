@@ -1,9 +1,13 @@
-"""The peer task run by hf-diloco, torchft's DiLoCo (0.2.0, CPU + gloo) and accelerate's LocalSGD.
+"""The peer task run by hf-diloco's DiLoCoTrainer, torchft's DiLoCo (0.2.0) and accelerate's LocalSGD, and whether
+DiLoCoTrainer and torchft end with the same parameters.
 
-Same tiny Llama, data, inner optimizer, batch, H and steps for all (benchmarks/peers/task.py holds the shared
-parts; hf-diloco runs through its CLI with recipes/tiny-pretrain.yaml, which encodes the same task). Reports
-steady tokens/s over both replicas (steps after the first tenth) and the final held-out loss.
-torchft must be installed: pip install -e '.[bench]' (torchft==0.2.0).
+Every implementation runs under the same `accelerate launch` (2 processes, one replica each, gloo) with the same
+recipe and flags; the peers run inside the same `transformers.Trainer` inner loop (benchmarks/peers/in_trainer.py),
+so model, batches, loss, optimizer, schedule and clipping are identical and only the cross-replica algorithm
+differs. With the paper's outer settings (Nesterov SGD, lr 0.7, momentum 0.9), DiLoCoTrainer and torchft's DiLoCo
+compute the same thing: the benchmark hashes both final models and says whether they match. Tokens/s come from
+Trainer's loop wall time for every row; one run each (a ranking, not a ratio target).
+Needs torchft: pip install -e '.[bench]' (torchft==0.2.0).
 
     python benchmarks/peers.py [--quick]
 """
@@ -12,89 +16,97 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from common import REPO, free_port, markdown_table, run_env, run_training, save, tokens_per_second
+from common import (
+    REPO,
+    Processes,
+    RunFailed,
+    free_port,
+    loop_tokens_per_second,
+    markdown_table,
+    parameter_hash,
+    pyplot,
+    run_training,
+    save,
+    skip,
+)
 
 PEERS = REPO / "benchmarks" / "peers"
 
 
-def run_accelerate(out: Path, steps: int, inner: int) -> dict:
+def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") -> dict:
+    """One peer under accelerate launch with 2 processes; its loop numbers and its final model's hash."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(free_port()), str(PEERS / "accelerate_localsgd.py"), str(steps), str(inner), str(out)]
-    return _run([command], out)
-
-
-def run_torchft(out: Path, steps: int, inner: int) -> dict | None:
-    try:
-        from torchft._torchft import LighthouseServer
-    except ImportError:
-        print("torchft is not installed (pip install torchft==0.2.0); its row is left out.", file=sys.stderr)
-        return None
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    try:
-        commands = [[sys.executable, str(PEERS / "torchft_diloco.py"), str(r), "2", lighthouse.address(), str(steps),
-                     str(inner), str(out)] for r in range(2)]
-        return _run(commands, out)
-    finally:
-        lighthouse.shutdown()
-
-
-def _run(commands: list[list[str]], out: Path) -> dict:
-    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=run_env(1),
-                              cwd=PEERS) for c in commands]
-    for p in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"peer run failed:\n{err[-3000:]}")
-    return json.loads(out.read_text())
+               str(free_port()), str(PEERS / "in_trainer.py"), peer, lighthouse, str(out / "peer.json"),
+               "--output_dir", str(out), "--disable_tqdm", "true", *overrides]
+    Processes([command]).wait()
+    numbers = json.loads((out / "peer.json").read_text())
+    metrics = {"metrics": {"train_runtime": numbers["train_runtime"], "global_step": numbers["global_step"]}}
+    return {"tokens_per_second": loop_tokens_per_second(metrics, 2), "eval_loss": numbers["eval_loss"],
+            "parameter_hash": parameter_hash(out)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="60 steps, H = 20 (under 3 minutes)")
     args = parser.parse_args()
+    started = time.time()
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError:
+        skip("peers", "torchft is not installed (pip install -e '.[bench]' installs torchft==0.2.0).")
     steps, inner = (60, 20) if args.quick else (400, 50)
-    rows, raw = [], {"steps": steps, "inner_steps": inner, "runs": {}}
+    overrides = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
+                 str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps)]
+    results = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        print("hf-diloco ...", flush=True)
-        ours = run_training(tmp / "ours", 2, ["--max_steps", str(steps), "--inner_steps", str(inner),
-                                              "--eval_strategy", "steps", "--eval_steps", str(steps),
-                                              "--eval_on_start", "false", "--save_strategy", "no"])
-        results = {"hf-diloco DiLoCoTrainer": {
-            "tokens_per_second": tokens_per_second(ours, 2),
-            "eval_loss": ours["metrics"]["eval_loss"]}}
-        print("accelerate LocalSGD ...", flush=True)
-        results["accelerate LocalSGD"] = run_accelerate(tmp / "accelerate.json", steps, inner)
-        print("torchft DiLoCo ...", flush=True)
-        torchft = run_torchft(tmp / "torchft.json", steps, inner)
-        if torchft is not None:
-            results["torchft DiLoCo 0.2.0"] = torchft
-    for name, numbers in results.items():
-        rows.append([name, f"{numbers['tokens_per_second']:,.0f}", numbers["eval_loss"]])
-    raw["runs"] = results
+        try:
+            print("hf-diloco DiLoCoTrainer ...", flush=True)
+            ours = run_training(tmp / "ours", 2, overrides)
+            results["hf-diloco DiLoCoTrainer"] = {"tokens_per_second": loop_tokens_per_second(ours, 2),
+                                                  "eval_loss": ours["metrics"]["eval_loss"],
+                                                  "parameter_hash": parameter_hash(tmp / "ours")}
+            print("torchft DiLoCo 0.2.0 ...", flush=True)
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+            try:
+                results["torchft DiLoCo 0.2.0"] = run_peer("torchft", tmp / "torchft", overrides,
+                                                           lighthouse.address())
+            finally:
+                lighthouse.shutdown()
+            print("accelerate LocalSGD ...", flush=True)
+            results["accelerate LocalSGD"] = run_peer("localsgd", tmp / "localsgd",
+                                                      [*overrides, "--ddp_broadcast_buffers", "false"])
+        except RunFailed as error:
+            sys.exit(str(error))
+    ours_hash, torchft_hash = (results[k]["parameter_hash"] for k in ("hf-diloco DiLoCoTrainer",
+                                                                       "torchft DiLoCo 0.2.0"))
+    identical = ours_hash == torchft_hash
+    rows = [[name, f"{r['tokens_per_second']:,.0f}", f"{r['eval_loss']:.4f}", f"`{r['parameter_hash'][:16]}`"]
+            for name, r in results.items()]
     table = markdown_table([f"implementation (2 CPU replicas, H = {inner}, {steps} steps)", "tokens/s",
-                            "final eval loss"], rows)
-    save("peers", table, raw, plot(results))
+                            "final eval loss", "parameter SHA-256 (first 16)"], rows)
+    verdict = "the same parameters, bit for bit" if identical else "DIFFERENT parameters"
+    table += (f"\n\nIdentity: DiLoCoTrainer and torchft's DiLoCo end with {verdict} "
+              f"({ours_hash} vs {torchft_hash}).")
+    save("peers", table, {"steps": steps, "inner_steps": inner, "overrides": overrides, "runs": results,
+                          "identical_to_torchft": identical}, plot(results), quick=args.quick,
+         seconds=time.time() - started)
 
 
 def plot(results: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, numbers in results.items():
         ax.scatter(numbers["tokens_per_second"], numbers["eval_loss"], s=60)
         ax.annotate(name, (numbers["tokens_per_second"], numbers["eval_loss"]), xytext=(5, 3),
                     textcoords="offset points", fontsize=8)
-    ax.set_xlabel("tokens/s (both replicas)")
+    ax.set_xlabel("tokens/s (both replicas, loop wall time)")
     ax.set_ylabel("final held-out loss")
     ax.set_title("Peers on the same task (lower right is better)")
     return fig

@@ -1,106 +1,259 @@
-"""DDP vs DiLoCo between two hosts over a shaped link: throughput, compute utilisation, bytes on the wire.
+"""DiLoCo between two hosts over a shaped link: compute utilisation against a same-conditions baseline, and the
+physical bound of every run.
 
-Two network namespaces joined by a veth pair stand in for two machines (one replica each, one CPU thread each);
-`tc ... tbf` limits the link to 100 Mbit/s or 10 Mbit/s in both directions (netem is not available here, so no
-added latency). Compute utilisation = tokens/s of the run ÷ tokens/s of the same two replicas training alone,
-unshaped and unsynced. Bytes are read from the veth's transmit counters, so they include every protocol byte.
+Method:
+- Two network namespaces joined by one veth pair stand in for two machines (one replica each, one CPU thread
+  each, `accelerate launch` per host). `tc tbf` limits both directions; netem is not available here, so no added
+  latency. The namespaces live for the whole invocation; only the qdisc changes between runs.
+- Baseline: the same trainer, launcher, namespaces, settings and process count with syncs turned off
+  (`inner_steps` above `max_steps`), on the unshaped link. What remains of DiLoCo in it: the initial broadcast and
+  the one sync every run makes at its last step, both over the unshaped veth.
+- Runs are interleaved and repeated: each repeat runs, per variant, its baseline then every link in turn. The
+  utilisation of a synced run is its tokens/s ÷ the tokens/s of the baseline of the same repeat; the table gives
+  the median and [min, max] over the repeats. Tokens/s: tokens ÷ Trainer's loop wall time, for every row.
+- Physical bound: the link carries at most `rate` bits per second, so a host that sent B bytes during the loop
+  spent at least (B − tbf burst) · 8 / rate seconds on the wire. Bytes are the veth's own transmit counter, read
+  when the main replica announces its training loop and after both exit. A blocking sync waits for those bytes,
+  so loop ≥ compute + wire and utilisation ≤ compute ÷ (compute + wire), with compute = the repeat's baseline loop
+  time; a variant that overlaps its sync with compute (`--sync_delay` > 0) is bounded by compute ÷ max(compute,
+  wire). A run whose utilisation beats its bound by more than the noise (the baseline's relative spread over
+  the repeats, at least 1%) is marked INVALID: a number that beats physics is a bug.
 
-    python benchmarks/wan.py [--quick]          # needs root (ip netns, tc)
+    python benchmarks/wan.py [--quick] [--repeats N] [--variants fp32 ...] [--variant 'name=--field v ...']
+    # needs root (ip netns, tc)
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import signal
 import sys
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, free_port, markdown_table, read_run, run_env, save, tokens_per_second, train_command
-from netns import NamespaceError, two_hosts
-from overhead import independent_pair
+from common import (
+    BATCH,
+    BLOCK,
+    Processes,
+    RunFailed,
+    add_variant_arguments,
+    free_port,
+    loop_seconds,
+    loop_tokens_per_second,
+    markdown_table,
+    overlaps_compute,
+    pyplot,
+    read_run,
+    save,
+    selected_variants,
+    show,
+    skip,
+    spread,
+    train_command,
+)
+from netns import BURST_BYTES, NamespaceError, shape, two_hosts
+
+LINKS: dict[str, float | None] = {"unlimited": None, "100 Mbit/s": 100e6, "10 Mbit/s": 10e6, "1 Mbit/s": 1e6}
+LOOP_STARTS = "***** Running training *****"  # Trainer logs this on the main process just before its loop clock
+NOISE_FLOOR = 0.01
 
 
-def two_node_run(hosts, out: Path, overrides: list[str]) -> tuple[dict, list[int]]:
-    """One replica per host; returns the main process's run metrics and the bytes each host transmitted."""
+@dataclass(frozen=True)
+class Group:
+    """Links measured with the same steps and H, so they share one baseline per repeat and variant."""
+
+    links: tuple[str, ...]
+    steps: int
+    inner_steps: int
+
+
+# Full: 100 steps with H = 50 (2 syncs plus the initial broadcast, about 13 MB per host in fp32) at every link but
+# 1 Mbit/s; at 1 Mbit/s each fp32 transfer takes 35 s, so there it is 50 steps (1 sync plus the broadcast).
+FULL = [Group(("unlimited", "100 Mbit/s", "10 Mbit/s"), steps=100, inner_steps=50),
+        Group(("1 Mbit/s",), steps=50, inner_steps=50)]
+QUICK = [Group(("10 Mbit/s",), steps=20, inner_steps=10)]
+
+TRAIN = ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no", "--log_level", "info"]
+
+
+@dataclass
+class Measured:
+    loop_seconds: float
+    tokens_per_second: float
+    veth_tx_bytes: list[int]  # per host, during the training loop
+    veth_tx_bytes_process: list[int]  # per host, from launch to exit
+    sync_seconds: float
+
+
+def two_host_run(hosts, out: Path, overrides: list[str]) -> Measured:
+    """One replica per host through the CLI; bytes each host sent during the loop and in all."""
     port = str(free_port())
-    before = [h.tx_bytes() for h in hosts]
-    procs = []
+    launched = [h.tx_bytes() for h in hosts]
+    at_loop: list[int] = []
+    seen = threading.Event()
+
+    def watch(line: str) -> None:
+        if LOOP_STARTS in line and not seen.is_set():
+            at_loop.extend(h.tx_bytes() for h in hosts)
+            seen.set()
+
+    commands = []
     for rank, host in enumerate(hosts):
         launch = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
                   "--main_process_ip", hosts[0].address, "--main_process_port", port]
-        command = train_command(2, ["--output_dir", str(out / f"node{rank}"), *overrides],
-                                prefix=host.exec_prefix(), launch=launch)
-        procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      env=run_env(1), cwd=REPO))
-    for p in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"two-node run failed:\n{err[-3000:]}")
-    sent = [after - start for after, start in zip((h.tx_bytes() for h in hosts), before, strict=True)]
-    return read_run(out / "node0"), sent
+        commands.append(train_command(2, ["--output_dir", str(out / f"node{rank}"), *overrides],
+                                      prefix=host.exec_prefix(), launch=launch))
+    Processes(commands, on_line=watch).wait()
+    ended = [h.tx_bytes() for h in hosts]
+    if not seen.is_set():
+        raise RunFailed(f"the main replica never logged {LOOP_STARTS!r}; cannot tell the loop's bytes")
+    result = read_run(out / "node0")
+    return Measured(
+        loop_seconds=loop_seconds(result),
+        tokens_per_second=loop_tokens_per_second(result, 2),
+        veth_tx_bytes=[e - s for e, s in zip(ended, at_loop, strict=True)],
+        veth_tx_bytes_process=[e - s for e, s in zip(ended, launched, strict=True)],
+        sync_seconds=result.get("summary", {}).get("sync_seconds", 0.0),
+    )
+
+
+def best_utilisation(compute_seconds: float, sent: list[int], rate: float | None, overlapped: bool) -> tuple:
+    """(minimum wire seconds, best utilisation the link allows) for a run that sent `sent` bytes per host."""
+    if rate is None:
+        return 0.0, 1.0
+    wire = max(0, max(sent) - BURST_BYTES) * 8 / rate
+    floor = max(compute_seconds, wire) if overlapped else compute_seconds + wire
+    return wire, compute_seconds / floor
+
+
+def measure(groups: list[Group], variants: dict[str, list[str]], repeats: int, tmp: Path) -> list[dict]:
+    """All runs, interleaved: for each repeat, group and variant, the baseline and then every link."""
+    runs: list[dict] = []
+    with two_hosts() as hosts:
+        for repeat in range(repeats):
+            for group in groups:
+                for v, (name, extra) in enumerate(variants.items()):
+                    common = [*TRAIN, *extra, "--max_steps", str(group.steps), "--logging_steps", str(group.steps)]
+                    plan = [("baseline", None, ["--inner_steps", str(10 * group.steps)])]
+                    plan += [(link, LINKS[link], ["--inner_steps", str(group.inner_steps)]) for link in group.links]
+                    for k, (link, rate, sync) in enumerate(plan):
+                        label = f"repeat {repeat + 1}/{repeats}, {name}, {group.steps} steps: {link}"
+                        print(f"{label} ...", flush=True)
+                        shape(hosts, rate)
+                        out = tmp / f"r{repeat}-v{v}-s{group.steps}-l{k}"
+                        measured = two_host_run(hosts, out, [*common, *sync])
+                        runs.append({"repeat": repeat, "variant": name, "overrides": extra, "link": link,
+                                     "link_bits_per_second": rate, "steps": group.steps,
+                                     "inner_steps": None if link == "baseline" else group.inner_steps,
+                                     "tokens": group.steps * BATCH * BLOCK * 2, **measured.__dict__})
+                        print(f"  {measured.tokens_per_second:,.0f} tokens/s, loop {measured.loop_seconds:.1f} s, "
+                              f"veth {[round(b / 1e6, 2) for b in measured.veth_tx_bytes]} MB", flush=True)
+        shape(hosts, None)
+    return runs
+
+
+def judge(runs: list[dict], repeats: int) -> list[dict]:
+    """Per (variant, steps, link): utilisation against the same repeat's baseline, bounds, validity."""
+    rows = []
+    keys = list(dict.fromkeys((r["variant"], r["steps"], r["link"]) for r in runs if r["link"] != "baseline"))
+    for variant, steps, link in keys:
+        baselines = {r["repeat"]: r for r in runs if (r["variant"], r["steps"], r["link"]) == (variant, steps,
+                                                                                                "baseline")}
+        base_tps = spread([b["tokens_per_second"] for b in baselines.values()])
+        noise = max(NOISE_FLOOR, (base_tps["max"] - base_tps["min"]) / base_tps["median"])
+        synced = [r for r in runs if (r["variant"], r["steps"], r["link"]) == (variant, steps, link)]
+        for run in synced:
+            base = baselines[run["repeat"]]
+            run["utilisation"] = run["tokens_per_second"] / base["tokens_per_second"]
+            run["wire_seconds_min"], run["best_utilisation"] = best_utilisation(
+                base["loop_seconds"], run["veth_tx_bytes"], run["link_bits_per_second"],
+                overlaps_compute(run["overrides"]))
+            run["valid"] = run["utilisation"] <= run["best_utilisation"] * (1 + noise)
+        rows.append({
+            "variant": variant, "link": link, "link_bits_per_second": synced[0]["link_bits_per_second"],
+            "steps": steps, "inner_steps": synced[0]["inner_steps"], "repeats": len(synced),
+            "tokens_per_second": spread([r["tokens_per_second"] for r in synced]),
+            "baseline_tokens_per_second": base_tps,
+            "utilisation": spread([r["utilisation"] for r in synced]),
+            "best_utilisation": spread([r["best_utilisation"] for r in synced]),
+            "wire_seconds_min": spread([r["wire_seconds_min"] for r in synced]),
+            "loop_seconds": spread([r["loop_seconds"] for r in synced]),
+            "veth_tx_bytes": [r["veth_tx_bytes"] for r in synced],
+            "noise": noise, "valid": all(r["valid"] for r in synced),
+        })
+    assert all(len(r["utilisation"]["values"]) == repeats for r in rows), "every row needs every repeat"
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        sent = max(max(per_host) for per_host in row["veth_tx_bytes"]) / 1e6
+        verdict = "ok" if row["valid"] else "INVALID: beats the link's bound"
+        lines.append([row["link"], row["variant"], f"{row['steps']} (H = {row['inner_steps']})",
+                      show(row["tokens_per_second"]), show(row["baseline_tokens_per_second"]),
+                      show(row["utilisation"], "{:.1%}"), f"{row['best_utilisation']['median']:.1%}",
+                      f"{row['wire_seconds_min']['median']:.1f}", f"{sent:.1f}", verdict])
+    return markdown_table(["link", "variant", "steps", "tokens/s", "baseline tokens/s (no sync)",
+                           "utilisation", "best the link allows", "wire s ≥", "MB on veth (max host, loop)",
+                           "check"], lines)
+
+
+def plot(rows: list[dict]):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        for j, link in enumerate(links):
+            row = next((r for r in rows if r["variant"] == variant and r["link"] == link), None)
+            if row is None:
+                continue
+            x, u = j + i * width, row["utilisation"]
+            ax.bar(x, u["median"] * 100, width, color=f"C{i}", label=variant if j == 0 else None,
+                   yerr=[[100 * (u["median"] - u["min"])], [100 * (u["max"] - u["median"])]], capsize=3)
+            ax.plot([x - width / 2, x + width / 2], [row["best_utilisation"]["median"] * 100] * 2, color="black",
+                    linewidth=2, label="best the link allows" if i == j == 0 else None)
+    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(links))], links)
+    ax.set_ylabel("compute utilisation, % (median, [min, max])")
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=8)
+    ax.set_title("DiLoCo between two hosts: tokens/s ÷ the same runs with syncs off")
+    return fig
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps, two link settings (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="one link, 20 steps (under 3 minutes)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of every run, interleaved (at least 3)")
+    add_variant_arguments(parser, default=["fp32"])
     args = parser.parse_args()
-    links = [None, "10mbit"] if args.quick else [None, "100mbit", "10mbit"]
-    diloco_steps, inner = (50, 25) if args.quick else (200, 50)
-    ddp_steps = {None: 40, "100mbit": 20, "10mbit": 8} if args.quick else {None: 60, "100mbit": 30, "10mbit": 10}
-    base = ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", "10"]
-    rows, raw = [], {"runs": []}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        print("baseline: the two replicas alone, unshaped and unsynced ...", flush=True)
-        alone = independent_pair(tmp, [*base, "--max_steps", str(diloco_steps)])
-        alone_tps = sum(tokens_per_second(r, 1) for r in alone)
-        raw["independent_tokens_per_second"] = alone_tps
+    if args.repeats < 3:
+        sys.exit("--repeats must be at least 3: a median and a spread need three runs.")
+    started = time.time()
+    variants = selected_variants(args)
+    groups = QUICK if args.quick else FULL
+    # A SIGTERM must still run the namespaces' cleanup (two_hosts' finally), so it becomes SystemExit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("wan benchmark: terminated; namespaces removed."))
+    with tempfile.TemporaryDirectory() as tmp:
         try:
-            for rate in links:
-                with two_hosts(rate) as hosts:
-                    methods = [("DDP", ["--trainer", "ddp", "--max_steps", str(ddp_steps[rate])], ddp_steps[rate]),
-                               (f"DiLoCo H={inner}", ["--inner_steps", str(inner), "--max_steps", str(diloco_steps)],
-                                diloco_steps)]
-                    for method, overrides, steps in methods:
-                        link = rate or "unlimited"
-                        print(f"{method} over {link} ...", flush=True)
-                        result, sent = two_node_run(hosts, tmp / f"{method}-{link}".replace(" ", ""),
-                                                    [*base, *overrides])
-                        tps = tokens_per_second(result, 2)
-                        per_step = max(sent) / steps
-                        rows.append([link, method, steps, f"{tps:,.0f}", f"{tps / alone_tps:.1%}",
-                                     f"{max(sent) / 1e6:.1f}", f"{per_step / 1e3:.0f}"])
-                        raw["runs"].append({"link": link, "method": method, "steps": steps, "tokens_per_second": tps,
-                                            "utilisation": tps / alone_tps, "veth_tx_bytes": sent})
+            runs = measure(groups, variants, args.repeats, Path(tmp))
         except NamespaceError as error:
-            sys.exit(f"wan benchmark needs network namespaces (run as root): {error}")
-    table = markdown_table(["link", "method", "steps", "tokens/s", "compute utilisation", "MB sent (veth, max host)",
-                            "kB sent per step"], rows)
-    table += f"\n\nUnshaped, unsynced tokens/s of the two replicas alone: {alone_tps:,.0f}."
-    save("wan", table, raw, plot(raw))
-
-
-def plot(raw: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    links = list(dict.fromkeys(r["link"] for r in raw["runs"]))
-    methods = list(dict.fromkeys(r["method"] for r in raw["runs"]))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        values = [next(r["utilisation"] for r in raw["runs"] if r["link"] == link and r["method"] == method) * 100
-                  for link in links]
-        ax.bar([x + i * width for x in range(len(links))], values, width, label=method)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(links))], links)
-    ax.axhline(95, color="#d62728", linestyle="--", linewidth=1, label="95% target (10 Mbit/s)")
-    ax.set_ylabel("compute utilisation, %")
-    ax.legend()
-    ax.set_title("Two hosts over a shaped veth link")
-    return fig
+            skip("wan", f"it needs network namespaces and tc (run as root with iproute2): {error}.")
+        except RunFailed as error:
+            sys.exit(str(error))
+    rows = judge(runs, args.repeats)
+    text = table(rows)
+    text += ("\n\nUtilisation: median [min, max] over the repeats, each run divided by the baseline of its own "
+             "repeat (same namespaces, syncs off, unshaped). Best the link allows: baseline loop time ÷ (baseline "
+             "loop time + bytes on the veth · 8 ÷ rate) for blocking syncs.")
+    save("wan", text, {"method": __doc__.split("\n\n")[1], "groups": [g.__dict__ for g in groups],
+                       "repeats": args.repeats, "variants": variants, "rows": rows, "runs": runs},
+         plot(rows), quick=args.quick, seconds=time.time() - started)
 
 
 if __name__ == "__main__":
