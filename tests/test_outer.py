@@ -1,10 +1,13 @@
 """The outer step on hand-set tiny models, where the expected numbers are written down by hand."""
 
+import json
+
 import pytest
 import torch
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch
 from torch import nn
 
-from hf_diloco.comm import ReplicaComm, ring_all_reduce_bytes
+from hf_diloco.comm import ReplicaComm, ring_all_gather_bytes, ring_all_reduce_bytes
 from hf_diloco.outer import OuterLoop, outer_round, partition_into_buckets
 
 
@@ -52,15 +55,48 @@ def test_plain_momentum_differs_from_nesterov():
     assert replica.tolist() == pytest.approx([0.76, 2.38], abs=1e-6)
 
 
-def test_outer_state_is_fp32_on_cpu_for_a_bf16_model():
-    replica = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
-    outer = OuterLoop([replica], lr=0.7, momentum=0.9, nesterov=True, offload=True)
-    assert outer.global_params[0].dtype == torch.float32
+def test_outer_state_keeps_fp32_precision_for_a_bf16_model():
+    """A bf16 replica whose outer state is fp32 on CPU: steps too small for bf16 still accumulate in θ_global.
+
+    Outer SGD lr 0.1, no momentum. Every round the replica moves from where the sync left it to r = 1 − 2^-8
+    (a bf16 number), so θ_global ← θ_global − 0.1 (θ_global − r), i.e. θ_global_k = r + 0.9^k (1 − r). In bf16
+    (spacing 2^-8 below 1) θ_global would stay 1.0 forever, since the first step (0.1 · 2^-8) rounds away. The
+    replica receives bf16(θ_global_k): 1.0 while 0.9^k > 1/2 (k ≤ 6), r afterwards.
+    """
+    r = 1 - 2**-8
+    replica = nn.Parameter(torch.tensor([1.0], dtype=torch.bfloat16))
+    outer = OuterLoop([replica], lr=0.1, momentum=0.0, nesterov=False, offload=True)
     assert outer.global_params[0].device.type == "cpu"
-    move_replica(replica, [0.5, 1.5])
-    assert outer.pseudo_gradient(outer.buckets[0]).dtype == torch.float32
+    for k in range(1, 11):
+        move_replica(replica, [r])
+        sync_alone(outer)
+        expected = r + 0.9**k * (1 - r)
+        assert outer.global_params[0].item() == pytest.approx(expected, abs=1e-7), k
+        assert replica.dtype == torch.bfloat16
+        assert replica.item() == (1.0 if k <= 6 else r), k
+    assert outer.global_params[0].item() == pytest.approx(0.997455775, abs=1e-7)
+
+
+def test_adamw_outer_steps_match_hand_computation():
+    """outer_optimizer adamw: torch's AdamW with beta1 = outer_momentum (0.9), beta2 0.999, eps 1e-8, no weight
+    decay, lr 0.1, on θ = [1, 2].
+
+    Round 1: θ_i = [0.8, 2.4] -> Δ = [0.2, -0.4]; bias-corrected m̂ = Δ, v̂ = Δ², so the step is
+             lr · Δ / |Δ| = [0.1, -0.1] (up to eps): θ = [0.9, 2.1].
+    Round 2: θ_i = [0.8, 2.1] -> Δ = [0.1, 0]; m = 0.9 · 0.1 [0.2, -0.4] + 0.1 [0.1, 0] = [0.028, -0.036];
+             v = 0.999 · 0.001 [0.04, 0.16] + 0.001 [0.01, 0] = [4.996e-5, 1.5984e-4];
+             m̂ = m / 0.19, v̂ = v / 0.001999; step = 0.1 m̂ / √v̂ = [0.0932179, -0.0670058];
+             θ = [0.8067821, 2.1670058].
+    """
+    replica = nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterLoop([replica], lr=0.1, momentum=0.9, nesterov=True, optimizer="adamw")
+    move_replica(replica, [0.8, 2.4])
     sync_alone(outer)
-    assert replica.dtype == torch.bfloat16
+    assert replica.tolist() == pytest.approx([0.9, 2.1], abs=1e-6)
+    move_replica(replica, [0.8, 2.1])
+    sync_alone(outer)
+    assert replica.tolist() == pytest.approx([0.8067821, 2.1670058], abs=1e-6)
+    # Nesterov SGD with the same lr and momentum would give 2 - 0.1 * 1.9 * (-0.4) = 2.076 after round 1.
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -109,6 +145,20 @@ def test_single_replica_comm_is_free_and_returns_own_stats():
     assert cost.bytes_sent == 0 and cost.collectives == 0
 
 
-@pytest.mark.parametrize("world,expected", [(1, 0), (2, 100), (4, 150), (8, 175)])
-def test_ring_all_reduce_bytes(world, expected):
-    assert ring_all_reduce_bytes(100, world) == expected
+@pytest.mark.parametrize("config", [ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC], ids=["M=2", "M=4"])
+def test_ring_byte_model_matches_the_bytes_gloo_sends(tmp_path, config):
+    """ring_all_reduce_bytes and ring_all_gather_bytes against what gloo really writes to its sockets.
+
+    Real processes, one gloo all-reduce and one all-gather each; bytes measured by the kernel (see
+    tests/scripts/wire_bytes.py). gloo adds a small header per message: tolerance 0.5% plus 8 kB.
+    """
+    result = accelerate_launch([str(REPO / "tests" / "scripts" / "wire_bytes.py"), str(tmp_path)], config=config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("wire*.json"))]
+    world = ranks[0]["world"]
+    assert len(ranks) == world == (2 if config == ACCELERATE_CPU_2PROC else 4)
+    for rank in ranks:
+        for r in rank["results"]:
+            for measured, model in ((r["all_reduce"], ring_all_reduce_bytes(r["payload_bytes"], world)),
+                                    (r["all_gather"], ring_all_gather_bytes(r["payload_bytes"] * world, world))):
+                assert model <= measured <= model * 1.005 + 8192, (world, r)
