@@ -146,9 +146,11 @@ class IntCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         rows = _chunked(x.to(torch.float32), self.chunk)
-        scale = rows.abs().amax(dim=1, keepdim=True)
+        scale = torch.maximum(rows.amax(dim=1, keepdim=True), -rows.amin(dim=1, keepdim=True))
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(rows / safe * self.levels).clamp_(-self.levels, self.levels).to(torch.int8)
+        scaled = rows / safe  # the only full-size fp32 temporary; rounded and clamped in place
+        codes = scaled.mul_(self.levels).round_().clamp_(-self.levels, self.levels).to(torch.int8)
+        del scaled
         codes = codes.reshape(-1)[: x.numel()]  # the padding of the last chunk is not sent
         if self.bits == 8:
             body = codes.view(torch.uint8)
@@ -164,14 +166,16 @@ class IntCodec(Codec):
         chunks = math.ceil(numel / self.chunk)
         scale = from_bytes(payload[: 4 * chunks], torch.float32).view(-1, 1)
         body = payload[4 * chunks :]
+        size = chunks * self.chunk if self.bits == 8 else max(chunks * self.chunk, 2 * body.numel())
+        values = torch.zeros(size, dtype=torch.float32)
         if self.bits == 8:
-            codes = body.view(torch.int8).to(torch.float32)
+            values[:numel] = body.view(torch.int8)
         else:
-            low = (body & 0x0F).to(torch.int16) - 8
-            high = (body >> 4).to(torch.int16) - 8
-            codes = torch.stack([low, high], dim=1).reshape(-1)[:numel].to(torch.float32)
-        values = _chunked(codes, self.chunk) * (scale / self.levels)
-        return values.reshape(-1)[:numel].contiguous()
+            pairs = values[: 2 * body.numel()].view(-1, 2)
+            pairs[:, 0] = (body & 0x0F).to(torch.int8) - 8
+            pairs[:, 1] = (body >> 4).to(torch.int8) - 8
+        values[: chunks * self.chunk].view(chunks, self.chunk).mul_(scale / self.levels)
+        return values[:numel]
 
 
 class SparseCodec(Codec):
@@ -253,10 +257,14 @@ def make_codec(name: str, *, chunk: int = 1024, sparse_k: int = 64, sparse_chunk
 class ErrorFeedback:
     """What a replica's codec failed to send, per bucket, added (decayed by β) to its next pseudo-gradient.
 
+    The residual is updated in place: `accumulate` turns e into β·e + Δ and returns it; the caller encodes it and
+    subtracts what was sent from it, which leaves the new residual. Error feedback costs one bucket-sized tensor
+    per bucket (held between rounds) and no temporary.
+
     >>> feedback = ErrorFeedback(decay=1.0)
-    >>> x = feedback.add("b0", torch.tensor([1.0, 2.0]))     # no residual yet: x = Δ
-    >>> feedback.update("b0", x, sent=torch.tensor([1.0, 0.0]))
-    >>> feedback.add("b0", torch.tensor([0.5, 0.5])).tolist()  # Δ + e
+    >>> e = feedback.accumulate("b0", torch.tensor([1.0, 2.0]))   # no residual yet: e = Δ
+    >>> _ = e.sub_(torch.tensor([1.0, 0.0]))                      # the codec sent [1, 0]
+    >>> feedback.accumulate("b0", torch.tensor([0.5, 0.5])).tolist()  # Δ + β·e
     [0.5, 2.5]
     """
 
@@ -265,17 +273,16 @@ class ErrorFeedback:
         self.device = torch.device(device)
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def add(self, key: str, delta: torch.Tensor) -> torch.Tensor:
+    def accumulate(self, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """e ← β·e + Δ for bucket `key`, in place; returns e (subtract what is sent from it)."""
         residual = self.residuals.get(key)
         if residual is None:
-            return delta
-        return delta + self.decay * residual.to(delta.device)
-
-    def update(self, key: str, accumulated: torch.Tensor, sent: torch.Tensor) -> None:
-        self.residuals[key] = (accumulated - sent).to(self.device)
+            residual = self.residuals[key] = delta.to(self.device, torch.float32, copy=True)
+            return residual
+        return residual.mul_(self.decay).add_(delta.to(residual.device))
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "residuals": dict(self.residuals)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.residuals = dict(state["residuals"])
+        self.residuals = {key: value.to(self.device) for key, value in state["residuals"].items()}

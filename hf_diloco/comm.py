@@ -229,15 +229,6 @@ class ReplicaComm:
             buffer[:n] /= m
         return buffer[:n], None if stats is None else buffer[n:].view(m, -1), cost
 
-    def _encode_with_feedback(self, x, codec, feedback, key, encode) -> torch.Tensor:
-        """Encode x (+ this replica's residual); keep what the encoding lost for the next round."""
-        if feedback is None:
-            return encode(x)
-        accumulated = feedback.add(key, x)
-        payload, sent = encode(accumulated, with_decoded=True)
-        feedback.update(key, accumulated, sent)
-        return payload
-
     def _gather_payloads(self, payload: torch.Tensor, stats, cost: SyncCost) -> torch.Tensor:
         """All-gather one uint8 payload (plus this process's stats bytes) per replica: rows [M, bytes]."""
         if stats is not None:
@@ -262,48 +253,49 @@ class ReplicaComm:
         m, n = self.num_replicas, chunk.numel()
         shard = -(-n // m)
         shard_bytes = codec.encoded_bytes(shard)
-
-        def encode_shards(x, with_decoded=False):
-            padded = torch.cat([x, x.new_zeros(shard * m - n)]) if shard * m > n else x
-            parts = [codec.encode(padded[j * shard : (j + 1) * shard].cpu()) for j in range(m)]
-            payload = torch.cat(parts)
-            if not with_decoded:
-                return payload
-            sent = torch.cat([codec.decode(part, shard) for part in parts])[:n].to(x.device)
-            return payload, sent
-
-        send = self._encode_with_feedback(chunk.to(torch.float32), codec, feedback, key, encode_shards)
-        send = send.to(self.device)
+        x = chunk.to(torch.float32) if feedback is None else feedback.accumulate(key, chunk.to(torch.float32))
+        parts = []
+        for j in range(m):  # shard j goes to replica j; the last one is padded with zeros
+            piece = x[j * shard : (j + 1) * shard]
+            padded = torch.cat([piece, piece.new_zeros(shard - piece.numel())]) if piece.numel() < shard else piece
+            parts.append(codec.encode(padded.cpu()))
+            if feedback is not None:  # x is the residual: what this shard failed to carry stays in it
+                piece.sub_(codec.decode(parts[-1], shard)[: piece.numel()].to(piece.device))
+        send = torch.cat(parts).to(self.device)
+        del parts, x
         cost = SyncCost(send.numel(), 0, 0, 0)
         if self.active:
             received = torch.empty_like(send)
             dist.all_to_all_single(received, send, group=self.slice_group)
             cost.collectives += 1
             cost.bytes_sent += (m - 1) * shard_bytes  # every shard but this process's own leaves it
+            del send
         else:
             received = send
         copies = received.cpu().view(m, shard_bytes)
         total = codec.decode(copies[0], shard)
         for r in range(1, m):  # fp32 sum in replica order
             total += codec.decode(copies[r], shard)
-        mine = codec.encode(total / m)
+        del received, copies
+        mine = codec.encode(total.div_(m))
         gathered = self._gather_payloads(mine, stats, cost).cpu()
-        average = torch.cat([codec.decode(gathered[r, :shard_bytes], shard) for r in range(m)])[:n]
-        return average.to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
+        average = torch.empty(m * shard, dtype=torch.float32)
+        for r in range(m):
+            average[r * shard : (r + 1) * shard] = codec.decode(gathered[r, :shard_bytes], shard)
+        return average[:n].to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
 
     def _average_sparse(self, chunk, codec: SparseCodec, feedback, key, stats):
         """All-gather of every replica's sparse payload, summed in fp32 in replica order."""
         m, n = self.num_replicas, chunk.numel()
         body = codec.encoded_bytes(n)
-
-        def encode(x, with_decoded=False):
-            payload = codec.encode(x.cpu())
-            return (payload, codec.decode(payload, n).to(x.device)) if with_decoded else payload
-
-        payload = self._encode_with_feedback(chunk.to(torch.float32), codec, feedback, key, encode)
+        x = chunk.to(torch.float32) if feedback is None else feedback.accumulate(key, chunk.to(torch.float32))
+        payload = codec.encode(x.cpu())
+        if feedback is not None:
+            x.sub_(codec.decode(payload, n).to(x.device))  # x is the residual: what was not sent stays
+        del x
         cost = SyncCost(0, 0, 0, 0)
         gathered = self._gather_payloads(payload, stats, cost).cpu()
         total = codec.decode(gathered[0, :body], n)
         for r in range(1, m):
             total += codec.decode(gathered[r, :body], n)
-        return (total / m).to(self.device), self._stats_rows(gathered, body, stats), cost
+        return total.div_(m).to(self.device), self._stats_rows(gathered, body, stats), cost

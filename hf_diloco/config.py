@@ -95,8 +95,10 @@ class DiLoCoConfig(TrainingArguments):
     sync_bucket_mb: float = field(
         default=256.0,
         metadata={"help": "Largest fp32 pseudo-gradient bucket, in MB. A sync forms, sends, receives and applies one "
-                          "bucket before the next, so its extra memory is about two buckets plus the codec's "
-                          "payloads whatever the model's size."},
+                          "bucket before the next, so its extra memory is a few buckets whatever the model's size "
+                          "(two without compression: the replica's and the averaged pseudo-gradient; up to five "
+                          "with a dense codec's payloads and decoded copies). With sync_delay > 0 the fragment in "
+                          "flight is held whole."},
     )
     compression: str = field(
         default="none",

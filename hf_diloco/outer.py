@@ -180,10 +180,14 @@ class OuterLoop:
     def pseudo_gradient(self, bucket: list[int], device: torch.device | None = None) -> torch.Tensor:
         """Δ_i = θ_global − θ_i for one bucket, flat fp32 on `device` (the communication device)."""
         device = device or torch.device("cpu")
-        return torch.cat([
-            (self.global_params[i].to(device) - self.params[i].to(device, torch.float32)).reshape(-1)
-            for i in bucket
-        ])
+        out = torch.empty(self.bucket_numel(bucket), dtype=torch.float32, device=device)
+        offset = 0
+        for i in bucket:  # written in place: no per-parameter temporaries beside the bucket
+            n = self.params[i].numel()
+            global_param = self.global_params[i].reshape(-1).to(device)
+            torch.sub(global_param, self.params[i].reshape(-1).to(device, torch.float32), out=out[offset : offset + n])
+            offset += n
+        return out
 
     @torch.no_grad()
     def step(self, bucket: list[int], delta: torch.Tensor) -> None:
@@ -278,11 +282,12 @@ StatsFn = Callable[[float], torch.Tensor]
 def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult,
                     codec: Codec | None, feedback: ErrorFeedback | None, stats: StatsFn | None) -> torch.Tensor:
     """Δ for one bucket, with its norms, agreement terms and cost added to `result`."""
-    result.local_norm_sq += float(delta_i.double().square().sum())
+    # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
+    result.local_norm_sq += float(torch.linalg.vector_norm(delta_i)) ** 2
     riding = None if stats is None else stats(result.local_norm_sq)
     delta, rows, cost = comm.average(delta_i, codec=codec, feedback=feedback, key=str(index), stats=riding)
-    result.average_norm_sq += float(delta.double().square().sum())
-    result.dot += float(delta_i.double() @ delta.double())
+    result.average_norm_sq += float(torch.linalg.vector_norm(delta)) ** 2
+    result.dot += float(torch.dot(delta_i, delta))
     result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if riding is None else riding.numel()))
     if rows is not None:
         result.stats = rows
@@ -306,6 +311,7 @@ def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, code
         del delta_i
         outer.step(bucket, delta)                                             # θ_global ← OuterOpt(θ_global, Δ)
         outer.copy_to_replica(bucket, alpha)                                  # θ_i ← θ_global
+        del delta  # one bucket at a time: freed before the next is formed
     return result
 
 

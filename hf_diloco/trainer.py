@@ -228,7 +228,7 @@ class OuterLoopCallback(TrainerCallback):
         self.saved_outer_state: dict | None = None
         self.saved_replica_state: dict | None = None
         self.deferred = {"should_save": False, "should_evaluate": False}
-        self.pending_record: dict | None = None
+        self.pending_records: list[dict] = []  # rounds completed at this step, written once its eval is known
         self.history: list[dict] = []
         self.initial_eval_loss: float | None = None
         self.stop_requested = False
@@ -404,8 +404,8 @@ class OuterLoopCallback(TrainerCallback):
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange; it is sent with the NEXT
         # round's statistics, so it costs no collective of its own.
         self.previous_agreement = result.agreement
-        self.pending_record = self._round_record(state, result, fragments, launched_at, outer_lr, sync_seconds,
-                                                 blocked)
+        self.pending_records.append(self._round_record(state, result, fragments, launched_at, outer_lr,
+                                                       sync_seconds, blocked))
         return bool(result.stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
 
     def _round_record(self, state, result: RoundResult, fragments, launched_at, outer_lr, sync_seconds,
@@ -502,18 +502,18 @@ class OuterLoopCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         eval_loss = (metrics or {}).get("eval_loss")
-        if self.pending_record is not None and self.pending_record["step"] == state.global_step:
-            self.pending_record["eval_loss"] = eval_loss
+        if self.pending_records and self.pending_records[-1]["step"] == state.global_step:
+            self.pending_records[-1]["eval_loss"] = eval_loss
             self._flush_pending()
         elif state.global_step == 0:  # eval_on_start: the model before any training
             self.initial_eval_loss = eval_loss
 
     def _flush_pending(self) -> None:
-        record, self.pending_record = self.pending_record, None
-        if record is None:
-            return
-        self.history.append(record)
-        if self.writer is not None:
+        records, self.pending_records = self.pending_records, []
+        for record in records:
+            self.history.append(record)
+            if self.writer is None:
+                continue
             self.writer.write(record)
             line = format_round(record, self.total_rounds)
             if self.args.disable_tqdm:

@@ -1,0 +1,152 @@
+"""Compressed, streamed and overlapped syncs in real 2- and 4-process runs (accelerate launch, gloo).
+
+Each run is tests/scripts/replica_run.py (every collective counted, a parameter digest after every sync) or
+tests/scripts/overlap_run.py (a deliberately slow link), with DiLoCoConfig settings passed through.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch
+
+from hf_diloco.codecs import make_codec
+from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.trainer import ROUND_STATS
+
+REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
+OVERLAP_RUN = str(REPO / "tests" / "scripts" / "overlap_run.py")
+
+
+def launch(tmp_path, script=REPLICA_RUN, processes: int = 2, **settings) -> list[dict]:
+    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
+    result = accelerate_launch([script, json.dumps({"out": str(tmp_path), **settings})], config=config)
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
+
+
+def collectives_by_step(rank: dict) -> dict[int, list[str]]:
+    by_step: dict[int, list[str]] = {}
+    for step, name in rank["calls"]:
+        by_step.setdefault(step, []).append(name)
+    return by_step
+
+
+@pytest.fixture(scope="module")
+def int4_run(tmp_path_factory):
+    """int4 + error feedback, 2 replicas, H = 4, 12 steps: syncs at 4, 8, 12."""
+    tmp = tmp_path_factory.mktemp("int4")
+    ranks = launch(tmp, inner_steps=4, max_steps=12, compression="int4", error_feedback=True)
+    return tmp, ranks, read_sync_rounds(tmp / "run")
+
+
+def test_int4_replicas_are_bit_identical_after_every_sync(int4_run):
+    """Every process decodes the same bytes, so the outer step gives the same bits everywhere."""
+    _, ranks, _ = int4_run
+    assert [step for step, _ in ranks[0]["digests"]] == [4, 8, 12]
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+
+
+def test_int4_sync_is_a_reduce_scatter_and_an_all_gather_and_nothing_between(int4_run):
+    _, ranks, _ = int4_run
+    for rank in ranks:
+        by_step = collectives_by_step(rank)
+        for step in range(1, 13):
+            expected = ["all_to_all_single", "all_gather_into_tensor"] if step in (4, 8, 12) else []
+            assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step)}"
+
+
+def test_int4_reported_bytes_are_the_payload_arithmetic(int4_run):
+    """Per sync and process, with M = 2: one encoded shard out in the all-to-all, one encoded averaged shard plus
+    the k round statistics (fp32) out in the all-gather. The ratio is against an fp32 all-reduce of the same."""
+    _, _, rounds = int4_run
+    codec = make_codec("int4")
+    k = len(ROUND_STATS)
+    for record in rounds:
+        n = record["synced_parameters"]
+        shard = math.ceil(n / 2)
+        expected = codec.encoded_bytes(shard) + codec.encoded_bytes(shard) + 4 * k
+        assert record["bytes_per_replica"] == expected
+        fp32 = (n + 2 * k) * 4  # ring all-reduce with M = 2 sends the payload once
+        assert record["compression_ratio"] == pytest.approx(fp32 / expected)
+        assert record["compression"] == "int4+ef"
+        assert record["compression_ratio"] > 7
+
+
+def test_int4_with_error_feedback_trains(int4_run):
+    _, _, rounds = int4_run
+    assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
+
+
+def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
+    """SparseLoCo's recipe (2-bit values, error feedback 0.95, outer SGD lr 1 without momentum) with a quarter of
+    each chunk kept, so that a 23k-parameter model learns in a few rounds (64 of 4096 needs hundreds)."""
+    ranks = launch(tmp_path, inner_steps=4, max_steps=24, compression="sparse", sparse_k=256, sparse_chunk=1024,
+                   error_feedback=True, error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0)
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    rounds = read_sync_rounds(tmp_path / "run")
+    assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
+    codec = make_codec("sparse", sparse_k=256, sparse_chunk=1024)
+    for record in rounds:
+        payload = codec.encoded_bytes(record["synced_parameters"]) + 4 * len(ROUND_STATS)
+        assert record["bytes_per_replica"] == payload  # M = 2: the payload goes to the one other replica
+    for rank in ranks:
+        assert collectives_by_step(rank)[4] == ["all_gather_into_tensor"]
+
+
+def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):
+    """2 replicas x 2 processes, int8: each member sends its half across replicas, then gathers inside."""
+    ranks = launch(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=6, compression="int8")
+    steps = [step for step, _ in ranks[0]["digests"]]
+    assert steps == [3, 6]
+    assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
+    for record in read_sync_rounds(tmp_path / "run"):
+        assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
+
+
+def test_several_buckets_give_the_same_bits_as_one(tmp_path):
+    """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings)."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    one.mkdir(), many.mkdir()
+    launch(one, inner_steps=5, max_steps=10)
+    ranks = launch(many, inner_steps=5, max_steps=10, sync_bucket_mb=0.01)  # 2,621 values a bucket
+    assert read_sync_rounds(many / "run")[0]["collectives"] > 3
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    first, second = torch.load(one / "final.pt"), torch.load(many / "final.pt")
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path):
+    """F = 3 (non-layer parameters, layer 0, layer 1), H = 6: one fragment every 2 steps, all at the last step,
+    overlapped by one step and mixed with α = 0.5; the last step leaves every process with the same model."""
+    ranks = launch(tmp_path, inner_steps=6, max_steps=13, num_fragments=3, sync_delay=1, fragment_alpha=0.5)
+    rounds = read_sync_rounds(tmp_path / "run")
+    schedule = [(r.get("launch_step", r["step"]), r["step"], r["fragments"]) for r in rounds]
+    assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), (10, 11, [1]), (12, 13, [2]),
+                        (13, 13, [0, 1, 2])]
+    sizes = {tuple(r["fragments"]): r["synced_parameters"] for r in rounds}
+    assert sizes[(0,)] + sizes[(1,)] + sizes[(2,)] == sizes[(0, 1, 2)]
+    assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
+
+
+@pytest.mark.parametrize("sync_delay", [0, 2])
+def test_overlapped_sync_does_not_make_the_inner_loop_wait(tmp_path, sync_delay):
+    """A slow link (0.6 s per sync) and slow steps (0.4 s each). Blocking (τ = 0): the inner loop waits for the
+    whole sync. τ = 2: the next steps end while the sync is still in flight, and the time the loop was blocked is
+    a fraction of the sync's duration."""
+    ranks = launch(tmp_path, script=OVERLAP_RUN, sync_delay=sync_delay, comm_sleep=0.6, step_sleep=0.4)
+    rounds = read_sync_rounds(tmp_path / "run")
+    first = rounds[0]
+    assert first.get("launch_step", first["step"]) == 6
+    for rank in ranks:
+        started, ended = rank["exchanges"][0]
+        steps_during = [step for step, t in rank["step_ends"] if started < t < ended]
+        if sync_delay:
+            assert steps_during == [7], "the replica trained on while its sync was in flight"
+        else:
+            assert steps_during == []
+    if sync_delay:
+        assert first["blocked_seconds"] < 0.5 * first["sync_seconds"]
+    else:
+        assert first["blocked_seconds"] >= first["sync_seconds"] >= 0.6
