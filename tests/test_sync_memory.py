@@ -39,7 +39,7 @@ def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets
     assert len(outer.buckets) == 16
     codec = None if codec_name == "none" else make_codec(codec_name)
     feedback = None if codec is None else ErrorFeedback(0.95)
-    for measured in (False, True):  # the first round creates the momentum buffers and the residuals
+    for _ in range(2):  # the first round creates the momentum buffers and the residuals
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn_like(p) * 1e-3)
