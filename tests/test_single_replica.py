@@ -40,11 +40,39 @@ def test_m1_h1_lr1_matches_plain_trainer(tmp_path):
     assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-2, "training must move the weights"
 
 
-def test_paper_outer_settings_do_change_the_trajectory(tmp_path):
-    """Sanity check that the comparison above can fail: with momentum 0.9 and lr 0.7 the result differs."""
-    plain = train(Trainer, TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON))
-    diloco = train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path / "diloco"), inner_steps=5, **COMMON))
-    assert max((plain[k] - diloco[k]).abs().max().item() for k in plain) > 1e-4
+def test_paper_outer_settings_give_the_hand_computed_first_round(tmp_path):
+    """The comparison above can fail, and the outer step is the paper's: one round of H = 5 with outer Nesterov SGD
+    (lr 0.7, momentum 0.9) from θ0, where plain Trainer reaches θ5 in the same 5 steps.
+
+    Δ = θ0 − θ5; v = Δ; update = Δ + 0.9 v = 1.9 Δ; θ = θ0 − 0.7 · 1.9 Δ = θ0 + 1.33 (θ5 − θ0).
+    Tolerance 1e-6 (fp32 rounding of the outer step); the result is far from θ5 itself.
+    """
+    settings = {**COMMON, "max_steps": 5}
+    plain = train(Trainer, TrainingArguments(output_dir=str(tmp_path / "plain"), **settings))
+    diloco = train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path / "diloco"), inner_steps=5, outer_lr=0.7,
+                                               outer_momentum=0.9, outer_nesterov=True, **settings))
+    start = tiny_llama(seed=0).state_dict()
+    expected = {k: start[k] + 1.33 * (plain[k] - start[k]) for k in plain}
+    worst = max((diloco[k] - expected[k]).abs().max().item() for k in plain)
+    assert worst <= 1e-6, f"largest difference from the hand-computed round {worst:.2e}"
+    assert max((plain[k] - diloco[k]).abs().max().item() for k in plain) > 1e-3
+
+
+def test_outer_adamw_first_round_matches_hand_computation(tmp_path):
+    """outer_optimizer adamw through the trainer, one round of H = 5 from θ0: AdamW's first step (bias-corrected
+    m̂ = Δ, v̂ = Δ²) moves every value by lr · Δ / (|Δ| + eps), so θ = θ0 − 0.05 · Δ / (|Δ| + 1e-8) with
+    Δ = θ0 − θ5 and θ5 plain Trainer's parameters after the same 5 steps. Tolerance 1e-6."""
+    settings = {**COMMON, "max_steps": 5}
+    plain = train(Trainer, TrainingArguments(output_dir=str(tmp_path / "plain"), **settings))
+    diloco = train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path / "diloco"), inner_steps=5, outer_lr=0.05,
+                                               outer_momentum=0.9, outer_optimizer="adamw", **settings))
+    start = tiny_llama(seed=0).state_dict()
+    worst = 0.0
+    for k in plain:
+        delta = start[k] - plain[k]
+        expected = start[k] - 0.05 * delta / (delta.abs() + 1e-8)
+        worst = max(worst, (diloco[k] - expected).abs().max().item())
+    assert worst <= 1e-6, f"largest difference from the hand-computed AdamW round {worst:.2e}"
 
 
 def test_sync_rounds_written_for_single_replica(tmp_path):
