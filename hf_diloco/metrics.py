@@ -51,8 +51,12 @@ def read_sync_rounds(output_dir: str | os.PathLike) -> list[dict]:
 
 
 def format_bytes(n: float) -> str:
-    """>>> format_bytes(3_500_000)
+    """Bytes in decimal units, as the logs and the app show them.
+
+    >>> format_bytes(3_500_000)
     '3.50 MB'
+    >>> format_bytes(999)
+    '999 B'
     """
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
