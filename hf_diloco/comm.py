@@ -78,6 +78,28 @@ def ring_all_gather_bytes(payload_bytes: int, world_size: int) -> int:
     return ((world_size - 1) * payload_bytes) // world_size
 
 
+def round_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | None = None, stats: int = 0) -> int:
+    """Bytes one process sends across replicas to average `numel` values (one bucket) with `codec`, plus `stats`
+    fp32 values riding along, by the algorithms of `ReplicaComm.average`.
+
+    >>> round_bytes(1000, replicas=2), round_bytes(1000, replicas=8)   # fp32 ring all-reduce
+    (4000, 7000)
+    >>> from hf_diloco.codecs import make_codec
+    >>> round_bytes(1000, replicas=2, codec=make_codec("int8")), round_bytes(1000, replicas=8, codec=make_codec("int8"))
+    (1008, 1806)
+    """
+    m = replicas
+    if m <= 1:
+        return 0
+    values = -(-numel // group_size)
+    if codec is None or codec.name == "none":
+        return ring_all_reduce_bytes(4 * (values + m * stats), m)
+    if isinstance(codec, SparseCodec):
+        return (m - 1) * (codec.encoded_bytes(values) + 4 * stats)
+    shard = -(-values // m)
+    return (m - 1) * codec.encoded_bytes(shard) + (m - 1) * (codec.encoded_bytes(shard) + 4 * stats)
+
+
 class ReplicaComm:
     """The replicas of a run and the collectives between them.
 

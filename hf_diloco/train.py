@@ -137,7 +137,8 @@ def add_lora(model, run: RunArguments):
 
 def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
     """What a run would do, computed from the model alone: sizes and the bytes of a round; nothing is trained."""
-    from .comm import ring_all_reduce_bytes
+    from .codecs import CODECS, make_codec
+    from .comm import ring_all_reduce_bytes, round_bytes
     from .metrics import format_bytes
 
     check_arguments(run, config)
@@ -147,7 +148,11 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
     shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    per_round = ring_all_reduce_bytes(trainable * 4 // group, shown)  # each member syncs a 1/g slice
+    codecs = {name: make_codec(name, chunk=config.compression_chunk, sparse_k=config.sparse_k,
+                               sparse_chunk=config.sparse_chunk, sparse_bits=config.sparse_bits) for name in CODECS}
+    # Each member of a replica syncs a 1/g slice; the statistics riding along are left out (a few bytes).
+    by_codec = {name: round_bytes(trainable, shown, group, codec) for name, codec in codecs.items()}
+    per_round = by_codec[config.compression]
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
     return {
@@ -163,7 +168,12 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
         f"warmup {config.warmup_steps}, {schedule}",
         "tokens per inner step per process": f"{tokens_per_step(run, config):,}",
         "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
-        f"sent across replicas per process per round, M={shown}": format_bytes(per_round),
+        f"sent across replicas per process per round, M={shown}": f"{format_bytes(per_round)} with "
+        f"compression {config.compression} ({by_codec['none'] / per_round:.1f}x fewer bytes than fp32)",
+        "per round by codec": ", ".join(f"{name} {format_bytes(sent)}" for name, sent in by_codec.items()),
+        "streaming": f"{config.num_fragments} fragment(s), one sync every {config.inner_steps // config.num_fragments}"
+        f" steps of about {format_bytes(per_round / config.num_fragments)}, overlapped with {config.sync_delay} "
+        f"inner step(s)",
         f"DDP for the same {config.inner_steps} steps": format_bytes(
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),

@@ -150,3 +150,23 @@ def test_overlapped_sync_does_not_make_the_inner_loop_wait(tmp_path, sync_delay)
         assert first["blocked_seconds"] < 0.5 * first["sync_seconds"]
     else:
         assert first["blocked_seconds"] >= first["sync_seconds"] >= 0.6
+
+
+def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
+    """The dry run's per-codec line is the payload arithmetic: with M = 8 (shown when launched alone), int8 sends
+    7 encoded shards out and 7 encoded averages out, each 1/8 of the model plus one fp32 scale per 1024 values."""
+    from helpers import hf_diloco
+
+    from hf_diloco.metrics import format_bytes
+
+    result = hf_diloco("train", "--config", str(REPO / "recipes" / "tiny-pretrain.yaml"), "--dry_run", "true",
+                       "--compression", "int8", "--num_fragments", "5")
+    assert result.returncode == 0, result.stderr[-2000:]
+    n = 1_082_880  # tiny-llama
+    shard = n // 8
+    int8 = 2 * 7 * (shard + 4 * math.ceil(shard / 1024))
+    fp32 = 2 * 7 * n * 4 // 8
+    assert f"{format_bytes(int8)} with compression int8" in result.stdout
+    assert f"none {format_bytes(fp32)}" in result.stdout and f"int8 {format_bytes(int8)}" in result.stdout
+    assert "5 fragment(s), one sync every 10 steps" in result.stdout
+    assert "DDP for the same 50 steps" in result.stdout
