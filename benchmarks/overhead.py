@@ -1,115 +1,114 @@
-"""What DiLoCo costs over training the same replicas alone: throughput, outer-step time, memory.
+"""What DiLoCo costs over training the same replicas alone, with no link limit: throughput and time per sync.
 
-Compares, on the peer task with 2 replicas (one CPU process each, one thread each), steady tokens/s (the steps
-after the first tenth, so start-up is not counted):
-- DiLoCoTrainer, H = 50, with and without offload_outer_state;
-- the same two replicas as two independent plain-Trainer processes that never sync.
-Also times the outer step alone (pseudo-gradient, averaging, Nesterov step, copy back) for the presets, in process.
+Two replicas on one machine (one process and one CPU thread each), the peer task, interleaved and repeated:
+- the replicas alone: two independent plain-Trainer processes that never talk (DESIGN.md §6's reference);
+- DiLoCoTrainer under `accelerate launch` (gloo over loopback), one run per variant.
+Each repeat runs the pair and then every variant; a variant's ratio is its tokens/s ÷ the pair's of the same
+repeat; the table gives the median and [min, max]. Tokens/s: tokens ÷ Trainer's loop wall time for every run (the
+pair's two processes are added up). Time per sync is the library's own `sync_seconds` per round.
 
-    python benchmarks/overhead.py [--quick]
+    python benchmarks/overhead.py [--quick] [--repeats N] [--variants fp32 ...] [--variant 'name=--field v ...']
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, markdown_table, read_run, run_env, run_training, save, tokens_per_second, train_command
+from common import (
+    Processes,
+    RunFailed,
+    add_variant_arguments,
+    loop_tokens_per_second,
+    markdown_table,
+    pyplot,
+    read_run,
+    run_training,
+    save,
+    selected_variants,
+    show,
+    spread,
+    train_command,
+)
 
 
 def independent_pair(tmp: Path, overrides: list[str]) -> list[dict]:
     """Two single-process plain-Trainer runs at the same time: the replicas with no DiLoCo at all."""
-    procs = []
-    for r in range(2):
-        command = train_command(1, ["--output_dir", str(tmp / f"alone{r}"), "--trainer", "ddp", "--seed", str(r),
-                                    *overrides])
-        procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      env=run_env(1), cwd=REPO))
-    for p in procs:
-        _, err = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"independent run failed:\n{err[-3000:]}")
+    commands = [train_command(1, ["--output_dir", str(tmp / f"alone{r}"), "--trainer", "ddp", "--seed", str(r),
+                                  *overrides]) for r in range(2)]
+    processes = [Processes([c]) for c in commands]  # started together, waited for together
+    for p in processes:
+        p.wait()
     return [read_run(tmp / f"alone{r}") for r in range(2)]
-
-
-def outer_step_seconds(preset: str, repeats: int = 5) -> float:
-    """Median wall time of one outer step for one replica (no communication: M = 1)."""
-    import torch
-
-    from hf_diloco.comm import ReplicaComm
-    from hf_diloco.models import build_preset, byte_tokenizer
-    from hf_diloco.outer import OuterLoop
-
-    model = build_preset(preset, byte_tokenizer())
-    outer = OuterLoop(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    comm = ReplicaComm()
-    times = []
-    for _ in range(repeats):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1e-3)
-        started = time.perf_counter()
-        deltas = outer.pseudo_gradient(comm.device)
-        comm.all_reduce_round(deltas, torch.zeros(5))
-        outer.apply(deltas)
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="40 steps, H = 20 (under 3 minutes)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats, interleaved (at least 3)")
+    add_variant_arguments(parser, default=["fp32"])
     args = parser.parse_args()
-    steps = 100 if args.quick else 400
-    overrides = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false",
-                 "--save_strategy", "no", "--logging_steps", "50"]
-    rows, raw = [], {"steps": steps}
+    if args.repeats < 3:
+        sys.exit("--repeats must be at least 3: a median and a spread need three runs.")
+    started = time.time()
+    variants = selected_variants(args)
+    steps, inner = (40, 20) if args.quick else (100, 50)
+    common = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy",
+              "no", "--logging_steps", str(steps)]
+    runs = []
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        print("independent replicas (plain Trainer, no sync) ...", flush=True)
-        alone = independent_pair(tmp, overrides)
-        alone_tps = sum(tokens_per_second(r, 1) for r in alone)
-        rows.append(["2 independent plain Trainers", f"{alone_tps:,.0f}", "100.0%", "-", "-",
-                     f"{max(r['metrics']['peak_rss_mb'] for r in alone):.0f}"])
-        raw["independent"] = {"tokens_per_second": alone_tps, "runs": [r["metrics"] for r in alone]}
-        for offload in ("true", "false"):
-            print(f"DiLoCoTrainer H=50, offload_outer_state={offload} ...", flush=True)
-            result = run_training(tmp / f"diloco-{offload}", 2, [*overrides, "--inner_steps", "50",
-                                                                  "--offload_outer_state", offload])
-            tps = tokens_per_second(result, 2)
-            sync = [r["sync_seconds"] for r in result["rounds"]]
-            rows.append([f"DiLoCoTrainer, offload_outer_state={offload}", f"{tps:,.0f}", f"{tps / alone_tps:.1%}",
-                         f"{sum(sync) / len(sync):.3f}", f"{max(sync):.3f}", f"{result['metrics']['peak_rss_mb']:.0f}"])
-            raw[f"diloco_offload_{offload}"] = {"tokens_per_second": tps, "ratio": tps / alone_tps,
-                                                "sync_seconds": sync, "metrics": result["metrics"]}
-    table = markdown_table(["run (2 replicas)", "tokens/s", "vs independent", "mean sync s/round",
-                            "max sync s/round", "peak RSS MB (main)"], rows)
-    presets = ["tiny-llama"] if args.quick else ["tiny-llama", "llama-20m"]
-    step_rows = [[p, f"{outer_step_seconds(p) * 1000:.1f}"] for p in presets]
-    raw["outer_step_ms"] = {row[0]: float(row[1]) for row in step_rows}
-    table += "\n\nOuter step alone (pseudo-gradient, Nesterov SGD, copy back; one replica, CPU):\n\n"
-    table += markdown_table(["preset", "ms per outer step"], step_rows)
-    save("overhead", table, raw, plot(raw))
+        try:
+            for repeat in range(args.repeats):
+                tmp = Path(tmp_name) / f"r{repeat}"
+                print(f"repeat {repeat + 1}/{args.repeats}: the replicas alone (plain Trainer, no sync) ...",
+                      flush=True)
+                alone = independent_pair(tmp, common)
+                pair = sum(loop_tokens_per_second(r, 1) for r in alone)
+                runs.append({"repeat": repeat, "run": "alone", "tokens_per_second": pair})
+                for v, (name, extra) in enumerate(variants.items()):
+                    print(f"repeat {repeat + 1}/{args.repeats}: DiLoCoTrainer H={inner} {name} ...", flush=True)
+                    result = run_training(tmp / f"diloco{v}", 2, [*common, "--inner_steps", str(inner), *extra])
+                    tps = loop_tokens_per_second(result, 2)
+                    runs.append({"repeat": repeat, "run": name, "overrides": extra, "tokens_per_second": tps,
+                                 "ratio": tps / pair, "sync_seconds": [r["sync_seconds"] for r in result["rounds"]],
+                                 "peak_rss_mb": result["metrics"].get("peak_rss_mb")})
+        except RunFailed as error:
+            sys.exit(str(error))
+    alone = spread([r["tokens_per_second"] for r in runs if r["run"] == "alone"])
+    rows = [["2 independent plain Trainers", show(alone), "100%", "-", "-"]]
+    summary = {"alone": alone}
+    for name in variants:
+        mine = [r for r in runs if r["run"] == name]
+        syncs = [s for r in mine for s in r["sync_seconds"]]
+        summary[name] = {"tokens_per_second": spread([r["tokens_per_second"] for r in mine]),
+                         "ratio": spread([r["ratio"] for r in mine]), "sync_seconds": spread(syncs)}
+        rows.append([f"DiLoCoTrainer H={inner} {name}", show(summary[name]["tokens_per_second"]),
+                     show(summary[name]["ratio"], "{:.1%}"), f"{statistics.median(syncs):.3f}", f"{max(syncs):.3f}"])
+    table = markdown_table(["run (2 replicas, no link limit)", "tokens/s", "vs the replicas alone",
+                            "median sync s/round", "max sync s/round"], rows)
+    table += (f"\n\n{steps} steps, {args.repeats} repeats interleaved; median [min, max]; each ratio divides by the "
+              f"pair of the same repeat.")
+    save("overhead", table, {"steps": steps, "inner_steps": inner, "repeats": args.repeats, "variants": variants,
+                             "summary": summary, "runs": runs}, plot(summary, variants), quick=args.quick,
+         seconds=time.time() - started)
 
 
-def plot(raw: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(summary: dict, variants: dict):
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = ["independent", "DiLoCo offload", "DiLoCo on device"]
-    values = [raw["independent"]["tokens_per_second"], raw["diloco_offload_true"]["tokens_per_second"],
-              raw["diloco_offload_false"]["tokens_per_second"]]
-    ax.bar(labels, values, color=["#888", "#1f77b4", "#1f77b4"])
-    ax.axhline(0.98 * values[0], color="#d62728", linestyle="--", label="98% target")
-    ax.set_ylabel("tokens/s, both replicas")
+    labels = ["replicas alone", *(f"DiLoCo {name}" for name in variants)]
+    spreads = [summary["alone"], *(summary[name]["tokens_per_second"] for name in variants)]
+    medians = [s["median"] for s in spreads]
+    errors = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
+    ax.bar(labels, medians, yerr=errors, capsize=4, color=["#888", *["#1f77b4"] * len(variants)])
+    ax.axhline(0.98 * medians[0], color="#d62728", linestyle="--", label="98% target")
+    ax.set_ylabel("tokens/s, both replicas (median, [min, max])")
     ax.legend()
-    ax.set_title(f"Throughput over {raw['steps']} steps, 2 CPU replicas")
+    ax.set_title("DiLoCo vs the same replicas alone, no link limit")
     return fig
 
 

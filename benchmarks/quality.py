@@ -1,78 +1,91 @@
-"""Quality at equal tokens: the shape of the DiLoCo paper's main table, at small scale.
+"""Quality on the shared peer task: the DiLoCo paper's comparisons at small scale.
 
-Single worker (same number of steps, so M x fewer tokens), DDP with M replicas, DiLoCo with M replicas and several
-H, FedAvg (outer lr 1, no momentum). All multi-replica runs see the same total tokens. Reports the final held-out
-loss, the number of syncs and the bytes each replica sent.
+Rows (DESIGN.md §6 task: 400 steps, batch 8 per replica, 256-token blocks, H = 50, outer Nesterov SGD lr 0.7
+momentum 0.9; final held-out loss on the last 5% of the blocks):
+- single worker: plain Trainer, one process, 400 steps;
+- DiLoCo M = 1 against it at equal steps (the scaling-laws paper, arXiv 2503.09799, finds M = 1 DiLoCo ahead of
+  plain training at every size);
+- DDP M = 2 (gradients all-reduced every step) against DiLoCo M = 2 at equal tokens, one DiLoCo row per variant
+  (codecs, streaming: see common.VARIANTS), with the syncs and the bytes each replica sent.
+Loss, not speed, is measured here, so one-process runs share the two cores (two at a time).
 
-    python benchmarks/quality.py [--quick]
+    python benchmarks/quality.py [--quick] [--variants fp32 ...] [--variant 'name=--field v ...']
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from common import markdown_table, run_training, save
+from common import RunFailed, add_variant_arguments, markdown_table, pyplot, run_concurrently, save, selected_variants
 
 
-def configurations(quick: bool) -> list[dict]:
-    replicas = [2] if quick else [2, 4]
-    inner = [10, 50] if quick else [10, 50, 200]
-    configs = [{"name": "single worker", "trainer": "ddp", "replicas": 1}]
-    configs += [{"name": f"DDP M={m}", "trainer": "ddp", "replicas": m} for m in replicas]
-    configs += [{"name": f"DiLoCo M={m} H={h}", "trainer": "diloco", "replicas": m, "H": h}
-                for m in replicas for h in inner]
-    configs += [{"name": "FedAvg M=2 H=50", "trainer": "diloco", "replicas": 2, "H": 50, "outer": ["--outer_lr", "1",
-                 "--outer_momentum", "0", "--outer_nesterov", "false"]}]
+def configurations(variants: dict[str, list[str]], inner: int) -> list[dict]:
+    configs = [
+        {"name": "single worker (plain Trainer)", "trainer": "ddp", "replicas": 1, "compare": None},
+        {"name": f"DiLoCo M=1 H={inner}", "trainer": "diloco", "replicas": 1, "compare": 0},
+        {"name": "DDP M=2", "trainer": "ddp", "replicas": 2, "compare": None},
+    ]
+    configs += [{"name": f"DiLoCo M=2 H={inner} {name}", "trainer": "diloco", "replicas": 2, "compare": 2,
+                 "variant": name, "overrides": extra} for name, extra in variants.items()]
     return configs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and configurations (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="100 steps, H = 25 (under 3 minutes)")
+    add_variant_arguments(parser, default=["fp32"])
     args = parser.parse_args()
-    steps = 100 if args.quick else 400
-    block = 64
-    common = ["--max_steps", str(steps), "--block_size", str(block), "--eval_strategy", "steps",
-              "--eval_steps", str(steps), "--eval_on_start", "false", "--save_strategy", "no"]
+    started = time.time()
+    variants = selected_variants(args)
+    steps, inner = (100, 25) if args.quick else (400, 50)
+    common = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
+              str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps)]
+    from hf_diloco.comm import ring_all_reduce_bytes
     from hf_diloco.models import build_preset, byte_tokenizer
 
-    params = sum(p.numel() for p in build_preset("tiny-llama", byte_tokenizer()).parameters())
-    rows, raw = [], []
+    gradient_bytes = sum(p.numel() * 4 for p in build_preset("tiny-llama", byte_tokenizer()).parameters())
+    configs = configurations(variants, inner)
     with tempfile.TemporaryDirectory() as tmp:
-        for i, config in enumerate(configurations(args.quick)):
-            overrides = [*common, "--trainer", config["trainer"], *config.get("outer", [])]
-            if "H" in config:
-                overrides += ["--inner_steps", str(config["H"])]
-            print(f"[{i + 1}] {config['name']} ...", flush=True)
-            result = run_training(Path(tmp) / f"run{i}", config["replicas"], overrides)
-            m = config["replicas"]
-            if "summary" in result:
-                syncs = result["summary"]["rounds"]
-                sent = result["summary"]["bytes_per_replica"]
-            else:  # DDP: one fp32 gradient all-reduce per step, 2 (M-1)/M of the payload per replica
-                syncs = steps if m > 1 else 0
-                sent = steps * 2 * (m - 1) * params * 4 // m
-            tokens = steps * 8 * block * m
-            loss = result["metrics"]["eval_loss"]
-            rows.append([config["name"], f"{tokens:,}", f"{loss:.4f}", syncs, f"{sent / 1e6:,.1f}",
-                         f"{result['wall_seconds']:.0f}"])
-            raw.append({**config, "steps": steps, "tokens": tokens, "eval_loss": loss, "syncs": syncs,
-                        "bytes_per_replica": sent, "wall_seconds": result["wall_seconds"]})
-    table = markdown_table(["method", "tokens", "final eval loss", "syncs", "MB sent per replica", "wall s"], rows)
-    save("quality", table, {"steps": steps, "block_size": block, "runs": raw}, plot(raw))
+        jobs = [(Path(tmp) / f"run{i}", c["replicas"], [*common, "--trainer", c["trainer"], *c.get("overrides", [])])
+                for i, c in enumerate(configs)]
+        try:
+            results = run_concurrently(jobs)
+        except RunFailed as error:
+            sys.exit(str(error))
+    raw = []
+    for config, result in zip(configs, results, strict=True):
+        m = config["replicas"]
+        if "summary" in result:
+            syncs, sent = result["summary"]["rounds"], result["summary"]["bytes_per_replica"]
+        else:  # DDP: one fp32 gradient all-reduce per step
+            syncs, sent = (steps if m > 1 else 0), steps * ring_all_reduce_bytes(gradient_bytes, m)
+        raw.append({**config, "steps": steps, "tokens": steps * 8 * 256 * m, "eval_loss":
+                    result["metrics"]["eval_loss"], "syncs": syncs, "bytes_per_replica": sent})
+    rows = []
+    for r in raw:
+        reference = raw[r["compare"]] if r["compare"] is not None else None
+        versus = (f"{r['eval_loss'] / reference['eval_loss'] - 1:+.2%} vs {reference['name']}"
+                  if reference else "-")
+        rows.append([r["name"], f"{r['tokens']:,}", f"{r['eval_loss']:.4f}", versus, r["syncs"],
+                     f"{r['bytes_per_replica'] / 1e6:,.1f}"])
+    table = markdown_table(["method", "tokens", "final eval loss", "relative to", "syncs", "MB sent per replica"],
+                           rows)
+    table += (f"\n\n{steps} steps each, one run each (seed 0). DiLoCo M=1 is compared with the single worker at "
+              f"equal steps, DiLoCo M=2 with DDP M=2 at equal tokens. DDP bytes: a ring all-reduce of the fp32 "
+              f"gradients per step.")
+    save("quality", table, {"steps": steps, "inner_steps": inner, "variants": variants, "runs": raw}, plot(raw),
+         quick=args.quick, seconds=time.time() - started)
 
 
 def plot(raw: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["name"] for r in raw]
-    colors = ["#888" if r["trainer"] == "ddp" else "#d62728" if "FedAvg" in r["name"] else "#1f77b4" for r in raw]
+    colors = ["#888" if r["trainer"] == "ddp" else "#1f77b4" for r in raw]
     left.barh(names, [r["eval_loss"] for r in raw], color=colors)
     left.invert_yaxis()
     left.set_xlabel("final held-out loss (lower is better)")
@@ -86,7 +99,7 @@ def plot(raw: list[dict]):
     right.set_xscale("log")
     right.set_xlabel("MB sent per replica (log)")
     right.set_ylabel("final held-out loss")
-    fig.suptitle("Quality at equal tokens (tiny-llama, built-in corpus)")
+    fig.suptitle("Quality on the peer task (tiny Llama, built-in corpus, 256-token blocks)")
     return fig
 
 

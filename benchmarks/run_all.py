@@ -1,11 +1,17 @@
 """Run every benchmark and rebuild benchmarks/README.md from their results.
 
-    python benchmarks/run_all.py [--quick]      # full: about 35 minutes on 2 CPU cores; the wan one needs root
+    .venv/bin/python benchmarks/run_all.py            # full set, as root (wan), torchft installed (peers)
+    .venv/bin/python benchmarks/run_all.py --quick    # each benchmark's --quick mode
+    .venv/bin/python benchmarks/run_all.py --report-only
+
+Run the full set on an otherwise idle machine (the load average is recorded with every result): the ratios are
+measured against same-session baselines, but a neighbour's load still widens their spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -14,31 +20,46 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["quality", "overhead", "wan", "peers"]
 
-
 INTRO = """# Benchmarks
 
 Side-by-side measurements, not tests: each script prints a markdown table, writes a PNG plot and its raw numbers
-as JSON in `results/`, and asserts nothing about time. Every script has `--quick` (a smaller version of the same
-comparison) and a full mode. `python benchmarks/run_all.py` runs all four in sequence and rebuilds this file from
-`results/` (`--report-only` rebuilds it without running anything).
+as JSON in `results/`, and asserts nothing about time. Every script has `--quick` (fewer steps, the same method,
+under 3 minutes on 2 idle cores) and a full mode. `.venv/bin/python benchmarks/run_all.py` runs all four in sequence
+(about 30 minutes on 2 idle CPU cores) and rebuilds this file from `results/`; `--report-only` rebuilds it without
+running anything. A benchmark that cannot run here (no root for `wan`, no torchft for `peers`) says so in one
+sentence and is skipped.
 
-Requirements beyond `make setup`: the `wan` benchmark needs root (network namespaces and `tc`); `peers` needs
-torchft (`.venv/bin/pip install -e '.[bench]'`).
+How the numbers are made (issue 13, "benchmarks you can trust"):
+- One clock: tokens/s = tokens trained ÷ Trainer's wall time of its training loop (`train_runtime`), for every
+  row of every table (DiLoCoTrainer, plain Trainer, the peers).
+- A ratio's baseline runs in the same invocation and the same conditions, interleaved with what it divides
+  (baseline, run, baseline, run, ...) and repeated at least 3 times; tables give the median and [min, max].
+- Every shaped-link figure sits beside its physical bound: a host that sent B bytes on the veth during the loop
+  spent at least B · 8 ÷ rate seconds on the wire; a row that beats the bound by more than the noise is marked
+  INVALID.
+- All runs are the shared peer task of DESIGN.md §6 (recipes/tiny-pretrain.yaml). Variants (codecs, streaming)
+  are named lists of CLI overrides in `common.VARIANTS`; `--variants` / `--variant 'name=--field value'` pick them.
+
+Requirements beyond `make setup`: `wan` needs root (network namespaces and `tc`); `peers` needs torchft
+(`.venv/bin/pip install -e '.[bench]'`).
 """
 
 SECTIONS = {
-    "quality": ("Quality at equal tokens", "python benchmarks/quality.py",
-                "Built-in corpus, tiny-llama, 64-token blocks, batch 8 per replica, 400 inner steps; every "
-                "multi-replica run sees the same tokens, the single worker the same number of steps."),
+    "quality": ("Quality on the peer task", "python benchmarks/quality.py",
+                "400 steps, batch 8 per replica, 256-token blocks, H = 50, outer Nesterov SGD lr 0.7 momentum 0.9; "
+                "DiLoCo M = 1 against the single worker at equal steps, DiLoCo M = 2 against DDP M = 2 at equal "
+                "tokens."),
     "overhead": ("Overhead vs the same replicas alone", "python benchmarks/overhead.py",
-                 "Two replicas on two CPU processes, 400 steps of the peer task; steady tokens/s (steps after the "
-                 "first tenth)."),
+                 "Two replicas on two CPU processes, no link limit; the replicas alone (two independent plain "
+                 "Trainers) and DiLoCoTrainer interleaved, 3 repeats."),
     "wan": ("Two hosts over a shaped link", "sudo python benchmarks/wan.py",
-            "Network namespaces joined by a veth pair, shaped with tc tbf (no added latency: netem is not "
-            "available here); bytes from the veth counters."),
+            "Two network namespaces joined by a veth shaped with tc tbf (no added latency: netem is not available "
+            "here), one replica each. Utilisation divides by the same runs with syncs off (inner_steps above "
+            "max_steps) in the same namespaces, unshaped, interleaved, 3 repeats; beside it the best utilisation "
+            "the link allows for the bytes the veth counted."),
     "peers": ("Peers on the same task", "python benchmarks/peers.py",
-              "hf-diloco, torchft's DiLoCo 0.2.0 and accelerate's LocalSGD: same model, data, inner optimizer, H "
-              "and steps."),
+              "DiLoCoTrainer, torchft's DiLoCo 0.2.0 and accelerate's LocalSGD inside the same Trainer inner "
+              "loop and launcher; the final parameters of DiLoCoTrainer and torchft hashed and compared."),
 }
 
 
@@ -63,13 +84,16 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=BENCHMARKS, help="run these only (the report uses all results)")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from results/ only")
     args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    started = time.time()
     for name in [] if args.report_only else args.only or BENCHMARKS:
-        started = time.time()
+        began = time.time()
         print(f"=== {name} ===", flush=True)
         command = [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if args.quick else [])]
         if subprocess.run(command, cwd=HERE.parent).returncode != 0:
             sys.exit(f"{name} failed")
-        print(f"=== {name}: {time.time() - started:.0f} s ===", flush=True)
+        print(f"=== {name}: {time.time() - began:.0f} s ===", flush=True)
+    print(f"all: {time.time() - started:.0f} s", flush=True)
     write_report()
 
 
