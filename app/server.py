@@ -12,9 +12,10 @@ Design choices:
 - Preview and Start share one plan: Start runs exactly the command Preview showed (same run id and output folder)
   unless the form changed in between, in which case it plans again. Run ids come from the run name, so planning
   at Preview does not start the run's clock; Start does. Start stays available while other runs train.
-- Live plots: the page fixes a native plot's spec (column types, series) when it first draws; frames are typed
-  even when empty and every refresh sends the series' colour map, which changes, and so redraws the plot, exactly
-  when a series appears. Bytes are drawn with matplotlib because they need a log scale.
+- Live plots: the page fixes a native plot's spec (column types, series) when it first draws and only swaps
+  its data afterwards; frames are typed even when empty, and a plot's series colour map, which the page watches,
+  changes one refresh after a new series arrived, so the plot is rebuilt with it. Bytes are drawn with
+  matplotlib because they need a log scale.
 - Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
 - Long work (validation, pushing) runs as `hf-diloco` subprocesses; the app never imports torch.
 - Binds 127.0.0.1 unless --host says otherwise; --auth (or HF_DILOCO_APP_AUTH) asks for a user and password; no
@@ -150,10 +151,10 @@ class App:
         """A click on a row of the Runs table selects that run."""
         row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
         try:
-            return gr.update(value=table.iloc[row, 0]) if hasattr(table, "iloc") else gr.update(
-                value=table["data"][row][0])
+            run_id = table.iloc[row, 0] if hasattr(table, "iloc") else table["data"][row][0]
         except (IndexError, KeyError, TypeError):
             return gr.update()
+        return gr.update(choices=self.run_ids(), value=run_id)
 
     # --- live view ------------------------------------------------------------------------------------------
 
@@ -164,22 +165,32 @@ class App:
         active = run is not None and run.status in runs.ACTIVE
         total = views.max_steps(run) if run is not None else None
         axis = views.round_axis(run, rounds)
+        drawn = drawn or {}
+        frames = {"loss": (views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
+                  "norm": (views.norm_frame(rounds), "of", axis),
+                  "agreement": (views.agreement_frame(rounds), "replica", axis),
+                  "time": (views.time_frame(rounds), "part", axis)}
+        # A plot's colour map (and so its series) is sent one refresh after its data: the page rebuilds a plot
+        # when the map changes, and takes the series from the value it already holds.
+        updates = {name: gr.update(value=frame, x_lim=x_lim, color_map=views.colors(drawn.get(name, [])))
+                   for name, (frame, series, x_lim) in frames.items()}
+        seen = {name: views.series_names(frame, series) for name, (frame, series, _) in frames.items()}
         # The bytes figure is drawn again only when there is something new to draw.
         key = [run_id, len(rounds), run.status if run else None]
-        figure = views.bytes_figure(run, rounds) if key != drawn else gr.skip()
+        figure = views.bytes_figure(run, rounds) if key != drawn.get("bytes") else gr.skip()
         return (
             views.status_html(run),
-            plot(views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
-            plot(views.norm_frame(rounds), "of", axis),
-            plot(views.agreement_frame(rounds), "replica", axis),
+            updates["loss"],
+            updates["norm"],
+            updates["agreement"],
             figure,
-            plot(views.time_frame(rounds), "part", axis),
+            updates["time"],
             views.round_rows(rounds),
             views.log_tail(run),
             views.tensorboard_hint(run),
             views.runs_table(runs.list_runs(self.runs_dir)),
             gr.update(interactive=active),  # Stop
-            key,
+            {**seen, "bytes": key},
         )
 
     def compare(self, run_ids):
@@ -197,7 +208,9 @@ class App:
         if chosen is not None:
             recipe = Path(chosen.recipe)
             values = dict(zip(chosen.overrides[::2], chosen.overrides[1::2], strict=False))
-            launch = chosen.command[chosen.command.index("--config_file") + 2: chosen.command.index("-m", 3)]
+            command = chosen.command
+            launch = command[command.index("--config_file") + 2: command.index("-m", 3)] \
+                if "--config_file" in command and "-m" in command[3:] else []
             launch_values = dict(zip(launch[::2], launch[1::2], strict=False))
             knob_values = [launch_values.get(forms.LAUNCH_FIELDS[f.name], "") if f.name in forms.LAUNCH_FIELDS
                            else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
@@ -251,11 +264,6 @@ class App:
             return f"**Push failed:** {reason.replace(token, '***') if token else reason}", log
         url = next((line.split("done: ", 1)[1] for line in log.splitlines() if "done: " in line), "")
         return f"Pushed: [{url}]({url})", log
-
-
-def plot(frame, series: str, x_lim: list | None):
-    """A native plot's new value, with its series' colours (a new series redraws the plot) and x range."""
-    return gr.update(value=frame, color_map=views.colors(frame, series), x_lim=x_lim)
 
 
 FOLLOW_LOG = """() => {

@@ -169,10 +169,14 @@ def _frame(rows: list[dict], x: str, y: str, series: str) -> pd.DataFrame:
     return frame.astype({x: "float64", y: "float64", series: "string"})
 
 
-def colors(frame: pd.DataFrame, series: str) -> dict[str, str]:
-    """A fixed colour per series present: `replica i` → PALETTE[i], named series their own colour."""
+def series_names(frame: pd.DataFrame, series: str) -> list[str]:
+    return sorted(set(frame[series].dropna()))
+
+
+def colors(names: list[str]) -> dict[str, str]:
+    """A fixed colour per series: `replica i` → PALETTE[i], named series their own colour."""
     chosen = {}
-    for name in sorted(set(frame[series].dropna())):
+    for name in names:
         match = re.search(r"(\d+)$", name)
         chosen[name] = FIXED_COLORS.get(name) or PALETTE[int(match.group(1)) % len(PALETTE) if match else
                                                         len(chosen) % len(PALETTE)]

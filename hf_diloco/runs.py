@@ -175,10 +175,10 @@ def start_planned(run: Run) -> Run:
 
 
 def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
-          launch_args: list[str] | None = None) -> Run:
+          launch_args: list[str] | None = None, name: str = "") -> Run:
     """Plan and start a run."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    return start_planned(plan(runs_dir, recipe, accelerate_config, overrides, port, launch_args))
+    return start_planned(plan(runs_dir, recipe, accelerate_config, overrides, port, launch_args, name))
 
 
 def _descendants(pid: int) -> list[int]:

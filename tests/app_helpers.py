@@ -35,6 +35,21 @@ def app_server(runs_dir, extra_env: dict | None = None, args: tuple = ()):
     finally:
         process.terminate()
         process.wait(timeout=30)
+        end_runs(runs_dir)
+
+
+def end_runs(runs_dir) -> None:
+    """Kill what is left of the runs under `runs_dir` (runs outlive the app by design; a test's must not)."""
+    import os
+    import signal
+
+    from hf_diloco import runs
+
+    for run in runs.list_runs(runs_dir):
+        if run.status in runs.ACTIVE and run.supervisor_pid:
+            for pid in [run.supervisor_pid, *runs._descendants(run.supervisor_pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def knobs(**values) -> list[str]:

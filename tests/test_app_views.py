@@ -77,7 +77,7 @@ def test_series_keep_their_colour_and_a_one_round_run_still_draws_a_line():
     for replica in ("replica 0", "replica 1"):
         assert len(one[one["replica"] == replica]) == 2, "one round: a flat segment over its steps, not a dot"
     assert one[one["replica"] == "held-out (global model)"]["step"].tolist() == [0, 10]
-    colors = views.colors(one, "replica")
+    colors = views.colors(views.series_names(one, "replica"))
     assert colors["replica 1"] == views.PALETTE[1] and colors["held-out (global model)"] == "#111827"
 
 

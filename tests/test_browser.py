@@ -1,14 +1,19 @@
-"""The app in a real browser: Playwright drives Debian's chromium through launch, live rounds and stop.
+"""The app in a real browser: Playwright drives Debian's chromium against a real app server in a fresh runs folder.
 
-Screenshots are kept in test-artifacts/ (app-launch.png, app-live.png, app-stopped.png).
+What a person sees is asserted: lines and points drawn in the plots' SVG, the log box scrolled to its newest line,
+the status bar's text. Screenshots go to test-artifacts/: app-launch.png, app-live.png (mid-run, never reloaded),
+app-stopped.png, app-failed.png, app-compare.png (a DiLoCo, a FedAvg and a DDP run).
 """
 
+import json
 import shutil
+import sys
 import time
 
 import pytest
-from app_helpers import app_server
-from helpers import REPO
+from app_helpers import TINY_YAML, app_server, knobs
+from gradio_client import Client
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
 
 from hf_diloco import runs
 
@@ -24,6 +29,7 @@ def browser():
         pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
+    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         yield browser
@@ -34,15 +40,43 @@ def fill(page, elem_id: str, value: str) -> None:
     page.locator(f"#{elem_id} textarea, #{elem_id} input").first.fill(value)
 
 
-def test_launch_watch_and_stop_in_the_browser(browser, tmp_path):
-    ARTIFACTS.mkdir(exist_ok=True)
+def status(page) -> str:
+    return page.locator("#hfd-status").inner_text() if page.locator("#hfd-status").count() else ""
+
+
+def wait_until(check, timeout: float, what: str, every: float = 0.5):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(every)
+
+
+# What the page draws, read from the plots' SVG (vega renders each series of a line plot as one path).
+LINES = """id => [...document.querySelectorAll(`#${id} g.mark-line path`)]
+    .filter(p => (p.getAttribute('d') || '').includes('L')).map(p => p.getAttribute('stroke'))"""
+MARKS = """([id, kind]) => document.querySelectorAll(`#${id} g.mark-${kind} path`).length"""
+X_TICKS = """id => [...document.querySelectorAll(`#${id} g.role-axis-label text`)].map(t => t.textContent)"""
+LOG_AT_BOTTOM = """() => { const b = document.querySelector('#log textarea');
+    return [b.scrollHeight > b.clientHeight + 50, b.scrollTop + b.clientHeight >= b.scrollHeight - 30]; }"""
+
+
+def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_checkpoint(browser, tmp_path):
+    """Fresh app, no runs: Start from the form, switch to Live, never reload. The plots draw lines and points
+    (their first frame was empty), the held-out series that appears later is drawn too, the progress moves
+    between syncs, the log follows its newest line, and Stop ends the run with a checkpoint."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_text("Preview command").wait_for(timeout=60_000)
-        fill(page, "knob-inner_steps", "5")
+        fill(page, "knob-max_steps", "-5")
+        page.locator("#form-message").get_by_text("max steps must be at least 1").wait_for(timeout=10_000)
         fill(page, "knob-max_steps", "400")
+        fill(page, "knob-inner_steps", "5")
+        wait_until(lambda: "Cannot start" not in page.locator("#form-message").inner_text(), 10, "the check to pass")
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "app-launch.png"), full_page=True)
@@ -50,16 +84,32 @@ def test_launch_watch_and_stop_in_the_browser(browser, tmp_path):
 
         page.click("#start")
         page.get_by_text("Started").wait_for(timeout=60_000)
-        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'running'",
-                               timeout=60_000)
         page.get_by_role("tab", name="Live").click()
-        deadline = time.time() + 240
-        while "round" not in page.locator("#hfd-status").inner_text():
-            assert time.time() < deadline, "no sync round reached the page"
-            time.sleep(1)
-        time.sleep(3)  # let the plots draw
+        steps = set()
+
+        def rounds_drawn(n):
+            text = status(page)
+            if "step " in text:
+                steps.add(int(text.split("step ")[1].split("/")[0]))
+            return f"round {n} " in text or any(f"round {k} " in text for k in range(n, n + 50))
+
+        wait_until(lambda: rounds_drawn(3), 240, "three sync rounds in the status bar", every=0.3)
+        # The held-out loss (eval_steps 50) is a series that appears later, on the open page.
+        held_out = "#111827"
+        wait_until(lambda: rounds_drawn(11) and held_out in page.evaluate(LINES, "loss-plot"), 240,
+                   "the held-out loss line", every=0.3)
+        lines = page.evaluate(LINES, "loss-plot")
+        assert {"#2563eb", "#ea580c", held_out} <= set(lines), f"replica 0, replica 1 and held-out lines: {lines}"
+        ticks = page.evaluate(X_TICKS, "loss-plot")
+        assert len(ticks) < 30, f"a numeric axis, not one tick per value: {ticks}"
+        assert page.evaluate(MARKS, ["norm-plot", "symbol"]) >= 3 * 2, "pseudo-gradient norms drawn as points"
+        assert page.evaluate(MARKS, ["time-plot", "rect"]) >= 2, "compute and sync bars"
+        round_ticks = [t for t in page.evaluate(X_TICKS, "norm-plot") if t.replace(",", "").strip()]
+        assert round_ticks and all("." not in t for t in round_ticks[: len(round_ticks) // 2]), round_ticks
+        assert page.locator("#bytes-plot img").first.evaluate("img => img.naturalWidth") > 100
+        assert any(step % 5 for step in steps), f"progress moves between syncs, not once per round: {steps}"
+        wait_until(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 10, "the log to show its newest line")
         page.screenshot(path=str(ARTIFACTS / "app-live.png"), full_page=True)
-        assert page.locator("#rounds table tbody tr").count() >= 1
 
         page.click("#stop")
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
@@ -68,3 +118,77 @@ def test_launch_watch_and_stop_in_the_browser(browser, tmp_path):
     (run,) = runs.list_runs(runs_dir)
     assert run.status == "stopped" and list((runs_dir / run.id / "output").glob("checkpoint-*"))
     assert runs.training_pids(run) == []
+
+
+def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(browser, tmp_path):
+    """A run from an edited recipe fails at run time (its dataset has no `text` column): the status bar shows the
+    run's own one-sentence reason, and after a reload the form says it holds that saved draft."""
+    runs_dir = tmp_path / "runs"
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"body": f"line {i}"}) + "\n" for i in range(50)))
+    draft = TINY_YAML.replace("dataset_name: builtin", f"dataset_name: {data}")
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(max_steps=20),
+                                 api_name="/start")[0]
+        assert message.startswith("Started"), message
+        (run,) = runs.list_runs(runs_dir)
+        wait_until(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'failed'", timeout=60_000)
+        shown = status(page)
+        assert "text" in shown and "exit code" not in shown, shown
+        assert runs.load(run.folder).reason in shown
+        page.locator("#recipe-source").get_by_text("saved draft").wait_for(timeout=20_000)
+        assert "drafts/tiny-pretrain-edited-" in page.locator("#recipe-source").inner_text()
+        page.screenshot(path=str(ARTIFACTS / "app-failed.png"), full_page=True)
+
+
+def start_short_run(runs_dir, recipe: str, name: str, extra: list[str]) -> runs.Run:
+    overrides = ["--max_steps", "20", "--block_size", "64", "--eval_steps", "5", "--logging_steps", "5",
+                 "--per_device_eval_batch_size", "8", "--eval_fraction", "0.02", *extra]
+    return runs.start(runs_dir, str(REPO / "recipes" / recipe), str(ACCELERATE_CPU_2PROC), overrides,
+                      port=free_port(), name=name)
+
+
+def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch):
+    """Three short runs side by side: the DDP baseline is watchable from Trainer's logs (loss and progress, no
+    syncs), a click in Runs selects a run, Start stays available for a new run, and Compare draws held-out loss
+    against tokens and bytes with a table of totals."""
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    started = [start_short_run(runs_dir, "tiny-pretrain.yaml", "diloco-H5", ["--inner_steps", "5"]),
+               start_short_run(runs_dir, "fedavg-baseline.yaml", "fedavg-H5", ["--inner_steps", "5"]),
+               start_short_run(runs_dir, "ddp-baseline.yaml", "ddp", [])]
+    with app_server(runs_dir) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_text("Preview command").wait_for(timeout=60_000)
+        assert page.locator("#start").is_enabled(), "a new run can start while others train"
+        page.get_by_role("tab", name="Runs").click()
+        page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
+        page.wait_for_function("document.querySelector('#hfd-status')?.innerText.includes('ddp')", timeout=20_000)
+        wait_until(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
+                   "the three runs to end", every=2)
+        for run in started:
+            assert runs.load(run.folder).status == "finished", (run.folder / "run.log").read_text()[-2000:]
+        page.get_by_role("tab", name="Live").click()
+        wait_until(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
+        wait_until(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
+        page.get_by_role("tab", name="Compare").click()
+        for run in started:
+            page.locator("#compare-select input").click()
+            page.locator("#compare-select input").fill(run.id)
+            page.keyboard.press("Enter")
+        wait_until(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
+        assert page.locator("#compare-plot img").first.evaluate("img => img.naturalWidth") > 300
+        table = page.locator("#compare-table").inner_text()
+        assert "ddp" in table and "fedavg-H5" in table and "diloco-H5" in table
+        page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
