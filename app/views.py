@@ -323,7 +323,8 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
         kind = trainer_kind(run)
         rows.append([run.id, run.status, kind, recipe_value(run, "inner_steps") or "" if kind == "diloco" else "",
                      replicas(run), current_step(run, rounds, read_progress(run)),
-                     recipe_value(run, "codec") or ("fp32" if kind == "diloco" else ""),
+                     (rounds[-1].get("compression") if rounds else None) or recipe_value(run, "compression")
+                     or ("none" if kind == "diloco" else ""),
                      round(loss, 4) if loss is not None else None,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created)),
                      run.reason if run.status == "failed" else ""])
