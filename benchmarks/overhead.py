@@ -56,7 +56,7 @@ def main() -> None:
         sys.exit("--repeats must be at least 3: a median and a spread need three runs.")
     started = time.time()
     variants = selected_variants(args)
-    steps, inner = (40, 20) if args.quick else (100, 50)
+    steps, inner = (40, 20) if args.quick else (50, 50)
     common = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy",
               "no", "--logging_steps", str(steps)]
     runs = []

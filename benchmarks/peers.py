@@ -9,7 +9,7 @@ compute the same thing: the benchmark hashes both final models and says whether 
 Trainer's loop wall time for every row; one run each (a ranking, not a ratio target).
 Needs torchft: pip install -e '.[bench]' (torchft==0.2.0).
 
-    python benchmarks/peers.py [--quick]
+    python benchmarks/peers.py [--quick] [--localsgd]
 """
 
 from __future__ import annotations
@@ -54,7 +54,11 @@ def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="60 steps, H = 20 (under 3 minutes)")
+    parser.add_argument("--localsgd", action=argparse.BooleanOptionalAction,
+                        help="also run accelerate's LocalSGD (default: with --quick only; in full mode its 400 steps "
+                             "would push the full set past 30 minutes)")
     args = parser.parse_args()
+    localsgd = args.quick if args.localsgd is None else args.localsgd
     started = time.time()
     try:
         from torchft._torchft import LighthouseServer
@@ -79,9 +83,10 @@ def main() -> None:
                                                            lighthouse.address())
             finally:
                 lighthouse.shutdown()
-            print("accelerate LocalSGD ...", flush=True)
-            results["accelerate LocalSGD"] = run_peer("localsgd", tmp / "localsgd",
-                                                      [*overrides, "--ddp_broadcast_buffers", "false"])
+            if localsgd:
+                print("accelerate LocalSGD ...", flush=True)
+                results["accelerate LocalSGD"] = run_peer("localsgd", tmp / "localsgd",
+                                                          [*overrides, "--ddp_broadcast_buffers", "false"])
         except RunFailed as error:
             sys.exit(str(error))
     ours_hash, torchft_hash = (results[k]["parameter_hash"] for k in ("hf-diloco DiLoCoTrainer",
