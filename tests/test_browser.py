@@ -183,6 +183,8 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
             page.locator("#compare-select input").click()
             page.locator("#compare-select input").fill(run.id)
             page.keyboard.press("Enter")
+        page.keyboard.press("Escape")
+        page.locator("#compare-table").click()  # close the run list so the figure shows
         wait_until(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
         assert page.locator("#compare-plot img").first.evaluate("img => img.naturalWidth") > 300
         table = page.locator("#compare-table").inner_text()
