@@ -1,8 +1,11 @@
-"""Every shipped recipe runs (or, for the GPU-scale one, dry-runs) from the command line."""
+"""Every shipped recipe dry-runs to the plan its YAML describes; the baselines and LoRA fine-tuning do what they
+claim."""
 
 import json
+import re
 
 import pytest
+import yaml
 from helpers import REPO, accelerate_launch, hf_diloco
 from safetensors.torch import load_file
 
@@ -11,16 +14,44 @@ SHORT = ["--max_steps", "4", "--inner_steps", "2", "--block_size", "64", "--eval
          "--eval_on_start", "false", "--disable_tqdm", "true"]
 
 
+def read_plan(stdout: str) -> dict[str, str]:
+    """The dry run's table: `  <key padded to a common width>  <value>` per line."""
+    lines = stdout[stdout.index("hf-diloco dry run"):].splitlines()[1:]
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in lines if line.startswith("  "))
+
+
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
-def test_every_recipe_parses_and_dry_runs(recipe, tmp_path):
+def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
+    """Each shipped recipe parses, and the plan shows the recipe's own values (read here from the YAML, with the
+    DiLoCoConfig defaults for keys it leaves out); the bytes per round follow from the trainable parameters."""
     overrides = []
     if recipe == "lora-finetune.yaml":  # its default model is tiny-pretrain's output; any model dry-runs
         overrides = ["--model_name_or_path", "tiny-llama"]
     result = hf_diloco("train", "--config", str(RECIPES / recipe), "--dry_run", "true",
                        "--output_dir", str(tmp_path / "out"), *overrides)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "hf-diloco dry run" in result.stdout
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    values = {"inner_steps": 500, "outer_optimizer": "sgd", "outer_lr": 0.7, "outer_momentum": 0.9,
+              "outer_nesterov": True, "trainer": "diloco", "gradient_accumulation_steps": 1,
+              **yaml.safe_load((RECIPES / recipe).read_text())}
+    plan = read_plan(result.stdout)
+    assert plan["trainer"] == values["trainer"]
+    assert plan["inner_steps (H)"] == str(values["inner_steps"])
+    nesterov = values["outer_nesterov"] and values["outer_momentum"] > 0
+    assert plan["outer optimizer"] == (f"{values['outer_optimizer']} lr {float(values['outer_lr'])} momentum "
+                                       f"{float(values['outer_momentum'])}" + (" Nesterov" if nesterov else ""))
+    assert (f"lr {float(values['learning_rate'])} weight decay {float(values['weight_decay'])}, "
+            f"warmup {values['warmup_steps']}, {values['lr_scheduler_type']}") in plan["inner optimizer"]
+    tokens = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * values["block_size"]
+    assert plan["tokens per inner step per process"] == f"{tokens:,}"
+    total, trainable = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|trainable)",
+                                                                      plan["model"]))
+    assert (trainable < total / 10) if values.get("lora_r", 0) > 0 else trainable == total
+    sent = plan["sent across replicas per process per round, M=8"]
+    number, unit = sent.split()[:2]
+    scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+    # Ring all-reduce with M = 8 sends 2 * 7/8 of the fp32 pseudo-gradient per process per round.
+    assert float(number) * scale == pytest.approx(trainable * 4 * 2 * 7 / 8, rel=0.01)
 
 
 def test_paper_recipe_dry_run_describes_the_paper_setup():
@@ -36,13 +67,29 @@ def test_paper_recipe_dry_run_describes_the_paper_setup():
     assert sent_gb == pytest.approx(params * 4 * 2 * 7 / 8 / 1e9, abs=0.01)
 
 
-def test_ddp_baseline_trains_with_the_plain_trainer(tmp_path):
+def test_ddp_baseline_is_data_parallel_training(tmp_path):
+    """trainer: ddp all-reduces gradients every step: two processes with batch 8 end where one process with batch 16
+    does (same shuffle, equal token counts, so the mean of the two gradients is the batch-16 gradient); tol 1e-5.
+    Independent replicas would end far apart from it."""
     out = tmp_path / "ddp"
+    short = [*SHORT, "--warmup_steps", "0"]  # full learning rate from the first step, so the weights move
     result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", str(RECIPES / "ddp-baseline.yaml"),
-                                *SHORT, "--output_dir", str(out)])
+                                *short, "--output_dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "model.safetensors").is_file()
     assert not (out / "sync_rounds.jsonl").exists(), "DDP has no outer rounds"
+    single = tmp_path / "single"
+    result = hf_diloco("train", "--config", str(RECIPES / "ddp-baseline.yaml"), *short, "--output_dir", str(single),
+                       "--per_device_train_batch_size", "16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp, one = load_file(out / "model.safetensors"), load_file(single / "model.safetensors")
+    worst = max((ddp[k] - one[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
+    from hf_diloco.models import load_model_and_tokenizer
+
+    start = load_model_and_tokenizer("tiny-llama")[0].state_dict()
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3, "training moved the weights"
+    metrics = json.loads((out / "run_metrics.json").read_text())
+    assert metrics["global_step"] == 4
 
 
 def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
