@@ -118,3 +118,40 @@ def test_peft_model_syncs_only_trainable_parameters(tmp_path):
         if "lora_" not in name:
             key = name.replace(".base_layer", "")
             assert torch.equal(value, frozen_before[key]), name
+
+
+def test_library_train_function_runs_a_whole_run_and_never_overwrites_one(tmp_path):
+    """`hf_diloco.train.train(run, config)` (what `hf-diloco train` calls) builds the model and data, trains with
+    the trainer the arguments name, and writes the model, run_config.json and run_metrics.json; a second call into
+    the same folder is refused in one sentence and leaves the saved model as it was."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf_diloco import RunArguments
+    from hf_diloco.errors import ConfigError
+    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.train import train as train_run
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {i}: " + "some words " * 10}) for i in range(60)))
+    data = dict(dataset_name=str(corpus), block_size=32)
+    settings = dict(max_steps=4, per_device_train_batch_size=4, eval_strategy="no", save_strategy="no",
+                    report_to="none", disable_tqdm=True, use_cpu=True)
+    out = tmp_path / "diloco"
+    trainer = train_run(RunArguments(**data), DiLoCoConfig(output_dir=str(out), inner_steps=2, **settings))
+    assert isinstance(trainer, DiLoCoTrainer)
+    assert [r["step"] for r in read_sync_rounds(out)] == [2, 4]
+    stored = json.loads((out / "run_config.json").read_text())
+    assert stored["trainer"] == "diloco" and stored["diloco"]["inner_steps"] == 2
+    assert stored["run"]["block_size"] == 32 and json.loads((out / "run_metrics.json").read_text())["global_step"] == 4
+    weights = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train_run(RunArguments(**data), DiLoCoConfig(output_dir=str(out), inner_steps=2, **settings))
+    assert (out / "model.safetensors").read_bytes() == weights
+
+    baseline = tmp_path / "ddp"
+    trainer = train_run(RunArguments(**data, trainer="ddp"), DiLoCoConfig(output_dir=str(baseline), **settings))
+    assert type(trainer) is Trainer and not (baseline / "sync_rounds.jsonl").exists()
+    assert json.loads((baseline / "run_config.json").read_text())["trainer"] == "ddp"
+    assert set(load_file(baseline / "model.safetensors")) == set(load_file(out / "model.safetensors"))
