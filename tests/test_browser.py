@@ -194,3 +194,31 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_path):
+    """A finished run of a single round (its folder written here, as a run writes it): the page still draws a
+    line per replica, and the model card preview shows the rendered card, not its YAML header or a broken image."""
+    runs_dir = tmp_path / "runs"
+    folder = runs_dir / "one-round"
+    (folder / "output").mkdir(parents=True)
+    record = {"round": 1, "step": 20, "loss": 4.0, "replica_losses": [4.1, 3.9], "pseudo_grad_norm": 0.5,
+              "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000,
+              "ddp_bytes_per_replica": 80_000_000, "sync_seconds": 0.1, "compute_seconds": 3.0, "tokens": 20480,
+              "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 20}
+    (folder / "output" / "sync_rounds.jsonl").write_text(json.dumps(record) + "\n")
+    recipe = str(REPO / "recipes" / "tiny-pretrain.yaml")
+    runs._write(folder, runs.Run("one-round", recipe, str(ACCELERATE_CPU_2PROC), ["--max_steps", "20"], ["true"],
+                                 str(folder / "output"), status="finished", ended=time.time()))
+    with app_server(runs_dir) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_role("tab", name="Live").click()
+        wait_until(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
+                   "a line for each replica of the single round")
+        page.get_by_role("tab", name="Push to Hub").click()
+        page.get_by_role("button", name="Preview model card").click()
+        page.locator("#card h1").wait_for(timeout=30_000)
+        card = page.locator("#card").inner_text()
+        assert "DiLoCo" in card and "library_name" not in card and not card.lstrip().startswith("---"), card
+        assert page.locator("#card img").count() == 0, "no broken image: the curve is shown beside the card"
