@@ -24,9 +24,11 @@ INTRO = """# Benchmarks
 
 Side-by-side measurements, not tests: each script prints a markdown table, writes a PNG plot and its raw numbers
 as JSON in `results/`, and asserts nothing about time. Every script has `--quick` (fewer steps, the same method,
-under 3 minutes on 2 idle cores) and a full mode. `.venv/bin/python benchmarks/run_all.py` runs all four in sequence
-(about 30 minutes on 2 idle CPU cores) and rebuilds this file from `results/`; `--report-only` rebuilds it without
-running anything. A benchmark that cannot run here (no root for `wan`, no torchft for `peers`) says so in one
+under 3 minutes on 2 idle cores) and a full mode. `.venv/bin/python benchmarks/run_all.py` (as root) runs all four
+in sequence and rebuilds this file from `results/`; `--report-only` rebuilds it without running anything. Expected
+full-set time on 2 idle CPU cores, from 13.9k tokens/s for two replicas and about 12 s of start-up per run: quality
+7 min, overhead 3 min, wan 15 min (21 runs; the 1 Mbit/s runs alone spend 70 s each on the wire), peers 4.5 min:
+about 30 minutes. A benchmark that cannot run here (no root for `wan`, no torchft for `peers`) says so in one
 sentence and is skipped.
 
 How the numbers are made (issue 13, "benchmarks you can trust"):

@@ -17,7 +17,8 @@ Method:
   so loop ≥ compute + wire and utilisation ≤ compute ÷ (compute + wire), with compute = the repeat's baseline loop
   time; a variant that overlaps its sync with compute (`--sync_delay` > 0) is bounded by compute ÷ max(compute,
   wire). A run whose utilisation beats its bound by more than the noise (the baseline's relative spread over
-  the repeats, at least 1%) is marked INVALID: a number that beats physics is a bug.
+  the repeats, at least 1%) is marked INVALID: a number that beats physics is a bug. A row whose baseline spreads
+  by more than 10% (other work on the cores) is marked unreliable: its bound check has little power then.
 
     python benchmarks/wan.py [--quick] [--repeats N] [--variants fp32 ...] [--variant 'name=--field v ...']
     # needs root (ip netns, tc)
@@ -26,6 +27,7 @@ Method:
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -60,6 +62,7 @@ LINKS: dict[str, float | None] = {"unlimited": None, "100mbit": 100e6, "10mbit":
 LABELS = {"unlimited": "unlimited", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s", "1mbit": "1 Mbit/s"}
 LOOP_STARTS = "***** Running training *****"  # Trainer logs this on the main process just before its loop clock
 NOISE_FLOOR = 0.01
+NOISE_TRUSTED = 0.10  # a baseline spreading more than this (other work on the cores) makes a row unreliable
 
 
 @dataclass(frozen=True)
@@ -144,12 +147,14 @@ def measure(groups: list[Group], variants: dict[str, list[str]], repeats: int, t
                         label = f"repeat {repeat + 1}/{repeats}, {name}, {group.steps} steps: {link}"
                         print(f"{label} ...", flush=True)
                         shape(hosts, rate)
+                        load = os.getloadavg()[0]  # other work on the cores shows up in the spread; kept per run
                         out = tmp / f"r{repeat}-v{v}-s{group.steps}-l{k}"
                         measured = two_host_run(hosts, out, [*common, *sync])
                         runs.append({"repeat": repeat, "variant": name, "overrides": extra, "link": link,
                                      "link_bits_per_second": rate, "steps": group.steps,
                                      "inner_steps": None if link == "baseline" else group.inner_steps,
-                                     "tokens": group.steps * BATCH * BLOCK * 2, **measured.__dict__})
+                                     "tokens": group.steps * BATCH * BLOCK * 2, "load_average_at_start": load,
+                                     **measured.__dict__})
                         print(f"  {measured.tokens_per_second:,.0f} tokens/s, loop {measured.loop_seconds:.1f} s, "
                               f"veth {[round(b / 1e6, 2) for b in measured.veth_tx_bytes]} MB", flush=True)
         shape(hosts, None)
@@ -194,7 +199,8 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         sent = max(max(per_host) for per_host in row["veth_tx_bytes"]) / 1e6
         beaten = sum(not r for r in row["run_valid"])
-        verdict = "ok" if not beaten else f"INVALID: {beaten} of {row['repeats']} runs beat the bound"
+        verdict = (f"INVALID: {beaten} of {row['repeats']} runs beat the bound" if beaten else
+                   f"unreliable: baseline spread {row['noise']:.0%}" if row["noise"] > NOISE_TRUSTED else "ok")
         lines.append([LABELS[row["link"]], row["variant"], f"{row['steps']} (H = {row['inner_steps']})",
                       show(row["tokens_per_second"]), show(row["baseline_tokens_per_second"]),
                       show(row["utilisation"], "{:.1%}"), f"{row['best_utilisation']['median']:.1%}",
@@ -257,6 +263,9 @@ def main() -> None:
             sys.exit(str(error))
     rows = judge(runs, args.repeats)
     text = table(rows)
+    loads = [r["load_average_at_start"] for r in runs]
+    text += (f"\n\nLoad average (1 min) before each run: {min(loads):.2f} to {max(loads):.2f} on "
+             f"{os.cpu_count()} cores.")
     text += ("\n\nUtilisation: median [min, max] over the repeats, each run divided by the baseline of its own "
              "repeat (same namespaces, syncs off, unshaped). Best the link allows: baseline loop time ÷ (baseline "
              "loop time + bytes on the veth · 8 ÷ rate) for blocking syncs.")
