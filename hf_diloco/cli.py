@@ -79,8 +79,11 @@ def load_recipe(path: str | os.PathLike) -> dict:
     return values
 
 
-def parse_train_args(recipe: str | None, overrides: list[str]):
-    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides; every key and flag must be a field."""
+def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bool = False):
+    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides; every key and flag must be a field.
+
+    Device settings (bf16, tf32, ...) are not checked in a dry run or when `checking_only` (`launch --dry-run`).
+    """
     from dataclasses import fields
 
     from .config import DiLoCoConfig, RunArguments
@@ -99,9 +102,9 @@ def parse_train_args(recipe: str | None, overrides: list[str]):
     namespace, rest = parser.parse_known_args(overrides)
     if rest:
         raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
-    if namespace.dry_run:
-        # Whatever its spelling (--dry_run, --dry-run, --dry_run=true, dry_run: true in the recipe), a dry run
-        # checks a recipe on any machine: device settings only matter once training starts.
+    if namespace.dry_run or checking_only:
+        # Whatever its spelling (--dry_run, --dry-run, --dry_run=true, dry_run: true in the recipe, launch's
+        # --dry-run), a dry run checks a recipe on any machine: device settings only matter once training starts.
         _drop_device_requirements(namespace)
     try:
         return (RunArguments(**_fields_of(RunArguments, namespace)),
@@ -161,7 +164,7 @@ def print_plan(plan: dict[str, str]) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    run, config = parse_train_args(args.recipe, args.overrides)  # fail here, before any process starts
+    run, config = parse_train_args(args.recipe, args.overrides, checking_only=args.dry_run)  # fail before starting
     training.check_accelerate_config(args.accelerate_config, config)
     training.check_arguments(run, config)
     training.resolve_checkpoint(config)

@@ -139,11 +139,20 @@ def run_with_hub(hub, *args):
 
 
 @pytest.mark.parametrize("spelling", [["--dry-run"], ["--dry-run=true"], ["--dry_run"], ["--dry_run", "yes"],
-                                      "recipe key"])
+                                      "recipe key", "launch --dry-run"])
 def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
     """A recipe asking for bf16 and tf32 dry-runs on a machine without a GPU, however the dry run is spelt."""
     recipe = tmp_path / "gpu.yaml"
     text = (REPO / "recipes" / "tiny-pretrain.yaml").read_text() + "\nbf16: true\ntf32: true\n"
+    if spelling == "launch --dry-run":
+        recipe.write_text(text)
+        result = hf_diloco("launch", str(recipe), "--accelerate-config",
+                           str(REPO / "accelerate_configs" / "multi-gpu.yaml"), "--dry-run", "--",
+                           "--output_dir", str(tmp_path / "out"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "accelerate.commands.launch" in result.stdout
+        assert not (tmp_path / "out").exists()
+        return
     if spelling == "recipe key":
         text += "dry_run: true\n"
         spelling = []
