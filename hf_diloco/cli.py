@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,11 @@ def _field_parser():
         def error(self, message: str):
             raise CLIError(f"{message}; see `hf-diloco train --help`.")
 
-    return FieldParser((RunArguments, DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
+    parser = FieldParser((RunArguments, DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
+    for action in parser._actions:
+        if action.help:  # field help is prose ("inner_steps % F == 0"), not an argparse format string
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
+    return parser
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
