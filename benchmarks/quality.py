@@ -97,6 +97,9 @@ def plot(raw: list[dict]):
             right.annotate(r["name"], (r["bytes_per_replica"] / 1e6, r["eval_loss"]), fontsize=8,
                            xytext=(4, 2), textcoords="offset points")
     right.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    right.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis overlap
     right.set_xlabel("MB sent per replica (log)")
     right.set_ylabel("final held-out loss")
     fig.suptitle("Quality on the peer task (tiny Llama, built-in corpus, 256-token blocks)")

@@ -228,7 +228,7 @@ def plot(rows: list[dict]):
                     linewidth=2, label="best the link allows" if i == j == 0 else None)
     ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(links))], [LABELS[k] for k in links])
     ax.set_ylabel("compute utilisation, % (median, [min, max])")
-    ax.set_ylim(0, 110)
+    ax.set_ylim(0, max(110, 5 + 100 * max(r["utilisation"]["max"] for r in rows)))
     ax.legend(fontsize=8)
     ax.set_title("DiLoCo between two hosts: tokens/s ÷ the same runs with syncs off")
     return fig
