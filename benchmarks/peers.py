@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -60,6 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     localsgd = args.quick if args.localsgd is None else args.localsgd
     started = time.time()
+    os.environ.setdefault("RUST_LOG", "warn")  # the in-process Lighthouse logs every quorum at info level
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:
