@@ -40,7 +40,7 @@ def test_stop_finishes_the_round_saves_a_checkpoint_and_leaves_no_process(tmp_pa
     runs.stop(run.folder, grace_seconds=120)
     final = wait_for(lambda: (r := runs.load(run.folder)).status not in runs.ACTIVE and r, 150, "the run to end")
     assert final.status == "stopped" and final.exit_code == 0
-    checkpoints = sorted((run.folder / "output").glob("checkpoint-*"))
+    checkpoints = sorted((run.folder / "output").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert checkpoints, "stopping saves a checkpoint"
     step = int(checkpoints[-1].name.split("-")[1])
     assert step % 5 == 0 and step < 400, "at a round boundary, before the end"
