@@ -169,12 +169,14 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
         page.get_by_text("Preview command").wait_for(timeout=60_000)
         assert page.locator("#start").is_enabled(), "a new run can start while others train"
         page.get_by_role("tab", name="Runs").click()
-        page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
-        page.wait_for_function("document.querySelector('#hfd-status')?.innerText.includes('ddp')", timeout=20_000)
+        # The page opened on the newest run (ddp); a click on another row selects that one.
+        page.locator("#runs-table [role=gridcell]").filter(has_text="diloco-H5").first.click()
+        wait_until(lambda: "diloco-H5" in status(page), 20, "the clicked run in the status bar")
         wait_until(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
                    "the three runs to end", every=2)
         for run in started:
             assert runs.load(run.folder).status == "finished", (run.folder / "run.log").read_text()[-2000:]
+        page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
         page.get_by_role("tab", name="Live").click()
         wait_until(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
         wait_until(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
