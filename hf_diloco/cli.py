@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from . import train as training
-from .errors import ConfigError, first_line
+from .errors import ConfigError, RunError, first_line
 from .runs import accelerate_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"hf-diloco: error: {error}", file=sys.stderr)
         return 2
+    except RunError as error:  # the run itself could not go on (diverged, a replica lost): its reason, not a trace
+        print(f"hf-diloco: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("hf-diloco: interrupted", file=sys.stderr)
         return 130

@@ -9,21 +9,22 @@ With g = 1 a replica is one process and the slice group is the whole world.
 Design choices:
 - This module is the only place where replicas talk. Every collective below says who calls it, when, and what it
   costs. Between two outer syncs nothing here is called, so zero bytes cross replicas.
-- A sync is a sequence of buckets of the flat fp32 pseudo-gradient, averaged one at a time (`average`). With
-  g > 1 the replica's members hold the same pseudo-gradient (DDP keeps them identical), so member j averages only
-  the j-th 1/g slice with its counterparts in the other replicas, then the g averaged slices are all-gathered
+- A sync is a sequence of buckets of the flat fp32 pseudo-gradient, summed over replicas one at a time
+  (`sum_replicas`; the caller divides by the replicas that took part). With g > 1 the replica's members hold the
+  same pseudo-gradient (DDP keeps them identical), so member j sums only the j-th 1/g slice with its
+  counterparts in the other replicas, then the g summed slices are all-gathered
   inside the replica: the bytes that cross replicas drop g-fold per process, and the all-gather stays on the fast
   intra-replica links.
 - Three ways across replicas, by codec:
     none      one fp32 all-reduce per bucket: 2 (M − 1)/M · 4n bytes sent per process (ring).
     dense     (bf16, fp16, int8, int4) a quantized reduce-scatter, as an all-to-all of the M encoded shards of
               the bucket; each process decodes the M copies of its own shard and sums them in fp32; it
-              re-encodes the average and an all-gather hands every process every encoded average:
+              re-encodes the sum and an all-gather hands every process every encoded sum:
               2 (M − 1)/M · S bytes sent per process, S the encoded bucket, so the cost does not grow with M.
     sparse    an all-gather of every replica's payload (top-k positions differ between replicas, so sparse
               vectors cannot be summed on the way): (M − 1) · S bytes per process. S is ~1/136 of fp32 with the
               defaults, so this beats the dense codecs until M is in the dozens.
-  Every process decodes the same bytes in the same order, so all hold bit-identical averages.
+  Every process decodes the same bytes in the same order, so all hold bit-identical sums.
 - The round statistics (loss, steps, tokens, time, pseudo-gradient norm, stop request) ride with the last
   bucket: in the fp32 all-reduce as row r of an M x k block of zeros, in the codecs' all-gather as k fp32 values
   appended to the payload, and with g > 1 in the all-gather inside the replica. Every process ends with every
@@ -32,7 +33,7 @@ Design choices:
 - Bytes are counted from the payload sizes and the algorithm: ring all-reduce 2 (M − 1)/M x payload, all-to-all
   (M − 1) shards, ring all-gather (M − 1) payloads (inside a replica: (g − 1)/g of the result). The two-node test
   checks the count against the network interface counters.
-- All processes must call `average` the same number of times with buckets of the same sizes, in the same order,
+- All processes must call `sum_replicas` the same number of times with buckets of the same sizes, in the same order,
   or the collectives deadlock; the trainer guarantees this by syncing the same buckets at the same global steps
   everywhere. Process groups are created in the constructor, which every process must run, in the same order.
   A sync overlapped with training runs in one background thread on process groups of its own.
@@ -41,6 +42,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,8 +81,8 @@ def ring_all_gather_bytes(payload_bytes: int, world_size: int) -> int:
 
 
 def round_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | None = None, stats: int = 0) -> int:
-    """Bytes one process sends across replicas to average `numel` values (one bucket) with `codec`, plus `stats`
-    fp32 values riding along, by the algorithms of `ReplicaComm.average`.
+    """Bytes one process sends across replicas to sum `numel` values (one bucket) with `codec`, plus `stats`
+    fp32 values riding along, by the algorithms of `ReplicaComm.sum_replicas`.
 
     >>> round_bytes(1000, replicas=2), round_bytes(1000, replicas=8)   # fp32 ring all-reduce
     (4000, 7000)
@@ -107,7 +109,7 @@ class ReplicaComm:
     the same code path serves a single process and a fleet.
     """
 
-    def __init__(self, group_size: int = 1, background: bool = False):
+    def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if self.distributed else 1
         rank = dist.get_rank() if self.distributed else 0
@@ -116,31 +118,74 @@ class ReplicaComm:
         self.group_size = group_size
         self.num_replicas = world // group_size
         self.replica_index, self.member = divmod(rank, group_size)
+        self.timeout_seconds = timeout_seconds
         self.replica_group: dist.ProcessGroup | None = None  # None: a replica of one process
-        self.slice_group: dist.ProcessGroup | None = None  # None: the whole world (g = 1)
+        self.slice_group: dist.ProcessGroup | None = None  # member j of every replica (g = 1: everyone)
         self.gather_group: dist.ProcessGroup | None = None  # the sync's all-gather inside the replica
-        if self.distributed and group_size > 1:
-            # dist.new_group is collective: every process creates every group, in the same order.
-            for k in range(self.num_replicas):
-                group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
-                if k == self.replica_index:
-                    self.replica_group = self.gather_group = group
-            for j in range(group_size):
-                group = dist.new_group(list(range(j, world, group_size)))
-                if j == self.member:
-                    self.slice_group = group
-        if self.distributed and background:
-            # A sync running in a background thread gets process groups of its own, so its collectives never
-            # interleave with the training thread's (DDP inside a replica, Trainer's evaluation gathers).
-            if group_size == 1:
-                self.slice_group = dist.new_group(list(range(world)))
+        if not self.distributed:
+            self.device = torch.device("cpu")
+            return
+        # dist.new_group is collective: every process creates every group, in the same order. The groups the sync
+        # uses across replicas carry the sync timeout; DDP's replica groups keep the backend's default.
+        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        for k in range(self.num_replicas if group_size > 1 else 0):
+            group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
+            if k == self.replica_index:
+                self.replica_group = self.gather_group = group
+        for j in range(group_size):
+            group = dist.new_group(list(range(j, world, group_size)), timeout=timeout)
+            if j == self.member:
+                self.slice_group = group
+        if background:
+            # A sync running in a background thread gets a group of its own inside the replica, so its all-gather
+            # never interleaves with the training thread's DDP all-reduces.
             for k in range(self.num_replicas if group_size > 1 else 0):
                 group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
                 if k == self.replica_index:
                     self.gather_group = group
-        backend = dist.get_backend() if self.distributed else "none"
-        # NCCL reduces device tensors; gloo (and no backend at all) works on CPU tensors.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # NCCL reduces device tensors; gloo works on CPU tensors.
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    # --- who reached the sync: names the replicas a timed-out sync waited for ---
+
+    def _store(self):
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # no store reachable: a timeout is still reported, without names
+            return None
+
+    def arrive(self, step: int) -> None:
+        """Note in the rendezvous store that this process reached the sync of `step` (a few bytes, no collective)."""
+        store = self._store() if self.active else None
+        if store is not None:
+            store.set(f"hf_diloco/arrived/{dist.get_rank()}", str(step))
+
+    def wait_for_parts(self, name: str, timeout_seconds: float) -> None:
+        """Tell every process that this one's part of `name` (a checkpoint) is written, and wait until all have.
+
+        Runs through the rendezvous store at a round boundary, not as a collective between syncs.
+        """
+        store = self._store() if self.distributed else None
+        if store is None:
+            return
+        store.set(f"hf_diloco/{name}/{dist.get_rank()}", "1")
+        keys = [f"hf_diloco/{name}/{rank}" for rank in range(self.num_replicas * self.group_size)]
+        store.wait(keys, timedelta(seconds=timeout_seconds))
+
+    def absent(self, step: int) -> dict[int, int | None]:
+        """Replicas that have not reached the sync of `step`, with the step of the last sync each reached."""
+        store = self._store()
+        if store is None:
+            return {}
+        missing: dict[int, int | None] = {}
+        for rank in range(self.num_replicas * self.group_size):
+            key = f"hf_diloco/arrived/{rank}"
+            seen = int(store.get(key)) if store.check([key]) else None
+            if seen is None or seen < step:
+                replica = rank // self.group_size
+                missing[replica] = seen if replica not in missing else min(missing[replica] or 0, seen or 0)
+        return missing
 
     @property
     def active(self) -> bool:
@@ -172,13 +217,13 @@ class ReplicaComm:
 
 
     def fp32_bytes_sent(self, numel: int, with_stats: int = 0) -> int:
-        """What this process would send to average `numel` values (+ k stats) with an fp32 all-reduce."""
+        """What this process would send to sum `numel` values (+ k stats) with an fp32 all-reduce."""
         if not self.active:
             return 0
         values = -(-numel // self.group_size) + self.num_replicas * with_stats
         return ring_all_reduce_bytes(4 * values, self.num_replicas)
 
-    def average(
+    def sum_replicas(
         self,
         delta: torch.Tensor,
         *,
@@ -187,19 +232,22 @@ class ReplicaComm:
         key: str = "",
         stats: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, SyncCost]:
-        """Δ = (1/M) Σ_i Δ_i for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
+        """Σ_i Δ_i over the replicas for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
+
+        The caller divides by the number of replicas that took part (see outer.outer_round), which it learns from
+        the statistics that ride along.
 
         Called by every process, once per bucket, in the same bucket order everywhere, with buckets of identical
         sizes (the trainer syncs the same buckets at the same steps on every process). With g > 1 each member
-        averages its 1/g slice across replicas, then the slices are all-gathered inside the replica.
+        sums its 1/g slice across replicas, then the slices are all-gathered inside the replica.
 
         `codec` None (or "none") is an fp32 all-reduce. A dense codec (bf16, fp16, int8, int4) is a quantized
         reduce-scatter (all-to-all of encoded shards), an fp32 sum of the M decoded copies of this process's
-        shard, a re-encode of the average and an all-gather of the encoded averages: about 2·S bytes sent per
+        shard, a re-encode of the sum and an all-gather of the encoded sums: about 2·S bytes sent per
         process whatever M (S = the encoded bucket). `sparse` all-gathers every replica's payload and sums the M
         decoded payloads in replica order: (M − 1)·S, fine while M is small, and the only way to add sparse
         vectors whose kept positions differ. Every process decodes the same bytes in the same order, so all hold
-        bit-identical Δ.
+        bit-identical sums.
 
         `feedback` (error feedback, codecs only) adds this replica's residual for `key` before encoding and keeps
         what the encoding lost. `stats` (k values of this process) ride along with the bucket's collective; the
@@ -211,16 +259,16 @@ class ReplicaComm:
         flat = torch.cat([delta, delta.new_zeros(pad)]) if pad else delta
         chunk = flat.view(g, -1)[self.member]
         if codec is None:
-            average, rows, cost = self._average_fp32(chunk, stats)
+            total, rows, cost = self._sum_fp32(chunk, stats)
         elif isinstance(codec, SparseCodec):
-            average, rows, cost = self._average_sparse(chunk, codec, feedback, key, stats)
+            total, rows, cost = self._sum_sparse(chunk, codec, feedback, key, stats)
         else:
-            average, rows, cost = self._average_dense(chunk, codec, feedback, key, stats)
+            total, rows, cost = self._sum_dense(chunk, codec, feedback, key, stats)
         if g == 1:
-            return average[: delta.numel()], None if rows is None else rows.reshape(1, m, -1).cpu(), cost
-        # Inside the replica: every member contributes its averaged slice (fp32, fast links) and its stats rows.
+            return total[: delta.numel()], None if rows is None else rows.reshape(1, m, -1).cpu(), cost
+        # Inside the replica: every member contributes its summed slice (fp32, fast links) and its stats rows.
         k = 0 if rows is None else rows.numel() // m
-        piece = average if rows is None else torch.cat([average, rows.reshape(-1).to(average.device)])
+        piece = total if rows is None else torch.cat([total, rows.reshape(-1).to(total.device)])
         gathered = torch.empty(g * piece.numel(), dtype=piece.dtype, device=piece.device)
         dist.all_gather_into_tensor(gathered, piece, group=self.gather_group)
         cost.collectives += 1
@@ -235,20 +283,19 @@ class ReplicaComm:
     def _stats_row(self, stats: torch.Tensor) -> torch.Tensor:
         return stats.detach().to(torch.float32).reshape(-1).to(self.device)
 
-    def _average_fp32(self, chunk: torch.Tensor, stats):
+    def _sum_fp32(self, chunk: torch.Tensor, stats):
         """One fp32 all-reduce; the stats travel as row `replica_index` of an M x k block of zeros."""
         m, n = self.num_replicas, chunk.numel()
-        buffer = chunk.to(self.device, torch.float32, copy=True)
+        k = 0 if stats is None else stats.numel()
+        buffer = torch.zeros(n + m * k, dtype=torch.float32, device=self.device)  # one buffer: no second copy
+        buffer[:n] = chunk
         if stats is not None:
-            block = torch.zeros(m, stats.numel(), dtype=torch.float32, device=self.device)
-            block[self.replica_index] = self._stats_row(stats)
-            buffer = torch.cat([buffer, block.reshape(-1)])
+            buffer[n:].view(m, k)[self.replica_index] = self._stats_row(stats)
         cost = SyncCost(buffer.numel() * 4, 0, 0, 0)
         if self.active:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.slice_group)
             cost.bytes_sent = ring_all_reduce_bytes(buffer.numel() * 4, m)
             cost.collectives = 1
-            buffer[:n] /= m
         return buffer[:n], None if stats is None else buffer[n:].view(m, -1), cost
 
     def _gather_payloads(self, payload: torch.Tensor, stats, cost: SyncCost) -> torch.Tensor:
@@ -270,8 +317,8 @@ class ReplicaComm:
             return None
         return from_bytes(gathered[:, body:].contiguous(), torch.float32).view(self.num_replicas, -1)
 
-    def _average_dense(self, chunk, codec: Codec, feedback, key, stats):
-        """Quantized reduce-scatter, fp32 sum, re-quantize, all-gather."""
+    def _sum_dense(self, chunk, codec: Codec, feedback, key, stats):
+        """Quantized reduce-scatter, fp32 sum, re-quantize the sum, all-gather."""
         m, n = self.num_replicas, chunk.numel()
         shard = -(-n // m)
         shard_bytes = codec.encoded_bytes(shard)
@@ -299,14 +346,14 @@ class ReplicaComm:
         for r in range(1, m):  # fp32 sum in replica order
             total += codec.decode(copies[r], shard)
         del received, copies
-        mine = codec.encode(total.div_(m))
+        mine = codec.encode(total)
         gathered = self._gather_payloads(mine, stats, cost).cpu()
-        average = torch.empty(m * shard, dtype=torch.float32)
+        summed = torch.empty(m * shard, dtype=torch.float32)
         for r in range(m):
-            average[r * shard : (r + 1) * shard] = codec.decode(gathered[r, :shard_bytes], shard)
-        return average[:n].to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
+            summed[r * shard : (r + 1) * shard] = codec.decode(gathered[r, :shard_bytes], shard)
+        return summed[:n].to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
 
-    def _average_sparse(self, chunk, codec: SparseCodec, feedback, key, stats):
+    def _sum_sparse(self, chunk, codec: SparseCodec, feedback, key, stats):
         """All-gather of every replica's sparse payload, summed in fp32 in replica order."""
         m, n = self.num_replicas, chunk.numel()
         body = codec.encoded_bytes(n)
@@ -320,4 +367,4 @@ class ReplicaComm:
         total = codec.decode(gathered[0, :body], n)
         for r in range(1, m):
             total += codec.decode(gathered[r, :body], n)
-        return total.div_(m).to(self.device), self._stats_rows(gathered, body, stats), cost
+        return total.to(self.device), self._stats_rows(gathered, body, stats), cost

@@ -153,6 +153,26 @@ class DiLoCoConfig(TrainingArguments):
                           "global parameters; Streaming DiLoCo's overlap runs use 0.5)."},
     )
 
+    save_every_rounds: int = field(
+        default=1,
+        metadata={"help": "Save a checkpoint every this many rounds (0: only where save_strategy says), whatever "
+                          "save_strategy is, so a process that dies loses at most that many rounds. Checkpoints are "
+                          "atomic; unless save_total_limit is set, the newest 2 are kept."},
+    )
+    sync_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds a sync waits for the other replicas before the run stops with an error naming the "
+                          "replicas that did not arrive and the step each was last seen at (the backend's own "
+                          "default is 30 minutes)."},
+    )
+    max_bad_rounds: int = field(
+        default=3,
+        metadata={"help": "A replica whose pseudo-gradient holds NaN or Inf sits its round out (the others are "
+                          "averaged without it) and restarts from the global parameters; when no replica is "
+                          "healthy the outer step is skipped, and after this many such rounds in a row the run stops "
+                          "with an error."},
+    )
+
     def __post_init__(self):
         self._validate_diloco_fields()
         # Trainer gathers every step's token count across processes when this is on. DiLoCo replicas do not
@@ -204,6 +224,16 @@ class DiLoCoConfig(TrainingArguments):
             )
         if not self.sync_bucket_mb > 0:
             raise ConfigError(f"sync_bucket_mb must be positive, got {self.sync_bucket_mb!r}.")
+        if not isinstance(self.save_every_rounds, int) or self.save_every_rounds < 0:
+            raise ConfigError(
+                f"save_every_rounds must be a whole number, 0 (off) or more, got {self.save_every_rounds!r}."
+            )
+        if self.save_every_rounds and self.save_total_limit is None:
+            self.save_total_limit = 2
+        if not self.sync_timeout > 0:
+            raise ConfigError(f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}.")
+        if not isinstance(self.max_bad_rounds, int) or self.max_bad_rounds < 1:
+            raise ConfigError(f"max_bad_rounds must be a whole number of at least 1, got {self.max_bad_rounds!r}.")
         self._validate_compression()
         self._validate_streaming()
         self._refuse_sharded_replicas()

@@ -9,3 +9,7 @@ def first_line(error: BaseException) -> str:
     """The first line of an exception's message (or its type), to quote inside a one-sentence error."""
     lines = str(error).strip().splitlines()
     return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (diverged, a replica that never arrived), reported as one sentence."""

@@ -244,14 +244,19 @@ class OuterLoop:
 
 @dataclass
 class RoundResult:
-    """What a round measured beside the math: norms, agreement, statistics of every process, cost."""
+    """What a round measured beside the math: who took part, norms, agreement, statistics, cost."""
 
-    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this process's slice of the round (this replica's pseudo-gradient)
+    healthy: list[bool] | None = None  # per replica: its pseudo-gradient was finite, so it took part
+    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the round's buckets
     average_norm_sq: float = 0.0  # ‖Δ‖²
     dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
+
+    @property
+    def participants(self) -> int:
+        return sum(self.healthy) if self.healthy is not None else 0
 
     @property
     def agreement(self) -> float:
@@ -275,22 +280,51 @@ class Exchange:
     result: RoundResult
 
 
-# Statistics that ride along with a round's last collective, made once ‖Δ_i‖² of the whole round is known.
+# Statistics that ride along with a round's last collective, made once ‖Δ_i‖² of the whole round is known. Slot 0
+# is reserved for this replica's health flag, which the round fills in; the first bucket carries the flag alone when
+# the round has several, so every process knows who takes part before it divides the first sum.
 StatsFn = Callable[[float], torch.Tensor]
 
 
-def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult,
-                    codec: Codec | None, feedback: ErrorFeedback | None, stats: StatsFn | None) -> torch.Tensor:
-    """Δ for one bucket, with its norms, agreement terms and cost added to `result`."""
+def is_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no value is NaN or infinite (one boolean reduction per tensor, no copy of it)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _riding(position: int, count: int, healthy: bool, stats: StatsFn | None) -> StatsFn | None:
+    flag = 1.0 if healthy else 0.0
+    if position == count - 1 and stats is not None:
+        def full(norm_sq: float) -> torch.Tensor:
+            values = stats(norm_sq).clone()
+            values[0] = flag
+            return values
+
+        return full
+    if position == 0:
+        return lambda _norm_sq: torch.tensor([flag], dtype=torch.float64)
+    return None
+
+
+def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, healthy: bool,
+                    codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None) -> torch.Tensor:
+    """Δ for one bucket: the sum over replicas divided by the replicas that took part, with this bucket's norms,
+    agreement terms and cost added to `result`. An unhealthy replica sends zeros and leaves its residual alone."""
+    sent = delta_i if healthy else torch.zeros_like(delta_i)
     # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
-    result.local_norm_sq += float(torch.linalg.vector_norm(delta_i)) ** 2
-    riding = None if stats is None else stats(result.local_norm_sq)
-    delta, rows, cost = comm.average(delta_i, codec=codec, feedback=feedback, key=str(index), stats=riding)
-    result.average_norm_sq += float(torch.linalg.vector_norm(delta)) ** 2
-    result.dot += float(torch.dot(delta_i, delta))
-    result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if riding is None else riding.numel()))
+    result.local_norm_sq += float(torch.linalg.vector_norm(sent)) ** 2
+    values = None if riding is None else riding(result.local_norm_sq)
+    total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if healthy else None,
+                                          key=str(index), stats=values)
     if rows is not None:
-        result.stats = rows
+        if result.healthy is None:
+            result.healthy = (rows[0, :, 0] > 0.5).tolist()
+        if rows.shape[-1] > 1:
+            result.stats = rows
+    participants = result.participants
+    delta = total.div_(participants) if participants else total.zero_()
+    result.average_norm_sq += float(torch.linalg.vector_norm(delta)) ** 2
+    result.dot += float(torch.dot(sent, delta))
+    result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
     return delta
 
 
@@ -299,18 +333,22 @@ def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, code
                 alpha: float = 0.0) -> RoundResult:
     """One blocking outer round over `buckets` (all of them, or one fragment's), one bucket at a time.
 
-    `stats` ride along with the last bucket's collective. Every process must call this with the same buckets.
+    A replica whose parameters hold a NaN or an infinity sits the round out (it sends zeros, the others divide by
+    the replicas that took part) and takes θ_global; with no healthy replica θ_global does not move. Every process
+    must call this with the same buckets.
     """
     result = RoundResult()
+    healthy = is_finite(outer.params[i] for index in buckets for i in outer.buckets[index])
     for position, index in enumerate(buckets):
         bucket = outer.buckets[index]
-        last = position == len(buckets) - 1
+        riding = _riding(position, len(buckets), healthy, stats)
         delta_i = outer.pseudo_gradient(bucket, comm.device)                  # Δ_i = θ_global − θ_i
-        delta = _average_bucket(comm, index, delta_i, result, codec,          # Δ = (1/M) Σ_i Δ_i
-                                feedback, stats if last else None)
+        delta = _average_bucket(comm, index, delta_i, result, healthy,        # Δ = (1/M) Σ_i Δ_i
+                                codec, feedback, riding)
         del delta_i
-        outer.step(bucket, delta)                                             # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, alpha)                                  # θ_i ← θ_global
+        if result.participants:
+            outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
+        outer.copy_to_replica(bucket, alpha if healthy else 0.0)              # θ_i ← θ_global
         del delta  # one bucket at a time: freed before the next is formed
     return result
 
@@ -329,16 +367,18 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor], 
     replica takes its next inner steps.
     """
     result = RoundResult()
+    healthy = is_finite(deltas)
     averaged = []
     for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True)):
-        last = position == len(buckets) - 1
-        averaged.append(_average_bucket(comm, index, delta_i, result, codec, feedback, stats if last else None))
+        riding = _riding(position, len(buckets), healthy, stats)
+        averaged.append(_average_bucket(comm, index, delta_i, result, healthy, codec, feedback, riding))
     return Exchange(buckets, averaged, result)
 
 
-def apply(outer: OuterLoop, landed: Exchange, alpha: float = 0.0) -> None:
+def apply(outer: OuterLoop, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> None:
     """The second half of an overlapped round: outer step, then θ_i ← α·θ_i + (1 − α)·θ_global."""
     for index, delta in zip(landed.buckets, landed.deltas, strict=True):
         bucket = outer.buckets[index]
-        outer.step(bucket, delta)
-        outer.copy_to_replica(bucket, alpha)
+        if landed.result.participants:
+            outer.step(bucket, delta)
+        outer.copy_to_replica(bucket, alpha if healthy else 0.0)

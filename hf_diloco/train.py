@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,12 +47,17 @@ def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
         )
 
 
+def restarted() -> bool:
+    """True in processes that torchelastic (`accelerate launch --max_restarts N`) brought back after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def check_output_dir(config: DiLoCoConfig) -> None:
     """Refuse to train into a folder that already holds a run, unless resuming from it."""
     from .metrics import SYNC_ROUNDS_FILE
 
     out = Path(config.output_dir)
-    if config.resume_from_checkpoint or not out.exists():
+    if config.resume_from_checkpoint or restarted() or not out.exists():
         return
     if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
         raise ConfigError(
@@ -60,15 +66,41 @@ def check_output_dir(config: DiLoCoConfig) -> None:
         )
 
 
+def newest_complete_checkpoint(output_dir: str, announce: bool = True) -> str | None:
+    """The newest `checkpoint-<step>` in output_dir (complete by construction: DiLoCoTrainer renames a checkpoint
+    to that name only when every process's part is written). Leftover `tmp-checkpoint-*` folders, from a process
+    that died while saving, are removed with a one-line notice."""
+    from .trainer import TEMPORARY_PREFIX
+
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    for leftover in sorted(out.glob(f"{TEMPORARY_PREFIX}*")):
+        if announce:
+            print(f"[diloco] removing {leftover.name}: an incomplete checkpoint from a process that stopped while "
+                  f"saving", flush=True)
+        shutil.rmtree(leftover, ignore_errors=True)
+    steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return str(out / f"checkpoint-{max(steps)}") if steps else None
+
+
 def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
-    """The checkpoint folder to resume from (`latest` finds the newest in output_dir), or None."""
+    """The checkpoint folder to resume from, or None.
+
+    `auto` (and any restart by torchelastic): the newest complete checkpoint if there is one, else a fresh start.
+    `latest`: the newest complete checkpoint, which must exist. Anything else: that folder.
+    """
     value = config.resume_from_checkpoint
+    if value == "auto" or (not value and restarted()):
+        main = int(os.environ.get("RANK", "0") or 0) == 0
+        found = newest_complete_checkpoint(config.output_dir, announce=main)
+        if found and main:
+            print(f"[diloco] resuming from {found}", flush=True)
+        return found
     if not value:
         return None
     if value in ("latest", "last", "True", "true"):
-        from transformers.trainer_utils import get_last_checkpoint
-
-        found = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
+        found = newest_complete_checkpoint(config.output_dir)
         if found is None:
             raise ConfigError(
                 f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder."

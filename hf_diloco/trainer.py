@@ -21,8 +21,10 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,16 +37,21 @@ from .codecs import Codec, ErrorFeedback, make_codec
 from .comm import ReplicaComm, ring_all_reduce_bytes
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
-from .metrics import RoundWriter, format_round, write_summary
-from .outer import OuterLoop, RoundResult, apply, assign_fragments, exchange, outer_round, snapshot
+from .errors import RunError, first_line
+from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
+from .outer import OuterLoop, RoundResult, apply, assign_fragments, exchange, is_finite, outer_round, snapshot
+from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
 
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_DIR = "replica-{rank}"
 REPLICA_STATE_FILE = "diloco_replica.pt"
-# Per-replica statistics that ride along with each sync (see comm.ReplicaComm.average).
-ROUND_STATS = ("loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested",
+TEMPORARY_PREFIX = "tmp-checkpoint-"  # a checkpoint being written; renamed to checkpoint-<step> when complete
+PART_COMPLETE_FILE = "complete"  # in replica-<rank>/: this process's part of the checkpoint is written
+# Per-replica statistics that ride along with each sync (see comm.ReplicaComm.sum_replicas). Slot 0 is the
+# replica's health flag, filled in by outer.outer_round.
+ROUND_STATS = ("healthy", "loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested",
                "previous_agreement")
 
 
@@ -88,7 +95,8 @@ class DiLoCoTrainer(Trainer):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         super().__init__(model, args, *pargs, **kwargs)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
-        self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0)
+        self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0,
+                                timeout_seconds=args.sync_timeout)
         self.diloco = OuterLoopCallback(self)
         self.add_callback(self.diloco)
 
@@ -163,6 +171,34 @@ class DiLoCoTrainer(Trainer):
 
     # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, made atomic: every process writes its part under `tmp-checkpoint-<step>`, and the
+        folder is renamed to `checkpoint-<step>` only once every process has said (through the rendezvous store)
+        that its part is complete. A process killed at any instant leaves a `tmp-` folder, never a
+        `checkpoint-<step>` that lacks a replica's optimizer or the outer state."""
+        import transformers.trainer as trainer_module
+
+        step = self.state.global_step
+        run_dir = Path(self._get_output_dir(trial=trial))
+        final, temporary = run_dir / f"checkpoint-{step}", run_dir / f"{TEMPORARY_PREFIX}{step}"
+        original = trainer_module.PREFIX_CHECKPOINT_DIR
+        trainer_module.PREFIX_CHECKPOINT_DIR = TEMPORARY_PREFIX.rstrip("-")
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            trainer_module.PREFIX_CHECKPOINT_DIR = original
+        (self._replica_dir(str(temporary)) / PART_COMPLETE_FILE).touch()
+        self.comm.wait_for_parts(f"checkpoint-{step}", self.args.sync_timeout)
+        if self.is_local_process_zero():
+            if final.exists():  # a checkpoint of the same step from an earlier attempt of this run
+                shutil.rmtree(final)
+            temporary.rename(final)
+            if self.args.should_save and self.args.save_total_limit:
+                from transformers.trainer_utils import rotate_checkpoints
+
+                rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+
     def _replica_dir(self, checkpoint: str) -> Path:
         return Path(checkpoint) / REPLICA_DIR.format(rank=self.args.process_index)
 
@@ -189,6 +225,10 @@ class DiLoCoTrainer(Trainer):
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.
             super()._load_optimizer_and_scheduler(checkpoint)
+        self.diloco.resumed_from = str(checkpoint)
+        progress = Path(self.args.output_dir) / PROGRESS_FILE  # the step the interrupted run had reached
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            self.diloco.reached_before_resume = int(json.loads(progress.read_text())["step"])
         replica_file = replica_dir / REPLICA_STATE_FILE
         self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
         outer_file = Path(checkpoint) / OUTER_STATE_FILE
@@ -227,6 +267,9 @@ class OuterLoopCallback(TrainerCallback):
         self.feedback: ErrorFeedback | None = None
         self.saved_outer_state: dict | None = None
         self.saved_replica_state: dict | None = None
+        self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
+        self.resume_note: dict = {}
+        self.reached_before_resume = 0
         self.deferred = {"should_save": False, "should_evaluate": False}
         self.pending_records: list[dict] = []  # rounds completed at this step, written once its eval is known
         self.history: list[dict] = []
@@ -234,6 +277,8 @@ class OuterLoopCallback(TrainerCallback):
         self.stop_requested = False
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
         self.in_flight: InFlight | None = None
+        self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
+        self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
         self.background: ThreadPoolExecutor | None = None
         self._reset_round()
 
@@ -303,8 +348,14 @@ class OuterLoopCallback(TrainerCallback):
         self.cumulative_bytes = 0
         self.train_started = time.time()
         if self.trainer.is_world_process_zero():
+            rounds = read_sync_rounds(args.output_dir)
+            reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
             self.writer = RoundWriter(args.output_dir)
             kept = self.writer.truncate_after(state.global_step)
+            if resumed:
+                # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
+                self.resume_note = {"resumed_from": self.resumed_from,
+                                    "steps_lost": max(0, reached - state.global_step)}
             self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
             logger.info(
                 "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s, "
@@ -336,6 +387,11 @@ class OuterLoopCallback(TrainerCallback):
         if lands or self.due_fragments(step, state.max_steps):
             stop = self._sync(state)
             at_boundary = self.in_flight is None
+            if at_boundary:
+                self.completed_rounds += 1
+                every = args.save_every_rounds
+                if every and (self.completed_rounds % every == 0 or step >= state.max_steps):
+                    control.should_save = True
             if stop and step < state.max_steps:
                 if self.trainer.is_world_process_zero():
                     logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
@@ -356,6 +412,7 @@ class OuterLoopCallback(TrainerCallback):
             return stop
         buckets = [b for f in due for b in self.outer.fragment_buckets[f]]
         stats = self._round_stats()
+        self.comm.arrive(step)
         launched = time.perf_counter()
         if self.args.sync_delay > 0 and step < state.max_steps:
             deltas = snapshot(self.outer, self.comm, buckets)
@@ -367,11 +424,33 @@ class OuterLoopCallback(TrainerCallback):
             self._reset_round()
             return stop
         outer_lr = self.outer.lr()
-        result = outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
-                             stats=stats, alpha=0.0)  # a blocking round takes θ_global as it is
+        with self._timeout_names_the_absent(step):
+            result = outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
+                                 stats=stats, alpha=0.0)  # a blocking round takes θ_global as it is
         seconds = time.perf_counter() - launched
         self._reset_round()
         return stop | self._complete(state, result, due, step, outer_lr, seconds, seconds)
+
+    @contextlib.contextmanager
+    def _timeout_names_the_absent(self, step: int):
+        """A collective that failed (sync_timeout expired, or a peer's connection closed) becomes one sentence
+        naming the replicas that never reached this sync and the last sync step each was seen at."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not self.comm.active:
+                raise
+            absent = self.comm.absent(step)
+            if not absent:
+                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
+            names = ", ".join(
+                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
+                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
+            )
+            raise RunError(
+                f"the sync at step {step} gave up after waiting for {names} (sync_timeout={self.args.sync_timeout:g} "
+                f"s, or its connection closed); check that process, or raise sync_timeout for slow links."
+            ) from None
 
     def _timed_exchange(self, buckets, deltas, stats):
         started = time.perf_counter()
@@ -382,15 +461,16 @@ class OuterLoopCallback(TrainerCallback):
         """Wait for the overlapped round (the time it makes the inner loop wait is blocked time) and apply it."""
         flight, self.in_flight = self.in_flight, None
         waited = time.perf_counter()
-        landed, exchange_seconds = flight.future.result()
-        apply(self.outer, landed, self.args.fragment_alpha)
+        with self._timeout_names_the_absent(flight.launched_at):
+            landed, exchange_seconds = flight.future.result()
+        apply(self.outer, landed, self.args.fragment_alpha, healthy=self._healthy(landed.result))
         blocked = flight.launch_seconds + time.perf_counter() - waited
         return self._complete(state, landed.result, flight.fragments, flight.launched_at, flight.outer_lr,
                               exchange_seconds, blocked)
 
     def _round_stats(self):
         """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
-        values = [self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, 0.0,
+        values = [1.0, self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, 0.0,
                   float(self.stop_requested), self.previous_agreement]
         slot = ROUND_STATS.index("pseudo_grad_norm_sq")
 
@@ -400,13 +480,41 @@ class OuterLoopCallback(TrainerCallback):
 
         return stats
 
+    def _healthy(self, result: RoundResult) -> bool:
+        return result.healthy is None or result.healthy[self.comm.replica_index]
+
     def _complete(self, state, result: RoundResult, fragments, launched_at, outer_lr, sync_seconds, blocked) -> bool:
+        if not self._healthy(result):
+            self._reset_replica(state.global_step)
+        self._count_bad_rounds(result, state.global_step)
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange; it is sent with the NEXT
         # round's statistics, so it costs no collective of its own.
         self.previous_agreement = result.agreement
         self.pending_records.append(self._round_record(state, result, fragments, launched_at, outer_lr,
                                                        sync_seconds, blocked))
         return bool(result.stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
+
+    @torch.no_grad()
+    def _reset_replica(self, step: int) -> None:
+        """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
+        optimizer state holds non-finite values too, starts that state afresh (stale NaN moments would poison the
+        next step again)."""
+        self.outer.copy_global_to_replica()
+        optimizer = self.trainer.optimizer
+        moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        if not is_finite(moments):
+            optimizer.state.clear()
+        logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the round out and "
+                       "restarts from the global parameters.", self.comm.replica_index, step)
+
+    def _count_bad_rounds(self, result: RoundResult, step: int) -> None:
+        self.bad_rounds = 0 if result.participants else self.bad_rounds + 1
+        if self.bad_rounds >= self.args.max_bad_rounds:
+            raise RunError(
+                f"no replica had a finite pseudo-gradient for {self.bad_rounds} consecutive rounds (last at step "
+                f"{step}); the run is diverging: lower learning_rate or outer_lr, or resume from an earlier "
+                f"checkpoint."
+            )
 
     def _round_record(self, state, result: RoundResult, fragments, launched_at, outer_lr, sync_seconds,
                       blocked) -> dict:
@@ -455,6 +563,13 @@ class OuterLoopCallback(TrainerCallback):
         }
         if launched_at != state.global_step:
             record["launch_step"] = launched_at
+        record.update(self.resume_note)
+        self.resume_note = {}
+        if result.participants < self.comm.num_replicas:
+            record["non_finite_replicas"] = [r for r, ok in enumerate(result.healthy) if not ok]
+            record["participants"] = result.participants
+            if not result.participants:
+                record["outer_step_skipped"] = True
         previous = stat["previous_agreement"][0].tolist()
         if all(math.isfinite(x) for x in previous):
             record["agreement_round"] = record["round"] - 1

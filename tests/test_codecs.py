@@ -105,8 +105,8 @@ def test_error_feedback_sends_the_sum_of_the_pseudo_gradients_over_many_rounds(n
     for _ in range(rounds):
         delta = drift + 1e-3 * torch.randn(n, generator=generator)
         true_sum += delta
-        with_feedback += comm.average(delta, codec=codec, feedback=feedback, key="b")[0]
-        without += comm.average(delta, codec=codec)[0]
+        with_feedback += comm.sum_replicas(delta, codec=codec, feedback=feedback, key="b")[0]
+        without += comm.sum_replicas(delta, codec=codec)[0]
     residual = feedback.residuals["b"]
     assert torch.allclose(with_feedback + residual, true_sum, atol=1e-5)  # nothing is lost, only delayed
     error_with = float((with_feedback - true_sum).norm() / true_sum.norm())

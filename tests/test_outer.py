@@ -139,7 +139,7 @@ def test_bucketed_pseudo_gradient_equals_unbucketed():
 def test_single_replica_comm_is_free_and_returns_own_stats():
     comm = ReplicaComm()
     stats = torch.tensor([1.5, 2.0])
-    average, gathered, cost = comm.average(torch.ones(3), stats=stats)
+    average, gathered, cost = comm.sum_replicas(torch.ones(3), stats=stats)
     assert average.tolist() == [1.0, 1.0, 1.0]
     assert gathered.tolist() == [[[1.5, 2.0]]]  # [member, replica, value]
     assert cost.bytes_sent == 0 and cost.collectives == 0

@@ -1,9 +1,9 @@
 """A 2-replica run whose sync is deliberately slow, to see whether the inner loop waits for it.
 
 Argument: a JSON object {"out": folder, "sync_delay": τ, "comm_sleep": seconds, "step_sleep": seconds}. Every
-call of ReplicaComm.average sleeps `comm_sleep` first (a slow link), every inner step sleeps `step_sleep` (a slow
-model). Each rank writes `rank<r>.json`: the (start, end) of every average call and the end time of every step,
-all from one perf_counter clock.
+call of ReplicaComm.sum_replicas sleeps `comm_sleep` first (a slow link), every inner step sleeps `step_sleep`
+(a slow model). Each rank writes `rank<r>.json`: the (start, end) of every sum_replicas call and the end time of
+every step, all from one perf_counter clock.
 """
 
 import json
@@ -24,7 +24,7 @@ settings = json.loads(sys.argv[1])
 out = Path(settings["out"])
 exchanges: list[tuple[float, float]] = []
 step_ends: list[tuple[int, float]] = []
-original_average = ReplicaComm.average
+original_average = ReplicaComm.sum_replicas
 
 
 def slow_average(self, *args, **kwargs):
@@ -35,7 +35,7 @@ def slow_average(self, *args, **kwargs):
     return result
 
 
-ReplicaComm.average = slow_average
+ReplicaComm.sum_replicas = slow_average
 
 
 class SlowSteps(TrainerCallback):
