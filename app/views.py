@@ -26,7 +26,8 @@ from hf_diloco.runs import LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-ROUND_COLUMNS = ["round", "step", "train loss", "eval loss", "Δ norm", "MB sent", "sync s", "compute s", "tokens/s"]
+ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "codec", "× fewer",
+                 "sync s", "blocked s", "compute s", "tokens/s"]
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "codec", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
@@ -146,8 +147,12 @@ def status_html(run: Run | None) -> str:
     if rounds:
         last = rounds[-1]
         sent = sum(r["bytes_per_replica"] for r in rounds)
+        blocked = sum(r.get("blocked_seconds", r["sync_seconds"]) for r in rounds)
+        codec = last.get("compression", "none")
+        ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
         parts.append(f"round {last['round']} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
-                     f" · {last['num_replicas']} replicas · sent {sent / 1e6:,.1f} MB/replica")
+                     f" · {last['num_replicas']} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
+                     f" · waited for syncs {blocked:,.1f} s")
     elif trainer_kind(run) == "ddp":
         losses = [e["loss"] for e in log if "loss" in e]
         parts.append((f"loss {losses[-1]:.4f} · " if losses else "") + "DDP baseline: no syncs "
@@ -286,9 +291,14 @@ def bytes_figure(run: Run | None, rounds: list[dict]):
 
 
 def round_rows(rounds: list[dict]) -> pd.DataFrame:
-    rows = [[r["round"], r["step"], round(r["loss"], 4),
+    def ratio(r: dict):
+        value = r.get("compression_ratio")
+        return round(value, 1) if value else None
+
+    rows = [[r["round"], r["step"], ",".join(map(str, r.get("fragments", [0]))), round(r["loss"], 4),
              round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
-             round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), round(r["sync_seconds"], 3),
+             round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), r.get("compression", "none"),
+             ratio(r), round(r["sync_seconds"], 3), round(r.get("blocked_seconds", r["sync_seconds"]), 3),
              round(r["compute_seconds"], 2), round(r["tokens_per_second"])] for r in reversed(rounds)]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 

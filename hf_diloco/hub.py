@@ -42,6 +42,11 @@ DILOCO_ROWS = (
     ("outer_nesterov", "Nesterov", True),
     ("replica_group_size", "processes per replica", 1),
     ("data_sharding", "data sharding", "iid"),
+    ("compression", "pseudo-gradient codec", "none"),
+    ("error_feedback", "error feedback", False),
+    ("num_fragments", "streaming fragments", 1),
+    ("sync_delay", "sync overlapped with inner steps (τ)", 0),
+    ("fragment_alpha", "mixing when a sync lands (α)", 0.0),
 )
 
 
@@ -184,6 +189,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
         "bytes sent per replica": summary.get("bytes_per_replica"),
         "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
+        "seconds the inner loop waited for syncs": summary.get("blocked_seconds"),
         "tokens/s (all replicas)": summary.get("tokens_per_second"),
     }
     for key, value in results.items():

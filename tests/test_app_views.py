@@ -113,3 +113,20 @@ def test_status_bar_shows_phase_while_starting_and_a_failed_runs_reason(tmp_path
 def test_card_preview_drops_front_matter_and_images():
     metadata, body = views.card_preview("---\ntags:\n- diloco\n---\n# Model\n\n![curve](training_curve.png)\ntext")
     assert metadata == "tags:\n- diloco" and body == "# Model\n\ntext"
+
+
+def test_compressed_streamed_rounds_show_codec_ratio_fragments_and_waiting(tmp_path):
+    """What Live shows for a slow-link run: the codec, how many times fewer bytes than fp32, the fragment each
+    round synced and how long the inner loop waited for it."""
+    rounds = []
+    for n, fragment in ((1, 1), (2, 2)):
+        record = round_record(n)
+        record.update(compression="int4+ef", compression_ratio=7.93, fragments=[fragment], sync_seconds=0.4,
+                      blocked_seconds=0.02)
+        rounds.append(record)
+    table = views.round_rows(rounds)
+    newest = table.iloc[0]
+    assert (newest["fragments"], newest["codec"], newest["× fewer"]) == ("2", "int4+ef", 7.9)
+    assert (newest["sync s"], newest["blocked s"]) == (0.4, 0.02)
+    bar = views.status_html(make_run(tmp_path, rounds=rounds))
+    assert "int4+ef (7.9× fewer bytes)" in bar and "waited for syncs 0.0 s" in bar

@@ -109,3 +109,17 @@ def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
     assert "using DiLoCo" not in card and "DiLoCo settings" not in card and "- diloco" not in card
     assert "inner_steps" not in card and "replicas" not in card
     assert "| processes | 1 |" in card and "| max_steps | 2 |" in card
+
+
+def test_card_of_a_slow_link_run_lists_its_codec_and_streaming_settings(tmp_path):
+    """The settings table says which codec, error feedback, fragments and overlap the run used."""
+    from hf_diloco import DiLoCoConfig
+    from hf_diloco.hub import model_card, run_settings
+
+    args = DiLoCoConfig(output_dir=str(tmp_path), inner_steps=50, compression="int4", error_feedback=True,
+                        num_fragments=5, sync_delay=2, report_to="none")
+    card = model_card(tmp_path, settings=run_settings(args, trainer="diloco"))
+    assert "| pseudo-gradient codec (`compression`) | int4 | none |" in card
+    assert "| error feedback (`error_feedback`) | True | False |" in card
+    assert "| streaming fragments (`num_fragments`) | 5 | 1 |" in card
+    assert "| sync overlapped with inner steps (τ) (`sync_delay`) | 2 | 0 |" in card
