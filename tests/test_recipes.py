@@ -47,11 +47,19 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
     total, trainable = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|trainable)",
                                                                       plan["model"]))
     assert (trainable < total / 10) if values.get("lora_r", 0) > 0 else trainable == total
-    sent = plan["sent across replicas per process per round, M=8"]
-    number, unit = sent.split()[:2]
-    scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
-    # Ring all-reduce with M = 8 sends 2 * 7/8 of the fp32 pseudo-gradient per process per round.
-    assert float(number) * scale == pytest.approx(trainable * 4 * 2 * 7 / 8, rel=0.01)
+    # Ring all-reduce with M = 8 sends 2 * 7/8 of the fp32 pseudo-gradient per process per round; a codec sends
+    # what its own entry in the per-codec row says.
+    by_codec = {name: as_bytes(amount) for name, amount in
+                (entry.split(" ", 1) for entry in plan["per round by codec"].split(", "))}
+    assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * 7 / 8, rel=0.01)
+    sent = as_bytes(plan["sent across replicas per process per round, M=8"])
+    assert sent == by_codec[values.get("compression", "none")]
+
+
+def as_bytes(text: str) -> float:
+    """'7.58 MB ...' -> 7.58e6."""
+    number, unit = text.split()[:2]
+    return float(number) * {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
 
 
 def test_paper_recipe_dry_run_describes_the_paper_setup():
