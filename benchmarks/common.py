@@ -47,6 +47,13 @@ VARIANTS: dict[str, list[str]] = {
     "int4+EF": ["--compression", "int4", "--error_feedback", "true"],
     "sparse+EF": ["--compression", "sparse", "--error_feedback", "true"],
     "streaming P=2 tau=5": ["--num_fragments", "2", "--sync_delay", "5", "--fragment_alpha", "0.5"],
+    # SparseLoCo's own settings: the error-feedback accumulator (β = 0.95) plays momentum's role, outer SGD lr 1.
+    "SparseLoCo": ["--compression", "sparse", "--error_feedback", "true", "--error_feedback_decay", "0.95",
+                   "--outer_lr", "1.0", "--outer_momentum", "0.0"],
+    # Streaming DiLoCo over a slow link: 5 fragments (embeddings + one per layer of the tiny Llama; H = 50 needs
+    # H % F == 0, so the paper's F = 4 becomes 5 here), each overlapped with 2 inner steps, int4 + error feedback.
+    "stream F=5 tau=2 int4+EF": ["--num_fragments", "5", "--sync_delay", "2", "--compression", "int4",
+                                 "--error_feedback", "true"],
 }
 
 

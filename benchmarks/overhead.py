@@ -58,7 +58,7 @@ def main() -> None:
     variants = selected_variants(args)
     steps, inner = (40, 20) if args.quick else (50, 50)
     common = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy",
-              "no", "--logging_steps", str(steps)]
+              "no", "--save_every_rounds", "0", "--logging_steps", str(steps)]
     runs = []
     with tempfile.TemporaryDirectory() as tmp_name:
         try:

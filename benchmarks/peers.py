@@ -68,7 +68,8 @@ def main() -> None:
         skip("peers", "torchft is not installed (pip install -e '.[bench]' installs torchft==0.2.0).")
     steps, inner = (60, 20) if args.quick else (400, 50)
     overrides = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
-                 str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps)]
+                 str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0",
+                 "--logging_steps", str(steps)]
     results = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -43,7 +43,8 @@ def main() -> None:
     variants = selected_variants(args)
     steps, inner = (100, 25) if args.quick else (400, 50)
     common = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
-              str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps)]
+              str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0",
+              "--logging_steps", str(steps)]
     from hf_diloco.comm import ring_all_reduce_bytes
     from hf_diloco.models import build_preset, byte_tokenizer
 

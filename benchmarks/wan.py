@@ -80,7 +80,8 @@ FULL = [Group(("unlimited", "100mbit", "10mbit"), steps=100, inner_steps=50),
         Group(("1mbit",), steps=50, inner_steps=50)]
 QUICK = Group(("10mbit",), steps=20, inner_steps=10)
 
-TRAIN = ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no", "--log_level", "info"]
+TRAIN = ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0",
+         "--log_level", "info"]
 
 
 @dataclass

@@ -116,10 +116,13 @@ class StopOnRequest(TrainerCallback):
         self.stopped_at: int | None = None
         self.saved: str | None = None
         self.outer_loop_request = None
+        self.outer_loop_stopped_at = None
 
-    def attach(self, request_stop) -> None:
-        """Hand requests to a DiLoCo outer loop (`trainer.diloco.request_stop`) instead of stopping per step."""
+    def attach(self, request_stop, stopped_at=None) -> None:
+        """Hand requests to a DiLoCo outer loop (`trainer.diloco.request_stop`) instead of stopping per step;
+        `stopped_at()` tells the step at which the outer loop stopped on a request (from any replica), or None."""
         self.outer_loop_request = request_stop
+        self.outer_loop_stopped_at = stopped_at
 
     def request(self) -> None:
         """Ask for a stop; safe to call from a signal handler."""
@@ -160,8 +163,9 @@ class StopOnRequest(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        if self.outer_loop_request is not None and self.requested and state.global_step < state.max_steps:
-            self.stopped_at = state.global_step  # the outer loop stopped at this round boundary
+        if self.outer_loop_request is not None:  # the outer loop stopped at a round boundary, on any replica's request
+            self.stopped_at = self.outer_loop_stopped_at() if self.outer_loop_stopped_at else (
+                state.global_step if self.requested and state.global_step < state.max_steps else None)
         if self.stopped_at is not None:
             checkpoint = self.saved if self.saved == f"checkpoint-{self.stopped_at}" else None
             _write_json(self.folder / STOPPED_FILE, {"step": self.stopped_at, "checkpoint": checkpoint,

@@ -150,9 +150,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def stop_on_request(trainer) -> None:
         if isinstance(trainer, DiLoCoTrainer):
-            stopper.attach(trainer.diloco.request_stop)  # DiLoCo stops at a round boundary, all replicas together
-        # `<output_dir>/stop.request` or `kill -USR1` (what the app's Stop does): stop with a checkpoint, exit.
-        signal.signal(signal.SIGUSR1, lambda *_: stopper.request())
+            # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
+            stopper.attach(trainer.diloco.request_stop, lambda: trainer.diloco.stopped_at)
+        # `<output_dir>/stop.request` (what the app's Stop writes), `kill -USR1`, and SIGTERM/SIGINT (what SLURM and
+        # other schedulers send before a preemption, and Ctrl-C): finish the round, save a checkpoint, exit 0. A
+        # second SIGTERM/SIGINT is not caught: it ends the process at once.
+        def graceful(signum, _frame) -> None:
+            stopper.request()
+            if signum != signal.SIGUSR1:
+                signal.signal(signum, signal.SIG_DFL)
+                print(f"[diloco] {signal.Signals(signum).name}: stopping at the end of this round with a checkpoint "
+                      f"(send it again to stop at once)", flush=True)
+
+        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, graceful)
 
     trainer = training.train(run, config, callbacks=[RunRecorder(config.output_dir), stopper],
                              before_train=stop_on_request)
@@ -175,11 +186,41 @@ def cmd_launch(args: argparse.Namespace) -> int:
     training.resolve_checkpoint(config)
     if not run.dry_run:
         training.check_output_dir(config)
+    if args.max_restarts < 0:
+        raise CLIError(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
     print(" ".join(command), flush=True)
     if args.dry_run:
         return 0
-    return subprocess.run(command).returncode
+    return run_with_restarts(command, args.max_restarts)
+
+
+def run_with_restarts(command: list[str], max_restarts: int) -> int:
+    """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
+    checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted.
+
+    The restart loop is ours rather than accelerate's `--max_restarts`: with accelerate's default static rendezvous
+    a restarted gloo group cannot connect (it reaches for the dead processes' addresses).
+    """
+    stopping = []
+
+    def note_stop(signum, _frame) -> None:  # the children got the signal too (same process group)
+        stopping.append(signum)
+
+    previous = {signum: signal.signal(signum, note_stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for attempt in range(max_restarts + 1):
+            code = subprocess.run(command).returncode
+            if code == 0 or stopping or attempt == max_restarts:
+                return code
+            print(f"[diloco] the run failed (exit status {code}); restart {attempt + 1} of {max_restarts}, resuming "
+                  f"from the newest complete checkpoint", flush=True)
+            if command[-2:] != ["--resume_from_checkpoint", "auto"]:
+                command = [*command, "--resume_from_checkpoint", "auto"]  # the last occurrence of a flag wins
+        return code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -270,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--port", type=int, help="rendezvous port of the main process (default: the config's)")
     launch.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    launch.add_argument(
+        "--max-restarts", type=int, default=0, metavar="N",
+        help="start the launch again, up to N times, when it fails; each restart resumes from the newest complete "
+             "checkpoint (resume_from_checkpoint auto). A run stopped by SIGTERM/SIGINT is not restarted (default 0)",
+    )
     launch.set_defaults(func=cmd_launch)
 
     demo = sub.add_parser("demo", help="2-replica DiLoCo run on the built-in tiny model and corpus (CPU)")

@@ -134,7 +134,7 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "Streaming DiLoCo: sync the model in F fragments, one every inner_steps/F steps, each "
                           "fragment once per inner_steps (peak bandwidth drops F-fold). With F > 1, fragment 0 holds "
                           "the non-layer parameters (embeddings, final norm, head) and the layers are spread over "
-                          "the other F-1. Needs inner_steps % F == 0."},
+                          "the other F-1. inner_steps must be a multiple of F."},
     )
     fragment_pattern: str = field(
         default="strided",

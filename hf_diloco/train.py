@@ -66,19 +66,18 @@ def check_output_dir(config: DiLoCoConfig) -> None:
         )
 
 
-def newest_complete_checkpoint(output_dir: str, announce: bool = True) -> str | None:
+def newest_complete_checkpoint(output_dir: str, clean_up: bool = True) -> str | None:
     """The newest `checkpoint-<step>` in output_dir (complete by construction: DiLoCoTrainer renames a checkpoint
-    to that name only when every process's part is written). Leftover `tmp-checkpoint-*` folders, from a process
-    that died while saving, are removed with a one-line notice."""
+    to that name only when every process's part is written). With `clean_up` (the main process), leftover
+    `tmp-checkpoint-*` folders, from a process that died while saving, are removed with a one-line notice."""
     from .trainer import TEMPORARY_PREFIX
 
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    for leftover in sorted(out.glob(f"{TEMPORARY_PREFIX}*")):
-        if announce:
-            print(f"[diloco] removing {leftover.name}: an incomplete checkpoint from a process that stopped while "
-                  f"saving", flush=True)
+    for leftover in sorted(out.glob(f"{TEMPORARY_PREFIX}*")) if clean_up else []:
+        print(f"[diloco] removing {leftover.name}: an incomplete checkpoint from a process that stopped while "
+              f"saving", flush=True)
         shutil.rmtree(leftover, ignore_errors=True)
     steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
     return str(out / f"checkpoint-{max(steps)}") if steps else None
@@ -91,16 +90,16 @@ def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
     `latest`: the newest complete checkpoint, which must exist. Anything else: that folder.
     """
     value = config.resume_from_checkpoint
+    main = int(os.environ.get("RANK", "0") or 0) == 0
     if value == "auto" or (not value and restarted()):
-        main = int(os.environ.get("RANK", "0") or 0) == 0
-        found = newest_complete_checkpoint(config.output_dir, announce=main)
+        found = newest_complete_checkpoint(config.output_dir, clean_up=main)
         if found and main:
             print(f"[diloco] resuming from {found}", flush=True)
         return found
     if not value:
         return None
     if value in ("latest", "last", "True", "true"):
-        found = newest_complete_checkpoint(config.output_dir)
+        found = newest_complete_checkpoint(config.output_dir, clean_up=main)
         if found is None:
             raise ConfigError(
                 f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder."
@@ -187,7 +186,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
     per_round = by_codec[config.compression]
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
-    return {
+    plan = {
         "trainer": run.trainer,
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
@@ -210,6 +209,16 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),
     }
+    if run.trainer == "ddp":  # the baseline has no rounds: what it sends is a gradient all-reduce every step
+        plan = {key: value for key, value in plan.items() if key in DDP_PLAN_KEYS}
+        plan["model"] = plan["model"].replace(" and synced", "")
+        plan["sent per process per step (gradient all-reduce)"] = format_bytes(
+            ring_all_reduce_bytes(trainable * 4, replicas * group if replicas > 1 else 8))
+    return plan
+
+
+DDP_PLAN_KEYS = ("trainer", "model", "data", "replicas in this launch", "inner optimizer",
+                 "tokens per inner step per process")
 
 
 def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:

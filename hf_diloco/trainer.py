@@ -122,7 +122,7 @@ class DiLoCoTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if self.args.data_sharding == "non_iid" and self.args.world_size > 1 and hasattr(dataset, "__len__"):
+        if self.args.data_sharding == "non_iid" and self.args.world_size > 1:
             return ReplicaSliceSampler(
                 len(dataset), self.args.process_index, self.args.world_size, self.args.seed,
                 shuffle=self.args.train_sampling_strategy != "sequential",
@@ -130,6 +130,11 @@ class DiLoCoTrainer(Trainer):
         return super()._get_train_sampler(train_dataset)
 
     def get_train_dataloader(self):
+        if self.args.data_sharding == "non_iid" and not hasattr(self.train_dataset, "__len__"):
+            raise ConfigError(
+                "data_sharding non_iid cuts the corpus into one contiguous slice per replica, which a streamed "
+                "dataset does not have; set streaming: false or data_sharding: iid."
+            )
         loader = super().get_train_dataloader()
         # A ReplicaSliceSampler already picks this replica's examples; Accelerate's batch sharding on top would
         # keep only every M-th of its batches, so that wrapper is made a pass-through.
@@ -275,6 +280,7 @@ class OuterLoopCallback(TrainerCallback):
         self.history: list[dict] = []
         self.initial_eval_loss: float | None = None
         self.stop_requested = False
+        self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
         self.in_flight: InFlight | None = None
         self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
@@ -393,6 +399,7 @@ class OuterLoopCallback(TrainerCallback):
                 if every and (self.completed_rounds % every == 0 or step >= state.max_steps):
                     control.should_save = True
             if stop and step < state.max_steps:
+                self.stopped_at = step
                 if self.trainer.is_world_process_zero():
                     logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
                 control.should_save = True

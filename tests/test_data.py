@@ -109,3 +109,26 @@ def test_streamed_dataset_without_text_column_is_refused(tmp_path):
     path.write_text(json.dumps({"body": "x"}))
     with pytest.raises(ConfigError, match="body"):
         build_datasets(RunArguments(dataset_name=str(path), streaming=True), byte_tokenizer())
+
+
+def test_non_iid_with_a_streamed_dataset_is_refused_from_python_too(tmp_path):
+    """The Python path (DiLoCoTrainer with an iterable dataset) says why in one sentence instead of silently
+    falling back to i.i.d. shards."""
+    import pytest
+    from datasets import IterableDataset
+    from helpers import pattern_blocks, tiny_llama
+    from transformers import default_data_collator
+
+    from hf_diloco import DiLoCoConfig, DiLoCoTrainer
+    from hf_diloco.errors import ConfigError
+
+    def blocks():
+        for block in pattern_blocks(16):
+            yield {"input_ids": block, "labels": block}
+
+    config = DiLoCoConfig(output_dir=str(tmp_path), data_sharding="non_iid", max_steps=2, inner_steps=1,
+                          report_to="none", save_every_rounds=0)
+    trainer = DiLoCoTrainer(model=tiny_llama(), args=config, train_dataset=IterableDataset.from_generator(blocks),
+                            data_collator=default_data_collator)
+    with pytest.raises(ConfigError, match="non_iid cuts the corpus into one contiguous slice per replica"):
+        trainer.train()

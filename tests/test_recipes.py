@@ -36,6 +36,12 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
               **yaml.safe_load((RECIPES / recipe).read_text())}
     plan = read_plan(result.stdout)
     assert plan["trainer"] == values["trainer"]
+    if values["trainer"] == "ddp":  # no rounds: no H, outer optimizer or codecs, a gradient all-reduce per step
+        assert not any(key.startswith(("inner_steps", "outer", "per round", "streaming")) for key in plan)
+        trainable = int(re.search(r"([\d,]+) trainable", plan["model"]).group(1).replace(",", ""))
+        assert as_bytes(plan["sent per process per step (gradient all-reduce)"]) == pytest.approx(
+            trainable * 4 * 2 * 7 / 8, rel=0.01)
+        return
     assert plan["inner_steps (H)"] == str(values["inner_steps"])
     nesterov = values["outer_nesterov"] and values["outer_momentum"] > 0
     assert plan["outer optimizer"] == (f"{values['outer_optimizer']} lr {float(values['outer_lr'])} momentum "

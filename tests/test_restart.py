@@ -1,0 +1,128 @@
+"""Nothing lost when a process dies: atomic round checkpoints, `resume_from_checkpoint: auto`, and torchelastic's
+automatic restart (`--max_restarts`), with real 2-process runs of `hf-diloco train` on the tiny Llama (gloo).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
+from safetensors.torch import load_file
+
+from hf_diloco.metrics import read_sync_rounds
+
+RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
+SLOW_SAVE = str(REPO / "tests" / "scripts" / "slow_save_run.py")
+
+
+def train_args(output_dir: Path, max_steps: int, inner_steps: int) -> list[str]:
+    return ["train", "--config", RECIPE, "--output_dir", str(output_dir), "--max_steps", str(max_steps),
+            "--inner_steps", str(inner_steps), "--block_size", "64", "--per_device_train_batch_size", "2",
+            "--eval_strategy", "no", "--eval_on_start", "false", "--logging_steps", "1000", "--disable_tqdm", "true"]
+
+
+def launch(target: list[str], *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_2PROC),
+               "--main_process_port", str(free_port()), *extra, *target]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: int = 400) -> str:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    return out
+
+
+def wait_for(condition, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out waiting"
+        time.sleep(0.2)
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "model.safetensors")
+
+
+def assert_same_model(a: Path, b: Path) -> None:
+    first, second = final_weights(a), final_weights(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.allclose(first[name], second[name], atol=1e-5), f"{name} differs by more than 1e-5"
+
+
+def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    """SIGKILL to every process while checkpoint-20 is half written: no `checkpoint-20` appears, only its
+    `tmp-` folder; `auto` removes that with a notice, resumes from checkpoint-10, and ends with the model of a
+    run that was never interrupted (1e-5)."""
+    out, marker = tmp_path / "run", tmp_path / "saving"
+    run = launch([SLOW_SAVE, str(marker), "20", *train_args(out, 40, 10)])
+    wait_for(marker.exists)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.communicate()
+    names = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
+    assert names == ["checkpoint-10", "tmp-checkpoint-20"]
+
+    resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 40, 10), "--resume_from_checkpoint", "auto"]))
+    assert "removing tmp-checkpoint-20" in resumed and f"resuming from {out / 'checkpoint-10'}" in resumed
+    rounds = read_sync_rounds(out)
+    assert [r["step"] for r in rounds] == [10, 20, 30, 40]
+    assert rounds[1]["resumed_from"] == str(out / "checkpoint-10")
+    assert 0 <= rounds[1]["steps_lost"] <= 10
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-30", "checkpoint-40"]
+
+    clean = tmp_path / "clean"
+    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 40, 10)]))
+    assert_same_model(out, clean)
+
+
+def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
+    """`hf-diloco launch --max-restarts 1`: SIGKILL one replica mid-run; torchelastic restarts both processes,
+    which find the newest complete checkpoint without any flag, lose at most one round, and end with an
+    uninterrupted run's model."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
+               str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
+               *train_args(out, 120, 10)[3:]]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
+                           start_new_session=True)
+    wait_for(lambda: (out / "checkpoint-30").exists())
+    workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
+    pids = [int(pid) for pid in workers.stdout.split()]
+    launcher = subprocess.run(["pgrep", "-f", f"accelerate.commands.launch.*{out}"], capture_output=True, text=True)
+    worker = max(set(pids) - {int(pid) for pid in launcher.stdout.split()})
+    os.kill(worker, signal.SIGKILL)
+    finish(run)
+    rounds = read_sync_rounds(out)
+    assert [r["step"] for r in rounds] == list(range(10, 121, 10))
+    resumed = [r for r in rounds if "resumed_from" in r]
+    assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10
+
+    clean = tmp_path / "clean"
+    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 120, 10)]))
+    assert_same_model(out, clean)
+    assert json.loads((out / "diloco_summary.json").read_text())["steps"] == 120
+
+
+def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_checkpoint(tmp_path):
+    """What a scheduler sends before a preemption: the replica that got SIGTERM passes the request on with the
+    round's sync, every replica stops after the same step, the checkpoint is saved and the run exits 0."""
+    out = tmp_path / "run"
+    run = launch(["-m", "hf_diloco.cli", *train_args(out, 400, 10)])
+    wait_for(lambda: (out / "checkpoint-20").exists())
+    workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
+    launcher = subprocess.run(["pgrep", "-f", f"accelerate.commands.launch.*{out}"], capture_output=True, text=True)
+    worker = max({int(pid) for pid in workers.stdout.split()} - {int(pid) for pid in launcher.stdout.split()})
+    os.kill(worker, signal.SIGTERM)
+    stdout = finish(run)
+    assert "SIGTERM: stopping at the end of this round" in stdout
+    stopped = json.loads((out / "stopped.json").read_text())
+    last = read_sync_rounds(out)[-1]["step"]
+    assert stopped["step"] == last < 400 and last % 10 == 0
+    assert (out / f"checkpoint-{last}").is_dir()
