@@ -72,6 +72,81 @@ DATA_FILES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow")  # a name
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
+# --- what a run started from the app may set -------------------------------------------------------------------
+# Every DiLoCoConfig / RunArguments field of hf-diloco itself (read from hf_diloco/config.py without importing it),
+# plus the TrainingArguments that shape the training. Anything else (push_to_hub, hub_token, report_to, deepspeed,
+# logging or output paths, ...) is refused: pushing has its own tab, and the app decides where a run writes.
+TRAINING_KEYS = frozenset({
+    "learning_rate", "weight_decay", "warmup_steps", "warmup_ratio", "lr_scheduler_type", "max_grad_norm", "optim",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "gradient_checkpointing", "max_steps", "num_train_epochs", "seed", "data_seed",
+    "eval_strategy", "eval_steps", "eval_on_start", "save_strategy", "save_steps", "save_total_limit",
+    "logging_steps", "logging_first_step", "log_level", "disable_tqdm", "bf16", "fp16", "tf32", "use_cpu",
+    "dataloader_num_workers", "dataloader_drop_last", "train_sampling_strategy", "resume_from_checkpoint",
+    "output_dir", "report_to",
+})
+# Keys that may appear with some values only: the app sets the output folder, resumes only inside it, and reports
+# only to files on this machine (TensorBoard), never to an online tracker.
+RESUME_VALUES = ("auto", "latest", "", None)
+REPORT_VALUES = ("none", "tensorboard", None)
+
+
+def library_fields() -> frozenset[str]:
+    """The field names of DiLoCoConfig and RunArguments, read from the source (the app does not import torch)."""
+    import ast
+
+    tree = ast.parse((PROJECT / "hf_diloco" / "config.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("DiLoCoConfig", "RunArguments"):
+            names |= {item.target.id for item in node.body
+                      if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return frozenset(names)
+
+
+def check_recipe_keys(recipe: Path) -> dict:
+    """The recipe's values, if every key is one a run started from the app may set; a FormError otherwise."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(recipe.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise FormError(f"the recipe is not valid YAML ({str(error).splitlines()[0]}).") from None
+    if not isinstance(values, dict):
+        raise FormError("the recipe must be a mapping of field names to values.")
+    refused = sorted(set(values) - library_fields() - TRAINING_KEYS)
+    if refused:
+        raise FormError(
+            f"the app does not start runs that set {', '.join(map(repr, refused))}: a run started here may set "
+            f"hf-diloco's own fields and the training settings (learning rate, batch, schedule, evaluation, saving); "
+            f"push from the Push to Hub tab, and run anything else with `hf-diloco launch`."
+        )
+    if values.get("resume_from_checkpoint") not in RESUME_VALUES:
+        raise FormError("resume_from_checkpoint may only be 'auto' or 'latest' here (the run's own checkpoints).")
+    report = values.get("report_to")
+    if not set(report if isinstance(report, list) else [report]) <= set(REPORT_VALUES):
+        raise FormError(f"report_to may only be 'none' or 'tensorboard' here (files on this machine), got {report!r}.")
+    return values
+
+
+def check_layout(knobs: Knobs, recipe_values: dict) -> None:
+    """The process count fits the recipe's replica groups, as the launch would find out in every worker."""
+    replicas = str(knobs.replicas).strip()
+    group = recipe_values.get("replica_group_size", 1)
+    if replicas and isinstance(group, int) and group > 1 and int(replicas) % group:
+        raise FormError(f"replicas (processes) = {replicas} is not a multiple of the recipe's replica_group_size "
+                        f"= {group}; use a multiple of {group}.")
+
+
+def free_port() -> int:
+    """A port nobody listens on now, for one run's rendezvous (two runs at once must not share one)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check_knobs(knobs: Knobs) -> None:
     """Refuse a knob that cannot be right, with one sentence, before anything runs."""
     for name, (label, kind, low, high, low_allowed) in NUMBERS.items():

@@ -77,9 +77,14 @@ class App:
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         overrides, launch = forms.flags(knobs)
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
+        forms.check_layout(knobs, forms.check_recipe_keys(recipe))
         config = forms.config_path(config_name)
         name = (name or "").strip() or forms.auto_name(recipe_name or "", knobs)
-        plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, launch_args=launch, name=name)
+        # Each run gets its own rendezvous port unless the form names one (a run over several machines needs the
+        # port they agreed on: the form's, or the config's).
+        single_machine = str(knobs.num_machines).strip() in ("", "1")
+        port = forms.free_port() if single_machine and not str(knobs.main_process_port).strip() else None
+        plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, port=port, launch_args=launch, name=name)
         forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir])
         return plan
 
@@ -402,8 +407,12 @@ def serve(host: str = "127.0.0.1", port: int = 7860, runs_dir: Path = Path("runs
             print("hf-diloco: error: --auth must look like user:password.", file=sys.stderr)
             return 2
         credentials = tuple(auth.split(":", 1))
-    elif host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: the app is reachable on {host} without --auth", file=sys.stderr)
+    elif share or host not in ("127.0.0.1", "localhost", "::1"):
+        # The app starts processes on this machine: nobody else reaches it without a password.
+        exposure = "a public share link" if share else f"--host {host}"
+        print(f"hf-diloco: error: {exposure} lets others start runs on this machine; add --auth user:password "
+              f"(or set HF_DILOCO_APP_AUTH).", file=sys.stderr)
+        return 2
     build(runs_dir).launch(server_name=host, server_port=port, auth=credentials, share=share, css=CSS,
                            show_error=True)
     return 0

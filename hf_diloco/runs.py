@@ -31,6 +31,8 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -42,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RUN_FILE = "run.json"
+LOCK_FILE = "run.lock"
 LOG_FILE = "run.log"
 OUTPUT_DIR = "output"
 STOP_SIGNAL = signal.SIGUSR1
@@ -96,6 +99,31 @@ def _write(run_dir: Path, run: Run) -> None:
 
 def _read(run_dir: Path) -> Run:
     return Run(**json.loads((run_dir / RUN_FILE).read_text()))
+
+
+@contextlib.contextmanager
+def _updating(run_dir: Path):
+    """Read-modify-write of run.json under an exclusive lock: the app (start, stop), the supervisor (exit) and the
+    reaper each change a few fields, and none of them may undo another's change."""
+    with (run_dir / LOCK_FILE).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            run = _read(run_dir)
+            yield run
+            _write(run_dir, run)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# Secrets of the app's own process that a training process must not see: Hub tokens (only the push process gets
+# one) and the app's password. huggingface_hub is also told not to pick up a stored login by itself.
+SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN", "HF_API_TOKEN", "HF_DILOCO_APP_AUTH")
+
+
+def training_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a run's processes get: the app's, less its secrets."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in SECRETS}
+    return {**env, "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _alive(pid: int | None, marker: str) -> bool:
@@ -163,15 +191,15 @@ def start_planned(run: Run) -> Run:
     run_dir.mkdir(parents=True)
     run.created = time.time()  # the run's clock starts now, not when it was planned
     _write(run_dir, run)
-    with (run_dir / LOG_FILE).open("ab") as log:  # the supervisor's own errors, if any, end up in the log
-        supervisor = subprocess.Popen(
-            [sys.executable, "-m", "hf_diloco.runs", "supervise", str(run_dir)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )
-    run.supervisor_pid = supervisor.pid
-    run.status = "running"
-    _write(run_dir, run)
-    return run
+    with _updating(run_dir) as current:  # held until the pid is recorded: the supervisor's end waits for it
+        with (run_dir / LOG_FILE).open("ab") as log:  # the supervisor's own errors, if any, end up in the log
+            supervisor = subprocess.Popen(
+                [sys.executable, "-m", "hf_diloco.runs", "supervise", str(run_dir)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=training_env(),
+            )
+        current.supervisor_pid = supervisor.pid
+        current.status = "running"
+    return _read(run_dir)
 
 
 def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
@@ -216,9 +244,11 @@ def stop(run_dir: Path, grace_seconds: float = 600.0) -> Run:
     # Read by the runs' StopOnRequest callback at every step, from before the first one. No signal is sent: a
     # process still importing would die of SIGUSR1 (`kill -USR1` works by hand once training runs).
     (Path(run.output_dir) / STOP_FILE).write_text(f"{time.time()}\n")
-    run.stop_requested = run.stop_requested or time.time()
-    run.status = "stopping"
-    _write(run_dir, run)
+    with _updating(run_dir) as run:
+        if run.status not in ACTIVE:  # it ended meanwhile: its own final status stands
+            return run
+        run.stop_requested = run.stop_requested or time.time()
+        run.status = "stopping"
     subprocess.Popen(
         [sys.executable, "-m", "hf_diloco.runs", "reap", str(run_dir), str(grace_seconds)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -230,19 +260,18 @@ def _supervise(run_dir: Path) -> int:
     """Run the command, then record how it ended."""
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # the stop signal is for the trainers
     run = _read(run_dir)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DILOCO_STOP_SIGNAL": "1"}
+    env = {**training_env(), "HF_DILOCO_STOP_SIGNAL": "1"}
     with (run_dir / LOG_FILE).open("ab") as log:
         log.write(("$ " + " ".join(run.command) + "\n").encode())
         log.flush()
         code = subprocess.call(run.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-    run = _read(run_dir)  # the app may have asked to stop meanwhile
-    run.exit_code = code
-    run.ended = time.time()
-    stopped = (Path(run.output_dir) / STOPPED_FILE).exists()  # what the run did, not what was asked
-    run.status = ("stopped" if stopped else "finished") if code == 0 else "failed"
-    if code != 0:
-        run.reason = failure_reason(run_dir / LOG_FILE) or f"the run exited with status {code}; see its log."
-    _write(run_dir, run)
+    with _updating(run_dir) as run:  # the app may have asked to stop meanwhile: its fields are kept
+        run.exit_code = code
+        run.ended = time.time()
+        stopped = (Path(run.output_dir) / STOPPED_FILE).exists()  # what the run did, not what was asked
+        run.status = ("stopped" if stopped else "finished") if code == 0 else "failed"
+        if code != 0:
+            run.reason = failure_reason(run_dir / LOG_FILE) or f"the run exited with status {code}; see its log."
     return code
 
 
@@ -276,10 +305,12 @@ def _reap(run_dir: Path, grace_seconds: float) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        run.status, run.ended = "failed", time.time()
-        run.exit_code = run.exit_code if run.exit_code is not None else -signal.SIGKILL
-        run.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
-        _write(run_dir, run)
+        with _updating(run_dir) as current:
+            if current.status not in ACTIVE:  # its supervisor recorded the end first
+                return
+            current.status, current.ended = "failed", time.time()
+            current.exit_code = current.exit_code if current.exit_code is not None else -signal.SIGKILL
+            current.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
 
 
 if __name__ == "__main__":

@@ -119,3 +119,38 @@ def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
     assert "repo id" in spaces and "not valid" in spaces
     assert "no Hugging Face token" in no_token
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+
+
+TINY = TINY_YAML
+BAD_DRAFTS = {
+    "push from a run": (TINY + "push_to_hub: true\n", {}, "does not start runs that set 'push_to_hub'"),
+    "a token in the recipe": (TINY + "hub_token: hf_abc\n", {}, "'hub_token'"),
+    "an online tracker": (TINY.replace("report_to: none", "report_to: wandb"), {}, "report_to may only be"),
+    "DeepSpeed": (TINY + "deepspeed: ds.json\n", {}, "'deepspeed'"),
+    "resume from anywhere": (TINY + "resume_from_checkpoint: /tmp/other/checkpoint-5\n", {},
+                             "resume_from_checkpoint may only be 'auto' or 'latest'"),
+    "3 processes for groups of 2": (TINY + "replica_group_size: 2\n", {"replicas": 3},
+                                    "replicas (processes) = 3 is not a multiple of the recipe's replica_group_size"),
+}
+
+
+def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
+    """A draft recipe may set hf-diloco's fields and the training settings, nothing that pushes, tracks online,
+    shards the model or resumes from elsewhere; the process count must fit the replica groups (found in Preview, not
+    in every worker). Two runs previewed from one form get two rendezvous ports."""
+    runs_dir = tmp_path / "runs"
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        for case, (draft, values, words) in BAD_DRAFTS.items():
+            form = ["", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(**values)]
+            previewed = client.predict(*form, api_name="/preview")[1]
+            started = client.predict(*form, api_name="/start")[0]
+            for message in (previewed, started):
+                assert message.startswith("**Cannot start:**") and words in message, (case, message)
+        ports = set()
+        for name in ("first", "second"):
+            command = client.predict(name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(max_steps=5),
+                                     api_name="/preview")[0]
+            ports.add(command.split("--main_process_port")[1].split()[0])
+        assert len(ports) == 2
+    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []

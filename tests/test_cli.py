@@ -174,3 +174,12 @@ def test_streaming_with_non_iid_sharding_is_refused(tmp_path):
     assert result.returncode == 2
     assert_one_sentence_error(result, "non_iid", "stream")
     assert not (out / "model.safetensors").exists()
+
+
+def test_the_app_refuses_to_be_reachable_without_a_password():
+    """A share link or a non-loopback address lets others start processes here: both need --auth."""
+    for flags, words in ((["--host", "0.0.0.0"], "--host 0.0.0.0 lets others start runs"),
+                         (["--share"], "a public share link lets others start runs")):
+        result = hf_diloco("app", *flags, "--port", "1", timeout=120)
+        assert result.returncode == 2 and words in result.stderr and "--auth user:password" in result.stderr
+        assert "Traceback" not in result.stderr

@@ -127,3 +127,46 @@ def test_runs_module_does_not_import_torch():
     code = "import sys, hf_diloco.runs; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_run_does_not_see_the_servers_tokens_or_password(tmp_path, monkeypatch):
+    """Only the push process gets a Hub token: a run started by the app inherits neither HF_TOKEN (nor its older
+    names) nor the app's password, and huggingface_hub is told not to pick up a stored login."""
+    for name in runs.SECRETS:
+        monkeypatch.setenv(name, "secret-value-789")
+    folder = tmp_path / "envcheck"
+    script = ("import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+              f"{list(runs.SECRETS) + ['HF_HUB_DISABLE_IMPLICIT_TOKEN']!r}}}))")
+    runs.start_planned(runs.Run("envcheck", RECIPE, "c.yaml", [], [sys.executable, "-c", script],
+                                str(folder / "output")))
+    wait_for(lambda: runs.load(folder).status == "finished", 60, "the run to end")
+    seen = json.loads((folder / runs.LOG_FILE).read_text().strip().splitlines()[-1])
+    assert seen == {**{name: None for name in runs.SECRETS}, "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
+    assert not any(b"secret-value-789" in p.read_bytes() for p in folder.rglob("*") if p.is_file())
+
+
+def test_run_json_changes_from_two_writers_are_both_kept(tmp_path):
+    """The app's Stop and the supervisor's end each change run.json; a read-modify-write holds the lock, so the
+    second writer sees the first one's change instead of overwriting it."""
+    import threading
+
+    folder = tmp_path / "both"
+    folder.mkdir()
+    runs._write(folder, runs.Run("both", RECIPE, "c.yaml", [], ["true"], str(folder / "output"), status="running"))
+    first_has_read, second_done = threading.Event(), threading.Event()
+
+    def supervisor_end():
+        first_has_read.wait()
+        with runs._updating(folder) as run:  # waits for the app's update to be written
+            run.exit_code, run.status = 0, "finished"
+        second_done.set()
+
+    writer = threading.Thread(target=supervisor_end)
+    writer.start()
+    with runs._updating(folder) as run:
+        first_has_read.set()
+        assert not second_done.wait(0.5), "the second writer must wait for the lock"
+        run.stop_requested = 123.0
+    writer.join(10)
+    final = json.loads((folder / runs.RUN_FILE).read_text())
+    assert final["stop_requested"] == 123.0 and final["exit_code"] == 0 and final["status"] == "finished"
