@@ -173,7 +173,7 @@ class App:
         drawn = drawn or {}
         frames = {"loss": (views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
                   "norm": (views.norm_frame(rounds), "of", axis),
-                  "agreement": (views.agreement_frame(rounds), "replica", axis),
+                  "agreement": (views.agreement_frame(rounds, views.read_summary(run)), "replica", axis),
                   "time": (views.time_frame(rounds), "part", axis)}
         # A plot's colour map (and so its series) is sent one refresh after its data: the page rebuilds a plot
         # when the map changes, and takes the series from the value it already holds.

@@ -218,11 +218,21 @@ def norm_frame(rounds: list[dict]) -> pd.DataFrame:
     return _frame(rows, "round", "norm", "of")
 
 
-def agreement_frame(rounds: list[dict]) -> pd.DataFrame:
-    """cos(Δ_i, Δ) per replica, at the round it measures (it is reported with the next round's sync)."""
-    rows = [{"round": r["agreement_round"], "cosine": c, "replica": f"replica {i}"}
-            for r in rounds if "replica_agreement" in r for i, c in enumerate(r["replica_agreement"])]
+def agreement_frame(rounds: list[dict], summary: dict | None = None) -> pd.DataFrame:
+    """cos(Δ_i, Δ) per replica, at the round it measures (it is reported with the next round's sync; the last
+    round's arrives in the run's summary when it ends)."""
+    measured = [(r["agreement_round"], r["replica_agreement"]) for r in rounds if "replica_agreement" in r]
+    last = (summary or {}).get("last_round_agreement")
+    if last:
+        measured.append((last["round"], last["replica_agreement"]))
+    rows = [{"round": at, "cosine": c, "replica": f"replica {i}"} for at, values in measured
+            for i, c in enumerate(values)]
     return _frame(rows, "round", "cosine", "replica")
+
+
+def read_summary(run: Run | None) -> dict:
+    """The run's diloco_summary.json, once it has ended ({} before)."""
+    return _json(Path(run.output_dir) / "diloco_summary.json") if run is not None else {}
 
 
 def time_frame(rounds: list[dict]) -> pd.DataFrame:

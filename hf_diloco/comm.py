@@ -173,6 +173,21 @@ class ReplicaComm:
         keys = [f"hf_diloco/{name}/{rank}" for rank in range(self.num_replicas * self.group_size)]
         store.wait(keys, timedelta(seconds=timeout_seconds))
 
+    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
+        """Every replica's `value` (its first member's), through the rendezvous store; None outside a launch.
+
+        For numbers known only after the last collective (the last round's agreement): a few bytes at the end of
+        training, no collective.
+        """
+        store = self._store() if self.active else None
+        if store is None:
+            return None
+        if self.member == 0:
+            store.set(f"hf_diloco/{name}/{self.replica_index}", repr(float(value)))
+        keys = [f"hf_diloco/{name}/{replica}" for replica in range(self.num_replicas)]
+        store.wait(keys, timedelta(seconds=timeout_seconds))
+        return [float(store.get(key)) for key in keys]
+
     def absent(self, step: int) -> dict[int, int | None]:
         """Replicas that have not reached the sync of `step`, with the step of the last sync each reached."""
         store = self._store()

@@ -650,10 +650,15 @@ class OuterLoopCallback(TrainerCallback):
             self.background.shutdown(wait=True)
             self.background = None
         self._flush_pending()
+        # The last round's agreement has no next sync to ride with; each replica hands it over through the store.
+        last_agreement = self.comm.replica_values("last_agreement", self.previous_agreement, args.sync_timeout)
         if self.writer is None:
             return
         self.writer.close()
-        write_summary(args.output_dir, self.summary(state))
+        summary = self.summary(state)
+        if last_agreement is not None and self.history and all(math.isfinite(x) for x in last_agreement):
+            summary["last_round_agreement"] = {"round": self.history[-1]["round"], "replica_agreement": last_agreement}
+        write_summary(args.output_dir, summary)
 
     def summary(self, state) -> dict:
         rounds = self.history

@@ -130,3 +130,13 @@ def test_compressed_streamed_rounds_show_codec_ratio_fragments_and_waiting(tmp_p
     assert (newest["sync s"], newest["blocked s"]) == (0.4, 0.02)
     bar = views.status_html(make_run(tmp_path, rounds=rounds))
     assert "int4+ef (7.9× fewer bytes)" in bar and "waited for syncs 0.0 s" in bar
+
+
+def test_the_agreement_plot_includes_the_last_round_from_the_summary(tmp_path):
+    rounds = [round_record(1), round_record(2, agreement=[0.9, 0.8])]
+    summary = {"last_round_agreement": {"round": 2, "replica_agreement": [0.7, 0.6]}}
+    frame = views.agreement_frame(rounds, summary)
+    assert frame["round"].tolist() == [1, 1, 2, 2] and frame["cosine"].tolist() == [0.9, 0.8, 0.7, 0.6]
+    run = make_run(tmp_path, rounds=rounds)
+    (tmp_path / "output" / "diloco_summary.json").write_text(json.dumps(summary))
+    assert views.read_summary(run) == summary

@@ -79,6 +79,16 @@ def test_int4_with_error_feedback_trains(int4_run):
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
 
 
+def test_the_last_rounds_agreement_reaches_the_summary(int4_run):
+    """Agreement rides with the next sync, so the last round's comes through the store into the summary: one
+    cosine per replica, positive (each replica's Δ_i points with the mean of two) and at most 1."""
+    tmp, _, rounds = int4_run
+    last = json.loads((tmp / "run" / "diloco_summary.json").read_text())["last_round_agreement"]
+    assert last["round"] == rounds[-1]["round"] == 3
+    assert len(last["replica_agreement"]) == 2 and all(0 < c <= 1 for c in last["replica_agreement"])
+    assert rounds[-1]["agreement_round"] == 2, "the records carry the rounds before it"
+
+
 def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
     """SparseLoCo's recipe (2-bit values, error feedback 0.95, outer SGD lr 1 without momentum) with a quarter of
     each chunk kept, so that a 23k-parameter model learns in a few rounds (64 of 4096 needs hundreds)."""
