@@ -82,12 +82,6 @@ class DiLoCoTrainer(Trainer):
     >>> trainer.train()  # doctest: +SKIP
     """
 
-    _tag_names = ["diloco", "hf-diloco"]
-    _paper = {
-        "title": "DiLoCo: Distributed Low-Communication Training of Language Models",
-        "id": "2311.08105",
-    }
-
     def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, **kwargs):
         if args is None:
             args = DiLoCoConfig(output_dir="trainer_output")

@@ -183,3 +183,29 @@ def test_the_app_refuses_to_be_reachable_without_a_password():
         result = hf_diloco("app", *flags, "--port", "1", timeout=120)
         assert result.returncode == 2 and words in result.stderr and "--auth user:password" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "accelerate"])
+def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, how):
+    """Sharding one model over all processes would shard it over the replicas: refused in DiLoCoConfig itself, so
+    the documented `accelerate launch --config_file X -m hf_diloco.cli train` path (which sets ACCELERATE_USE_FSDP
+    or ACCELERATE_USE_DEEPSPEED) and the --fsdp/--deepspeed flags are caught as well as `hf-diloco launch`."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    cases = [(["--fsdp", "full_shard"], {}, "FSDP would shard one model across the DiLoCo replicas"),
+             (["--deepspeed", str(tmp_path / "ds.json")], {}, "DeepSpeed would shard one model")]
+    if how == "accelerate":
+        cases = [([], {"ACCELERATE_USE_FSDP": "true"}, "FSDP would shard"),
+                 ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed would shard")]
+    for flags, extra_env, words in cases:
+        command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" /
+                   "tiny-pretrain.yaml"), "--output_dir", str(tmp_path / "out"), *flags]
+        result = subprocess.run(command, capture_output=True, text=True, env={**env(), **extra_env}, cwd=REPO,
+                                timeout=120)
+        assert result.returncode == 2 and words in result.stderr, result.stderr[-1500:]
+        assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert os.environ.get("ACCELERATE_USE_FSDP") is None
