@@ -188,11 +188,13 @@ class DiLoCoTrainer(Trainer):
             trainer_module.PREFIX_CHECKPOINT_DIR = original
         (self._replica_dir(str(temporary)) / PART_COMPLETE_FILE).touch()
         self.comm.wait_for_parts(f"checkpoint-{step}", self.args.sync_timeout)
-        if self.is_local_process_zero():
+        # One process renames per filesystem, as Trainer saves: the main process, or each machine's with
+        # save_on_each_node (machines without a shared filesystem).
+        if self.args.should_save:
             if final.exists():  # a checkpoint of the same step from an earlier attempt of this run
                 shutil.rmtree(final)
             temporary.rename(final)
-            if self.args.should_save and self.args.save_total_limit:
+            if self.args.save_total_limit:
                 from transformers.trainer_utils import rotate_checkpoints
 
                 rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
