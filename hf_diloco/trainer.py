@@ -77,9 +77,11 @@ class DiLoCoTrainer(Trainer):
 
     Takes exactly what `Trainer` takes; `args` must be a `DiLoCoConfig`.
 
-    >>> trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
-    ...                         train_dataset=train, eval_dataset=held_out)  # doctest: +SKIP
-    >>> trainer.train()  # doctest: +SKIP
+    Example (a runnable version is in the README's "Python" section)::
+
+        trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
+                                train_dataset=train, eval_dataset=held_out)
+        trainer.train()
     """
 
     def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, **kwargs):
