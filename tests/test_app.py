@@ -83,8 +83,10 @@ BAD_FORMS = {
     "bad replicas": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(replicas="two")], "whole number"),
     "missing model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="models/missing-model")],
                       "'models/missing-model' is neither a local path"),
-    "not a model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="../../etc/passwd")],
+    "not a model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="/etc/passwd")],
                     "is not a model folder"),
+    "climbs out": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="../../no-such-model")],
+                   "model path '../../no-such-model' does not exist"),
     "missing dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="data/nothing.txt")],
                         "dataset path 'data/nothing.txt' does not exist"),
 }
