@@ -20,8 +20,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +225,31 @@ def run_with_restarts(command: list[str], max_restarts: int) -> int:
             signal.signal(signum, handler)
 
 
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    from .elastic import start_lighthouse
+
+    if args.min_replicas < 1:
+        raise CLIError(f"--min-replicas must be at least 1, got {args.min_replicas}.")
+    if not args.grace_seconds >= 0 or not args.heartbeat_timeout > 0:
+        raise CLIError("--grace-seconds must be 0 or more and --heartbeat-timeout above 0.")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        server = start_lighthouse(f"{host}:{args.port}", args.min_replicas, args.grace_seconds,
+                                  args.heartbeat_timeout)
+    except RuntimeError as error:
+        raise CLIError(f"the Lighthouse could not start on {args.host}:{args.port}: {first_line(error)}.") from None
+    port = server.address().rsplit(":", 1)[1]
+    print(f"[diloco] Lighthouse on {args.host}:{port} (min {args.min_replicas} replica(s), grace "
+          f"{args.grace_seconds:g} s); start replicas with --outer_backend torchft --lighthouse "
+          f"http://{socket.gethostname()}:{port} --replica_id N", flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    server.shutdown()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     for needed in (DEMO_RECIPE, DEMO_ACCELERATE_CONFIG):
         if not needed.is_file():
@@ -317,6 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
              "checkpoint (resume_from_checkpoint auto). A run stopped by SIGTERM/SIGINT is not restarted (default 0)",
     )
     launch.set_defaults(func=cmd_launch)
+
+    lighthouse = sub.add_parser(
+        "lighthouse", help="start torchft's Lighthouse, which forms the rounds of outer_backend torchft replicas")
+    lighthouse.add_argument("--host", default="0.0.0.0",
+                            help="address to bind (default 0.0.0.0: replicas on other machines can reach it)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="port (default 29510)")
+    lighthouse.add_argument("--min-replicas", type=int, default=1,
+                            help="a round starts once this many replicas have arrived (default 1)")
+    lighthouse.add_argument("--grace-seconds", type=float, default=5.0,
+                            help="then waits at most this long for the other live replicas (default 5)")
+    lighthouse.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                            help="seconds without a heartbeat after which a replica counts as gone (default 5)")
+    lighthouse.set_defaults(func=cmd_lighthouse)
 
     demo = sub.add_parser("demo", help="2-replica DiLoCo run on the built-in tiny model and corpus (CPU)")
     demo.add_argument("--output-dir", help="where the run goes (default: runs/demo-<time>)")

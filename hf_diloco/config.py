@@ -173,8 +173,44 @@ class DiLoCoConfig(TrainingArguments):
                           "with an error."},
     )
 
+    outer_backend: str = field(
+        default="torch",
+        metadata={"help": "torch: a fixed set of replicas started by one launch, a round is a barrier over all of "
+                          "them. torchft: each replica is its own launch and joins through a torchft Lighthouse; a "
+                          "round merges the replicas that arrived, a dead replica is left out and a new or restarted "
+                          "one heals from a live peer (needs pip install -e '.[ft]')."},
+        # choices: torch, torchft
+    )
+    lighthouse: str = field(
+        default="",
+        metadata={"help": "torchft: the Lighthouse address, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE)."},
+    )
+    replica_id: int = field(
+        default=0, metadata={"help": "torchft: this launch's replica number, 0 .. num_replicas-1 (its data shard)."}
+    )
+    num_replicas: int = field(
+        default=1,
+        metadata={"help": "torchft: replicas the training data is split among (each launch reads shard replica_id)."},
+    )
+    min_replicas: int = field(
+        default=1,
+        metadata={"help": "torchft: a round commits only with at least this many replicas (the Lighthouse's "
+                          "--min-replicas must match)."},
+    )
+    round_seconds: float = field(
+        default=0.0,
+        metadata={"help": "torchft: end each round after this many seconds of inner steps instead of after H steps, "
+                          "so a slower replica takes fewer steps instead of making the others wait (0: off)."},
+    )
+    replica_address: str = field(
+        default="",
+        metadata={"help": "torchft: the address peers reach this replica at for healing and the sync (default: "
+                          "this machine's host name)."},
+    )
+
     def __post_init__(self):
         self._validate_diloco_fields()
+        self._validate_backend()
         # Trainer gathers every step's token count across processes when this is on. DiLoCo replicas do not
         # talk between syncs, so each replica normalises its loss by its own tokens.
         self.average_tokens_across_devices = False
@@ -192,6 +228,15 @@ class DiLoCoConfig(TrainingArguments):
         # With an iterable (streaming) dataset Accelerate would otherwise read every batch on rank 0 and send it
         # to the other processes at every step; each replica reads its own shard instead.
         self.accelerator_config.dispatch_batches = False
+
+    def _validate_backend(self) -> None:
+        if self.outer_backend not in ("torch", "torchft"):
+            raise ConfigError(f"outer_backend must be torch or torchft, got {self.outer_backend!r}.")
+        if self.outer_backend == "torchft":
+            from .elastic import check_elastic, require_torchft
+
+            check_elastic(self)
+            require_torchft()
 
     def _validate_diloco_fields(self) -> None:
         if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:

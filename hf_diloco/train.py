@@ -59,6 +59,8 @@ def check_output_dir(config: DiLoCoConfig) -> None:
     out = Path(config.output_dir)
     if config.resume_from_checkpoint or restarted() or not out.exists():
         return
+    if config.outer_backend == "torchft":
+        return  # a torchft replica started again heals from a live peer and goes on writing the same folder
     if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
         raise ConfigError(
             f"output_dir {str(out)!r} already holds a run; choose another output_dir or pass "

@@ -37,6 +37,7 @@ from .codecs import Codec, ErrorFeedback, make_codec
 from .comm import ReplicaComm, ring_all_reduce_bytes
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
+from .elastic import ElasticRounds
 from .errors import RunError, first_line
 from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
 from .outer import OuterLoop, RoundResult, apply, assign_fragments, exchange, is_finite, outer_round, snapshot
@@ -93,7 +94,7 @@ class DiLoCoTrainer(Trainer):
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
         self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0,
                                 timeout_seconds=args.sync_timeout)
-        self.diloco = OuterLoopCallback(self)
+        self.diloco = ElasticOuterCallback(self) if args.outer_backend == "torchft" else OuterLoopCallback(self)
         self.add_callback(self.diloco)
 
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
@@ -116,11 +117,20 @@ class DiLoCoTrainer(Trainer):
 
         self.accelerator.prepare_model = prepare_replica
 
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this replica's shard, number of shards): the process's place in the launch, or with torchft (one
+        launch per replica) the configured replica_id of num_replicas."""
+        if self.args.outer_backend == "torchft":
+            return self.args.replica_id, self.args.num_replicas
+        return self.args.process_index, self.args.world_size
+
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if self.args.data_sharding == "non_iid" and self.args.world_size > 1:
+        index, count = self.data_shard
+        if self.args.data_sharding == "non_iid" and count > 1:
             return ReplicaSliceSampler(
-                len(dataset), self.args.process_index, self.args.world_size, self.args.seed,
+                len(dataset), index, count, self.args.seed,
                 shuffle=self.args.train_sampling_strategy != "sequential",
             )
         return super()._get_train_sampler(train_dataset)
@@ -131,7 +141,10 @@ class DiLoCoTrainer(Trainer):
                 "data_sharding non_iid cuts the corpus into one contiguous slice per replica, which a streamed "
                 "dataset does not have; set streaming: false or data_sharding: iid."
             )
-        loader = super().get_train_dataloader()
+        if self.args.outer_backend == "torchft":
+            loader = self._one_shard_of_several()
+        else:
+            loader = super().get_train_dataloader()
         # A ReplicaSliceSampler already picks this replica's examples; Accelerate's batch sharding on top would
         # keep only every M-th of its batches, so that wrapper is made a pass-through.
         shard = getattr(loader, "batch_sampler", None)
@@ -139,6 +152,23 @@ class DiLoCoTrainer(Trainer):
         if isinstance(inner, ReplicaSliceSampler):
             shard.num_processes, shard.process_index = 1, 0
         return loader
+
+    def _one_shard_of_several(self):
+        """torchft: one launch per replica, so Accelerate sees one process; shard the batches as it would for
+        num_replicas processes (replica r takes batches r, r + M, ...), exactly as the torch backend does."""
+        import accelerate.accelerator as accelerator_module
+
+        prepare = accelerator_module.prepare_data_loader
+        index, count = self.data_shard
+
+        def sharded(*args, **kwargs):
+            return prepare(*args, **{**kwargs, "num_processes": count, "process_index": index})
+
+        accelerator_module.prepare_data_loader = sharded
+        try:
+            return super().get_train_dataloader()
+        finally:
+            accelerator_module.prepare_data_loader = prepare
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -355,7 +385,8 @@ class OuterLoopCallback(TrainerCallback):
             rounds = read_sync_rounds(args.output_dir)
             reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
             self.writer = RoundWriter(args.output_dir)
-            kept = self.writer.truncate_after(state.global_step)
+            # torch: rounds past the checkpoint are retrained; torchft: a restarted replica continues its record.
+            kept = self.writer.truncate_after(state.global_step) if args.outer_backend == "torch" else rounds
             if resumed:
                 # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
                 self.resume_note = {"resumed_from": self.resumed_from,
@@ -684,3 +715,100 @@ class OuterLoopCallback(TrainerCallback):
             "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
             "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
         }
+
+
+class ElasticOuterCallback(OuterLoopCallback):
+    """The outer loop on torchft (`outer_backend: torchft`): rounds over whichever replicas are live; see
+    hf_diloco.elastic. The inner loop, checkpoints and reporting are the base class's."""
+
+    def __init__(self, trainer: DiLoCoTrainer):
+        super().__init__(trainer)
+        self.rounds: ElasticRounds | None = None
+        self.carried_tokens = 0  # tokens of local progress that a rolled-back round did not merge yet
+        self.round_started = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        self.rounds = ElasticRounds(self, args)
+        self.total_rounds = math.ceil(state.max_steps / args.inner_steps) if state.max_steps > 0 else None
+        # Before the first inner step: join the quorum; a late (or restarted) replica heals from a live peer here.
+        joined = self._guarded(lambda: self.rounds.round(joining=True))
+        healed = any(m.get("healed") for m in joined["members"] if m["replica"] == args.replica_id)
+        print(f"[diloco] replica {args.replica_id} joined at round {self.rounds.global_round} (step "
+              f"{state.global_step}){', healed from a live peer' if healed else ''}; {joined['participants']} "
+              f"replica(s) in the quorum", flush=True)
+        self.round_started = time.perf_counter()
+
+    def due_fragments(self, step: int, max_steps: int) -> list[int]:
+        if step >= max_steps:
+            return [0]
+        if self.args.round_seconds > 0:
+            return [0] if time.perf_counter() - self.round_started >= self.args.round_seconds else []
+        return [0] if self.round_steps >= self.args.inner_steps else []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control = super().on_step_end(args, state, control, **kwargs)
+        if self.total_rounds is not None and self.rounds.global_round >= self.total_rounds:
+            control.should_training_stop = True
+        return control
+
+    def _guarded(self, run):
+        try:
+            return run()
+        except (RuntimeError, TimeoutError) as error:
+            raise RunError(f"the torchft round failed: {first_line(error)}; check that the Lighthouse "
+                           f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) is running and reachable.") from None
+
+    def _sync(self, state) -> bool:
+        fields = self._guarded(self.rounds.round)
+        members = [m for m in fields["members"] if m["participated"]]
+        losses = [m["loss_sum"] / m["steps"] for m in members if m["steps"]]
+        compute = self.round_compute
+        blocked = fields["quorum_seconds"] + fields["sync_seconds"]
+        self.cumulative_bytes += fields["bytes"]
+        record = {
+            "round": fields["global_round"],
+            "step": state.global_step,
+            "time": time.time(),
+            "loss": sum(losses) / len(losses) if losses else float("nan"),
+            "replica_losses": losses,
+            "pseudo_grad_norm": fields["pseudo_grad_norm"],
+            "bytes_per_replica": fields["bytes"],
+            "cumulative_bytes_per_replica": self.cumulative_bytes,
+            "ddp_bytes_per_replica": self.round_steps * ring_all_reduce_bytes(
+                sum(p.numel() * p.element_size() for p in self.outer.params), max(1, fields["participants"])),
+            "compression": "none",
+            "sync_seconds": fields["sync_seconds"],
+            "quorum_seconds": fields["quorum_seconds"],
+            "blocked_seconds": blocked,
+            "compute_seconds": compute,
+            "tokens": sum(m["tokens"] for m in members),
+            "tokens_per_second": self.round_tokens / (compute + blocked) if compute + blocked > 0 else 0.0,
+            "outer_lr": self.outer.lr(),
+            "inner_lr": self.trainer._get_learning_rate(),
+            "inner_steps": self.round_steps,
+            "num_replicas": fields["participants"],
+            "participants": fields["participants"],
+            "members": fields["members"],
+            "committed": fields["committed"],
+            "outer_backend": "torchft",
+            "replica": self.args.replica_id,
+            "collectives": fields["collectives"],
+        }
+        if not fields["committed"]:
+            record["outer_step_skipped"] = True
+            logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "
+                           "progress for the next round.", state.global_step, fields["error"] or "a peer failed")
+        self.pending_records.append(record)
+        self._reset_round()
+        self.round_started = time.perf_counter()
+        return self.stop_requested
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush_pending()
+        if self.rounds is not None:
+            self.rounds.shutdown()
+        if self.writer is None:
+            return
+        self.writer.close()
+        write_summary(args.output_dir, self.summary(state))

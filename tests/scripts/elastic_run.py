@@ -1,0 +1,51 @@
+"""One torchft replica of a FedAvg-style run on the tiny model (the elastic tests start several, and a Lighthouse).
+
+Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
+"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch"}.
+`step_sleep` makes this replica slower by sleeping after every inner step. The replica writes its final trainable
+parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import pattern_dataset, tiny_llama  # noqa: E402
+from transformers import TrainerCallback, default_data_collator  # noqa: E402
+
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
+
+settings = json.loads(sys.argv[1])
+out = Path(settings["out"])
+replica = settings.get("replica", 0)
+backend = settings.get("backend", "torchft")
+
+
+class Pace(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if settings.get("step_sleep"):
+            time.sleep(settings["step_sleep"])
+        (out / f"step{replica}.txt").write_text(str(state.global_step))
+
+
+elastic = {} if backend == "torch" else dict(
+    outer_backend="torchft", lighthouse=settings["lighthouse"], replica_id=replica,
+    num_replicas=settings.get("replicas", 1), min_replicas=settings.get("min_replicas", 1),
+    round_seconds=settings.get("round_seconds", 0.0), sync_timeout=settings.get("sync_timeout", 60),
+    replica_address="127.0.0.1",
+)
+config = DiLoCoConfig(
+    output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
+    learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
+    inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
+    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0, **elastic,
+)
+trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=config, train_dataset=pattern_dataset(256),
+                        data_collator=default_data_collator, callbacks=[Pace()])
+trainer.train()
+rank = trainer.args.process_index if backend == "torch" else replica
+torch.save([p.detach().clone() for p in trainer.model.parameters() if p.requires_grad], out / f"params{rank}.pt")

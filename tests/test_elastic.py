@@ -1,0 +1,189 @@
+"""outer_backend torchft: replicas that come, go and lag. Real processes: a Lighthouse (`hf-diloco lighthouse`) and
+one process per replica, talking over torchft's gloo process group on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from helpers import REPO, accelerate_launch, env, free_port, hf_diloco
+
+from hf_diloco.metrics import read_sync_rounds
+
+ELASTIC_RUN = str(REPO / "tests" / "scripts" / "elastic_run.py")
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Path | None = None):
+    """`hf-diloco lighthouse` on a free port of 127.0.0.1, logging to a file; yields its address."""
+    port = free_port()
+    log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"lighthouse-{port}.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hf_diloco.cli", "lighthouse", "--host", "127.0.0.1", "--port", str(port),
+         "--min-replicas", str(min_replicas), "--grace-seconds", str(grace), "--heartbeat-timeout", str(heartbeat)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        wait_until(lambda: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+
+
+def start_replica(settings: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, ELASTIC_RUN, json.dumps(settings)], stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+
+
+def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    for process, log in zip(processes, logs, strict=True):
+        try:
+            code = process.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                p.kill()
+            raise AssertionError(f"a replica did not finish in {timeout:.0f} s:\n{log.read_text()[-3000:]}") from None
+        assert code == 0, log.read_text()[-4000:]
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def step_of(folder: Path, replica: int) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int((folder / f"step{replica}.txt").read_text())
+    return 0
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
+    """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, commit) end with
+    the parameters the fixed-world torch backend reaches on the same data, within 1e-6."""
+    reference = tmp_path / "torch"
+    reference.mkdir()
+    result = accelerate_launch([ELASTIC_RUN, json.dumps({"out": str(reference), "backend": "torch",
+                                                        "max_steps": 12, "inner_steps": 4})])
+    assert result.returncode == 0, result.stderr[-4000:]
+    elastic = tmp_path / "torchft"
+    elastic.mkdir()
+    with lighthouse(min_replicas=2, grace=5) as address:
+        logs = [elastic / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(elastic), "replica": r, "replicas": 2, "lighthouse": address,
+                                   "min_replicas": 2, "max_steps": 12, "inner_steps": 4}, logs[r]) for r in range(2)]
+        finish(replicas, logs)
+    for rank in (0, 1):
+        expected = torch.load(reference / f"params{rank}.pt")
+        got = torch.load(elastic / f"params{rank}.pt")
+        assert max_difference(expected, got) <= 1e-6
+    rounds = read_sync_rounds(elastic / "replica-0")
+    assert [r["step"] for r in rounds] == [4, 8, 12]
+    assert all(r["participants"] == 2 and r["committed"] for r in rounds)
+    # The weights are the tokens each replica trained on in the round (4 steps x 2 blocks x 16 tokens).
+    assert all(m["weight"] == m["tokens"] == 128 for r in rounds for m in r["members"])
+
+
+def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
+    """Three replicas, min_replicas 2. Replica 2 is SIGKILLed mid-run: the other two keep training (no round waits
+    longer than the grace window plus the Lighthouse's heartbeat timeout), their rounds list replica 2 as absent.
+    Replica 2 is started again: it heals from a live peer before its first inner step, takes part again, and at
+    the end all three hold identical parameters."""
+    grace, heartbeat = 3.0, 2.0
+    with lighthouse(min_replicas=2, grace=grace, heartbeat=heartbeat, log=tmp_path / "lighthouse.log") as address:
+        def settings(r):
+            return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
+                    "max_steps": 240, "inner_steps": 4, "step_sleep": 0.1}
+
+        logs = [tmp_path / f"replica{r}.log" for r in range(3)]
+        replicas = [start_replica(settings(r), logs[r]) for r in range(3)]
+        wait_until(lambda: step_of(tmp_path, 2) >= 10, 120, "replica 2 to reach step 10")
+        os.kill(replicas[2].pid, signal.SIGKILL)
+        replicas[2].wait()
+        killed_at = step_of(tmp_path, 0)
+
+        def rounds_without_2():
+            return [r for r in read_sync_rounds(tmp_path / "replica-0") if r["participants"] == 2]
+
+        wait_until(lambda: len(rounds_without_2()) >= 2, 60, "two rounds without replica 2")
+        assert step_of(tmp_path, 0) < 200, "the restarted replica needs the others still running"
+        replicas[2] = start_replica(settings(2), logs[2])
+        finish(replicas, logs)
+    rounds = read_sync_rounds(tmp_path / "replica-0")
+    absent = [r for r in rounds if r["participants"] == 2]
+    assert absent and all({"replica": 2, "participated": False} in r["members"] for r in absent)
+    assert all(r["step"] > killed_at - 4 for r in absent)
+    rejoined = [r for r in rounds if r["participants"] == 3 and r["step"] > absent[-1]["step"]]
+    assert rejoined, "replica 2 took part again after its restart"
+    healed = [m for r in rounds for m in r["members"] if m["replica"] == 2 and m.get("healed")]
+    assert healed, "replica 2's first round after the restart was a heal"
+    for replica in (0, 1):
+        waits = [r["quorum_seconds"] + r["sync_seconds"] for r in read_sync_rounds(tmp_path / f"replica-{replica}")]
+        assert max(waits) <= grace + heartbeat + 3.0, waits
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
+    assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
+    assert "healed from a live peer" in logs[2].read_text()
+
+
+def test_a_straggler_takes_fewer_steps_with_round_seconds_and_nobody_waits(tmp_path):
+    """Replica 2 sleeps three times as long per step. With round_seconds every replica trains for the same time:
+    the straggler's steps per round are about a third of the others', and no replica waits at a round longer than
+    the grace window."""
+    grace = 2.0
+    with lighthouse(min_replicas=2, grace=grace) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(3)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address,
+                                   "min_replicas": 2, "max_steps": 400, "inner_steps": 50, "round_seconds": 1.5,
+                                   "step_sleep": 0.3 if r == 2 else 0.1}, logs[r]) for r in range(3)]
+        finish(replicas, logs)
+    # The run is ceil(400 / 50) = 8 committed rounds; a replica that started late healed into it and stopped with
+    # the others.
+    per_replica = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(3)]
+    assert {r["round"] for rounds in per_replica for r in rounds} == set(range(1, 9))
+    assert [rounds[-1]["round"] for rounds in per_replica] == [8, 8, 8]
+    rounds = max(per_replica, key=len)
+    steps = {r: [m["steps"] for x in rounds for m in x["members"] if m["replica"] == r and m["participated"]]
+             for r in range(3)}
+    fast = sorted(steps[0] + steps[1])[len(steps[0] + steps[1]) // 2]
+    slow = sorted(steps[2])[len(steps[2]) // 2]
+    assert 0.2 <= slow / fast <= 0.5, steps
+    for replica in range(3):
+        waits = [r["quorum_seconds"] for r in read_sync_rounds(tmp_path / f"replica-{replica}")]
+        assert max(waits) <= grace + 1.0, waits
+
+
+def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):
+    no_lighthouse = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
+                              "--output_dir", str(tmp_path / "a"), "--max_steps", "1")
+    assert no_lighthouse.returncode != 0
+    assert no_lighthouse.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: outer_backend torchft needs "
+                                                                     "a Lighthouse")
+    streamed = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
+                         "--num_fragments", "2", "--output_dir", str(tmp_path / "b"))
+    assert streamed.returncode == 2 and "does not support num_fragments yet" in streamed.stderr
+    assert "Traceback" not in no_lighthouse.stderr + streamed.stderr
+
+
+def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
+    """torchft is an optional extra: a Python without it gets one sentence naming the install command."""
+    program = ("import sys; sys.modules['torchft'] = None; from hf_diloco.cli import main; "
+               f"sys.exit(main(['train', '--config', 'recipes/tiny-pretrain.yaml', '--outer_backend', 'torchft', "
+               f"'--lighthouse', 'http://127.0.0.1:1', '--output_dir', {str(tmp_path / 'out')!r}]))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env(), cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("hf-diloco: error: outer_backend torchft needs torchft: pip install -e '.[ft]' "
+                                     "(or pip install torchft==0.2.0).")
