@@ -146,7 +146,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
 
     from .callbacks import RunRecorder, StopOnRequest
+    from .elastic import require_lighthouse
     from .trainer import DiLoCoTrainer
+
+    require_lighthouse(config)
 
     stopper = StopOnRequest(config.output_dir)
 
@@ -190,6 +193,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         training.check_output_dir(config)
     if args.max_restarts < 0:
         raise CLIError(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
+    if config.outer_backend == "torchft":
+        return launch_elastic(args, config)
+    if args.replicas:
+        raise CLIError("--replicas starts torchft replicas; set outer_backend: torchft (the torch backend takes its "
+                       "replica count from the accelerate config).")
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
     print(" ".join(command), flush=True)
     if args.dry_run:
@@ -197,7 +205,47 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return run_with_restarts(command, args.max_restarts)
 
 
-def run_with_restarts(command: list[str], max_restarts: int) -> int:
+def launch_elastic(args: argparse.Namespace, config) -> int:
+    """outer_backend torchft: one launch per replica. With --replicas N: a Lighthouse (unless --lighthouse names
+    one) and N replicas on this machine, each started again when it fails; without: this one replica."""
+    from .elastic import ReplicaSupervisor, replica_overrides, require_lighthouse, start_lighthouse
+
+    values = training.check_accelerate_config(args.accelerate_config, config)
+    if int(values.get("num_processes", 1) or 1) != 1:
+        raise CLIError(f"outer_backend torchft starts one process per replica, but {args.accelerate_config!r} starts "
+                       f"{values.get('num_processes')}; use accelerate_configs/torchft-replica.yaml.")
+    if not args.replicas:
+        require_lighthouse(config)
+        command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
+        print(" ".join(command), flush=True)
+        return 0 if args.dry_run else run_with_restarts(command, args.max_restarts, resume=False)
+    if args.replicas < 1:
+        raise CLIError(f"--replicas must be at least 1, got {args.replicas}.")
+    server, lighthouse = None, config.lighthouse
+    if not lighthouse:
+        if args.dry_run:
+            lighthouse = "http://127.0.0.1:<port of the Lighthouse this command starts>"
+        else:
+            server = start_lighthouse("127.0.0.1:0", config.min_replicas, config.sync_grace_seconds)
+            lighthouse = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+            print(f"[diloco] Lighthouse on {lighthouse} (min {config.min_replicas} replica(s), grace "
+                  f"{config.sync_grace_seconds:g} s)", flush=True)
+    commands = [accelerate_command(args.recipe, args.accelerate_config,
+                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir))
+                for r in range(args.replicas)]
+    for command in commands:
+        print(" ".join(command), flush=True)
+    if args.dry_run:
+        return 0
+    try:
+        return ReplicaSupervisor(commands, config.output_dir, args.max_restarts,
+                                 linger_seconds=config.sync_grace_seconds + 15).run()
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True) -> int:
     """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
     checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted.
 
@@ -217,7 +265,7 @@ def run_with_restarts(command: list[str], max_restarts: int) -> int:
                 return code
             print(f"[diloco] the run failed (exit status {code}); restart {attempt + 1} of {max_restarts}, resuming "
                   f"from the newest complete checkpoint", flush=True)
-            if command[-2:] != ["--resume_from_checkpoint", "auto"]:
+            if resume and command[-2:] != ["--resume_from_checkpoint", "auto"]:
                 command = [*command, "--resume_from_checkpoint", "auto"]  # the last occurrence of a flag wins
         return code
     finally:
@@ -342,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, metavar="N",
         help="start the launch again, up to N times, when it fails; each restart resumes from the newest complete "
              "checkpoint (resume_from_checkpoint auto). A run stopped by SIGTERM/SIGINT is not restarted (default 0)",
+    )
+    launch.add_argument(
+        "--replicas", type=int, default=0, metavar="N",
+        help="outer_backend torchft: start a Lighthouse (unless the recipe names one with lighthouse) and N replicas "
+             "on this machine, replica r writing to <output_dir>/replica-r (default: start this one replica)",
     )
     launch.set_defaults(func=cmd_launch)
 

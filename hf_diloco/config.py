@@ -197,6 +197,12 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "torchft: a round commits only with at least this many replicas (the Lighthouse's "
                           "--min-replicas must match)."},
     )
+    sync_grace_seconds: float = field(
+        default=5.0,
+        metadata={"help": "torchft: once min_replicas have arrived, a round waits at most this long for the other "
+                          "live replicas (the Lighthouse's join timeout: `hf-diloco launch --replicas` starts its "
+                          "Lighthouse with it; give `hf-diloco lighthouse --grace-seconds` the same)."},
+    )
     round_seconds: float = field(
         default=0.0,
         metadata={"help": "torchft: end each round after this many seconds of inner steps instead of after H steps, "

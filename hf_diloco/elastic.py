@@ -34,11 +34,12 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from .comm import ring_all_reduce_bytes
-from .errors import ConfigError, RunError, first_line
+from .errors import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -238,15 +239,110 @@ def check_elastic(config) -> None:
     if unsupported:
         raise ConfigError(f"outer_backend torchft does not support {', '.join(unsupported)} yet; use the torch "
                           f"backend for compressed or streamed syncs.")
-    if not (config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
-        raise ConfigError(NO_LIGHTHOUSE)
     if config.min_replicas < 1:
         raise ConfigError(f"min_replicas must be at least 1, got {config.min_replicas!r}.")
     if not 0 <= config.replica_id < max(config.num_replicas, 1):
         raise ConfigError(f"replica_id must be in [0, num_replicas={config.num_replicas}), got {config.replica_id}.")
+    if not config.sync_grace_seconds >= 0:
+        raise ConfigError(f"sync_grace_seconds must be 0 or more, got {config.sync_grace_seconds!r}.")
     if config.round_seconds < 0 or not math.isfinite(config.round_seconds):
         raise ConfigError(f"round_seconds must be 0 (off) or a positive number, got {config.round_seconds!r}.")
 
 
-def describe_failure(error: BaseException) -> RunError:
-    return RunError(f"the torchft round failed: {first_line(error)}.")
+def require_lighthouse(config) -> None:
+    """A replica about to train needs a Lighthouse address (`hf-diloco launch --replicas` passes its own)."""
+    if config.outer_backend == "torchft" and not (config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(NO_LIGHTHOUSE)
+
+
+# --- starting replicas ----------------------------------------------------------------------------------------------
+
+
+def replica_folder(output_dir: str | os.PathLike, replica: int) -> str:
+    """Where replica `replica` of a run started by `hf-diloco launch --replicas N` writes."""
+    return os.path.join(str(output_dir), f"replica-{replica}")
+
+
+def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str) -> list[str]:
+    """The recipe overrides of one replica (later flags win, so these come last)."""
+    return [*overrides, "--outer_backend", "torchft", "--replica_id", str(replica), "--num_replicas", str(replicas),
+            "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica)]
+
+
+class ReplicaSupervisor:
+    """Runs N replica launches on this machine, starting a replica that failed again (it heals from the live
+    ones) up to `max_restarts` times each; hands a stop request in `output_dir` to every replica and reports the
+    stop back where one-folder runs report it."""
+
+    def __init__(self, commands: list[list[str]], output_dir: str, max_restarts: int, linger_seconds: float = 15.0):
+        self.linger_seconds = linger_seconds  # how long a restarted replica may outlive the finished others
+        self.commands = commands
+        self.output_dir = Path(output_dir)
+        self.max_restarts = max_restarts
+        self.restarts = [0] * len(commands)
+        self.stopping = False
+        self.finished_at: float | None = None  # when the first replica completed the run
+
+    def _end_latecomers(self, processes, codes: list[int | None]) -> None:
+        """A replica started again near the end finds no one left to form a round with: once every replica that
+        never restarted has finished, the restarted ones get `linger_seconds` to finish too, then are ended (they
+        hold nothing the finished replicas do not)."""
+        if self.finished_at is None or time.monotonic() - self.finished_at < self.linger_seconds:
+            return
+        running = [r for r, code in enumerate(codes) if code is None]
+        if running and all(self.restarts[r] > 0 for r in running):
+            for r in running:
+                processes[r].kill()
+                processes[r].wait()
+                codes[r] = 0
+                print(f"[diloco] replica {r} was started again too late to rejoin: the run had finished; ended it",
+                      flush=True)
+
+    def run(self) -> int:
+        import signal
+        import subprocess
+
+        from .runs import STOP_FILE, STOPPED_FILE
+
+        def note_stop(signum, _frame) -> None:  # the replicas got it too when it came from the terminal
+            self.stopping = True
+            for process in processes:
+                if process.poll() is None:
+                    process.send_signal(signum)
+
+        previous = {s: signal.signal(s, note_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        processes = [subprocess.Popen(command) for command in self.commands]
+        codes: list[int | None] = [None] * len(processes)
+        try:
+            while any(code is None for code in codes):
+                time.sleep(0.5)
+                request = self.output_dir / STOP_FILE
+                if request.exists():
+                    for r in range(len(processes)):
+                        folder = Path(replica_folder(self.output_dir, r))
+                        folder.mkdir(parents=True, exist_ok=True)
+                        (folder / STOP_FILE).write_text(request.read_text())
+                    request.unlink(missing_ok=True)
+                    self.stopping = True
+                self._end_latecomers(processes, codes)
+                for r, process in enumerate(processes):
+                    if codes[r] is not None or (code := process.poll()) is None:
+                        continue
+                    if code != 0 and not self.stopping and self.restarts[r] < self.max_restarts:
+                        self.restarts[r] += 1
+                        print(f"[diloco] replica {r} exited with status {code}; starting it again (restart "
+                              f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
+                        processes[r] = subprocess.Popen(self.commands[r])
+                        continue
+                    codes[r] = code
+                    if code == 0 and self.finished_at is None:
+                        self.finished_at = time.monotonic()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        stopped = [Path(replica_folder(self.output_dir, r)) / STOPPED_FILE for r in range(len(processes))]
+        if any(path.exists() for path in stopped):
+            first = next(path for path in stopped if path.exists())
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / STOPPED_FILE).write_text(first.read_text())
+        return next((code for code in codes if code), 0)

@@ -756,8 +756,10 @@ class ElasticOuterCallback(OuterLoopCallback):
         try:
             return run()
         except (RuntimeError, TimeoutError) as error:
-            raise RunError(f"the torchft round failed: {first_line(error)}; check that the Lighthouse "
-                           f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) is running and reachable.") from None
+            raise RunError(f"the torchft round failed ({first_line(error)}): no round formed within sync_timeout="
+                           f"{self.args.sync_timeout:g} s; fewer than min_replicas={self.args.min_replicas} replicas "
+                           f"are live, the others have finished the run, or the Lighthouse "
+                           f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
 
     def _sync(self, state) -> bool:
         fields = self._guarded(self.rounds.round)

@@ -187,3 +187,45 @@ def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == ("hf-diloco: error: outer_backend torchft needs torchft: pip install -e '.[ft]' "
                                      "(or pip install torchft==0.2.0).")
+
+
+def training_process(output_dir: Path, replica: int) -> int | None:
+    """The pid of replica `replica`'s training process (not its accelerate launcher) of the run in output_dir."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            if ("hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv
+                    and str(Path(output_dir) / f"replica-{replica}") in argv):
+                return int(cmdline.parent.name)
+    return None
+
+
+def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
+    """`hf-diloco launch recipes/elastic-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
+    and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
+    live replicas and rejoins, the launch exits 0 and all three replicas end with the same model."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/elastic-3.yaml", "--accelerate-config",
+               "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
+               "--output_dir", str(out), "--max_steps", "800", "--inner_steps", "10", "--block_size", "32",
+               "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
+               "--sync_grace_seconds", "3"]
+    log = tmp_path / "launch.log"
+    launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        wait_until(lambda: len(read_sync_rounds(out / "replica-1")) >= 1, 180, "a round of replica 1")
+        os.kill(training_process(out, 1), signal.SIGKILL)
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
+    assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
+    rounds = read_sync_rounds(out / "replica-0")
+    assert rounds[-1]["round"] == 80 and rounds[-1]["participants"] == 3
+    assert any(r["participants"] == 2 for r in rounds), "a round went on without the killed replica"
+    from safetensors.torch import load_file
+
+    models = [load_file(out / f"replica-{r}" / "model.safetensors") for r in range(3)]
+    assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
