@@ -148,8 +148,12 @@ class ElasticRounds:
             trainer.state.global_step = step
             scheduler = trainer.lr_scheduler
             if scheduler is not None:
+                import warnings
+
                 scheduler.last_epoch = step - 1
-                scheduler.step()
+                with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose, to jump ahead
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
 
     # --- one round ---
 

@@ -1,0 +1,241 @@
+"""Goodput of 3 replicas when one dies or lags: `outer_backend: torch` (a round is a barrier; a death ends the
+launch, which `--max-restarts` starts again from the newest round checkpoint) against `torchft` (decoupled: a dead
+replica is left out and restarted, it heals from the live ones; a slow one takes fewer steps with round_seconds).
+
+Scenarios, each run once per backend on the built-in corpus (tiny Llama, 3 replicas on this machine):
+- no fault;
+- kill: replica 2's training process is SIGKILLed every N rounds and started again;
+- straggler: replica 2 needs 3x as long per step (it spins after each step, so the shared cores stay as loaded);
+  the torch backend keeps H steps per round (everyone waits for it), torchft ends rounds by time (round_seconds =
+  the fault-free torchft run's time per round) so it takes about a third of the steps.
+
+Goodput = useful tokens ÷ (wall time × capacity). Useful tokens are those of the rounds the final model contains
+(torch: the rounds left after the last resume; torchft: the tokens merged in committed rounds). Wall time is the
+launch command's, start-up and restarts included. Capacity is what the replicas could train without waiting:
+3 × r for three full-speed replicas and (2 + 1/3) × r with the straggler, where r = tokens/s per replica of the
+torch backend's fault-free run in the same invocation (which therefore reads 100%). Eval loss is the final model's
+on the held-out blocks, compared with the same backend's fault-free run.
+
+    python benchmarks/goodput.py [--quick] [--kill-every N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import RECIPE, REPO, markdown_table, pyplot, run_env, save, skip
+
+PACED = str(Path(__file__).resolve().parent / "paced.py")
+REPLICAS = 3
+SLOWDOWN = 3.0
+
+
+def rounds_of(folder: Path) -> list[dict]:
+    """The run's rounds, one per round number: a torch run's own file, or the union of a torchft run's replicas."""
+    files = [folder / "sync_rounds.jsonl"] if (folder / "sync_rounds.jsonl").exists() else \
+        sorted(folder.glob("replica-*/sync_rounds.jsonl"))
+    by_round: dict[int, dict] = {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a half-written last line of a live run
+            by_round.setdefault(record["round"], record)
+    return [by_round[k] for k in sorted(by_round)]
+
+
+def pid_of_replica(folder: Path, backend: str, replica: int) -> int | None:
+    """The training process of `replica`: torchft, by its --replica_id; torch, by the RANK accelerate gave it."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if PACED not in argv or "accelerate.commands.launch" in argv or str(folder) not in " ".join(argv):
+                continue
+            if backend == "torchft":
+                if f"replica-{replica}" in " ".join(argv):
+                    return int(proc.name)
+            elif f"RANK={replica}" in (proc / "environ").read_bytes().decode(errors="replace").split("\0"):
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class Killer(threading.Thread):
+    """Kills replica 2 whenever the run's round count reaches the next multiple of `every` (each once)."""
+
+    def __init__(self, folder: Path, backend: str, every: int, total_rounds: int):
+        super().__init__(daemon=True)
+        self.folder, self.backend, self.every, self.total = folder, backend, every, total_rounds
+        self.kills: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        target = self.every
+        while not self.done.is_set() and target < self.total:
+            rounds = rounds_of(self.folder)
+            members = rounds[-1].get("members", []) if rounds else []
+            present = not members or {"replica": 2, "participated": False} not in members
+            if rounds and rounds[-1]["round"] >= target and present:
+                pid = pid_of_replica(self.folder, self.backend, 2)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills.append(rounds[-1]["round"])
+                    print(f"  killed replica 2 after round {rounds[-1]['round']}", flush=True)
+                    target += self.every
+            time.sleep(0.2)
+
+
+def command(backend: str, folder: Path, overrides: list[str]) -> list[str]:
+    train = [PACED, "train", "--config", str(RECIPE), "--disable_tqdm", "true", *overrides]
+    if backend == "torch":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(REPLICAS),
+                "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+                "--dynamo_backend", "no", *train, "--output_dir", str(folder)]
+    return [sys.executable, *train]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int,
+        round_seconds: float = 0.0) -> dict:
+    """One launch of a scenario, as a user would start it; returns its measurements."""
+    from hf_diloco.cli import run_with_restarts
+    from hf_diloco.elastic import ReplicaSupervisor, replica_overrides, start_lighthouse
+
+    env_before = dict(os.environ)
+    os.environ.update(run_env(1))
+    if scenario == "straggler":
+        os.environ.update(BENCH_SLOW_REPLICA="2", BENCH_SLOWDOWN=str(SLOWDOWN))
+    killer = Killer(folder, backend, kill_every, total_rounds) if scenario == "kill" else None
+    restarts = total_rounds // kill_every + 1 if killer else 0
+    started = time.perf_counter()
+    try:
+        if killer:
+            killer.start()
+        if backend == "torch":
+            code = run_with_restarts(command(backend, folder, overrides), restarts)
+        else:
+            server = start_lighthouse("127.0.0.1:0", 2, 5.0, heartbeat_timeout_seconds=2.0)
+            address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+            extra = ["--min_replicas", "2", "--sync_grace_seconds", "5", "--round_seconds", str(round_seconds)]
+            commands = [command(backend, folder, replica_overrides([*overrides, *extra], r, REPLICAS, address,
+                                                                   str(folder))) for r in range(REPLICAS)]
+            try:
+                code = ReplicaSupervisor(commands, str(folder), restarts, linger_seconds=20).run()
+            finally:
+                server.shutdown()
+    finally:
+        if killer:
+            killer.done.set()
+        os.environ.clear()
+        os.environ.update(env_before)
+    wall = time.perf_counter() - started
+    if code != 0:
+        sys.exit(f"goodput: the {backend} {scenario} run failed (exit {code}); its output is above.")
+    rounds = rounds_of(folder)
+    lead = folder if backend == "torch" else folder / "replica-0"
+    summary = json.loads((lead / "diloco_summary.json").read_text())
+    members = [m for r in rounds for m in r.get("members", []) if m.get("participated")]
+    slow_steps = [m["steps"] for m in members if m["replica"] == 2]
+    fast_steps = [m["steps"] for m in members if m["replica"] != 2]
+    return {"backend": backend, "scenario": scenario, "wall_seconds": wall, "rounds": len(rounds),
+            "useful_tokens": sum(r["tokens"] for r in rounds), "eval_loss": summary.get("eval_loss_final"),
+            "kills": killer.kills if killer else [],
+            "round_compute_seconds": [r["compute_seconds"] for r in rounds],
+            # torch: each replica's inner-step seconds per round (the straggler's are ~3x the others')
+            "replica_compute_seconds": [r.get("replica_compute_seconds") for r in rounds],
+            "steps_per_round": {"replica 2": slow_steps, "others": fast_steps} if members else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="60 steps, H = 15 (about 3 minutes)")
+    parser.add_argument("--kill-every", type=int, default=0, help="rounds between kills (default: 2 quick, 3 full)")
+    args = parser.parse_args()
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        skip("goodput", "torchft is not installed (pip install -e '.[ft]').")
+    begun = time.time()
+    steps, inner = (60, 15) if args.quick else (300, 25)
+    kill_every = args.kill_every or (2 if args.quick else 3)
+    total_rounds = -(-steps // inner)
+    overrides = ["--max_steps", str(steps), "--inner_steps", str(inner), "--block_size", "128",
+                 "--per_device_train_batch_size", "4", "--eval_strategy", "steps", "--eval_steps", str(steps),
+                 "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps),
+                 "--sync_timeout", "120"]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        plan = [("torch", "no fault"), ("torchft", "no fault"), ("torch", "kill"), ("torchft", "kill"),
+                ("torch", "straggler"), ("torchft", "straggler")]
+        round_seconds = 0.0
+        for i, (backend, scenario) in enumerate(plan):
+            print(f"[{i + 1}/{len(plan)}] {backend}: {scenario} ...", flush=True)
+            extra = ["--save_every_rounds", "1" if backend == "torch" and scenario == "kill" else "0"]
+            result = run(backend, scenario, tmp / f"{backend}-{scenario.replace(' ', '-')}", [*overrides, *extra],
+                         kill_every, total_rounds, round_seconds if scenario == "straggler" else 0.0)
+            results.append(result)
+            if backend == "torchft" and scenario == "no fault":
+                # The straggler's torchft rounds last as long as a fault-free round's inner steps; a little less,
+                # so that the full-speed replicas never reach max_steps before the last round.
+                per_round = sorted(result["round_compute_seconds"])[len(result["round_compute_seconds"]) // 2]
+                round_seconds = round(0.9 * per_round, 2)
+    base = next(r for r in results if r["backend"] == "torch" and r["scenario"] == "no fault")
+    rate = base["useful_tokens"] / (REPLICAS * base["wall_seconds"])  # tokens/s per full-speed replica
+    reference_loss = {r["backend"]: r["eval_loss"] for r in results if r["scenario"] == "no fault"}
+    rows = []
+    for r in results:
+        capacity = rate * ((REPLICAS - 1) + 1 / SLOWDOWN if r["scenario"] == "straggler" else REPLICAS)
+        r["goodput"] = r["useful_tokens"] / (r["wall_seconds"] * capacity)
+        loss_change = r["eval_loss"] / reference_loss[r["backend"]] - 1
+        steps = r["steps_per_round"]
+        ratio = (sorted(steps["replica 2"])[len(steps["replica 2"]) // 2] /
+                 sorted(steps["others"])[len(steps["others"]) // 2]) if steps and steps["replica 2"] else None
+        rows.append([r["backend"], r["scenario"], f"{r['goodput']:.1%}", f"{r['useful_tokens']:,}",
+                     f"{r['wall_seconds']:.0f}", r["rounds"], f"{r['eval_loss']:.4f}", f"{loss_change:+.2%}",
+                     ", ".join(map(str, r["kills"])) or "-", f"{ratio:.2f}" if ratio is not None else "-"])
+    table = markdown_table(["backend", "scenario", "goodput", "useful tokens", "wall s", "rounds", "eval loss",
+                            "vs its fault-free", "killed after rounds", "replica 2 steps ÷ others'"], rows)
+    table += (f"\n\n3 replicas, {steps} steps, H = {inner} ({total_rounds} rounds), 128-token blocks, batch 4; kill: "
+              f"replica 2 SIGKILLed every {kill_every} rounds and restarted; straggler: replica 2 at 1/{SLOWDOWN:g} "
+              f"speed (torchft: round_seconds {round_seconds:g}). Goodput = useful tokens ÷ (wall × capacity), "
+              f"capacity = {REPLICAS} × {rate:,.0f} tokens/s (the torch fault-free run's rate per replica; "
+              f"(2 + 1/3) × that with the straggler). One run per row.")
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(7, 3.2))
+    scenarios = ["no fault", "kill", "straggler"]
+    for offset, backend, color in ((-0.2, "torch", "#2563eb"), (0.2, "torchft", "#ea580c")):
+        values = [next(r["goodput"] for r in results if r["backend"] == backend and r["scenario"] == s) * 100
+                  for s in scenarios]
+        axis.bar([i + offset for i in range(3)], values, width=0.38, color=color, label=backend)
+    axis.set_xticks(range(3), scenarios)
+    axis.set_ylabel("goodput (%)")
+    axis.axhline(85, color="#888", linestyle=":", linewidth=1)
+    axis.axhline(90, color="#888", linestyle="--", linewidth=1)
+    axis.legend()
+    axis.set_title("3 replicas: goodput when one dies or lags")
+    save("goodput", table, {"results": results, "rate_per_replica": rate, "round_seconds": round_seconds,
+                            "steps": steps, "inner_steps": inner, "kill_every": kill_every},
+         figure, quick=args.quick, seconds=time.time() - begun)
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    main()
