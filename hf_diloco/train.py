@@ -17,6 +17,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -177,7 +178,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
     check_arguments(run, config)
     model, _ = build_model(run)
     group = config.replica_group_size
-    replicas = int(os.environ.get("WORLD_SIZE", "1")) // group
+    elastic = config.outer_backend == "torchft"
+    replicas = config.num_replicas if elastic else int(os.environ.get("WORLD_SIZE", "1")) // group
     shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -193,7 +195,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
-        "replicas in this launch": f"{replicas} of {group} process(es) each",
+        "replicas in this launch": f"1 of {replicas} (outer_backend torchft: one launch per replica)" if elastic
+        else f"{replicas} of {group} process(es) each",
         "inner_steps (H)": str(config.inner_steps),
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
         + (" Nesterov" if config.outer_nesterov else ""),
@@ -211,6 +214,14 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),
     }
+    if elastic:
+        length = f"rounds of {config.round_seconds:g} s of inner steps" if config.round_seconds > 0 \
+            else f"rounds of {config.inner_steps} steps"
+        if config.max_steps > 0:
+            length += f", {math.ceil(config.max_steps / config.inner_steps)} rounds in all"
+        plan["outer backend"] = (
+            f"torchft: replica {config.replica_id} of {config.num_replicas}, a round needs {config.min_replicas} "
+            f"replica(s) then waits up to {config.sync_grace_seconds:g} s for the others; {length}")
     if run.trainer == "ddp":  # the baseline has no rounds: what it sends is a gradient all-reduce every step
         plan = {key: value for key, value in plan.items() if key in DDP_PLAN_KEYS}
         plan["model"] = plan["model"].replace(" and synced", "")

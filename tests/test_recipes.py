@@ -53,12 +53,14 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
     total, trainable = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|trainable)",
                                                                       plan["model"]))
     assert (trainable < total / 10) if values.get("lora_r", 0) > 0 else trainable == total
-    # Ring all-reduce with M = 8 sends 2 * 7/8 of the fp32 pseudo-gradient per process per round; a codec sends
+    # Ring all-reduce with M = 8 (a torchft recipe: its num_replicas) sends 2 * 7/8 of the fp32 pseudo-gradient
+    # per process per round; a codec sends
     # what its own entry in the per-codec row says.
     by_codec = {name: as_bytes(amount) for name, amount in
                 (entry.split(" ", 1) for entry in plan["per round by codec"].split(", "))}
-    assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * 7 / 8, rel=0.01)
-    sent = as_bytes(plan["sent across replicas per process per round, M=8"])
+    m = values.get("num_replicas", 8) if values.get("outer_backend") == "torchft" else 8
+    assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m, rel=0.01)
+    sent = as_bytes(plan[f"sent across replicas per process per round, M={m}"])
     assert sent == by_codec[values.get("compression", "none")]
 
 
