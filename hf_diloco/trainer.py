@@ -749,6 +749,8 @@ class ElasticOuterCallback(OuterLoopCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control = super().on_step_end(args, state, control, **kwargs)
         if self.total_rounds is not None and self.rounds.global_round >= self.total_rounds:
+            if state.global_step < state.max_steps and args.eval_strategy != "no":
+                control.should_evaluate = True  # the run ended by its round count: evaluate the final model
             control.should_training_stop = True
         return control
 
