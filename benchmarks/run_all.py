@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["quality", "overhead", "wan", "peers"]
+BENCHMARKS = ["quality", "overhead", "wan", "peers"]  # the timed full set (about 30 minutes)
+# Fault benchmarks, run on their own (`--only goodput recovery`, about 15 minutes): their sections are reported too.
+FAULT_BENCHMARKS = ["goodput", "recovery"]
 
 INTRO = """# Benchmarks
 
@@ -62,6 +64,14 @@ SECTIONS = {
     "peers": ("Peers on the same task", "python benchmarks/peers.py",
               "DiLoCoTrainer, torchft's DiLoCo 0.2.0 and accelerate's LocalSGD inside the same Trainer inner "
               "loop and launcher; the final parameters of DiLoCoTrainer and torchft hashed and compared."),
+    "goodput": ("Replicas that die or lag: torch against torchft", "python benchmarks/goodput.py",
+                "Three replicas on this machine; one replica killed every few rounds and restarted, or one at a "
+                "third of the speed; the torch backend (barrier, the launch restarted from the newest round "
+                "checkpoint) against torchft (the others go on, the restarted one heals; round_seconds for the "
+                "straggler)."),
+    "recovery": ("What a dead process costs a fixed-world launch", "python benchmarks/recovery.py",
+                 "Two replicas under `hf-diloco launch --max-restarts 1` with round checkpoints; replica 1 "
+                 "SIGKILLed half-way through a round, interleaved with undisturbed launches."),
 }
 
 
@@ -83,7 +93,8 @@ def write_report() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="*", choices=BENCHMARKS, help="run these only (the report uses all results)")
+    parser.add_argument("--only", nargs="*", choices=BENCHMARKS + FAULT_BENCHMARKS,
+                        help="run these only (the report uses all results)")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from results/ only")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
