@@ -8,6 +8,9 @@
         trainer_log.jsonl   every dict Trainer logged (loss, eval_loss, ...): what a baseline run shows
         stop.request        written by `stop`; the run stops at the next round boundary (or step) and removes it
         stopped.json        written by the run when it has stopped on request, with the step and checkpoint
+        replica-r/          an `outer_backend: torchft` run (`hf-diloco launch --replicas N`): replica r's own
+                            sync_rounds.jsonl, progress.json, ... and model; the launcher hands stop.request on to
+                            every replica folder and writes stopped.json here
 
 Design choices:
 - State lives on disk, never in a server's memory: any number of runs, and an app restart loses nothing.
@@ -26,6 +29,8 @@ Design choices:
   last exception line of the log.
 - Run ids come from the run's name plus a counter, not a clock, so the command Preview shows is the one Start
   runs; the run's clock (`created`) starts when it is started.
+- An `outer_backend: torchft` run is one `hf-diloco launch --replicas N` command (a Lighthouse and N replica
+  launches on this machine) instead of one `accelerate launch`; stopping and status work the same way.
 - This module imports neither torch nor transformers, so the app stays light.
 """
 
@@ -67,6 +72,14 @@ def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str]
     if port is not None:
         command += ["--main_process_port", str(port)]
     return command + [*(launch_args or []), "-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
+
+
+def elastic_command(recipe: str, accelerate_config: str, replicas: int, overrides: list[str]) -> list[str]:
+    """The `hf-diloco launch RECIPE --accelerate-config CONFIG --replicas N ...` command of an `outer_backend:
+    torchft` run, as an argument list: a torchft Lighthouse and N replica launches, replica r writing
+    `<output_dir>/replica-r`. `overrides` are recipe fields."""
+    return [sys.executable, "-m", "hf_diloco.cli", "launch", recipe, "--accelerate-config", accelerate_config,
+            "--replicas", str(replicas), *overrides]
 
 
 @dataclass
@@ -177,11 +190,20 @@ def new_run_id(runs_dir: Path, name: str) -> str:
 
 
 def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
-         launch_args: list[str] | None = None, name: str = "") -> Run:
-    """The run that `start_planned` will start: its id, output folder and exact command (nothing is created)."""
+         launch_args: list[str] | None = None, name: str = "", replicas: int | None = None) -> Run:
+    """The run that `start_planned` will start: its id, output folder and exact command (nothing is created).
+
+    With `replicas`, an `outer_backend: torchft` run of that many replicas (`elastic_command`; its replicas meet
+    through the Lighthouse, so `port` and `launch_args` do not apply); otherwise one `accelerate launch`.
+    """
     run_id = new_run_id(runs_dir, name or recipe)
     output_dir = str((runs_dir / run_id / OUTPUT_DIR).resolve())
-    command = accelerate_command(recipe, accelerate_config, [*overrides, "--output_dir", output_dir], port, launch_args)
+    fields = [*overrides, "--output_dir", output_dir]
+    if replicas is not None:
+        assert port is None and not launch_args, "a torchft run takes neither a rendezvous port nor launch flags"
+        command = elastic_command(recipe, accelerate_config, replicas, fields)
+    else:
+        command = accelerate_command(recipe, accelerate_config, fields, port, launch_args)
     return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir, name=name or run_id)
 
 
@@ -203,10 +225,10 @@ def start_planned(run: Run) -> Run:
 
 
 def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
-          launch_args: list[str] | None = None, name: str = "") -> Run:
+          launch_args: list[str] | None = None, name: str = "", replicas: int | None = None) -> Run:
     """Plan and start a run."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    return start_planned(plan(runs_dir, recipe, accelerate_config, overrides, port, launch_args, name))
+    return start_planned(plan(runs_dir, recipe, accelerate_config, overrides, port, launch_args, name, replicas))
 
 
 def _descendants(pid: int) -> list[int]:
