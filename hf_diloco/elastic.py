@@ -43,9 +43,10 @@ from .errors import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
-# One row per participant, summed across replicas (each writes only its own row).
+# One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
+# every participant of the round stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds")
+                 "quorum_seconds", "stop_requested")
 NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
                  "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
 INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
@@ -172,7 +173,8 @@ class ElasticRounds:
         tokens = 0 if joining else callback.round_tokens + callback.carried_tokens
         weight = staleness_weight(tokens, staleness)
         mine = [float(self.args.replica_id), callback.round_steps, tokens, weight, float(healed), staleness,
-                float(callback.round_loss.item()), callback.round_compute, quorum_seconds]
+                float(callback.round_loss.item()), callback.round_compute, quorum_seconds,
+                float(callback.stop_requested)]
         members = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             members[rank] = torch.tensor(mine, dtype=torch.float64)
@@ -217,11 +219,13 @@ class ElasticRounds:
             member["healed"] = bool(member["healed"])
             member["steps"], member["tokens"] = int(member["steps"]), int(member["tokens"])
             member["staleness"] = int(member["staleness"])
+            member["stop_requested"] = bool(member["stop_requested"])
         listed += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
         return {"members": sorted(listed, key=lambda m: m["replica"]), "committed": committed,
                 "participants": participants, "quorum_seconds": quorum_seconds, "sync_seconds": sync_seconds,
                 "bytes": bytes_sent, "collectives": collectives, "total_weight": total_weight,
                 "pseudo_grad_norm": math.sqrt(average_norm_sq),
+                "stop_requested": any(m.get("stop_requested") for m in listed),
                 "global_round": self.global_round, "error": None if error is None else first_line(error)}
 
     def shutdown(self) -> None:

@@ -806,7 +806,7 @@ class ElasticOuterCallback(OuterLoopCallback):
         self.pending_records.append(record)
         self._reset_round()
         self.round_started = time.perf_counter()
-        return self.stop_requested
+        return self.stop_requested or fields["stop_requested"]  # any participant's request stops them all
 
     def on_train_end(self, args, state, control, **kwargs):
         self._flush_pending()

@@ -4,10 +4,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
 
 from hf_diloco import runs
+from hf_diloco.metrics import read_sync_rounds
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 SHORT = ["--max_steps", "400", "--inner_steps", "5", "--block_size", "64", "--eval_strategy", "no",
@@ -170,3 +172,31 @@ def test_run_json_changes_from_two_writers_are_both_kept(tmp_path):
     writer.join(10)
     final = json.loads((folder / runs.RUN_FILE).read_text())
     assert final["stop_requested"] == 123.0 and final["exit_code"] == 0 and final["status"] == "finished"
+
+
+ELASTIC_RECIPE = str(REPO / "recipes" / "elastic-3.yaml")
+TORCHFT_REPLICA = str(REPO / "accelerate_configs" / "torchft-replica.yaml")
+ELASTIC_SHORT = ["--max_steps", "4000", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size",
+                 "4", "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_timeout", "30"]
+
+
+def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_round(tmp_path, monkeypatch):
+    """A torchft run (`hf-diloco launch --replicas 2`) is one run folder with a folder per replica; the launcher
+    hands the run's stop request on to every replica folder, and each replica reads its own. The copy can land
+    between two replicas' last checks of a round, so one of them sees it a round earlier: the request rides along
+    with the round, and every replica of that round stops after it. Here only replica 0 is asked. Before, replica
+    1 went on alone, waited for a round that never formed and failed."""
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    run = runs.start(tmp_path, ELASTIC_RECIPE, TORCHFT_REPLICA, ELASTIC_SHORT, replicas=2)
+    assert run.command[3:5] == ["launch", ELASTIC_RECIPE] and run.command[-2:] == ["--output_dir", run.output_dir]
+    output = Path(run.output_dir)
+    wait_for(lambda: all(read_sync_rounds(output / f"replica-{r}") for r in (0, 1)), 120, "a round of both replicas")
+    (output / "replica-0" / runs.STOP_FILE).write_text(f"{time.time()}\n")
+    final = wait_for(lambda: (r := runs.load(run.folder)).status not in runs.ACTIVE and r, 90, "the run to end")
+    assert final.status == "stopped", (run.folder / runs.LOG_FILE).read_text()[-3000:]
+    stopped = [json.loads((output / f"replica-{r}" / runs.STOPPED_FILE).read_text())["step"] for r in (0, 1)]
+    assert stopped[0] == stopped[1] < 4000 and stopped[0] % 10 == 0, stopped
+    assert [read_sync_rounds(output / f"replica-{r}")[-1]["step"] for r in (0, 1)] == stopped
+    assert (output / runs.STOPPED_FILE).is_file(), "the launcher reports the stop in the run's own folder"
+    assert runs.training_pids(final) == []
