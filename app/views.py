@@ -7,6 +7,11 @@ the tables, the tail of the log.
 Sources, all under the run's output folder: `sync_rounds.jsonl` (DiLoCo rounds), `progress.json` (step and phase,
 rewritten as the run trains, so progress moves between syncs), `trainer_log.jsonl` (what Trainer logs: the only
 source for a DDP baseline), `run_config.json`, `diloco_summary.json` and `run_metrics.json` (settings and totals).
+
+An `outer_backend: torchft` run started with `hf-diloco launch --replicas N` has none of these in its output
+folder: replica r writes them all into `replica-r/`, and each replica's rounds are those it took part in (one that
+joined late or was started again lacks the early ones). Its rounds are read as the union over the replica folders,
+one record per round number, and everything else from the replica that is furthest along (`lead_folder`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import SUMMARY_FILE, SYNC_ROUNDS_FILE, read_sync_rounds
 from hf_diloco.runs import LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
@@ -28,6 +33,7 @@ STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d977
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "codec", "× fewer",
                  "sync s", "blocked s", "compute s", "tokens/s"]
+MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "codec", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
@@ -41,11 +47,6 @@ MIN_ROUND_AXIS = 10  # round axes span at least 0..10, so their ticks fall on wh
 # --- reading a run folder -------------------------------------------------------------------------------------
 
 
-def read_rounds(run: Run | None) -> list[dict]:
-    """The run's sync_rounds.jsonl; a half-written last line of a live run is skipped."""
-    return read_sync_rounds(run.output_dir) if run is not None else []
-
-
 def _json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -54,16 +55,62 @@ def _json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _replica_id(folder: Path) -> int:
+    return int(folder.name.split("-", 1)[1])
+
+
+def replica_folders(run: Run | None) -> list[Path]:
+    """The `replica-r` folders of a torchft run started with --replicas, lowest replica id first; [] for a run
+    whose output folder holds its own sync_rounds.jsonl (every other run)."""
+    if run is None:
+        return []
+    output = Path(run.output_dir)
+    if (output / SYNC_ROUNDS_FILE).exists():
+        return []
+    found = [p for p in output.glob("replica-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=_replica_id)
+
+
+def lead_folder(run: Run) -> Path:
+    """Where the run's progress, Trainer log, settings, summary and model are read from: its output folder, or for
+    a torchft run the replica furthest along (the highest step; the lowest replica id among equals)."""
+    folders = replica_folders(run)
+    if not folders:
+        return Path(run.output_dir)
+    return max(folders, key=lambda f: (_json(f / PROGRESS_FILE).get("step") or 0, -_replica_id(f)))
+
+
+def read_rounds(run: Run | None) -> list[dict]:
+    """The run's sync_rounds.jsonl; a half-written last line of a live run is skipped.
+
+    A torchft run's rounds: the union over its replica folders, one record per round number (every participant
+    of a round writes the same membership): a committed record before one whose round did not commit, then the
+    lowest replica id's.
+    """
+    if run is None:
+        return []
+    folders = replica_folders(run)
+    if not folders:
+        return read_sync_rounds(run.output_dir)
+    merged: dict[int, dict] = {}
+    for folder in folders:
+        for record in read_sync_rounds(folder):
+            kept = merged.get(record["round"])
+            if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
+                merged[record["round"]] = record
+    return [merged[n] for n in sorted(merged)]
+
+
 def read_progress(run: Run | None) -> dict:
     """progress.json: {"phase", "step", "max_steps", ...}; empty before the run's first step."""
-    return _json(Path(run.output_dir) / PROGRESS_FILE) if run is not None else {}
+    return _json(lead_folder(run) / PROGRESS_FILE) if run is not None else {}
 
 
 def read_trainer_log(run: Run | None) -> list[dict]:
     """Every dict Trainer logged (loss, eval_loss, learning_rate, ...), with its step."""
     if run is None:
         return []
-    path = Path(run.output_dir) / TRAINER_LOG_FILE
+    path = lead_folder(run) / TRAINER_LOG_FILE
     entries = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -102,9 +149,11 @@ def trainer_kind(run: Run) -> str:
 
 
 def replicas(run: Run) -> str:
-    """How many processes the run starts (--num_processes, else the accelerate config's num_processes)."""
-    if "--num_processes" in run.command:
-        return run.command[run.command.index("--num_processes") + 1]
+    """How many replicas the run starts: a torchft run's --replicas, else its processes (--num_processes, else the
+    accelerate config's num_processes)."""
+    for flag in ("--replicas", "--num_processes"):
+        if flag in run.command:
+            return run.command[run.command.index(flag) + 1]
     try:
         for line in Path(run.accelerate_config).read_text().splitlines():
             if line.startswith("num_processes:"):
@@ -150,8 +199,9 @@ def status_html(run: Run | None) -> str:
         blocked = sum(r.get("blocked_seconds", r["sync_seconds"]) for r in rounds)
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
+        present = f"{last['participants']} of {len(last['members'])}" if "members" in last else last["num_replicas"]
         parts.append(f"round {last['round']} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
-                     f" · {last['num_replicas']} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
+                     f" · {present} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
                      f" · waited for syncs {blocked:,.1f} s")
     elif trainer_kind(run) == "ddp":
         losses = [e["loss"] for e in log if "loss" in e]
@@ -192,12 +242,13 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
     """Inner loss per replica per round and held-out loss (DiLoCo), or Trainer's logged losses (DDP baseline).
 
     A round's inner loss is the mean over its steps; a replica with one round so far is drawn as a flat segment over
-    that round's steps, so that a one-round run shows a line too.
+    that round's steps, so that a one-round run shows a line too. A torchft round lists only its participants'
+    losses, so there each loss is named by its member's replica id.
     """
     evals = [{"step": e["step"], "loss": e["eval_loss"]} for e in trainer_log if e.get("eval_loss") is not None]
     if rounds:
         rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
-                for r in rounds for i, loss in enumerate(r["replica_losses"])]
+                for r in rounds for i, loss in replica_losses(r)]
         if len(rounds) == 1:
             first = rounds[0]["step"] - rounds[0].get("inner_steps", rounds[0]["step"])
             rows += [{**row, "step": first} for row in rows]
@@ -209,6 +260,14 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
                 for e in trainer_log if e.get("loss") is not None]
         rows += [{**e, "replica": "held-out loss"} for e in evals]
     return _frame(sorted(rows, key=lambda row: row["step"]), "step", "loss", "replica")
+
+
+def replica_losses(record: dict) -> list[tuple[int, float]]:
+    """(replica id, mean inner loss) of each replica that trained in the round."""
+    if "members" in record:
+        return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["members"]
+                if m.get("participated") and m.get("steps")]
+    return list(enumerate(record["replica_losses"]))
 
 
 def norm_frame(rounds: list[dict]) -> pd.DataFrame:
@@ -232,7 +291,7 @@ def agreement_frame(rounds: list[dict], summary: dict | None = None) -> pd.DataF
 
 def read_summary(run: Run | None) -> dict:
     """The run's diloco_summary.json, once it has ended ({} before)."""
-    return _json(Path(run.output_dir) / "diloco_summary.json") if run is not None else {}
+    return _json(lead_folder(run) / SUMMARY_FILE) if run is not None else {}
 
 
 def time_frame(rounds: list[dict]) -> pd.DataFrame:
@@ -313,6 +372,32 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 
+def member_cell(member: dict | None) -> str:
+    """One replica in one torchft round: "✓ 14 steps", "healed" (it took θ_global from a live peer), "✓ 9 steps,
+    1 round late" (its base was behind), or "absent"."""
+    if not member or not member.get("participated"):
+        return "absent"
+    healed, late = member.get("healed"), member.get("staleness", 0)
+    parts = [f"✓ {member.get('steps', 0)} steps"] if member.get("steps") or not healed else []
+    parts += ["healed"] if healed else []
+    parts += [f"{late} round{'s' if late > 1 else ''} late"] if late else []
+    return ", ".join(parts)
+
+
+def membership_rows(rounds: list[dict], replicas: int = 0) -> pd.DataFrame:
+    """Who took part in each torchft round, newest first: round, step, participants, whether it committed, then a
+    cell per replica (at least `replicas` of them, the run's count). Empty for any other run."""
+    torchft = [r for r in rounds if "members" in r]
+    ids = {m["replica"] for r in torchft for m in r["members"]}
+    columns = [f"replica {i}" for i in range(max([replicas, *(i + 1 for i in ids)]))] if torchft else []
+    rows = []
+    for r in reversed(torchft):
+        members = {m["replica"]: m for m in r["members"]}
+        rows.append([r["round"], r["step"], r["participants"], "yes" if r.get("committed", True) else "no",
+                     *(member_cell(members.get(i)) for i in range(len(columns)))])
+    return pd.DataFrame(rows, columns=MEMBERSHIP_COLUMNS + columns)
+
+
 def log_tail(run: Run | None, lines: int = 200) -> str:
     """The last complete lines of the log; progress-bar redraws (carriage returns) keep only their last state."""
     if run is None:
@@ -351,12 +436,18 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
 
 
+def _processes(run: Run, config: dict, progress: dict | None = None) -> int:
+    """Processes that train at once: a torchft run's replicas (each its own launch of one), else the launch's."""
+    if replica_folders(run):
+        return int(replicas(run) or len(replica_folders(run)))
+    return int(config.get("num_processes") or (progress or {}).get("world_size") or 1)
+
+
 def held_out_curve(run: Run) -> pd.DataFrame:
     """Held-out loss against tokens trained (all processes) and MB sent per replica, for comparing runs."""
-    output = Path(run.output_dir)
-    config, progress, rounds = _json(output / "run_config.json"), read_progress(run), read_rounds(run)
+    config, progress, rounds = _json(lead_folder(run) / "run_config.json"), read_progress(run), read_rounds(run)
     training = config.get("training", {})
-    processes = int(config.get("num_processes") or progress.get("world_size") or 1)
+    processes = _processes(run, config, progress)
     tokens_per_step = int(training.get("per_device_train_batch_size") or 0) * int(
         training.get("gradient_accumulation_steps") or 1) * int(config.get("run", {}).get("block_size") or 0) \
         * processes
@@ -399,10 +490,10 @@ def compare_figure(runs: list[Run]):
 def compare_rows(runs: list[Run]) -> pd.DataFrame:
     rows = []
     for run in runs:
-        output = Path(run.output_dir)
-        summary, metrics = _json(output / "diloco_summary.json"), _json(output / "run_metrics.json")
+        output = lead_folder(run)
+        summary, metrics = _json(output / SUMMARY_FILE), _json(output / "run_metrics.json")
         curve, rounds, kind = held_out_curve(run), read_rounds(run), trainer_kind(run)
-        processes = int(_json(output / "run_config.json").get("num_processes") or 1)
+        processes = _processes(run, _json(output / "run_config.json"))
         if summary.get("tokens_per_second"):
             speed = summary["tokens_per_second"]
         elif metrics.get("steady_tokens_per_second"):
@@ -422,7 +513,9 @@ def compare_rows(runs: list[Run]) -> pd.DataFrame:
 def tensorboard_hint(run: Run | None) -> str:
     if run is None:
         return ""
-    return f"TensorBoard for this run: `tensorboard --logdir {Path(run.output_dir) / 'runs'}`"
+    # A torchft run's replicas each log under replica-r/runs; TensorBoard finds them all below the output folder.
+    logdir = Path(run.output_dir) if replica_folders(run) else Path(run.output_dir) / "runs"
+    return f"TensorBoard for this run: `tensorboard --logdir {logdir}`"
 
 
 def card_preview(card: str) -> tuple[str, str]:

@@ -140,3 +140,79 @@ def test_the_agreement_plot_includes_the_last_round_from_the_summary(tmp_path):
     run = make_run(tmp_path, rounds=rounds)
     (tmp_path / "output" / "diloco_summary.json").write_text(json.dumps(summary))
     assert views.read_summary(run) == summary
+
+
+def member(replica, steps=10, healed=False, staleness=0, loss=3.0):
+    return {"replica": replica, "participated": True, "steps": steps, "tokens": 128 * steps, "healed": healed,
+            "staleness": staleness, "loss_sum": loss * steps}
+
+
+def torchft_round(n, members, committed=True, writer=0):
+    present = [m for m in members if m["participated"]]
+    record = {**round_record(n), "members": members, "participants": len(present), "committed": committed,
+              "outer_backend": "torchft", "replica": writer, "num_replicas": len(present)}
+    record["replica_losses"] = [m["loss_sum"] / m["steps"] for m in present if m["steps"]]
+    return record
+
+
+def write_replica(output, replica, rounds, step):
+    folder = output / f"replica-{replica}"
+    folder.mkdir(parents=True)
+    (folder / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (folder / "progress.json").write_text(json.dumps({"phase": "training", "step": step}))
+    (folder / "trainer_log.jsonl").write_text(json.dumps({"step": step, "loss": 1.0 + replica}) + "\n")
+
+
+def test_a_torchft_run_is_read_from_its_replica_folders(tmp_path):
+    """`hf-diloco launch --replicas 3` leaves no sync_rounds.jsonl in the run's output folder, only replica-r/
+    folders, each with the rounds that replica took part in. Here replica 2 was started again (it lacks rounds 1
+    and 2) and replica 0 recorded a round that did not commit after round 2 (the round number stays at the last
+    committed round) and is behind. The app reads one record per round, from the lowest replica id that has it, a
+    committed one first, and progress and the Trainer log from the replica furthest along (lowest id among
+    equals)."""
+    everyone = [member(0), member(1), member(2)]
+    without_2 = [member(0), member(1), {"replica": 2, "participated": False}]
+    output = tmp_path / "output"
+    write_replica(output, 0, [torchft_round(1, everyone), torchft_round(2, without_2),
+                              torchft_round(2, without_2, committed=False), torchft_round(3, everyone)], step=30)
+    write_replica(output, 1, [torchft_round(n, m, writer=1) for n, m in
+                              ((1, everyone), (2, without_2), (3, everyone), (4, everyone))], step=45)
+    write_replica(output, 2, [torchft_round(3, everyone, writer=2), torchft_round(4, everyone, writer=2)], step=45)
+    run = Run("ft", str(REPO / "recipes" / "elastic-3.yaml"), "c.yaml", ["--max_steps", "100"],
+              ["python", "-m", "hf_diloco.cli", "launch", "elastic-3.yaml", "--replicas", "3"], str(output))
+    rounds = views.read_rounds(run)
+    assert [(r["round"], r["committed"], r["replica"]) for r in rounds] == [(1, True, 0), (2, True, 0),
+                                                                            (3, True, 0), (4, True, 1)]
+    assert views.read_progress(run)["step"] == 45 and views.lead_folder(run) == output / "replica-1"
+    assert views.read_trainer_log(run) == [{"step": 45, "loss": 2.0}]
+    assert views.replicas(run) == "3" and "step 45/100" in views.status_html(run)
+    assert "3 of 3 replicas" in views.status_html(run)
+    assert views.round_rows(rounds)["round"].tolist() == [4, 3, 2, 1]
+
+
+def test_membership_rows_say_who_took_part_in_each_torchft_round():
+    """One row per round, newest first; a cell per replica: its steps, healed (it took θ_global from a live peer),
+    rounds late (its base was behind), or absent. A replica in no round yet still gets its column; a run of the
+    torch backend has no membership rows."""
+    rounds = [torchft_round(1, [member(0), member(1, steps=9)]),
+              torchft_round(2, [member(0), {"replica": 1, "participated": False}], committed=False),
+              torchft_round(3, [member(0), member(1, steps=0, healed=True)]),
+              torchft_round(4, [member(0), member(1, steps=7, healed=True, staleness=1)])]
+    table = views.membership_rows(rounds, replicas=3)
+    assert list(table.columns) == ["round", "step", "participants", "committed", "replica 0", "replica 1",
+                                   "replica 2"]
+    assert table.values.tolist() == [
+        [4, 40, 2, "yes", "✓ 10 steps", "✓ 7 steps, healed, 1 round late", "absent"],
+        [3, 30, 2, "yes", "✓ 10 steps", "healed", "absent"],
+        [2, 20, 1, "no", "✓ 10 steps", "absent", "absent"],
+        [1, 10, 2, "yes", "✓ 10 steps", "✓ 9 steps", "absent"],
+    ]
+    assert views.membership_rows([round_record(1)]).empty
+
+
+def test_a_torchft_rounds_losses_are_named_by_their_replica():
+    """A torchft round lists only its participants' losses: replica 2's loss is drawn as replica 2 even while
+    replica 1 is absent."""
+    rounds = [torchft_round(1, [member(0, loss=3.0), {"replica": 1, "participated": False}, member(2, loss=2.0)])]
+    frame = views.loss_frame(rounds, [])
+    assert sorted(set(zip(frame["replica"], frame["loss"], strict=True))) == [("replica 0", 3.0), ("replica 2", 2.0)]
