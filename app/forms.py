@@ -8,6 +8,9 @@ Design choices:
   machines), model and dataset paths are checked to exist before Preview says anything is valid, and then the
   form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a subprocess
   (the app never imports torch), and its one-sentence error is shown beside the form.
+- A recipe with `outer_backend: torchft` runs as `hf-diloco launch ... --replicas N` (a Lighthouse and N replicas on
+  this machine): the replicas knob is N (blank: the recipe's num_replicas, else 3), the launcher sets each
+  replica's Lighthouse, address and id, and the multi-node settings do not apply.
 - Commands are argument lists, never shell strings.
 """
 
@@ -89,6 +92,10 @@ TRAINING_KEYS = frozenset({
 # only to files on this machine (TensorBoard), never to an online tracker.
 RESUME_VALUES = ("auto", "latest", "", None)
 REPORT_VALUES = ("none", "tensorboard", None)
+# torchft fields that `hf-diloco launch --replicas N` sets for each replica it starts.
+LAUNCHER_KEYS = ("lighthouse", "replica_address", "replica_id")
+TORCHFT_CONFIG = "torchft-replica.yaml"  # one process per replica
+DEFAULT_TORCHFT_REPLICAS = 3
 
 
 def library_fields() -> frozenset[str]:
@@ -121,6 +128,11 @@ def check_recipe_keys(recipe: Path) -> dict:
             f"hf-diloco's own fields and the training settings (learning rate, batch, schedule, evaluation, saving); "
             f"push from the Push to Hub tab, and run anything else with `hf-diloco launch`."
         )
+    launcher = sorted(set(values) & set(LAUNCHER_KEYS))
+    if launcher:
+        raise FormError(f"the recipe may not set {', '.join(map(repr, launcher))}: the app starts a torchft run's "
+                        f"Lighthouse and replicas itself (for replicas on other machines, use `hf-diloco lighthouse` "
+                        f"and `hf-diloco launch`).")
     if values.get("resume_from_checkpoint") not in RESUME_VALUES:
         raise FormError("resume_from_checkpoint may only be 'auto' or 'latest' here (the run's own checkpoints).")
     report = values.get("report_to")
@@ -136,6 +148,41 @@ def check_layout(knobs: Knobs, recipe_values: dict) -> None:
     if replicas and isinstance(group, int) and group > 1 and int(replicas) % group:
         raise FormError(f"replicas (processes) = {replicas} is not a multiple of the recipe's replica_group_size "
                         f"= {group}; use a multiple of {group}.")
+
+
+def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:
+    """For an `outer_backend: torchft` recipe, the N of `hf-diloco launch --replicas N`: the replicas knob, else the
+    recipe's num_replicas, else 3. None for any other recipe."""
+    if recipe_values.get("outer_backend") != "torchft":
+        return None
+    distributed = [NUMBERS[name][0] if name in NUMBERS else "main machine address"
+                   for name in LAUNCH_FIELDS if name != "replicas" and str(getattr(knobs, name)).strip()]
+    if distributed:
+        raise FormError(f"the distributed settings ({', '.join(distributed)}) do not apply to a torchft run, whose "
+                        f"replicas meet through the Lighthouse it starts on this machine; leave them blank.")
+    text, recipe_count = str(knobs.replicas).strip(), recipe_values.get("num_replicas")
+    if text:
+        replicas = int(text)
+    elif isinstance(recipe_count, int) and recipe_count > 0:
+        replicas = recipe_count
+    else:
+        replicas = DEFAULT_TORCHFT_REPLICAS
+    least = recipe_values.get("min_replicas", 1)
+    if isinstance(least, int) and replicas < least:
+        raise FormError(f"replicas = {replicas} is below the recipe's min_replicas = {least}, so no round could "
+                        f"form; start at least {least} replicas or lower min_replicas.")
+    return replicas
+
+
+def is_torchft(recipe: Path) -> bool:
+    """Whether the recipe file sets `outer_backend: torchft` (False for anything unreadable)."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(recipe.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(values, dict) and values.get("outer_backend") == "torchft"
 
 
 def free_port() -> int:
@@ -254,10 +301,11 @@ def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
     return overrides, launch
 
 
-def validate(recipe: Path, config: Path, overrides: list[str]) -> None:
-    """Run the CLI's own checks (`hf-diloco launch --dry-run`); raise its one-sentence error."""
+def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | None = None) -> None:
+    """Run the CLI's own checks (`hf-diloco launch --dry-run`, with `--replicas N` for a torchft run); raise its
+    one-sentence error."""
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(recipe), "--accelerate-config", str(config),
-               "--dry-run", "--", *overrides]
+               "--dry-run", *(["--replicas", str(replicas)] if replicas is not None else []), "--", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT, timeout=300)
     if result.returncode != 0:
         # The CLI's own sentence ("hf-diloco: error: ..."), else the last error line (e.g. argparse's), never a dump.

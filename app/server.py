@@ -3,8 +3,9 @@
 Layout, top to bottom: the selected run's status and progress (always visible), the run picker with Stop, then
 tabs: Launch (run name, recipe, accelerate config, main knobs, distributed settings, Preview/Start), Live
 (per-replica loss, held-out loss, pseudo-gradient norms, replica agreement, bytes vs DDP on a log scale, sync vs
-compute time, round table, log tail that follows its newest line), Runs (every run on disk; click a row to select
-it), Compare (held-out loss of several runs against tokens and against bytes sent, and a table) and Push to Hub.
+compute time, round table, for a torchft run the membership of each round, log tail that follows its newest line),
+Runs (every run on disk; click a row to select it), Compare (held-out loss of several runs against tokens and
+against bytes sent, and a table) and Push to Hub.
 
 Design choices:
 - The app holds no run state in memory: runs are folders (hf_diloco.runs), so several runs can exist, a page
@@ -38,12 +39,14 @@ from hf_diloco import runs
 from hf_diloco.errors import ConfigError
 
 KNOB_LABELS = {
-    "replicas": "Replicas (processes; blank = config)", "inner_steps": "H: inner steps between syncs",
+    "replicas": "Replicas (blank: the config's processes, or a torchft recipe's num_replicas)",
+    "inner_steps": "H: inner steps between syncs",
     "outer_lr": "Outer learning rate", "outer_momentum": "Outer momentum", "max_steps": "Max steps",
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
     "num_machines": "Machines", "machine_rank": "This machine's rank", "main_process_ip": "Main machine address",
     "main_process_port": "Main machine port",
 }
+DEFAULT_CONFIG = "cpu-2proc.yaml"
 DISTRIBUTED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 CSS = """
 .hfd-status {font-size: 1.05em; padding: 10px 14px; border-radius: 8px; background: #f3f4f6; color: #111827}
@@ -77,15 +80,21 @@ class App:
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         overrides, launch = forms.flags(knobs)
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
-        forms.check_layout(knobs, forms.check_recipe_keys(recipe))
+        recipe_values = forms.check_recipe_keys(recipe)
+        forms.check_layout(knobs, recipe_values)
+        replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
         name = (name or "").strip() or forms.auto_name(recipe_name or "", knobs)
-        # Each run gets its own rendezvous port unless the form names one (a run over several machines needs the
-        # port they agreed on: the form's, or the config's).
-        single_machine = str(knobs.num_machines).strip() in ("", "1")
-        port = forms.free_port() if single_machine and not str(knobs.main_process_port).strip() else None
-        plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, port=port, launch_args=launch, name=name)
-        forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir])
+        if replicas is not None:  # torchft: a Lighthouse and N replicas, which need no rendezvous port
+            plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, name=name, replicas=replicas)
+        else:
+            # Each run gets its own rendezvous port unless the form names one (a run over several machines needs
+            # the port they agreed on: the form's, or the config's).
+            single_machine = str(knobs.num_machines).strip() in ("", "1")
+            port = forms.free_port() if single_machine and not str(knobs.main_process_port).strip() else None
+            plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, port=port, launch_args=launch,
+                             name=name)
+        forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir], replicas)
         return plan
 
     def check(self, *knob_values):
@@ -141,6 +150,13 @@ class App:
         path = self._recipe_file(recipe_name)
         return path.read_text() if path else ""
 
+    def config_for(self, recipe_name, config_name):
+        """Choosing a torchft recipe picks the one-process-per-replica config; leaving one goes back to the default."""
+        path = self._recipe_file(recipe_name)
+        if path is not None and forms.is_torchft(path):
+            return forms.TORCHFT_CONFIG
+        return DEFAULT_CONFIG if config_name == forms.TORCHFT_CONFIG else gr.update()
+
     def recipe_source(self, recipe_name, yaml_text):
         """Which recipe the form holds: a recipe as shipped, a saved draft, or unsaved edits."""
         path = self._recipe_file(recipe_name)
@@ -171,6 +187,8 @@ class App:
         total = views.max_steps(run) if run is not None else None
         axis = views.round_axis(run, rounds)
         drawn = drawn or {}
+        count = views.replicas(run) if run is not None else ""
+        membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0)
         frames = {"loss": (views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
                   "norm": (views.norm_frame(rounds), "of", axis),
                   "agreement": (views.agreement_frame(rounds, views.read_summary(run)), "replica", axis),
@@ -191,6 +209,7 @@ class App:
             figure,
             updates["time"],
             views.round_rows(rounds),
+            gr.update(value=membership, visible=not membership.empty),  # torchft runs only
             views.log_tail(run),
             views.tensorboard_hint(run),
             views.runs_table(runs.list_runs(self.runs_dir)),
@@ -217,6 +236,8 @@ class App:
             launch = command[command.index("--config_file") + 2: command.index("-m", 3)] \
                 if "--config_file" in command and "-m" in command[3:] else []
             launch_values = dict(zip(launch[::2], launch[1::2], strict=False))
+            if "--replicas" in command:  # a torchft run: `hf-diloco launch ... --replicas N`
+                launch_values[forms.LAUNCH_FIELDS["replicas"]] = command[command.index("--replicas") + 1]
             knob_values = [launch_values.get(forms.LAUNCH_FIELDS[f.name], "") if f.name in forms.LAUNCH_FIELDS
                            else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
             # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.
@@ -234,7 +255,7 @@ class App:
         run = self.run(run_id)
         if run is None:
             return "Select a run first.", "", None
-        output = Path(run.output_dir)
+        output = views.lead_folder(run)  # a torchft run: a replica's folder (all end with the same model)
         curve = write_training_curve(output, Path(tempfile.mkdtemp()) / "curve.png")
         metadata, body = views.card_preview(model_card(output, repo_id or None))
         return body, metadata, str(curve) if curve else None
@@ -254,8 +275,8 @@ class App:
         env = dict(os.environ)
         if token:
             env["HF_TOKEN"] = token  # the push process's environment only: never on a command line or on disk
-        command = [sys.executable, "-m", "hf_diloco.cli", "push", run.output_dir, "--repo-id", repo_id.strip(),
-                   "--commit-message", message or "Upload DiLoCo model"]
+        command = [sys.executable, "-m", "hf_diloco.cli", "push", str(views.lead_folder(run)),
+                   "--repo-id", repo_id.strip(), "--commit-message", message or "Upload DiLoCo model"]
         command += ["--private"] if private else []
         command += ["--merge-lora"] if merge_lora else []
         progress(0.1, desc="Uploading")
@@ -310,7 +331,7 @@ def build(runs_dir: Path) -> gr.Blocks:
                     first = "tiny-pretrain.yaml" if "tiny-pretrain.yaml" in recipes else None
                     recipe = gr.Dropdown(recipes, value=first, label="Recipe", elem_id="recipe",
                                          allow_custom_value=True)
-                    config = gr.Dropdown(configs, value="cpu-2proc.yaml" if "cpu-2proc.yaml" in configs else None,
+                    config = gr.Dropdown(configs, value=DEFAULT_CONFIG if DEFAULT_CONFIG in configs else None,
                                          label="Accelerate config", elem_id="config", allow_custom_value=True)
                 recipe_note = gr.Markdown(app.recipe_source(first, app.load_recipe(first)), elem_id="recipe-source")
                 knobs = {}
@@ -346,6 +367,9 @@ def build(runs_dir: Path) -> gr.Blocks:
                                            height=250, elem_id="time-plot")
                 rounds_table = gr.Dataframe(headers=views.ROUND_COLUMNS, label="Rounds (newest first)",
                                             elem_id="rounds")
+                membership_table = gr.Dataframe(headers=views.MEMBERSHIP_COLUMNS, visible=False,
+                                                label="Membership: who took part in each round (newest first)",
+                                                elem_id="membership")
                 tensorboard = gr.Markdown()
                 log = gr.Textbox(label="Log (follows the newest line at the bottom)", lines=14, max_lines=14,
                                  autoscroll=False, elem_id="log")
@@ -377,9 +401,10 @@ def build(runs_dir: Path) -> gr.Blocks:
 
         knob_inputs = [knobs[f.name] for f in fields(forms.Knobs)]
         form = [name, recipe, yaml_text, config, *knob_inputs]
-        live = [status, loss_plot, norm_plot, agreement_plot, bytes_plot, time_plot, rounds_table, log, tensorboard,
-                all_runs, stop_button, drawn]
+        live = [status, loss_plot, norm_plot, agreement_plot, bytes_plot, time_plot, rounds_table, membership_table,
+                log, tensorboard, all_runs, stop_button, drawn]
         recipe.change(app.load_recipe, recipe, yaml_text, api_name=False)
+        recipe.input(app.config_for, [recipe, config], config, api_name=False)
         yaml_text.change(app.recipe_source, [recipe, yaml_text], recipe_note, api_name=False)
         for box in knob_inputs:
             box.change(app.check, knob_inputs, form_message, api_name=False)

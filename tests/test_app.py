@@ -2,12 +2,14 @@
 
 import json
 import time
+from pathlib import Path
 
-from app_helpers import TINY_YAML, app_server, knobs
+from app_helpers import ELASTIC_YAML, TINY_YAML, app_server, knobs
 from gradio_client import Client
 from hub_server import FakeHub
 
 from hf_diloco import runs
+from hf_diloco.metrics import read_sync_rounds
 
 
 def wait_for(predicate, timeout, what):
@@ -72,6 +74,55 @@ def test_launch_watch_stop_and_push(tmp_path):
     assert leaked == [], "the token never reaches the run folders"
 
 
+def table(value) -> dict:
+    """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
+    return value["value"] if "value" in value else value
+
+
+def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
+    """Recipe elastic-3 (outer_backend torchft) with 2 replicas: Preview shows, and Start runs, one `hf-diloco
+    launch ... --replicas 2` with the one-process-per-replica config. The run writes only replica-r/ folders, and
+    Live reads them: the round table has each round once, the membership table one row per round with a cell per
+    replica, both as the replicas recorded them; the status bar, the Runs table and the model card follow."""
+    runs_dir = tmp_path / "runs"
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        values = knobs(replicas=2, inner_steps=10, max_steps=40)
+        wrong = client.predict("", "elastic-3.yaml", ELASTIC_YAML, "cpu-2proc.yaml", *values, api_name="/preview")[1]
+        assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
+
+        form = ["", "elastic-3.yaml", ELASTIC_YAML, "torchft-replica.yaml", *values]
+        command, message = client.predict(*form, api_name="/preview")
+        assert "Form is valid" in message, message
+        assert " -m hf_diloco.cli launch " in command and " --replicas 2 " in command, command
+        assert "accelerate_configs/torchft-replica.yaml" in command and "--main_process_port" not in command
+        message, selected, started = client.predict(*form, api_name="/start")
+        assert message.startswith("Started") and started == command, "Start runs exactly the previewed command"
+        run_id = selected["value"] if isinstance(selected, dict) else selected
+        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 120, "the run to end")
+        run = runs.load(runs_dir / run_id)
+        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
+
+        output = Path(run.output_dir)
+        assert not (output / "sync_rounds.jsonl").exists() and (output / "replica-1" / "sync_rounds.jsonl").exists()
+        recorded = read_sync_rounds(output / "replica-0")
+        assert [r["round"] for r in recorded] == [1, 2, 3, 4] and read_sync_rounds(output / "replica-1")
+        live = client.predict(run_id, api_name="/refresh")
+        rounds = table(live[6])
+        assert [row[:2] for row in rounds["data"]] == [[4, 40], [3, 30], [2, 20], [1, 10]], "newest first, once each"
+        assert [row[3] for row in rounds["data"]] == [round(r["loss"], 4) for r in reversed(recorded)]
+        membership = table(live[7])
+        assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
+        assert membership["data"] == [[r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
+                                                                          r["members"])] for r in reversed(recorded)]
+        assert all(m["steps"] == 10 for r in recorded for m in r["members"])
+        assert "step 40/40" in live[0] and "round 4 " in live[0] and "2 of 2 replicas" in live[0]
+        runs_table = table(live[10])
+        assert runs_table["data"][0][:6] == [run_id, "finished", "diloco", "10", "2", 40]
+        card = client.predict(run_id, "alice/elastic", api_name="/card")[0]
+        assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
+
+
 BAD_FORMS = {
     "no recipe": (["", "cpu-2proc.yaml", knobs()], "choose a recipe"),
     "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)], "H (inner steps) must be at least 1"),
@@ -89,6 +140,10 @@ BAD_FORMS = {
                    "model path '../../no-such-model' does not exist"),
     "missing dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="data/nothing.txt")],
                         "dataset path 'data/nothing.txt' does not exist"),
+    "torchft over machines": (["elastic-3.yaml", "torchft-replica.yaml", knobs(num_machines=2, machine_rank=1)],
+                              "the distributed settings (machines, this machine's rank) do not apply to a torchft run"),
+    "torchft below its quorum": (["elastic-3.yaml", "torchft-replica.yaml", knobs(replicas=1)],
+                                 "replicas = 1 is below the recipe's min_replicas = 2"),
 }
 
 
@@ -133,13 +188,16 @@ BAD_DRAFTS = {
                              "resume_from_checkpoint may only be 'auto' or 'latest'"),
     "3 processes for groups of 2": (TINY + "replica_group_size: 2\n", {"replicas": 3},
                                     "replicas (processes) = 3 is not a multiple of the recipe's replica_group_size"),
+    "a torchft replica's own Lighthouse": (TINY + "outer_backend: torchft\nlighthouse: http://10.0.0.9:29510\n", {},
+                                           "the recipe may not set 'lighthouse': the app starts"),
 }
 
 
 def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
     """A draft recipe may set hf-diloco's fields and the training settings, nothing that pushes, tracks online,
-    shards the model or resumes from elsewhere; the process count must fit the replica groups (found in Preview, not
-    in every worker). Two runs previewed from one form get two rendezvous ports."""
+    shards the model or resumes from elsewhere, nor what the launcher of a torchft run sets for each replica; the
+    process count must fit the replica groups (found in Preview, not in every worker). Two runs previewed from one
+    form get two rendezvous ports."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
         client = Client(url, verbose=False)

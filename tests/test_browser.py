@@ -2,13 +2,15 @@
 
 What a person sees is asserted: lines and points drawn in the plots' SVG, the log box scrolled to its newest line,
 the status bar's text. Screenshots go to test-artifacts/: app-launch.png, app-live.png (mid-run, never reloaded),
-app-stopped.png, app-failed.png, app-compare.png (a DiLoCo, a FedAvg and a DDP run).
+app-stopped.png, app-failed.png, app-compare.png (a DiLoCo, a FedAvg and a DDP run), app-membership.png (a torchft
+run's rounds and who took part in them).
 """
 
 import json
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from app_helpers import TINY_YAML, app_server, knobs
@@ -16,6 +18,7 @@ from gradio_client import Client
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
 
 from hf_diloco import runs
+from hf_diloco.metrics import read_sync_rounds
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -143,6 +146,52 @@ def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(brows
         page.locator("#recipe-source").get_by_text("saved draft").wait_for(timeout=20_000)
         assert "drafts/tiny-pretrain-edited-" in page.locator("#recipe-source").inner_text()
         page.screenshot(path=str(ARTIFACTS / "app-failed.png"), full_page=True)
+
+
+def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(browser, tmp_path):
+    """Fresh app: choosing elastic-3 (outer_backend torchft) picks the one-process-per-replica config; 2 replicas,
+    H = 5. On Live, the membership table appears with the first round: one row per round, a column per replica,
+    each replica's steps in its cells. Stop ends the run as stopped, every replica after the same round, and the
+    table then holds exactly the rounds the replicas recorded."""
+    runs_dir = tmp_path / "runs"
+    with app_server(runs_dir) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_text("Preview command").wait_for(timeout=60_000)
+        page.locator("#recipe input").click()
+        page.get_by_role("option", name="elastic-3.yaml").click()
+        wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
+                   "the torchft replica config to be chosen")
+        fill(page, "knob-replicas", "2")
+        fill(page, "knob-inner_steps", "5")
+        fill(page, "knob-max_steps", "400")
+        page.click("#preview")
+        page.get_by_text("Form is valid").wait_for(timeout=60_000)
+        assert " --replicas 2 " in page.locator("#command").inner_text()
+        page.click("#start")
+        page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
+        page.get_by_role("tab", name="Live").click()
+        assert page.locator("#membership").count() == 0, "no membership table before the first round"
+        rows = page.locator("#membership .virtual-row")
+        wait_until(lambda: page.locator("#membership").count() and rows.count() >= 2, 120, "two membership rows")
+        headers = page.locator("#membership thead").inner_text()
+        assert "replica 0" in headers and "replica 1" in headers and "replica 2" not in headers, headers
+        assert rows.first.inner_text().count("✓ 5 steps") == 2, rows.first.inner_text()
+        page.screenshot(path=str(ARTIFACTS / "app-membership.png"), full_page=True)
+
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
+                               timeout=90_000)
+        (run,) = runs.list_runs(runs_dir)
+        recorded = {r["round"] for k in (0, 1) for r in read_sync_rounds(Path(run.output_dir) / f"replica-{k}")}
+        wait_until(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
+        assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
+        page.reload()  # the form is refilled from the run: its replica count and config
+        replicas = page.locator("#knob-replicas input, #knob-replicas textarea").first
+        wait_until(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
+        assert page.locator("#config input").input_value() == "torchft-replica.yaml"
+    stopped = [json.loads((Path(run.output_dir) / f"replica-{k}" / runs.STOPPED_FILE).read_text()) for k in (0, 1)]
+    assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
 
 
 def start_short_run(runs_dir, recipe: str, name: str, extra: list[str]) -> runs.Run:
