@@ -217,9 +217,10 @@ def check_knobs(knobs: Knobs) -> None:
 
 
 def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
-    """A model or dataset is a preset/builtin name, an existing local path, or a Hub id (which must be in the local
-    cache when HF_HUB_OFFLINE is set; online, the run itself finds out). A path that does not exist is refused now,
-    not minutes into a run."""
+    """A model or dataset is a preset/builtin name, an existing local path (a model folder; a dataset folder or
+    data file), or a Hub id: in the local cache when HF_HUB_OFFLINE is set, else existing on the Hub (when the Hub
+    cannot be reached, the run itself finds out). A path that does not exist is refused now, not minutes into a
+    run."""
     value = value.strip()
     if not value or value in builtin:
         return
@@ -229,10 +230,22 @@ def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
     if path.exists():
         if what == "model" and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise FormError(f"model path {value!r} is not a model folder (expected a folder with config.json).")
+        if what == "dataset" and not path.is_dir() and path.suffix not in DATA_FILES:
+            raise FormError(f"dataset path {value!r} is not a dataset (a folder, or a {', '.join(DATA_FILES)} file).")
         return
     if looks_local:
         raise FormError(f"{what} path {value!r} does not exist.")
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes"):
+        from huggingface_hub import HfApi
+
+        try:
+            found = HfApi().repo_exists(value, repo_type=what)
+        except Exception:  # noqa: BLE001 (the Hub cannot be reached: the run will say what it finds)
+            return
+        if not found:
+            raise FormError(f"{what} {value!r} is neither a local path nor a public repository on the Hugging Face "
+                            f"Hub; give an existing path or a Hub id.")
+    else:
         from huggingface_hub import snapshot_download
 
         try:
@@ -301,14 +314,21 @@ def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
     return overrides, launch
 
 
-def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | None = None) -> None:
-    """Run the CLI's own checks (`hf-diloco launch --dry-run`, with `--replicas N` for a torchft run); raise its
-    one-sentence error."""
-    command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(recipe), "--accelerate-config", str(config),
-               "--dry-run", *(["--replicas", str(replicas)] if replicas is not None else []), "--", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT, timeout=300)
+def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | None = None,
+             launch: list[str] = (), port: int | None = None, command: list[str] | None = None) -> None:
+    """Run the CLI's own checks on exactly what Start runs: `hf-diloco launch --dry-run` with the same recipe,
+    config, accelerate launch flags, port and fields (`--replicas N` for a torchft run); raise its one-sentence
+    error. With `command` (the plan's), the command the CLI would run must be that one, word for word."""
+    cli = [sys.executable, "-m", "hf_diloco.cli", "launch", str(recipe), "--accelerate-config", str(config),
+           "--dry-run", *(["--replicas", str(replicas)] if replicas is not None else []),
+           *(["--port", str(port)] if port is not None else []), *launch, "--", *overrides]
+    result = subprocess.run(cli, capture_output=True, text=True, cwd=PROJECT, timeout=300)
     if result.returncode != 0:
         # The CLI's own sentence ("hf-diloco: error: ..."), else the last error line (e.g. argparse's), never a dump.
         errors = [line.split("error:", 1)[1].strip() for line in result.stderr.splitlines() if "error:" in line]
         lines = result.stderr.strip().splitlines()
         raise FormError(errors[-1] if errors else lines[-1] if lines else f"the check failed ({result.returncode}).")
+    printed = [line for line in result.stdout.splitlines() if line.startswith(sys.executable + " ")]
+    if command is not None and replicas is None and printed[-1:] != [" ".join(command)]:
+        raise FormError("the command line checks would run differs from the one Start runs; this is a bug, please "
+                        "report it with the recipe.")

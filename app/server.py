@@ -84,7 +84,9 @@ class App:
         forms.check_layout(knobs, recipe_values)
         replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
-        name = (name or "").strip() or forms.auto_name(recipe_name or "", knobs)
+        typed = (name or "").strip()
+        name = typed or forms.auto_name(recipe_name or "", knobs)
+        port = None
         if replicas is not None:  # torchft: a Lighthouse and N replicas, which need no rendezvous port
             plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, name=name, replicas=replicas)
         else:
@@ -94,8 +96,16 @@ class App:
             port = forms.free_port() if single_machine and not str(knobs.main_process_port).strip() else None
             plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, port=port, launch_args=launch,
                              name=name)
-        forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir], replicas)
+        if not typed:
+            plan.name = plan.id  # a default name is made unique like the id: two runs are never named alike
+        forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir], replicas,
+                       launch=[] if replicas is not None else launch, port=port, command=plan.command)
         return plan
+
+    def default_name(self, recipe_name, *knob_values):
+        """The run-name box's placeholder: the name a Start with a blank name gives, for the form as it is now."""
+        knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
+        return gr.update(placeholder=forms.auto_name(recipe_name or "", knobs))
 
     def check(self, *knob_values):
         """The instant check of the knobs, run as they are typed."""
@@ -242,7 +252,9 @@ class App:
                            else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
             # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.
             shown = recipe.name if recipe.parent == forms.RECIPES else str(recipe)
-            form = [chosen.name or chosen.id, shown if recipe.exists() else gr.update(),
+            # The name box stays blank, showing the default for the refilled form: a new Start is a new run, never
+            # a second run under the old run's name.
+            form = ["", shown if recipe.exists() else gr.update(),
                     recipe.read_text() if recipe.exists() else gr.update(), Path(chosen.accelerate_config).name,
                     *knob_values]
         return gr.update(choices=[r.id for r in all_runs], value=chosen.id if chosen else None), *form
@@ -326,9 +338,10 @@ def build(runs_dir: Path) -> gr.Blocks:
         drawn = gr.State(None)
         with gr.Tabs():
             with gr.Tab("Launch", id="launch"):
-                name = gr.Textbox(label="Run name (blank: the recipe plus the knobs you changed)", elem_id="run-name")
+                first = "tiny-pretrain.yaml" if "tiny-pretrain.yaml" in recipes else None
+                name = gr.Textbox(label="Run name (blank: the recipe plus the knobs you changed, as shown)",
+                                  elem_id="run-name", placeholder=forms.auto_name(first or "", forms.Knobs()))
                 with gr.Row():
-                    first = "tiny-pretrain.yaml" if "tiny-pretrain.yaml" in recipes else None
                     recipe = gr.Dropdown(recipes, value=first, label="Recipe", elem_id="recipe",
                                          allow_custom_value=True)
                     config = gr.Dropdown(configs, value=DEFAULT_CONFIG if DEFAULT_CONFIG in configs else None,
@@ -408,6 +421,8 @@ def build(runs_dir: Path) -> gr.Blocks:
         yaml_text.change(app.recipe_source, [recipe, yaml_text], recipe_note, api_name=False)
         for box in knob_inputs:
             box.change(app.check, knob_inputs, form_message, api_name=False)
+        for box in (recipe, *knob_inputs):
+            box.change(app.default_name, [recipe, *knob_inputs], name, api_name=False)
         preview_button.click(app.preview, form, [command, form_message, planned], api_name="preview")
         start_button.click(app.start, [planned, *form], [form_message, run_select, command, planned],
                            api_name="start")

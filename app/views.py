@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from hf_diloco.metrics import SUMMARY_FILE, SYNC_ROUNDS_FILE, read_sync_rounds
-from hf_diloco.runs import LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
+from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
@@ -187,8 +187,8 @@ def status_html(run: Run | None) -> str:
     elapsed = (run.ended or time.time()) - run.created
     parts = [f"<span class='hfd-badge' style='background:{color}'>{html.escape(run.status)}</span>",
              f"<b>{html.escape(run.name or run.id)}</b>"]
-    if run.status in ("starting", "running"):
-        phase = progress.get("phase") or "starting: loading model and data"
+    if run.status in ACTIVE:  # also while stopping: a run asked to stop during start-up is still starting
+        phase = progress.get("phase") or "starting"
         if phase != "training":
             parts.append(f"<i class='hfd-phase'>{html.escape(phase)}</i>")
     if total:

@@ -1,5 +1,6 @@
 """A local HTTP server that speaks the Hub endpoints huggingface_hub calls for create_repo and upload_folder.
 
+GET /api/models/<repo> and /api/datasets/<repo> (repo info: 404 "RepoNotFound" unless created here),
 POST /api/repos/create, POST /api/validate-yaml, POST /api/models/<repo>/preupload/<rev> (every file "regular",
 so contents come inline) and POST /api/models/<repo>/commit/<rev> (NDJSON). Received files are kept in memory,
 decoded, per repo, with the Authorization header of each request, so tests can check what arrived and with which
@@ -47,6 +48,22 @@ class FakeHub:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                for kind in ("models", "datasets"):
+                    prefix = f"/api/{kind}/"
+                    if path.startswith(prefix):
+                        repo_id = path[len(prefix):].split("/revision/")[0]
+                        if repo_id in hub.repos:
+                            return self._reply(200, {"id": repo_id, "sha": "1" * 40, "siblings": []})
+                        self.send_response(404)
+                        self.send_header("X-Error-Code", "RepoNotFound")
+                        self.send_header("X-Error-Message", "Repository not found")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return None
+                return self._reply(404, {"error": f"not served here: {path}"})
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))

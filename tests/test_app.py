@@ -1,11 +1,14 @@
 """The app as a real server, driven by gradio_client: launch, watch rounds, stop, push; bad input refused."""
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from app_helpers import ELASTIC_YAML, TINY_YAML, app_server, knobs
 from gradio_client import Client
+from helpers import REPO, env
 from hub_server import FakeHub
 
 from hf_diloco import runs
@@ -140,6 +143,14 @@ BAD_FORMS = {
                    "model path '../../no-such-model' does not exist"),
     "missing dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="data/nothing.txt")],
                         "dataset path 'data/nothing.txt' does not exist"),
+    "not a dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="/etc/passwd")],
+                      "dataset path '/etc/passwd' is not a dataset"),
+    # Launch flags are checked with the config they go beside, as every worker of the launch would.
+    "rank 3 of the config's 2 machines": (["tiny-pretrain.yaml", "multi-node.yaml", knobs(machine_rank=3)],
+                                          "rank 3, but there are only 2 machine(s)"),
+    "3 processes over 2 machines": (["tiny-pretrain.yaml", "cpu-2proc.yaml",
+                                     knobs(replicas=3, num_machines=2, machine_rank=1)],
+                                    "spreads 3 processes over 2 machines"),
     "torchft over machines": (["elastic-3.yaml", "torchft-replica.yaml", knobs(num_machines=2, machine_rank=1)],
                               "the distributed settings (machines, this machine's rank) do not apply to a torchft run"),
     "torchft below its quorum": (["elastic-3.yaml", "torchft-replica.yaml", knobs(replicas=1)],
@@ -161,6 +172,36 @@ def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_noth
                 assert message.startswith("**Cannot start:**") and words in message, (case, message)
                 assert "usage:" not in message and message.count("\n") == 0, (case, message)
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
+
+
+def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
+    """Online, a model or dataset id that is no local path must exist on the Hub (here: the local stand-in that
+    speaks the Hub's repo-info endpoint) before Preview calls the form valid; an unreachable Hub leaves it to the
+    run."""
+    check = ("import sys; from app import forms\n"
+             "for what, value in (('model', 'alice/tiny'), ('model', 'alice/missing'), ('dataset', 'bob/missing')):\n"
+             "    try:\n"
+             "        forms.check_source(value, what, ())\n"
+             "        print(what, value, 'ok')\n"
+             "    except forms.FormError as error:\n"
+             "        print(what, value, 'refused:', error)\n")
+    outcomes = {}
+    with FakeHub() as hub:
+        hub.repos["alice/tiny"] = {}
+        for endpoint in (hub.url, "http://127.0.0.1:9"):  # port 9: nothing listens, the Hub cannot be reached
+            result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO,
+                                    env={**env(), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": endpoint,
+                                         "HF_HOME": str(tmp_path)}, timeout=120)
+            assert result.returncode == 0, result.stderr[-2000:]
+            outcomes[endpoint] = result.stdout.splitlines()
+    assert outcomes[hub.url] == [
+        "model alice/tiny ok",
+        "model alice/missing refused: model 'alice/missing' is neither a local path nor a public repository on the "
+        "Hugging Face Hub; give an existing path or a Hub id.",
+        "dataset bob/missing refused: dataset 'bob/missing' is neither a local path nor a public repository on the "
+        "Hugging Face Hub; give an existing path or a Hub id.",
+    ]
+    assert outcomes["http://127.0.0.1:9"] == ["model alice/tiny ok", "model alice/missing ok", "dataset bob/missing ok"]
 
 
 def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):

@@ -103,8 +103,12 @@ def test_bytes_are_on_a_log_scale_and_round_axes_hold_whole_rounds(tmp_path):
 
 
 def test_status_bar_shows_phase_while_starting_and_a_failed_runs_reason(tmp_path):
+    """Before the run has written anything it is "starting"; then the phase it records (hf_diloco.train writes
+    "loading model and data" before building them)."""
     run = make_run(tmp_path)
-    assert "loading model and data" in views.status_html(run)
+    assert "<i class='hfd-phase'>starting</i>" in views.status_html(run)
+    (tmp_path / "output" / "progress.json").write_text(json.dumps({"phase": "loading model and data", "step": 0}))
+    assert "<i class='hfd-phase'>loading model and data</i>" in views.status_html(run)
     run.status, run.reason = "failed", "model path 'x' does not exist."
     bar = views.status_html(run)
     assert "data-status='failed'" in bar and "model path &#x27;x&#x27; does not exist." in bar

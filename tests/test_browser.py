@@ -7,8 +7,8 @@ run's rounds and who took part in them).
 """
 
 import json
+import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -45,6 +45,16 @@ def fill(page, elem_id: str, value: str) -> None:
 
 def status(page) -> str:
     return page.locator("#hfd-status").inner_text() if page.locator("#hfd-status").count() else ""
+
+
+def open_form(browser, url: str, recipe: str):
+    """A new page on the app, once its form is there, with `recipe` picked from the recipe list."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    page.get_by_text("Preview command").wait_for(timeout=60_000)
+    page.locator("#recipe input").click()
+    page.get_by_role("option", name=recipe).click()
+    return page
 
 
 def wait_until(check, timeout: float, what: str, every: float = 0.5):
@@ -155,11 +165,7 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
     table then holds exactly the rounds the replicas recorded."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
-        page.get_by_text("Preview command").wait_for(timeout=60_000)
-        page.locator("#recipe input").click()
-        page.get_by_role("option", name="elastic-3.yaml").click()
+        page = open_form(browser, url, "elastic-3.yaml")
         wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
                    "the torchft replica config to be chosen")
         fill(page, "knob-replicas", "2")
@@ -243,9 +249,6 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
         page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-x", "-q"]))
-
 
 def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_path):
     """A finished run of a single round (its folder written here, as a run writes it): the page still draws a
@@ -273,3 +276,69 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
         card = page.locator("#card").inner_text()
         assert "DiLoCo" in card and "library_name" not in card and not card.lstrip().startswith("---"), card
         assert page.locator("#card img").count() == 0, "no broken image: the curve is shown beside the card"
+
+
+NAME_BOX = "#run-name input, #run-name textarea"
+NAME = "ddp-baseline-steps400-llama-20m"  # the default name: the recipe plus the knobs changed
+
+
+def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_checkpoint(browser, tmp_path):
+    """Fresh app, the DDP baseline recipe: the name box shows the default name; Preview, then Start twice (a second
+    run beside the first, from the Launch tab) and Stop each while it is still starting. The status bar shows the
+    start-up phase and a clock that counts from Start, not from Preview; both runs end `stopped` with a checkpoint
+    and no process left (a stop that happened, not a kill); after a reload the name box is blank again with the
+    default shown, so the next Start is a new run."""
+    runs_dir = tmp_path / "runs"
+    with app_server(runs_dir) as url:
+        page = open_form(browser, url, "ddp-baseline.yaml")
+        fill(page, "knob-max_steps", "400")
+        # The 19M-parameter preset: its start-up (and evaluation on start) lasts long enough to be seen.
+        fill(page, "knob-model_name_or_path", "llama-20m")
+        name_box = page.locator(NAME_BOX).first
+        wait_until(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default run name in the name box")
+        page.click("#preview")
+        page.get_by_text("Form is valid").wait_for(timeout=120_000)
+        time.sleep(8)  # time between Preview and Start: the run's clock must not count it
+        clocks, phases = [], set()
+        for count in (1, 2):
+            page.click("#start")
+            page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
+            newest = wait_until(lambda n=count: len(runs.list_runs(runs_dir)) == n and runs.list_runs(runs_dir)[0],
+                                20, f"run {count} on disk")
+            page.click("#stop")
+            wait_until(lambda r=newest: f"Stopping {r.id}" in page.locator("#stop-message").inner_text(), 20,
+                       f"the Stop of {newest.id}")
+            shown = wait_until(lambda r=newest: r.name in status(page) and status(page), 20, "its status bar")
+            clocks.append(int(re.findall(r"(\d+)m(\d\d)s", shown)[-1][1]))
+        second, first = runs.list_runs(runs_dir)  # newest first
+        assert (first.name, second.name) == (NAME, f"{NAME}-2")
+        assert max(clocks) < 8, f"the clock starts at Start, not at Preview 8 s before: {clocks} s"
+
+        def phase_or_end():
+            text = status(page).lower()
+            phases.update(p for p in ("loading model and data", "waiting for replicas") if p in text)
+            return page.evaluate("document.querySelector('#hfd-status')?.dataset.status") == "stopped"
+
+        wait_until(phase_or_end, 240, "the selected (second) run to stop", every=0.3)
+        assert phases, "the status bar shows the start-up phase the run records"
+        page.get_by_role("tab", name="Runs").click()
+        exactly = re.compile(rf"^\s*{re.escape(first.name)}\s*$")  # not the second run, whose name extends it
+        page.locator("#runs-table [role=gridcell]").filter(has_text=exactly).first.click()
+        wait_until(lambda: first.name in status(page) and second.name not in status(page), 20,
+                   "the first run selected")
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
+                               timeout=240_000)
+        page.screenshot(path=str(ARTIFACTS / "app-ddp-stopped.png"), full_page=True)
+        page.reload()
+        page.get_by_text("Preview command").wait_for(timeout=60_000)
+        wait_until(lambda: page.locator("#knob-max_steps input, #knob-max_steps textarea").first.input_value()
+                   == "400", 30, "the form refilled from the run")
+        name_box = page.locator(NAME_BOX).first
+        wait_until(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default name after the reload")
+        assert name_box.input_value() == ""
+    for run in (first, second):
+        run = runs.load(run.folder)
+        stopped = json.loads((Path(run.output_dir) / runs.STOPPED_FILE).read_text())
+        assert run.status == "stopped" and stopped["step"] < 400, (run.status, stopped)
+        assert (Path(run.output_dir) / stopped["checkpoint"]).is_dir(), stopped
+        assert runs.training_pids(run) == []
