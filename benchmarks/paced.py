@@ -45,8 +45,8 @@ def main() -> int:
         factor = float(os.environ.get("BENCH_SLOWDOWN", "3"))
         original = training.train
 
-        def paced(run, config, callbacks=(), before_train=None):
-            return original(run, config, callbacks=[*callbacks, Slower(factor)], before_train=before_train)
+        def paced(run, config, callbacks=(), stop_signals=True):
+            return original(run, config, callbacks=[*callbacks, Slower(factor)], stop_signals=stop_signals)
 
         training.train = paced
     return cli.main(argv)

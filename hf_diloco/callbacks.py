@@ -1,4 +1,4 @@
-"""Trainer callbacks the CLI adds to every run, DiLoCo or baseline.
+"""Trainer callbacks that `hf_diloco.train.train` adds to every run, DiLoCo or baseline.
 
 - `SteadyClock`: steady tokens/s for run_metrics.json.
 - `RunRecorder` (main process only, no collective): `progress.json` with the current step and phase, rewritten at
@@ -63,14 +63,20 @@ class RunRecorder(TrainerCallback):
         self.last_write = 0.0
 
     def phase(self, phase: str, state=None, force: bool = True) -> None:
-        """Record `phase` ("loading data", "waiting for replicas", "training", "finished")."""
+        """Record `phase` ("loading model and data", "waiting for replicas", "training", "finished")."""
         now = time.time()
         if not force and now - self.last_write < self.min_interval:
             return
         self.last_write = now
         self.folder.mkdir(parents=True, exist_ok=True)
-        step = state.global_step if state is not None else 0
-        total = state.max_steps if state is not None else None
+        if state is not None:
+            step, total = state.global_step, state.max_steps
+        else:  # before training: the step reached so far stays (a restarted run measures what it lost from it)
+            try:
+                previous = json.loads((self.folder / PROGRESS_FILE).read_text())
+            except (OSError, ValueError):
+                previous = {}
+            step, total = previous.get("step", 0), previous.get("max_steps")
         _write_json(self.folder / PROGRESS_FILE, {"phase": phase, "step": step, "max_steps": total, "time": now,
                                                   **self.extra})
 

@@ -53,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        raise CLIError(f"{message}; see `{self.prog} --help`.")
+        raise CLIError(f"{message.rstrip('.')}; see `{self.prog} --help`.")
 
 
 def _field_parser():
@@ -64,7 +64,7 @@ def _field_parser():
 
     class FieldParser(HfArgumentParser):
         def error(self, message: str):
-            raise CLIError(f"{message}; see `hf-diloco train --help`.")
+            raise CLIError(f"{message.rstrip('.')}; see `hf-diloco train --help`.")
 
     parser = FieldParser((RunArguments, DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
     for action in parser._actions:
@@ -104,6 +104,7 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
             f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
         )
+    values, overrides = _auto_inner_steps(values, overrides)
     # Floats go back to text so that argparse converts them with the field's own type, like a flag.
     parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
     namespace, rest = parser.parse_known_args(overrides)
@@ -118,6 +119,27 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
                 DiLoCoConfig(**_fields_of(DiLoCoConfig, namespace)))
     except ValueError as error:
         raise CLIError(first_line(error) + ".") from None
+
+
+def _auto_inner_steps(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:
+    """`inner_steps: auto` (recipe) and `--inner_steps auto` (flag, any spelling) as the fields they stand for:
+    auto_inner_steps true and the measuring rounds' H."""
+    from .config import AUTO_START
+
+    auto = ["--auto_inner_steps", "true"]
+    if values.get("inner_steps") == "auto":
+        values = {**values, "inner_steps": AUTO_START, "auto_inner_steps": True}
+    flags, rest = [], list(overrides)
+    while rest:
+        item = rest.pop(0)
+        if item in ("--inner_steps=auto", "--inner-steps=auto") or (
+                item in ("--inner_steps", "--inner-steps") and rest[:1] == ["auto"]):
+            if "=" not in item:
+                rest.pop(0)
+            flags += ["--inner_steps", str(AUTO_START), *auto]
+        else:
+            flags.append(item)
+    return values, flags
 
 
 def _fields_of(dtype, namespace: argparse.Namespace) -> dict:
@@ -145,33 +167,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan(training.dry_run_plan(run, config))
         return 0
 
-    from .callbacks import RunRecorder, StopOnRequest
     from .elastic import require_lighthouse
-    from .trainer import DiLoCoTrainer
 
     require_lighthouse(config)
-
-    stopper = StopOnRequest(config.output_dir)
-
-    def stop_on_request(trainer) -> None:
-        if isinstance(trainer, DiLoCoTrainer):
-            # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
-            stopper.attach(trainer.diloco.request_stop, lambda: trainer.diloco.stopped_at)
-        # `<output_dir>/stop.request` (what the app's Stop writes), `kill -USR1`, and SIGTERM/SIGINT (what SLURM and
-        # other schedulers send before a preemption, and Ctrl-C): finish the round, save a checkpoint, exit 0. A
-        # second SIGTERM/SIGINT is not caught: it ends the process at once.
-        def graceful(signum, _frame) -> None:
-            stopper.request()
-            if signum != signal.SIGUSR1:
-                signal.signal(signum, signal.SIG_DFL)
-                print(f"[diloco] {signal.Signals(signum).name}: stopping at the end of this round with a checkpoint "
-                      f"(send it again to stop at once)", flush=True)
-
-        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, graceful)
-
-    trainer = training.train(run, config, callbacks=[RunRecorder(config.output_dir), stopper],
-                             before_train=stop_on_request)
+    trainer = training.train(run, config)
     if trainer.is_world_process_zero():
         print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
@@ -186,7 +185,9 @@ def print_plan(plan: dict[str, str]) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.recipe, args.overrides, checking_only=args.dry_run)  # fail before starting
-    training.check_accelerate_config(args.accelerate_config, config)
+    launch_args = launch_args_of(args)
+    training.check_accelerate_config(args.accelerate_config, config, processes=args.num_processes,
+                                     machines=args.num_machines, rank=args.machine_rank)
     training.check_arguments(run, config)
     training.resolve_checkpoint(config)
     if not run.dry_run:
@@ -198,11 +199,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.replicas:
         raise CLIError("--replicas starts torchft replicas; set outer_backend: torchft (the torch backend takes its "
                        "replica count from the accelerate config).")
-    command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
+    command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port, launch_args)
     print(" ".join(command), flush=True)
     if args.dry_run:
         return 0
-    return run_with_restarts(command, args.max_restarts)
+    return run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
 
 
 def launch_elastic(args: argparse.Namespace, config) -> int:
@@ -210,6 +211,9 @@ def launch_elastic(args: argparse.Namespace, config) -> int:
     one) and N replicas on this machine, each started again when it fails; without: this one replica."""
     from .elastic import ReplicaSupervisor, replica_overrides, require_lighthouse, start_lighthouse
 
+    if launch_args_of(args):
+        raise CLIError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "
+                       f"({' '.join(launch_args_of(args)[::2])}) do not apply; leave them out.")
     values = training.check_accelerate_config(args.accelerate_config, config)
     if int(values.get("num_processes", 1) or 1) != 1:
         raise CLIError(f"outer_backend torchft starts one process per replica, but {args.accelerate_config!r} starts "
@@ -245,22 +249,43 @@ def launch_elastic(args: argparse.Namespace, config) -> int:
             server.shutdown()
 
 
-def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True) -> int:
+# How long accelerate's launcher (torchelastic) lets its processes finish a stop before it kills them; its own
+# default, 30 s, is shorter than many rounds, and a killed stop saves nothing.
+STOP_GRACE_SECONDS = "900"
+
+
+def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True,
+                      output_dir: str | None = None) -> int:
     """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
-    checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted.
+    checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
+    it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with.
+
+    The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
+    Ctrl-C does) is passed on to it exactly once: the launcher hands it to every training process, which finish
+    their round and save (given `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default here 900 s, before the launcher kills).
 
     The restart loop is ours rather than accelerate's `--max_restarts`: with accelerate's default static rendezvous
     a restarted gloo group cannot connect (it reaches for the dead processes' addresses).
     """
-    stopping = []
+    stopping: list[int] = []
+    child: list[subprocess.Popen] = []
 
-    def note_stop(signum, _frame) -> None:  # the children got the signal too (same process group)
+    def pass_stop_on(signum, _frame) -> None:
         stopping.append(signum)
+        if child and child[-1].poll() is None:
+            child[-1].send_signal(signum)
 
-    previous = {signum: signal.signal(signum, note_stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                                                         STOP_GRACE_SECONDS)}
+    started = time.time()
+    previous = {signum: signal.signal(signum, pass_stop_on) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         for attempt in range(max_restarts + 1):
-            code = subprocess.run(command).returncode
+            child.append(subprocess.Popen(command, env=env, start_new_session=True))
+            code = child[-1].wait()  # retried through the signals passed on meanwhile (PEP 475)
+            if stopping and code != 0 and output_dir and _stopped_since(output_dir, started):
+                print("[diloco] stopped on request with a checkpoint", flush=True)
+                return 0
             if code == 0 or stopping or attempt == max_restarts:
                 return code
             print(f"[diloco] the run failed (exit status {code}); restart {attempt + 1} of {max_restarts}, resuming "
@@ -271,6 +296,15 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stopped_since(output_dir: str, since: float) -> bool:
+    from .runs import STOPPED_FILE
+
+    try:
+        return json.loads((Path(output_dir) / STOPPED_FILE).read_text())["time"] >= since
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def cmd_lighthouse(args: argparse.Namespace) -> int:
@@ -385,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--accelerate-config", required=True, help="accelerate YAML, e.g. accelerate_configs/cpu-2proc.yaml"
     )
     launch.add_argument("--port", type=int, help="rendezvous port of the main process (default: the config's)")
+    # accelerate's own launch flags, in its spelling (dashes accepted too): checked with the config, then passed on.
+    for flag, kind, text in LAUNCH_FLAGS:
+        launch.add_argument(f"--{flag}", f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=text)
     launch.add_argument("--dry-run", action="store_true", help="print the command without running it")
     launch.add_argument(
         "--max-restarts", type=int, default=0, metavar="N",
@@ -435,6 +472,22 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     app.set_defaults(func=cmd_app)
     return parser
+
+
+# accelerate launch flags that `hf-diloco launch` takes, checks against its config, and hands on in this order.
+LAUNCH_FLAGS = (
+    ("num_processes", int, "processes in all, over every machine (default: the config's)"),
+    ("num_machines", int, "machines taking part (default: the config's)"),
+    ("machine_rank", int, "this machine's rank, from 0 (default: the config's)"),
+    ("main_process_ip", str, "address of the machine of rank 0 (default: the config's)"),
+    ("main_process_port", int, "rendezvous port, as --port (default: the config's)"),
+)
+
+
+def launch_args_of(args: argparse.Namespace) -> list[str]:
+    """The accelerate launch flags given to `hf-diloco launch`, as accelerate spells them."""
+    return [item for flag, _, _ in LAUNCH_FLAGS if getattr(args, flag, None) is not None
+            for item in (f"--{flag}", str(getattr(args, flag)))]
 
 
 # Sub-commands whose extra flags are recipe fields (checked against DiLoCoConfig/RunArguments when parsed).

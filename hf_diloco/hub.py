@@ -188,6 +188,8 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         "held-out loss before training": summary.get("eval_loss_initial", metrics.get("eval_loss_initial")),
         "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
         "bytes sent per replica": summary.get("bytes_per_replica"),
+        "fewer bytes than fp32 syncs (codec)": _compression_ratio(output_dir),
+        "H chosen by inner_steps auto": _auto_inner_steps(output_dir),
         "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
         "seconds the inner loop waited for syncs": summary.get("blocked_seconds"),
         "tokens/s (all replicas)": summary.get("tokens_per_second"),
@@ -202,6 +204,24 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         lines += ["", "Per-round metrics are in `sync_rounds.jsonl`."]
     lines.append("")
     return "\n".join(lines)
+
+
+def _compression_ratio(output_dir: Path) -> str | None:
+    """fp32 bytes the rounds would have sent ÷ bytes they sent, e.g. '7.9x' (None for fp32 or no rounds)."""
+    rounds = [r for r in read_sync_rounds(output_dir) if r.get("compression_ratio") and r.get("bytes_per_replica")]
+    sent = sum(r["bytes_per_replica"] for r in rounds)
+    if not sent or all(str(r.get("compression", "none")) == "none" for r in rounds):
+        return None
+    return f"{sum(r['compression_ratio'] * r['bytes_per_replica'] for r in rounds) / sent:.1f}x"
+
+
+def _auto_inner_steps(output_dir: Path) -> str | None:
+    chosen = [r["inner_steps_auto"] for r in read_sync_rounds(output_dir) if "inner_steps_auto" in r]
+    if not chosen:
+        return None
+    c = chosen[-1]
+    return (f"{c['chosen']} from step {c['from_step']} (a step {c['step_seconds']:.3g} s, waiting for a sync "
+            f"{c['sync_seconds']:.3g} s, at most {100 * c['max_sync_overhead']:g}% waiting)")
 
 
 def stage(output_dir: Path, target: Path, repo_id: str | None, merge_lora: bool) -> list[str]:

@@ -7,7 +7,8 @@ Design choices:
 - One function, `train`, does what a run is: check the output folder and the checkpoint to resume from, build the
   model (plus LoRA adapters), load and cut the data, pick the trainer (`DiLoCoTrainer`, or plain `Trainer` for the
   `trainer: ddp` baseline), train, save the model (and the merged model), write run_config.json and
-  run_metrics.json. The CLI only parses arguments, registers its callbacks and signals, and prints.
+  run_metrics.json, with progress recorded for the app and a graceful stop on request or signal from the start.
+  The CLI only parses arguments and prints.
 - Checks that need no model or data (`check_arguments`, `check_output_dir`, `resolve_checkpoint`,
   `check_accelerate_config`) run before anything is built, so bad input costs nothing and overwrites nothing.
 - `dry_run_plan` is the same assembly up to the model, with the byte maths of a round instead of training.
@@ -20,7 +21,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,8 +80,8 @@ def newest_complete_checkpoint(output_dir: str, clean_up: bool = True) -> str | 
     if not out.is_dir():
         return None
     for leftover in sorted(out.glob(f"{TEMPORARY_PREFIX}*")) if clean_up else []:
-        print(f"[diloco] removing {leftover.name}: an incomplete checkpoint from a process that stopped while "
-              f"saving", flush=True)
+        print(f"[diloco] removing {leftover.name}: an incomplete checkpoint left by a process that stopped while "
+              f"saving or removing it", flush=True)
         shutil.rmtree(leftover, ignore_errors=True)
     steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
     return str(out / f"checkpoint-{max(steps)}") if steps else None
@@ -113,8 +114,13 @@ def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
     return value
 
 
-def check_accelerate_config(path: str, config: DiLoCoConfig) -> dict:
-    """The accelerate config exists, is readable, and fits the recipe's replica layout; returns its settings."""
+def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | None = None,
+                            machines: int | None = None, rank: int | None = None) -> dict:
+    """The accelerate config exists, is readable, and fits the recipe's replica layout; returns its settings.
+
+    `processes`, `machines` and `rank` are accelerate launch flags given beside the config (None: the config's);
+    the layout they make together is what is checked, as every worker of the launch would find out.
+    """
     if not Path(path).is_file():
         raise ConfigError(f"accelerate config {path!r} does not exist.")
     try:
@@ -123,12 +129,26 @@ def check_accelerate_config(path: str, config: DiLoCoConfig) -> dict:
         raise ConfigError(f"accelerate config {path!r} is not valid YAML ({first_line(error)}).") from None
     if not isinstance(values, dict):
         raise ConfigError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
-    processes = int(values.get("num_processes", 1) or 1)
+    given = {"num_processes": processes, "num_machines": machines, "machine_rank": rank}
+    for name, value in given.items():
+        if value is not None and value < (0 if name == "machine_rank" else 1):
+            raise ConfigError(f"--{name} must be {'0' if name == 'machine_rank' else '1'} or more, got {value}.")
+    processes = processes if processes is not None else int(values.get("num_processes", 1) or 1)
+    machines = machines if machines is not None else int(values.get("num_machines", 1) or 1)
+    rank = rank if rank is not None else int(values.get("machine_rank", 0) or 0)
+    source = f"accelerate config {path!r}" + (" with the launch flags" if any(v is not None for v in given.values())
+                                               else "")
     if processes % config.replica_group_size:
         raise ConfigError(
-            f"accelerate config {path!r} starts {processes} processes, which replica_group_size="
-            f"{config.replica_group_size} does not divide."
+            f"{source} starts {processes} processes, which replica_group_size={config.replica_group_size} does not "
+            f"divide."
         )
+    if processes % machines:
+        raise ConfigError(f"{source} spreads {processes} processes over {machines} machines, which does not divide "
+                          f"evenly; use a multiple of {machines} processes.")
+    if rank >= machines:
+        raise ConfigError(f"{source} gives this machine rank {rank}, but there are only {machines} machine(s); ranks "
+                          f"count from 0.")
     kind = str(values.get("distributed_type", "NO")).upper()
     if kind in ("FSDP", "DEEPSPEED"):
         raise ConfigError(
@@ -197,7 +217,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
         "replicas in this launch": f"1 of {replicas} (outer_backend torchft: one launch per replica)" if elastic
         else f"{replicas} of {group} process(es) each",
-        "inner_steps (H)": str(config.inner_steps),
+        "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
+        f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
+        else str(config.inner_steps),
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
         + (" Nesterov" if config.outer_nesterov else ""),
         "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
@@ -241,22 +263,28 @@ def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:
 # --- the run ---------------------------------------------------------------------------------------------------------
 
 
-def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (),
-          before_train: Callable | None = None):
+def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), stop_signals: bool = True):
     """Train one process of a run (one replica, or one member of a replica) and save what it produced.
 
-    `callbacks` are added to the trainer; `before_train(trainer)` runs once the trainer exists (the CLI registers
-    its stop signal there). Returns the trainer.
+    Every run records its progress for the app (`RunRecorder`: progress.json from the start, phases "loading
+    model and data", "waiting for replicas", "training", "finished"; trainer_log.jsonl) and stops on request
+    (`StopOnRequest`: `<output_dir>/stop.request`, and with `stop_signals`, called from the main thread, SIGUSR1,
+    SIGTERM and SIGINT). `callbacks` are added to the trainer. Returns the trainer.
     """
     from transformers import Trainer, default_data_collator
 
-    from .callbacks import SteadyClock
+    from .callbacks import RunRecorder, SteadyClock, StopOnRequest
     from .data import build_datasets
     from .trainer import DiLoCoTrainer
 
     check_arguments(run, config)
     checkpoint = resolve_checkpoint(config)
     check_output_dir(config)
+    recorder, stopper = RunRecorder(config.output_dir), StopOnRequest(config.output_dir)
+    if config.process_index == 0:
+        recorder.phase("loading model and data")
+    if stop_signals:
+        catch_stop_signals(stopper)
     if not config.should_log:
         import datasets
 
@@ -275,12 +303,13 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (),
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=default_data_collator,
-        callbacks=[clock, *callbacks],
+        callbacks=[clock, recorder, stopper, *callbacks],
     )
+    if isinstance(trainer, DiLoCoTrainer):
+        # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
+        stopper.attach(trainer.diloco.request_stop, lambda: trainer.diloco.stopped_at)
     if trainer.is_world_process_zero():
         write_run_config(config.output_dir, run, config)
-    if before_train is not None:
-        before_train(trainer)
     output = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
@@ -290,6 +319,40 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (),
             model.merge_and_unload().save_pretrained(merged)
             tokenizer.save_pretrained(merged)
     return trainer
+
+
+# A second SIGTERM/SIGINT this many seconds or more after the first ends the process at once; sooner, it is the
+# same request arriving twice (a scheduler signals every process of a job, and the launcher passes its copy on).
+REPEAT_STOPS_AFTER = 5.0
+
+
+def catch_stop_signals(stopper) -> None:
+    """SIGUSR1, and SIGTERM/SIGINT (what SLURM and other schedulers send before a preemption, and Ctrl-C), ask
+    `stopper` for a stop: the run finishes its round, saves a checkpoint and exits 0. The same signal again, from
+    `REPEAT_STOPS_AFTER` seconds on, ends the process at once. Only the main thread can install handlers;
+    elsewhere this does nothing (the stop file still works)."""
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    first: dict[int, float] = {}
+
+    def graceful(signum, _frame) -> None:
+        if signum in first and signum != signal.SIGUSR1:
+            if time.monotonic() - first[signum] >= REPEAT_STOPS_AFTER:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        first[signum] = time.monotonic()
+        stopper.request()
+        if signum != signal.SIGUSR1:
+            print(f"[diloco] {signal.Signals(signum).name}: stopping at the end of this round with a checkpoint "
+                  f"(send it again to stop at once)", flush=True)
+
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, graceful)
 
 
 def write_run_config(output_dir: str, run: RunArguments, config: DiLoCoConfig) -> None:

@@ -71,6 +71,40 @@ def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
 
 
+def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_on(tmp_path):
+    """accelerate's own flags beside the config are checked as the layout they make with it (rank below the
+    machines, processes spread evenly, groups that divide them), then handed to accelerate in its spelling."""
+    multi_node = str(REPO / "accelerate_configs" / "multi-node.yaml")
+    two = str(REPO / "accelerate_configs" / "cpu-2proc.yaml")
+    out = ["--", "--output_dir", str(tmp_path / "x")]
+    rank = hf_diloco("launch", RECIPE, "--accelerate-config", multi_node, "--machine_rank", "3", "--dry-run", *out)
+    assert_one_sentence_error(rank, "rank 3, but there are only 2 machine(s)")
+    uneven = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num-processes", "3", "--num_machines", "2",
+                       "--dry-run", *out)
+    assert_one_sentence_error(uneven, "spreads 3 processes over 2 machines")
+    groups = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num_processes", "3", "--dry-run", *out,
+                       "--replica_group_size", "2")
+    assert_one_sentence_error(groups, "starts 3 processes, which replica_group_size=2 does not divide")
+    fine = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num-processes", "4", "--port", "29999",
+                     "--dry-run", *out)
+    assert fine.returncode == 0, fine.stderr
+    command = fine.stdout.strip().splitlines()[-1].split()
+    launch = command[:command.index("hf_diloco.cli") - 1]
+    assert launch[-4:] == ["--main_process_port", "29999", "--num_processes", "4"], launch
+
+
+def test_inner_steps_auto_in_every_spelling_is_the_auto_fields(tmp_path):
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text((REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("inner_steps: 50",
+                                                                                    "inner_steps: auto"))
+    for args in (["--config", str(recipe)], ["--config", RECIPE, "--inner_steps", "auto"],
+                 ["--config", RECIPE, "--inner-steps=auto"]):
+        result = hf_diloco("train", *args, "--dry-run", "--output_dir", str(tmp_path / "x"))
+        assert result.returncode == 0, result.stderr
+        assert "auto: 20 for the first rounds, then chosen so that waiting for syncs stays under 5% of compute" \
+            in result.stdout, result.stdout
+
+
 def test_train_help_lists_diloco_fields():
     result = hf_diloco("train", "--help")
     assert result.returncode == 0
