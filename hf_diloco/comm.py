@@ -41,6 +41,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -207,17 +208,31 @@ class ReplicaComm:
         """True when there are other replicas to talk to."""
         return self.distributed and self.num_replicas > 1
 
-    def broadcast_parameters(self, tensors: list[torch.Tensor]) -> SyncCost:
-        """Make every process start from global rank 0's parameters.
+    def start_identical(self, tensors: list[torch.Tensor]) -> SyncCost:
+        """Make every process start from global rank 0's parameters, sending them only if they differ.
 
-        Called once by every process before the first inner step; one broadcast per parameter dtype.
+        Called once by every process before the first inner step. Each process hashes its parameters (SHA-256 of
+        their bytes); one all-reduce of 2 x 8 small integers (MAX of the digest and of its negation, so min and max
+        at once) tells every process whether all digests agree. Replicas built from the same seed, or loaded from
+        the same files, agree and nothing else is sent; otherwise rank 0 broadcasts its parameters, one broadcast
+        per dtype (what a ring-pipelined broadcast puts on the wire: about one payload from every process but the
+        last, counted here for every process).
         """
         if not self.distributed or self.num_replicas * self.group_size == 1:
             return SyncCost(0, 0, 0, 0)
+        digest = hashlib.sha256()
+        for tensor in tensors:
+            digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        words = [int.from_bytes(digest.digest()[i : i + 4], "big") for i in range(0, 32, 4)]  # 8 x 32 bits: no overflow
+        check = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=self.device)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        world = self.num_replicas * self.group_size
+        cost = SyncCost(check.numel() * 8, ring_all_reduce_bytes(check.numel() * 8, world), 0, 1)
+        if bool((check[:8] == -check[8:]).all()):  # max == min for every word: every process holds the same bits
+            return cost
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        payload = 0
         for group in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
             dist.broadcast(flat, src=0)
@@ -226,10 +241,9 @@ class ReplicaComm:
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-            payload += flat.numel() * flat.element_size()
-        # A pipelined broadcast sends about one payload from every process but the last.
-        return SyncCost(payload, payload, 0, len(by_dtype))
-
+            payload = flat.numel() * flat.element_size()
+            cost = SyncCost(cost.payload_bytes + payload, cost.bytes_sent + payload, 0, cost.collectives + 1)
+        return cost
 
     def fp32_bytes_sent(self, numel: int, with_stats: int = 0) -> int:
         """What this process would send to sum `numel` values (+ k stats) with an fp32 all-reduce."""

@@ -44,6 +44,9 @@ def _launched_on_cpu_only() -> bool:
 
 
 
+AUTO_START = 20  # H of the measuring rounds of `inner_steps: auto`
+
+
 @dataclass
 class DiLoCoConfig(TrainingArguments):
     """`TrainingArguments` plus the DiLoCo outer loop.
@@ -55,7 +58,21 @@ class DiLoCoConfig(TrainingArguments):
 
     inner_steps: int = field(
         default=500,
-        metadata={"help": "H: inner optimizer steps each replica takes between two outer syncs (paper: 500)."},
+        metadata={"help": "H: inner optimizer steps each replica takes between two outer syncs (paper: 500). 'auto' "
+                          f"(in a recipe, a flag or from Python): start at H = {AUTO_START} and choose H from the "
+                          "first rounds (auto_inner_steps)."},
+    )
+    auto_inner_steps: bool = field(
+        default=False,
+        metadata={"help": "Choose H from measurements: the first two rounds (of every fragment) run with "
+                          "inner_steps, then H becomes the smallest multiple of num_fragments for which the time "
+                          "the replicas wait for syncs stays under max_sync_overhead of their compute time "
+                          "(H = F * sync seconds / (max_sync_overhead * seconds per step)); the round record and "
+                          "the log give the choice and the numbers behind it. inner_steps: auto sets it."},
+    )
+    max_sync_overhead: float = field(
+        default=0.05,
+        metadata={"help": "auto_inner_steps: the most time spent waiting for syncs, as a fraction of compute time."},
     )
     outer_lr: float = field(
         default=0.7,
@@ -245,8 +262,15 @@ class DiLoCoConfig(TrainingArguments):
             require_torchft()
 
     def _validate_diloco_fields(self) -> None:
+        if self.inner_steps == "auto":
+            self.inner_steps, self.auto_inner_steps = AUTO_START, True
         if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
             raise ConfigError(f"inner_steps (H) must be a whole number of at least 1, got {self.inner_steps!r}.")
+        if self.auto_inner_steps and not 0 < self.max_sync_overhead < 1:
+            raise ConfigError(f"max_sync_overhead must be a fraction in (0, 1), got {self.max_sync_overhead!r}.")
+        if self.auto_inner_steps and self.outer_backend == "torchft":
+            raise ConfigError("outer_backend torchft sizes its rounds with round_seconds, not auto_inner_steps; set "
+                              "round_seconds instead.")
         if not self.outer_lr > 0:
             raise ConfigError(f"outer_lr must be a positive number, got {self.outer_lr!r}.")
         if not 0 <= self.outer_momentum < 1:

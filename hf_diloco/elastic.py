@@ -40,13 +40,14 @@ import torch
 
 from .comm import ring_all_reduce_bytes
 from .errors import ConfigError, first_line
+from .outer import is_finite
 
 logger = logging.getLogger(__name__)
 
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
 # every participant of the round stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds", "stop_requested")
+                 "quorum_seconds", "stop_requested", "non_finite")
 NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
                  "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
 INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
@@ -171,10 +172,13 @@ class ElasticRounds:
         healed = self.healed_from_round is not None
         staleness = max(0, self.global_round - self.healed_from_round) if healed and self.stash is not None else 0
         tokens = 0 if joining else callback.round_tokens + callback.carried_tokens
-        weight = staleness_weight(tokens, staleness)
+        # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
+        # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
+        finite = joining or self.stash is not None or is_finite(outer.params)
+        weight = staleness_weight(tokens, staleness) if finite else 0.0
         mine = [float(self.args.replica_id), callback.round_steps, tokens, weight, float(healed), staleness,
                 float(callback.round_loss.item()), callback.round_compute, quorum_seconds,
-                float(callback.stop_requested)]
+                float(callback.stop_requested), float(not finite)]
         members = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             members[rank] = torch.tensor(mine, dtype=torch.float64)
@@ -201,8 +205,9 @@ class ElasticRounds:
                 self.global_round += 1
             self.stash = None
             callback.carried_tokens = 0
-        elif healed:
-            # The base moved under this replica and the round did not land: start over from the healed θ_global.
+        elif healed or not finite:
+            # The base moved under this replica and the round did not land, or its own progress is not finite:
+            # start over from θ_global.
             outer.copy_global_to_replica()
             self.stash = None
             callback.carried_tokens = 0
@@ -220,13 +225,15 @@ class ElasticRounds:
             member["steps"], member["tokens"] = int(member["steps"]), int(member["tokens"])
             member["staleness"] = int(member["staleness"])
             member["stop_requested"] = bool(member["stop_requested"])
+            member["non_finite"] = bool(member["non_finite"])
         listed += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
         return {"members": sorted(listed, key=lambda m: m["replica"]), "committed": committed,
                 "participants": participants, "quorum_seconds": quorum_seconds, "sync_seconds": sync_seconds,
                 "bytes": bytes_sent, "collectives": collectives, "total_weight": total_weight,
                 "pseudo_grad_norm": math.sqrt(average_norm_sq),
                 "stop_requested": any(m.get("stop_requested") for m in listed),
-                "global_round": self.global_round, "error": None if error is None else first_line(error)}
+                "global_round": self.global_round, "error": None if error is None else first_line(error),
+                "finite": finite}
 
     def shutdown(self) -> None:
         try:

@@ -53,7 +53,7 @@ PART_COMPLETE_FILE = "complete"  # in replica-<rank>/: this process's part of th
 # Per-replica statistics that ride along with each sync (see comm.ReplicaComm.sum_replicas). Slot 0 is the
 # replica's health flag, filled in by outer.outer_round.
 ROUND_STATS = ("healthy", "loss_sum", "steps", "tokens", "compute_seconds", "pseudo_grad_norm_sq", "stop_requested",
-               "previous_agreement")
+               "previous_agreement", "previous_blocked_seconds")
 
 
 @contextlib.contextmanager
@@ -186,6 +186,19 @@ class DiLoCoTrainer(Trainer):
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
 
+    def train(self, *args, **kwargs):
+        """Trainer.train, after recording the run's settings in `<output_dir>/run_config.json` (main process) unless
+        `hf-diloco train` already wrote a fuller one: `hf-diloco push` and the app describe any run folder, however
+        it was trained."""
+        if self.is_world_process_zero():
+            from .hub import RUN_CONFIG_FILE, trainer_settings
+
+            path = Path(self.args.output_dir) / RUN_CONFIG_FILE
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(trainer_settings(self), indent=2, default=str) + "\n")
+        return super().train(*args, **kwargs)
+
     def create_model_card(self, *args, **kwargs) -> None:
         """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
 
@@ -224,13 +237,10 @@ class DiLoCoTrainer(Trainer):
         # save_on_each_node (machines without a shared filesystem).
         if self.args.should_save:
             if final.exists():  # a checkpoint of the same step from an earlier attempt of this run
-                shutil.rmtree(final)
+                remove_checkpoint(final)
             temporary.rename(final)
             if self.args.save_total_limit:
-                from transformers.trainer_utils import rotate_checkpoints
-
-                rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+                keep_newest_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def _replica_dir(self, checkpoint: str) -> Path:
         return Path(checkpoint) / REPLICA_DIR.format(rank=self.args.process_index)
@@ -268,6 +278,23 @@ class DiLoCoTrainer(Trainer):
         self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
 
 
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint so that no instant shows it incomplete: it is first renamed out of the `checkpoint-*`
+    names (one atomic rename, into the temporary names a resume clears away), then its files are removed."""
+    trash = folder.with_name(f"{TEMPORARY_PREFIX}removed-{folder.name}")
+    folder.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def keep_newest_checkpoints(run_dir: Path, limit: int, best: str | None = None) -> None:
+    """`save_total_limit`: remove all but the newest `limit` complete checkpoints by step (and the best one)."""
+    steps = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+    for step in steps[:-limit] if limit > 0 else []:
+        folder = run_dir / f"checkpoint-{step}"
+        if not (best and Path(best).name == folder.name):
+            remove_checkpoint(folder)
+
+
 @dataclass
 class InFlight:
     """An overlapped round: its exchange runs in the background from `launched_at` until `lands_at`."""
@@ -303,6 +330,7 @@ class OuterLoopCallback(TrainerCallback):
         self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
         self.resume_note: dict = {}
         self.reached_before_resume = 0
+        self.startup_bytes: int | None = None
         self.deferred = {"should_save": False, "should_evaluate": False}
         self.pending_records: list[dict] = []  # rounds completed at this step, written once its eval is known
         self.history: list[dict] = []
@@ -313,6 +341,12 @@ class OuterLoopCallback(TrainerCallback):
         self.in_flight: InFlight | None = None
         self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
         self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
+        # The sync schedule: from step `origin_step` (round `origin_round`), a fragment syncs every `sync_every`
+        # steps. Fixed for a run, except once with inner_steps auto (see `_choose_inner_steps`).
+        self.origin_step, self.origin_round, self.sync_every = 0, 0, 1
+        self.previous_blocked = 0.0  # seconds the last round kept this replica waiting, sent with the next sync
+        self.fragment_syncs = 0  # fragment syncs completed since this process started (inner_steps auto measures 2F)
+        self.auto_choice: dict | None = None  # the inner_steps auto decision, once made
         self.background: ThreadPoolExecutor | None = None
         self._reset_round()
 
@@ -353,8 +387,9 @@ class OuterLoopCallback(TrainerCallback):
         self.comm = self.trainer.comm
         resumed = self.saved_outer_state is not None
         if not resumed:
-            # The replicas must start from identical parameters (one broadcast, before the first inner step).
-            self.comm.broadcast_parameters(params)
+            # The replicas must start from identical parameters: checked by digest before the first inner step,
+            # and rank 0's broadcast only where they differ. Reported with the first round (`startup_bytes`).
+            self.startup_bytes = self.comm.start_identical(params).bytes_sent
         try:
             fragments = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
         except ValueError as error:
@@ -372,13 +407,14 @@ class OuterLoopCallback(TrainerCallback):
         if args.error_feedback:
             self.feedback = ErrorFeedback(args.error_feedback_decay,
                                           "cpu" if args.offload_outer_state else self.comm.device)
+        self.sync_every = args.inner_steps // args.num_fragments
         if resumed:
             self.outer.load_state_dict(self.saved_outer_state)
             self.outer.copy_global_to_replica()
+            self._load_schedule()
             self._load_replica_state()
             self.saved_outer_state = None
-        self.sync_every = args.inner_steps // args.num_fragments
-        self.total_rounds = math.ceil(state.max_steps / self.sync_every) if state.max_steps > 0 else None
+        self.total_rounds = self._total_rounds(state.max_steps)
         self.cumulative_bytes = 0
         self.train_started = time.time()
         if self.trainer.is_world_process_zero():
@@ -407,9 +443,17 @@ class OuterLoopCallback(TrainerCallback):
         """Fragments whose round ends at `step`: every fragment at the last step."""
         if step >= max_steps:
             return list(range(self.args.num_fragments))
-        if step % self.sync_every:
+        since = step - self.origin_step
+        if since <= 0 or since % self.sync_every:
             return []
-        return [(step // self.sync_every - 1) % self.args.num_fragments]
+        return [(self.round_at(step) - 1) % self.args.num_fragments]
+
+    def round_at(self, step: int) -> int:
+        """The number of the round (one fragment's sync) launched at `step`, counted from 1."""
+        return self.origin_round + math.ceil((step - self.origin_step) / self.sync_every)
+
+    def _total_rounds(self, max_steps: int) -> int | None:
+        return self.round_at(max_steps) if max_steps > 0 else None
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._step_started is not None:
@@ -507,7 +551,7 @@ class OuterLoopCallback(TrainerCallback):
     def _round_stats(self):
         """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
         values = [1.0, self.round_loss.item(), self.round_steps, self.round_tokens, self.round_compute, 0.0,
-                  float(self.stop_requested), self.previous_agreement]
+                  float(self.stop_requested), self.previous_agreement, self.previous_blocked]
         slot = ROUND_STATS.index("pseudo_grad_norm_sq")
 
         def stats(local_norm_sq: float) -> torch.Tensor:
@@ -523,15 +567,54 @@ class OuterLoopCallback(TrainerCallback):
         if not self._healthy(result):
             self._reset_replica(state.global_step)
         self._count_bad_rounds(result, state.global_step)
-        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange; it is sent with the NEXT
-        # round's statistics, so it costs no collective of its own.
+        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this round
+        # kept the replica waiting is known after it: both are sent with the NEXT round's statistics, so they cost
+        # no collective of their own.
         self.previous_agreement = result.agreement
-        self.pending_records.append(self._round_record(state, result, fragments, launched_at, outer_lr,
-                                                       sync_seconds, blocked))
+        self.previous_blocked = blocked
+        record = self._round_record(state, result, fragments, launched_at, outer_lr, sync_seconds, blocked)
+        self.fragment_syncs += 1
+        if self.args.auto_inner_steps and self.auto_choice is None and self.fragment_syncs >= 2 * \
+                self.args.num_fragments and state.global_step < state.max_steps:
+            record["inner_steps_auto"] = self._choose_inner_steps(result, launched_at, state.max_steps)
+        self.pending_records.append(record)
         return bool(result.stats[..., ROUND_STATS.index("stop_requested")].sum() > 0)
 
+    def _choose_inner_steps(self, result: RoundResult, launched_at: int, max_steps: int) -> dict:
+        """inner_steps auto: the smallest H whose syncs keep the replicas waiting at most max_sync_overhead of their
+        compute time, from what the first rounds measured, the same on every replica (every number comes from the
+        round's statistics, which every replica received alike):
+
+            t_step  = the slowest replica's compute seconds per inner step in this round
+            t_sync  = the longest a replica waited for one fragment's sync, in the round before (the next round's
+                      statistics carry it; overlap with sync_delay makes it small)
+            H       = F * t_sync / (max_sync_overhead * t_step), rounded up to a multiple of F, and at least
+                      F * (sync_delay + 1), so an overlapped sync still lands before the next is due
+
+        The new schedule starts at the step this round was launched at.
+        """
+        stat = {name: result.stats[..., i] for i, name in enumerate(ROUND_STATS)}
+        fragments, delay, overhead = self.args.num_fragments, self.args.sync_delay, self.args.max_sync_overhead
+        per_step = stat["compute_seconds"] / stat["steps"].clamp(min=1)
+        step_seconds = float(per_step.max())
+        sync_seconds = float(stat["previous_blocked_seconds"].max())
+        wanted = fragments * sync_seconds / (overhead * step_seconds) if step_seconds > 0 else fragments
+        chosen = max(fragments * (delay + 1), fragments * math.ceil(wanted / fragments))
+        self.origin_round, self.origin_step = self.round_at(launched_at), launched_at
+        self.sync_every = chosen // fragments
+        self.args.inner_steps = chosen
+        self.total_rounds = self._total_rounds(max_steps)
+        self.auto_choice = {"step_seconds": step_seconds, "sync_seconds": sync_seconds,
+                            "max_sync_overhead": overhead, "chosen": chosen, "from_step": launched_at}
+        if self.trainer.is_world_process_zero():
+            logger.warning(
+                "DiLoCo inner_steps auto: an inner step takes %.4f s and a fragment's sync kept the replicas waiting "
+                "%.4f s, so H = %d keeps waiting under %.0f%% of compute (%d fragment(s)); H = %d from step %d on.",
+                step_seconds, sync_seconds, chosen, 100 * overhead, fragments, chosen, launched_at)
+        return self.auto_choice
+
     @torch.no_grad()
-    def _reset_replica(self, step: int) -> None:
+    def _reset_replica(self, step: int, replica: int | None = None) -> None:
         """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
         optimizer state holds non-finite values too, starts that state afresh (stale NaN moments would poison the
         next step again)."""
@@ -541,10 +624,13 @@ class OuterLoopCallback(TrainerCallback):
         if not is_finite(moments):
             optimizer.state.clear()
         logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the round out and "
-                       "restarts from the global parameters.", self.comm.replica_index, step)
+                       "restarts from the global parameters.", self.comm.replica_index if replica is None else replica,
+                       step)
 
-    def _count_bad_rounds(self, result: RoundResult, step: int) -> None:
-        self.bad_rounds = 0 if result.participants else self.bad_rounds + 1
+    def _count_bad_rounds(self, result: RoundResult | None, step: int, healthy: int | None = None) -> None:
+        """`max_bad_rounds` consecutive rounds with no healthy participant stop the run with one sentence."""
+        healthy = result.participants if result is not None else healthy
+        self.bad_rounds = 0 if healthy else self.bad_rounds + 1
         if self.bad_rounds >= self.args.max_bad_rounds:
             raise RunError(
                 f"no replica had a finite pseudo-gradient for {self.bad_rounds} consecutive rounds (last at step "
@@ -568,7 +654,7 @@ class OuterLoopCallback(TrainerCallback):
         ddp_payload = sum(p.numel() * p.element_size() for p in self.outer.params)
         round_steps = int(stat["steps"][0, 0])
         record = {
-            "round": math.ceil(launched_at / self.sync_every),
+            "round": self.round_at(launched_at),
             "step": state.global_step,
             "time": time.time(),
             "loss": sum(replica_losses) / len(replica_losses),
@@ -601,6 +687,9 @@ class OuterLoopCallback(TrainerCallback):
             record["launch_step"] = launched_at
         record.update(self.resume_note)
         self.resume_note = {}
+        if self.startup_bytes is not None:  # the first round: what starting from identical parameters cost
+            record["startup_bytes"] = self.startup_bytes
+            self.startup_bytes = None
         if result.participants < self.comm.num_replicas:
             record["non_finite_replicas"] = [r for r, ok in enumerate(result.healthy) if not ok]
             record["participants"] = result.participants
@@ -618,11 +707,24 @@ class OuterLoopCallback(TrainerCallback):
         """What only this replica knows: its error-feedback residuals and, when replicas may differ after a
         round (several fragments, or α > 0), its own trainable parameters."""
         state: dict = {}
+        if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
+            state["schedule"] = {"origin_step": self.origin_step, "origin_round": self.origin_round,
+                                 "inner_steps": self.args.inner_steps, "choice": self.auto_choice}
         if self.feedback is not None:
             state["error_feedback"] = self.feedback.state_dict()
         if self.outer is not None and (self.args.num_fragments > 1 or self.args.fragment_alpha > 0):
             state["params"] = [p.detach().cpu().clone() for p in self.outer.params]
         return state
+
+    def _load_schedule(self) -> None:
+        """After a resume: the schedule inner_steps auto had chosen, if it had (the checkpoint holds it)."""
+        schedule = (self.saved_replica_state or {}).get("schedule")
+        if schedule is None:
+            return
+        self.origin_step, self.origin_round = schedule["origin_step"], schedule["origin_round"]
+        self.args.inner_steps = schedule["inner_steps"]
+        self.sync_every = self.args.inner_steps // self.args.num_fragments
+        self.auto_choice = schedule["choice"]
 
     @torch.no_grad()
     def _load_replica_state(self) -> None:
@@ -713,6 +815,7 @@ class OuterLoopCallback(TrainerCallback):
             "num_fragments": self.args.num_fragments,
             "sync_delay": self.args.sync_delay,
             "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
+            "startup_bytes": sum(r.get("startup_bytes", 0) for r in rounds),
             "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
         }
 
@@ -799,6 +902,12 @@ class ElasticOuterCallback(OuterLoopCallback):
             "replica": self.args.replica_id,
             "collectives": fields["collectives"],
         }
+        non_finite = [m["replica"] for m in members if m.get("non_finite")]
+        if non_finite:
+            record["non_finite_replicas"] = non_finite
+        if not fields["finite"]:
+            self._reset_replica(state.global_step, self.args.replica_id)
+        self._count_bad_rounds(None, state.global_step, healthy=len(members) - len(non_finite))
         if not fields["committed"]:
             record["outer_step_skipped"] = True
             logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "

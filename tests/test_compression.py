@@ -180,3 +180,31 @@ def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
     assert f"none {format_bytes(fp32)}" in result.stdout and f"int8 {format_bytes(int8)}" in result.stdout
     assert "5 fragment(s), one sync every 10 steps" in result.stdout
     assert "DDP for the same 50 steps" in result.stdout
+
+
+def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(tmp_path):
+    """F = 1, τ = 0, α = 0, no codec (sequential pattern, all spelled out) runs the streaming machinery with
+    nothing to stream: the replicas end with exactly the bits of the same run with every field at its default."""
+    settings = dict(inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+    plain = launch(tmp_path / "plain", **settings)
+    neutral = launch(tmp_path / "neutral", **settings, num_fragments=1, sync_delay=0, fragment_alpha=0.0,
+                     fragment_pattern="sequential", compression="none", error_feedback=False)
+    assert neutral[0]["digests"] == plain[0]["digests"] == plain[1]["digests"]
+    mine, reference = (torch.load(t / "final.pt") for t in (tmp_path / "neutral", tmp_path / "plain"))
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    (dict(inner_steps=50, num_fragments=4), "inner_steps=50 must be a multiple of num_fragments=4"),
+    (dict(inner_steps=50, num_fragments=5, sync_delay=10), "sync_delay=10 must be below inner_steps/num_fragments=10"),
+    (dict(inner_steps=10, sync_delay=-1), "sync_delay"),
+    (dict(inner_steps=10, fragment_alpha=1.5), "fragment_alpha"),
+])
+def test_streaming_settings_that_cannot_work_are_refused_in_one_sentence(settings, words, tmp_path):
+    from hf_diloco import DiLoCoConfig
+    from hf_diloco.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        DiLoCoConfig(output_dir=str(tmp_path), report_to="none", **settings)
+    message = str(refused.value)
+    assert words in message and message.count("\n") == 0 and message.endswith(".")

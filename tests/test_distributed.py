@@ -50,7 +50,8 @@ def test_no_collective_between_syncs_and_one_per_sync(paper_run):
         by_step: dict[int, list[str]] = {}
         for step, name in rank["calls"]:
             by_step.setdefault(step, []).append(name)
-        assert set(by_step.get(0, [])) <= {"broadcast"}, f"only the start-up broadcast before step 1: {by_step.get(0)}"
+        # Before step 1: one all-reduce of the parameters' digests; the replicas share a seed, so nothing else.
+        assert by_step.get(0, []) == ["all_reduce"], f"only the start-up check before step 1: {by_step.get(0)}"
         for step in range(1, 13):
             expected = ["all_reduce"] if step in (5, 10, 12) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
@@ -252,6 +253,44 @@ def assert_reported_bytes_are_on_the_wire(tmp, ranks) -> None:
 def test_reported_bytes_per_round_are_the_bytes_sent(paper_run):
     tmp, ranks = paper_run
     assert_reported_bytes_are_on_the_wire(tmp, ranks)
+
+
+def test_replicas_that_start_apart_take_rank_0s_parameters_before_step_1(paper_run, tmp_path):
+    """Each process builds its model from another seed: the start-up check (one all-reduce of digests) finds them
+    different and rank 0 broadcasts its parameters, which the first round reports as `startup_bytes`. The run then
+    is the paper run, whose replicas shared seed 0 and sent only the check, to the bit."""
+    paper_tmp, _ = paper_run
+    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9,
+                            outer_nesterov=True, seed_by_rank=True)
+    for rank in ranks:
+        assert [name for step, name in rank["calls"] if step == 0] == ["all_reduce", "broadcast"], rank["calls"][:4]
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    apart, alike = (json.loads((t / "run" / "sync_rounds.jsonl").read_text().splitlines()[0])
+                    for t in (tmp_path, paper_tmp))
+    parameters = sum(p.numel() for p in torch.load(paper_tmp / "final.pt").values())
+    assert apart["startup_bytes"] >= 4 * apart["synced_parameters"] and apart["synced_parameters"] <= parameters
+    assert alike["startup_bytes"] < 1000, "alike replicas send only the digest check"
+    mine, paper = torch.load(tmp_path / "final.pt"), torch.load(paper_tmp / "final.pt")
+    assert all(torch.equal(mine[k], paper[k]) for k in paper)
+
+
+def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike(tmp_path):
+    """inner_steps auto, starting at H = 2, waiting for syncs at most 5% of compute: after two rounds the record
+    holds the choice and what it was made from; recomputed here from those numbers, H is the smallest whole number
+    with sync_seconds <= 0.05 * H * step_seconds, the following rounds are H steps apart, and the replicas stay
+    identical (both made the same choice at the same step)."""
+    ranks = launch_replicas(tmp_path, inner_steps=2, auto_inner_steps=True, max_sync_overhead=0.05, max_steps=40)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rounds[:2]] == [2, 4]
+    (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
+    choice = chosen_at["inner_steps_auto"]
+    assert chosen_at["step"] == 4 and choice["from_step"] == 4
+    h = choice["chosen"]
+    assert choice["sync_seconds"] <= 0.05 * h * choice["step_seconds"] + 1e-12
+    assert h == 1 or choice["sync_seconds"] > 0.05 * (h - 1) * choice["step_seconds"]
+    later = [r["step"] for r in rounds[2:]]
+    assert later == [*range(4 + h, 40, h), 40][: len(later)] and later[-1] == 40
+    assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
 def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(tmp_path):

@@ -165,6 +165,52 @@ def test_a_straggler_takes_fewer_steps_with_round_seconds_and_nobody_waits(tmp_p
         assert max(waits) <= grace + 1.0, waits
 
 
+def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(tmp_path):
+    """Two replicas; replica 1's weights turn NaN at step 6 (inside round 2, H = 4). That round merges replica 0's
+    pseudo-gradient alone (replica 1 sends zeros with weight 0), the record of every replica names replica 1,
+    replica 1 takes θ_global and trains on, and both end with the same finite parameters."""
+    with lighthouse(min_replicas=2, grace=3.0) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address,
+                                   "min_replicas": 2, "max_steps": 16, "inner_steps": 4,
+                                   **({"nan_at_step": 6} if r == 1 else {})}, logs[r]) for r in range(2)]
+        finish(replicas, logs)
+    for r in range(2):
+        rounds = read_sync_rounds(tmp_path / f"replica-{r}")
+        bad = [x for x in rounds if x.get("non_finite_replicas")]
+        assert [(x["step"], x["non_finite_replicas"]) for x in bad] == [(8, [1])], rounds
+        weights = {m["replica"]: m["weight"] for m in bad[0]["members"]}
+        assert weights[1] == 0.0 and weights[0] > 0 and bad[0]["committed"]
+        assert all(not x.get("non_finite_replicas") and x["committed"] for x in rounds if x["step"] > 8)
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    assert max_difference(final[0], final[1]) == 0.0 and all(bool(torch.isfinite(p).all()) for p in final[0])
+    assert "non-finite pseudo-gradient at step 8" in logs[1].read_text()
+
+
+def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weight(tmp_path):
+    """Three replicas, min_replicas 2, grace 1 s. Replica 2 pauses 8 s inside round 2: the other two merge rounds
+    without it. When it arrives, its base is rounds old: it heals θ_global from a live peer and its local progress
+    joins that round with weight tokens / (1 + rounds behind), as the record lists; at the end all three hold
+    identical parameters."""
+    with lighthouse(min_replicas=2, grace=1.0) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(3)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address,
+                                   "min_replicas": 2, "max_steps": 200, "inner_steps": 4, "step_sleep": 0.05,
+                                   **({"pause": [6, 8.0]} if r == 2 else {})}, logs[r]) for r in range(3)]
+        finish(replicas, logs)
+    rounds = {x["round"]: x for r in range(3) for x in read_sync_rounds(tmp_path / f"replica-{r}")}
+    late = [(x, m) for x in rounds.values() for m in x["members"]
+            if m["replica"] == 2 and m.get("participated") and m["staleness"] > 0]
+    assert len(late) == 1, [x["members"] for x in rounds.values()]
+    record, member = late[0]
+    assert member["healed"] and member["steps"] > 0 and record["committed"]
+    assert member["weight"] == member["tokens"] / (1 + member["staleness"]), member
+    missed = [x for x in rounds.values() if x["round"] < record["round"] and x["participants"] == 2]
+    assert len(missed) >= member["staleness"], "the rounds it missed were merged without it"
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
+    assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
+
+
 def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):
     no_lighthouse = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
                               "--output_dir", str(tmp_path / "a"), "--max_steps", "1")

@@ -82,17 +82,60 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     assert_same_model(out, clean)
 
 
+def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp_path, monkeypatch):
+    """`save_total_limit` removes old checkpoints (and a re-save of a step replaces its folder). A process killed
+    while the files are being deleted leaves the folder under a temporary name, which `auto` clears with a notice,
+    never a `checkpoint-<step>` with files missing."""
+    import hf_diloco.trainer as trainer_module
+    from hf_diloco.train import newest_complete_checkpoint
+
+    for step in (10, 20, 30):
+        (tmp_path / f"checkpoint-{step}" / "replica-0").mkdir(parents=True)
+        for name in ("model.safetensors", "diloco_outer.pt", "replica-0/optimizer.pt"):
+            (tmp_path / f"checkpoint-{step}" / name).write_text(name)
+    complete = sorted(p.relative_to(tmp_path / "checkpoint-10").as_posix()
+                      for p in (tmp_path / "checkpoint-10").rglob("*"))
+
+    def killed_midway(path, ignore_errors=False):
+        next(p for p in Path(path).rglob("*") if p.is_file()).unlink()  # one file gone, then the process dies
+        raise KeyboardInterrupt("killed while deleting")
+
+    monkeypatch.setattr(trainer_module.shutil, "rmtree", killed_midway)
+    for attempt in (lambda: trainer_module.keep_newest_checkpoints(tmp_path, 2),
+                    lambda: trainer_module.remove_checkpoint(tmp_path / "checkpoint-30")):
+        try:
+            attempt()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the deletion was not attempted")
+    monkeypatch.undo()
+    for folder in tmp_path.glob("checkpoint-*"):  # whatever still has a checkpoint name is whole
+        assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == complete, folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-20", "tmp-checkpoint-removed-checkpoint-10", "tmp-checkpoint-removed-checkpoint-30"]
+    assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-20")
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-20"]
+
+
 def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
-    """`hf-diloco launch --max-restarts 1`: SIGKILL one replica mid-run; torchelastic restarts both processes,
-    which find the newest complete checkpoint without any flag, lose at most one round, and end with an
-    uninterrupted run's model."""
+    """`hf-diloco launch --max-restarts 1`: SIGKILL one replica in the middle of a round; the launcher starts
+    both processes again, they find the newest complete checkpoint without any flag, lose the steps of the round
+    in flight and no more, and end with an uninterrupted run's model."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
                str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
                *train_args(out, 120, 10)[3:]]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
                            start_new_session=True)
-    wait_for(lambda: (out / "checkpoint-30").exists())
+    def mid_round_step() -> int:  # the main process records its step after every step (progress.json)
+        try:
+            step = json.loads((out / "progress.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return 0
+        return step if 30 < step and step % 10 >= 3 else 0
+
+    wait_for(mid_round_step)
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
     pids = [int(pid) for pid in workers.stdout.split()]
     launcher = subprocess.run(["pgrep", "-f", f"accelerate.commands.launch.*{out}"], capture_output=True, text=True)
@@ -102,7 +145,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
     rounds = read_sync_rounds(out)
     assert [r["step"] for r in rounds] == list(range(10, 121, 10))
     resumed = [r for r in rounds if "resumed_from" in r]
-    assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10
+    assert len(resumed) == 1 and 0 < resumed[0]["steps_lost"] <= 10, resumed  # killed mid-round: some, < a round
 
     clean = tmp_path / "clean"
     finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 120, 10)]))
@@ -126,3 +169,25 @@ def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_chec
     last = read_sync_rounds(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert (out / f"checkpoint-{last}").is_dir()
+
+
+def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_path):
+    """`hf-diloco launch` receives SIGTERM (a scheduler's preemption notice; here twice within a second, as when
+    both the job's processes and their launcher are signalled): it passes the request on once to the launch, every
+    replica finishes its round and saves a checkpoint, and the command exits 0, not restarted."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
+               str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
+               *train_args(out, 400, 10)[3:]]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    wait_for(lambda: (out / "checkpoint-20").exists())
+    run.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    stdout = finish(run)
+    assert stdout.count("SIGTERM: stopping at the end of this round") == 2, stdout[-3000:]  # one per replica
+    assert "restart" not in stdout
+    stopped = json.loads((out / "stopped.json").read_text())
+    last = read_sync_rounds(out)[-1]["step"]
+    assert stopped["step"] == last < 400 and last % 10 == 0
+    assert stopped["checkpoint"] == f"checkpoint-{last}" and (out / stopped["checkpoint"]).is_dir()

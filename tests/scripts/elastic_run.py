@@ -2,7 +2,9 @@
 
 Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
 "max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch"}.
-`step_sleep` makes this replica slower by sleeping after every inner step. The replica writes its final trainable
+`step_sleep` makes this replica slower by sleeping after every inner step; "pause": [step, seconds] sleeps once,
+after that step; "nan_at_step": s fills one weight of this replica with NaN after step s. The replica writes its
+final trainable
 parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
 """
 
@@ -26,9 +28,14 @@ backend = settings.get("backend", "torchft")
 
 
 class Pace(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         if settings.get("step_sleep"):
             time.sleep(settings["step_sleep"])
+        if settings.get("pause") and state.global_step == settings["pause"][0]:
+            time.sleep(settings["pause"][1])
+        if settings.get("nan_at_step") == state.global_step:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
         (out / f"step{replica}.txt").write_text(str(state.global_step))
 
 

@@ -4,11 +4,13 @@ Argument: a JSON object with the run's settings. Each rank writes `rank<r>.json`
 torch.distributed collective it made, tagged with the inner step it happened in (0 = before training), a digest
 of its parameters after every sync, and the bytes it wrote to its sockets during every sync (from the kernel's
 count of bytes written, /proc/self/io `wchar`); rank 0's final parameters go to `final.pt`. The setting
-`stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does).
+`stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does); `seed_by_rank: true`
+builds each process's model from its own seed (replicas that do not start alike).
 """
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
 stop_at_step = settings.pop("stop_at_step", None)
+seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
 
 # --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
 # inside a replica of several processes run in C++ and are not seen here ---
@@ -94,7 +97,7 @@ config = DiLoCoConfig(
     seed=0,
     **settings,
 )
-model = tiny_llama(seed=0)
+model = tiny_llama(seed=int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
 trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(),
                         data_collator=default_data_collator, callbacks=[Probe()])
 original_sync = trainer.diloco._sync
