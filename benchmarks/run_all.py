@@ -27,11 +27,12 @@ INTRO = """# Benchmarks
 Side-by-side measurements, not tests: each script prints a markdown table, writes a PNG plot and its raw numbers
 as JSON in `results/`, and asserts nothing about time. Every script has `--quick` (fewer steps, the same method,
 under 3 minutes on 2 idle cores) and a full mode. `.venv/bin/python benchmarks/run_all.py` (as root) runs all four
-in sequence and rebuilds this file from `results/`; `--report-only` rebuilds it without running anything. Expected
-full-set time on 2 idle CPU cores, from 13.9k tokens/s for two replicas and about 12 s of start-up per run: quality
-7 min, overhead 3 min, wan 15 min (21 runs; the 1 Mbit/s runs alone spend 70 s each on the wire), peers 4.5 min:
-about 30 minutes. A benchmark that cannot run here (no root for `wan`, no torchft for `peers`) says so in one
-sentence and is skipped.
+in sequence and rebuilds this file from `results/`; `--report-only` rebuilds it without running anything.
+Measured on 2 idle CPU cores (2026-11-23): the full set in one invocation took 1,262 s (quality 314 s, overhead
+110 s, wan 634 s, peers 205 s), and `--quick` 357 s (quality 97 s, overhead 95 s, wan 98 s, peers 66 s). The first
+four tables below are that full run. Codec and streaming variants take longer than the timed set allows and ran
+on their own, each a full run with the same method (`--variants ...`): their tables follow, named so. A benchmark
+that cannot run here (no root for `wan`, no torchft for `peers`) says so in one sentence and is skipped.
 
 How the numbers are made (issue 13, "benchmarks you can trust"):
 - One clock: tokens/s = tokens trained ÷ Trainer's wall time of its training loop (`train_runtime`), for every
@@ -64,6 +65,15 @@ SECTIONS = {
     "peers": ("Peers on the same task", "python benchmarks/peers.py",
               "DiLoCoTrainer, torchft's DiLoCo 0.2.0 and accelerate's LocalSGD inside the same Trainer inner "
               "loop and launcher; the final parameters of DiLoCoTrainer and torchft hashed and compared."),
+    "quality-variants": ("Quality of the codecs and streaming on the peer task",
+                         "python benchmarks/quality.py --variants fp32 int8 int4+EF SparseLoCo "
+                         "'stream F=5 tau=2 int4+EF'",
+                         "The same method as the quality table, with the codec and streaming rows (a separate full "
+                         "run; its results are kept as results/quality-variants.*)."),
+    "wan-variants": ("Codecs and streaming over a shaped link", "sudo python benchmarks/wan.py --variants fp32 "
+                     "'stream F=5 tau=2 int4+EF' int8",
+                     "The same method as the two-hosts table, with int8 and streaming (F = 5, τ = 2, int4 + error "
+                     "feedback) beside fp32, 3 interleaved repeats (a separate full run; results/wan-variants.*)."),
     "goodput": ("Replicas that die or lag: torch against torchft", "python benchmarks/goodput.py",
                 "Three replicas on this machine; one replica killed every few rounds and restarted, or one at a "
                 "third of the speed; the torch backend (barrier, the launch restarted from the newest round "
