@@ -193,3 +193,22 @@ def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_pa
     last = read_sync_rounds(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert stopped["checkpoint"] == f"checkpoint-{last}" and (out / stopped["checkpoint"]).is_dir()
+
+
+def test_the_same_signal_again_after_5_seconds_stops_at_once(tmp_path):
+    """SIGTERM asks for a stop at the round end; SIGTERM again within 5 s is the same request (the process keeps
+    training); again from 5 s on ends the process at once, by the signal, without stopped.json."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", *train_args(out, 100_000, 100_000)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    wait_for(lambda: (out / "progress.json").exists() and json.loads((out / "progress.json").read_text())["step"] > 2)
+    run.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    run.send_signal(signal.SIGTERM)  # within 5 s: the same request
+    time.sleep(1.0)
+    assert run.poll() is None, "a repeat within 5 s does not end the process"
+    time.sleep(4.0)
+    run.send_signal(signal.SIGTERM)
+    stdout, _ = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGTERM and not (out / "stopped.json").exists()
+    assert stdout.count("SIGTERM: stopping at the end of this round") == 1
