@@ -203,13 +203,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     print(" ".join(command), flush=True)
     if args.dry_run:
         return 0
+    from .launch import run_with_restarts
+
     return run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
 
 
 def launch_elastic(args: argparse.Namespace, config) -> int:
     """outer_backend torchft: one launch per replica. With --replicas N: a Lighthouse (unless --lighthouse names
     one) and N replicas on this machine, each started again when it fails; without: this one replica."""
-    from .elastic import ReplicaSupervisor, replica_overrides, require_lighthouse, start_lighthouse
+    from .elastic import replica_overrides, require_lighthouse
+    from .launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
 
     if launch_args_of(args):
         raise CLIError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "
@@ -243,72 +246,14 @@ def launch_elastic(args: argparse.Namespace, config) -> int:
         return 0
     try:
         return ReplicaSupervisor(commands, config.output_dir, args.max_restarts,
-                                 linger_seconds=config.sync_grace_seconds + 15).run()
+                                 linger_seconds=config.end_linger_seconds + config.sync_grace_seconds + 15).run()
     finally:
         if server is not None:
             server.shutdown()
 
 
-# How long accelerate's launcher (torchelastic) lets its processes finish a stop before it kills them; its own
-# default, 30 s, is shorter than many rounds, and a killed stop saves nothing.
-STOP_GRACE_SECONDS = "900"
-
-
-def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True,
-                      output_dir: str | None = None) -> int:
-    """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
-    checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
-    it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with.
-
-    The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
-    Ctrl-C does) is passed on to it exactly once: the launcher hands it to every training process, which finish
-    their round and save (given `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default here 900 s, before the launcher kills).
-
-    The restart loop is ours rather than accelerate's `--max_restarts`: with accelerate's default static rendezvous
-    a restarted gloo group cannot connect (it reaches for the dead processes' addresses).
-    """
-    stopping: list[int] = []
-    child: list[subprocess.Popen] = []
-
-    def pass_stop_on(signum, _frame) -> None:
-        stopping.append(signum)
-        if child and child[-1].poll() is None:
-            child[-1].send_signal(signum)
-
-    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                                                                         STOP_GRACE_SECONDS)}
-    started = time.time()
-    previous = {signum: signal.signal(signum, pass_stop_on) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for attempt in range(max_restarts + 1):
-            child.append(subprocess.Popen(command, env=env, start_new_session=True))
-            code = child[-1].wait()  # retried through the signals passed on meanwhile (PEP 475)
-            if stopping and code != 0 and output_dir and _stopped_since(output_dir, started):
-                print("[diloco] stopped on request with a checkpoint", flush=True)
-                return 0
-            if code == 0 or stopping or attempt == max_restarts:
-                return code
-            print(f"[diloco] the run failed (exit status {code}); restart {attempt + 1} of {max_restarts}, resuming "
-                  f"from the newest complete checkpoint", flush=True)
-            if resume and command[-2:] != ["--resume_from_checkpoint", "auto"]:
-                command = [*command, "--resume_from_checkpoint", "auto"]  # the last occurrence of a flag wins
-        return code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _stopped_since(output_dir: str, since: float) -> bool:
-    from .runs import STOPPED_FILE
-
-    try:
-        return json.loads((Path(output_dir) / STOPPED_FILE).read_text())["time"] >= since
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
 def cmd_lighthouse(args: argparse.Namespace) -> int:
-    from .elastic import start_lighthouse
+    from .launch import start_lighthouse
 
     if args.min_replicas < 1:
         raise CLIError(f"--min-replicas must be at least 1, got {args.min_replicas}.")

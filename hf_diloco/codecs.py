@@ -281,6 +281,21 @@ class ErrorFeedback:
             return residual
         return residual.mul_(self.decay).add_(delta.to(residual.device))
 
+    def copy(self, keys: list[str]) -> dict[str, torch.Tensor | None]:
+        """The residuals of `keys` as they are now (copies), for `restore` after a round that was rolled back."""
+        return {key: None if key not in self.residuals else self.residuals[key].clone() for key in keys}
+
+    def restore(self, kept: dict[str, torch.Tensor | None]) -> None:
+        for key, value in kept.items():
+            if value is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key] = value
+
+    def clear(self) -> None:
+        """Forget every residual (a replica that healed: what it did not send belonged to a base it left)."""
+        self.residuals.clear()
+
     def state_dict(self) -> dict:
         return {"decay": self.decay, "residuals": dict(self.residuals)}
 

@@ -104,11 +104,20 @@ def round_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | N
 
 
 class ReplicaComm:
-    """The replicas of a run and the collectives between them.
+    """The replicas of a run and the collectives between them (the `torch` backend: a fixed group).
 
     With one process (no process group, or a world of one) every collective is a local no-op costing 0 bytes, so
-    the same code path serves a single process and a fleet.
+    the same code path serves a single process and a fleet. The three collectives across replicas
+    (`_all_reduce`, `_all_to_all`, `_all_gather`) are the only methods another backend replaces
+    (hf_diloco.elastic.TorchftComm runs them on torchft's process group over the round's quorum).
     """
+
+    # A backend that votes on every round (torchft) holds the averaged pseudo-gradient until the vote and applies
+    # it only if every participant's collectives succeeded; a fixed group either completes a round or fails.
+    votes = False
+
+    def vote(self) -> bool:
+        return True
 
     def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None):
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -307,6 +316,17 @@ class ReplicaComm:
         result = pieces[:, :n].reshape(-1)[: delta.numel()].clone()
         return result, None if rows is None else pieces[:, n:].reshape(g, m, k).cpu(), cost
 
+    # --- the collectives across replicas (member j of every replica), in place on their output ---
+
+    def _all_reduce(self, buffer: torch.Tensor) -> None:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.slice_group)
+
+    def _all_to_all(self, received: torch.Tensor, send: torch.Tensor) -> None:
+        dist.all_to_all_single(received, send, group=self.slice_group)
+
+    def _all_gather(self, gathered: torch.Tensor, payload: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(gathered, payload, group=self.slice_group)
+
     # --- the three ways across replicas, for this process's slice ---
 
     def _stats_row(self, stats: torch.Tensor) -> torch.Tensor:
@@ -322,7 +342,7 @@ class ReplicaComm:
             buffer[n:].view(m, k)[self.replica_index] = self._stats_row(stats)
         cost = SyncCost(buffer.numel() * 4, 0, 0, 0)
         if self.active:
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.slice_group)
+            self._all_reduce(buffer)
             cost.bytes_sent = ring_all_reduce_bytes(buffer.numel() * 4, m)
             cost.collectives = 1
         return buffer[:n], None if stats is None else buffer[n:].view(m, -1), cost
@@ -336,7 +356,7 @@ class ReplicaComm:
         if not self.active:
             return payload.view(1, -1)
         gathered = torch.empty(self.num_replicas * payload.numel(), dtype=torch.uint8, device=self.device)
-        dist.all_gather_into_tensor(gathered, payload, group=self.slice_group)
+        self._all_gather(gathered, payload)
         cost.collectives += 1
         cost.bytes_sent += (self.num_replicas - 1) * payload.numel()  # ring: every other replica's share once
         return gathered.view(self.num_replicas, -1)
@@ -364,7 +384,7 @@ class ReplicaComm:
         cost = SyncCost(send.numel(), 0, 0, 0)
         if self.active:
             received = torch.empty_like(send)
-            dist.all_to_all_single(received, send, group=self.slice_group)
+            self._all_to_all(received, send)
             cost.collectives += 1
             cost.bytes_sent += (m - 1) * shard_bytes  # every shard but this process's own leaves it
             del send

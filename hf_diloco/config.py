@@ -230,6 +230,13 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "torchft: the address peers reach this replica at for healing and the sync (default: "
                           "this machine's host name)."},
     )
+    end_linger_seconds: float = field(
+        default=60.0,
+        metadata={"help": "torchft: after the run's last round, how long a replica stays to hand the final model "
+                          "to replicas that missed that round (a restarted or late one heals from it, learns the run "
+                          "is over and ends with the same model); it leaves as soon as every replica it has seen "
+                          "has had it (0: leave at once)."},
+    )
 
     def __post_init__(self):
         self._validate_diloco_fields()

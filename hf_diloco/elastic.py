@@ -34,12 +34,13 @@ import os
 import socket
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
-from .comm import ring_all_reduce_bytes
+from .backends import RoundStart
+from .comm import ReplicaComm, ring_all_reduce_bytes
 from .errors import ConfigError, first_line
+from .launch import replica_folder
 from .outer import is_finite
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
 # every participant of the round stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds", "stop_requested", "non_finite")
+                 "quorum_seconds", "stop_requested", "non_finite", "last")
 NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
                  "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
 INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
@@ -71,18 +72,77 @@ def staleness_weight(tokens: int, staleness: int) -> float:
     return float(tokens) / (1 + max(0, staleness))
 
 
-def start_lighthouse(bind: str, min_replicas: int, grace_seconds: float, heartbeat_timeout_seconds: float = 5.0):
-    """torchft's Lighthouse, serving in this process until `.shutdown()`; its address is `.address()`."""
-    torchft = require_torchft()
-    from torchft._torchft import LighthouseServer
+class TorchftComm(ReplicaComm):
+    """The round's collectives on torchft's process group, over the replicas of the round's quorum.
 
-    del torchft
-    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=int(grace_seconds * 1000),
-                            quorum_tick_ms=50, heartbeat_timeout_ms=int(heartbeat_timeout_seconds * 1000))
+    Rank and size are the quorum's (`configure`, once per round, after the quorum formed). A collective that
+    fails (a peer died, the link dropped, sync_timeout) is reported to the Manager, every later collective of the
+    round is skipped and its output zeroed, and the round's vote (`should_commit`) then fails on every
+    participant, so no replica applies a round that did not fully arrive.
+    """
+
+    votes = True
+
+    def __init__(self, manager, pg):
+        super().__init__(1)
+        self.distributed = False  # no torch.distributed between replicas: the rendezvous store helpers are off
+        self.manager, self.pg = manager, pg
+
+    def configure(self, participants: int, rank: int | None) -> None:
+        self.num_replicas, self.replica_index = max(1, participants), rank or 0
+
+    @property
+    def active(self) -> bool:
+        return self.num_replicas > 1
+
+    def vote(self) -> bool:
+        return bool(self.manager.should_commit())
+
+    # Rounds on torchft never wait for a replica that is absent, so there is no one to name and nothing to hand over
+    # through a rendezvous store (each replica is its own launch).
+    def arrive(self, step: int) -> None:
+        pass
+
+    def absent(self, step: int) -> dict[int, int | None]:
+        return {}
+
+    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
+        return None
+
+    def _run(self, collective, *outputs: torch.Tensor) -> None:
+        if self.manager.errored() is None:
+            try:
+                collective().wait()
+                return
+            except Exception as error:  # noqa: BLE001 (any failure of a peer or the link: the round rolls back)
+                self.manager.report_error(error)
+        for output in outputs:
+            output.zero_()
+
+    def _all_reduce(self, buffer: torch.Tensor) -> None:
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        self._run(lambda: self.pg.allreduce([buffer], options), buffer)
+
+    def _all_to_all(self, received: torch.Tensor, send: torch.Tensor) -> None:
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        self._run(lambda: self.pg.alltoall_base(received, send, [], [], AllToAllOptions()), received)
+
+    def _all_gather(self, gathered: torch.Tensor, payload: torch.Tensor) -> None:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        rows = list(gathered.view(self.num_replicas, -1).unbind(0))
+        self._run(lambda: self.pg.allgather([rows], [payload], AllgatherOptions()), gathered)
 
 
 class ElasticRounds:
-    """One replica's side of the torchft rounds: its Manager, its process group and the round protocol.
+    """One replica's side of the torchft rounds: its Manager and process group, and who takes part in each round
+    with what weight. The round itself (codec, fragments, overlap, outer step) is hf_diloco.outer's, run by the
+    trainer's callback exactly as on the `torch` backend; this class supplies `start` (quorum, heal, weights,
+    which fragments) and `finish` (commit bookkeeping, membership for the record).
 
     `callback` is the trainer's outer-loop callback (it owns θ_global, the trainer and the round counters).
     """
@@ -98,8 +158,9 @@ class ElasticRounds:
         self.global_round = 0  # committed rounds that moved θ_global (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
         self.healed_from_round: int | None = None
+        self.carried_tokens = 0  # tokens of local progress that a rolled-back round did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
-        self.cumulative_bytes = 0
+        self.last_members: set[int] = set()  # the participants of the last round that moved θ_global
         timeout = timedelta(seconds=args.sync_timeout)
         host = args.replica_address or socket.gethostname()
         # The Manager's own store: a replica here is one process, so it is the master of a store of one.
@@ -107,8 +168,9 @@ class ElasticRounds:
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError(NO_LIGHTHOUSE)
+        pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=pg,
             load_state_dict=self._load_healed,
             state_dict=self._state_for_peer,
             min_replica_size=args.min_replicas,
@@ -125,6 +187,7 @@ class ElasticRounds:
             hostname=host,
             init_sync=True,  # the first quorum gives every replica the primary's θ (the `torch` backend broadcasts)
         )
+        self.comm = TorchftComm(self.manager, pg)
 
     # --- what a peer sends a healing replica, and how it is taken ---
 
@@ -143,6 +206,8 @@ class ElasticRounds:
         self.healed_from_round = self.global_round
         outer.load_state_dict(state["outer"])
         self.global_round = int(state["global_round"])
+        if callback.feedback is not None:
+            callback.feedback.clear()  # its residuals were what it did not send against the base it left
         trainer = callback.trainer
         step = int(state["global_step"])
         if callback.round_steps == 0 and trainer.state.global_step == 0 and step > 0:
@@ -157,83 +222,137 @@ class ElasticRounds:
                     warnings.simplefilter("ignore", UserWarning)
                     scheduler.step()
 
-    # --- one round ---
+    # --- one round: who takes part, and what happens after the vote ---
 
-    def round(self, joining: bool = False) -> dict:
-        """Quorum, (heal,) weighted merge, commit, outer step. Returns the round's record fields."""
+    def due(self, step: int, max_steps: int) -> bool:
+        """A round is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
+        step; which fragments it syncs is agreed after the quorum (`start`)."""
+        callback = self.callback
+        if step >= max_steps:
+            return True
+        if self.args.round_seconds > 0:
+            return time.perf_counter() - callback.round_started >= self.args.round_seconds / self.args.num_fragments
+        return callback.round_steps >= callback.sync_every
+
+    def run_over(self) -> bool:
+        """The run's last round has committed (the round counter is healed with the rest, so a replica that was
+        behind learns it from the peer it heals from)."""
+        total = self.callback.total_rounds
+        return total is not None and self.global_round >= total
+
+    def start(self, step: int, max_steps: int, joining: bool = False, timeout: float | None = None) -> RoundStart:
+        """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
+        weight, staleness, loss, ...) so that every participant knows every weight before the first bucket."""
         callback, outer = self.callback, self.callback.outer
         started = time.perf_counter()
         self.healed_from_round = None
-        self.manager.start_quorum()
+        self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
         quorum_seconds = time.perf_counter() - started
         error = self.manager.errored()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
         healed = self.healed_from_round is not None
         staleness = max(0, self.global_round - self.healed_from_round) if healed and self.stash is not None else 0
-        tokens = 0 if joining else callback.round_tokens + callback.carried_tokens
+        # The run is over (this replica healed from one that finished it, or is handing the final model to a late
+        # one): nobody's progress is merged any more, so every participant comes with weight 0.
+        over = self.run_over()
+        tokens = 0 if joining or over else callback.round_tokens + self.carried_tokens
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
         # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
-        finite = joining or self.stash is not None or is_finite(outer.params)
+        finite = joining or over or self.stash is not None or is_finite(outer.params)
         weight = staleness_weight(tokens, staleness) if finite else 0.0
         mine = [float(self.args.replica_id), callback.round_steps, tokens, weight, float(healed), staleness,
                 float(callback.round_loss.item()), callback.round_compute, quorum_seconds,
-                float(callback.stop_requested), float(not finite)]
-        members = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
+                float(callback.stop_requested), float(not finite), float(step >= max_steps)]
+        table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
-            members[rank] = torch.tensor(mine, dtype=torch.float64)
-        synced = time.perf_counter()
-        self.manager.allreduce(members, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        total_weight = float(members[:, MEMBER_FIELDS.index("weight")].sum())
-        averaged, bytes_sent, collectives = [], ring_all_reduce_bytes(members.numel() * 8, participants), 1
-        average_norm_sq = 0.0
-        for index, bucket in enumerate(outer.buckets if total_weight > 0 else []):
-            delta_i = self.stash[index] if self.stash is not None else outer.pseudo_gradient(bucket)
-            payload = delta_i.mul_(weight / total_weight) if weight > 0 else delta_i.zero_()
-            self.manager.allreduce(payload, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-            averaged.append(payload)
-            average_norm_sq += float(torch.linalg.vector_norm(payload)) ** 2
-            bytes_sent += ring_all_reduce_bytes(payload.numel() * 4, participants)
-            collectives += 1
-        committed = self.manager.should_commit()
-        sync_seconds = time.perf_counter() - synced
-        if committed:
-            for bucket, delta in zip(outer.buckets, averaged, strict=False):
-                outer.step(bucket, delta)                               # θ_global ← OuterOpt(θ_global, Δ)
-            outer.copy_global_to_replica()                              # θ_i ← θ_global
-            if averaged:
+            table[rank] = torch.tensor(mine, dtype=torch.float64)
+        self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self.comm.configure(participants, rank)
+        weights = table[:, MEMBER_FIELDS.index("weight")]
+        largest = float(weights.max()) if participants else 0.0
+        number = self.global_round + 1
+        # The run's last round, or a participant at its last step: every fragment syncs, so the final model is global.
+        last = bool(table[:, MEMBER_FIELDS.index("last")].any())
+        final = last or (callback.total_rounds is not None and number >= callback.total_rounds)
+        fragments = list(range(self.args.num_fragments)) if final else [(number - 1) % self.args.num_fragments]
+        rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
+        return RoundStart(
+            weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
+            stash=self.stash, healed=healed, finite=finite, joining=joining,
+            stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
+            extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
+            error=None if error is None else first_line(error))
+
+    def finish(self, start: RoundStart, result) -> dict:
+        """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback, and
+        give the round's membership for its record."""
+        callback = self.callback
+        if result.committed:
+            if result.total_weight > 0:
                 self.global_round += 1
+                self.last_members = {int(row["replica"]) for row in start.members}
+            if start.healed:  # what it trained against the old base went into this round; start from θ_global
+                callback.outer.copy_global_to_replica()
             self.stash = None
-            callback.carried_tokens = 0
-        elif healed or not finite:
+            self.carried_tokens = 0
+        elif start.healed or not start.finite:
             # The base moved under this replica and the round did not land, or its own progress is not finite:
             # start over from θ_global.
-            outer.copy_global_to_replica()
+            callback.outer.copy_global_to_replica()
             self.stash = None
-            callback.carried_tokens = 0
-        else:
-            callback.carried_tokens += 0 if joining else callback.round_tokens  # progress kept for the next round
-        self.cumulative_bytes += bytes_sent
-        rows = members[: participants].tolist() if participants else []
-        present = {int(row[0]) for row in rows}
+            self.carried_tokens = 0
+        elif not start.joining:
+            self.carried_tokens += callback.last_round_tokens  # progress kept for the next round
+        members = []
+        for row in start.members:
+            member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
+                      "steps": int(row["steps"]), "tokens": int(row["tokens"]), "staleness": int(row["staleness"]),
+                      "stop_requested": bool(row["stop_requested"]), "non_finite": bool(row["non_finite"])}
+            del member["last"]
+            members.append(member)
+        present = {m["replica"] for m in members}
         self.known |= present
-        listed = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in rows]
-        for member in listed:
-            member["replica"] = int(member["replica"])
-            member["participated"] = True
-            member["healed"] = bool(member["healed"])
-            member["steps"], member["tokens"] = int(member["steps"]), int(member["tokens"])
-            member["staleness"] = int(member["staleness"])
-            member["stop_requested"] = bool(member["stop_requested"])
-            member["non_finite"] = bool(member["non_finite"])
-        listed += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
-        return {"members": sorted(listed, key=lambda m: m["replica"]), "committed": committed,
-                "participants": participants, "quorum_seconds": quorum_seconds, "sync_seconds": sync_seconds,
-                "bytes": bytes_sent, "collectives": collectives, "total_weight": total_weight,
-                "pseudo_grad_norm": math.sqrt(average_norm_sq),
-                "stop_requested": any(m.get("stop_requested") for m in listed),
-                "global_round": self.global_round, "error": None if error is None else first_line(error),
-                "finite": finite}
+        members += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
+        fields = {"round": self.global_round, "members": sorted(members, key=lambda m: m["replica"]),
+                  "committed": result.committed, "participants": len(present), "quorum_seconds": start.quorum_seconds,
+                  "outer_backend": "torchft", "replica": self.args.replica_id}
+        non_finite = [m["replica"] for m in members if m.get("non_finite")]
+        if non_finite:
+            fields["non_finite_replicas"] = non_finite
+        if not result.committed:
+            fields["outer_step_skipped"] = True
+            logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "
+                           "progress for the next round.", callback.trainer.state.global_step,
+                           start.error or first_line(self.manager.errored() or "a peer failed"))
+        return fields
+
+    def linger(self, step: int, max_steps: int) -> list[int]:
+        """After the run's last round: stay up to end_linger_seconds for the replicas that missed it.
+
+        A replica that is behind (restarted, or waiting for a round that can no longer form without the finished
+        ones) meets this one in a quorum, heals from it (θ_global, the round counter), sees that the run is over,
+        takes part with weight 0 and ends with the final model. Rounds here exchange nothing: every participant is
+        over, so every weight is 0 and only the vote runs. Returns the replicas that got the final model this way.
+        """
+        if self.args.replica_id not in self.last_members:  # it missed the last round itself: nothing to hand over
+            return []
+        waiting = self.known - self.last_members
+        served: list[int] = []
+        deadline = time.monotonic() + self.args.end_linger_seconds
+        while waiting and time.monotonic() < deadline:
+            try:
+                start = self.start(step, max_steps, joining=True, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as error:  # noqa: BLE001 (no quorum before the deadline: nobody is coming)
+                logger.debug("torchft: no late replica came: %s", first_line(error))
+                break
+            if not start.empty:  # someone brings progress against a live round: this replica has nothing to add
+                break
+            self.comm.vote()
+            arrived = {int(row["replica"]) for row in start.members} & waiting
+            served += sorted(arrived)
+            waiting -= arrived
+        return served
 
     def shutdown(self) -> None:
         try:
@@ -247,19 +366,16 @@ def check_elastic(config) -> None:
     if config.outer_backend != "torchft":
         return
     if config.replica_group_size != 1:
-        raise ConfigError("outer_backend torchft runs one process per replica; set replica_group_size 1.")
-    unsupported = [name for name, on in (("compression", config.compression != "none"),
-                                         ("num_fragments", config.num_fragments != 1),
-                                         ("sync_delay", config.sync_delay != 0)) if on]
-    if unsupported:
-        raise ConfigError(f"outer_backend torchft does not support {', '.join(unsupported)} yet; use the torch "
-                          f"backend for compressed or streamed syncs.")
+        raise ConfigError("outer_backend torchft runs one process per replica for now; set replica_group_size 1 "
+                          "(replica groups of several processes need the torch backend).")
     if config.min_replicas < 1:
         raise ConfigError(f"min_replicas must be at least 1, got {config.min_replicas!r}.")
     if not 0 <= config.replica_id < max(config.num_replicas, 1):
         raise ConfigError(f"replica_id must be in [0, num_replicas={config.num_replicas}), got {config.replica_id}.")
     if not config.sync_grace_seconds >= 0:
         raise ConfigError(f"sync_grace_seconds must be 0 or more, got {config.sync_grace_seconds!r}.")
+    if not config.end_linger_seconds >= 0:
+        raise ConfigError(f"end_linger_seconds must be 0 or more, got {config.end_linger_seconds!r}.")
     if config.round_seconds < 0 or not math.isfinite(config.round_seconds):
         raise ConfigError(f"round_seconds must be 0 (off) or a positive number, got {config.round_seconds!r}.")
 
@@ -273,91 +389,7 @@ def require_lighthouse(config) -> None:
 # --- starting replicas ----------------------------------------------------------------------------------------------
 
 
-def replica_folder(output_dir: str | os.PathLike, replica: int) -> str:
-    """Where replica `replica` of a run started by `hf-diloco launch --replicas N` writes."""
-    return os.path.join(str(output_dir), f"replica-{replica}")
-
-
 def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str) -> list[str]:
     """The recipe overrides of one replica (later flags win, so these come last)."""
     return [*overrides, "--outer_backend", "torchft", "--replica_id", str(replica), "--num_replicas", str(replicas),
             "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica)]
-
-
-class ReplicaSupervisor:
-    """Runs N replica launches on this machine, starting a replica that failed again (it heals from the live
-    ones) up to `max_restarts` times each; hands a stop request in `output_dir` to every replica and reports the
-    stop back where one-folder runs report it."""
-
-    def __init__(self, commands: list[list[str]], output_dir: str, max_restarts: int, linger_seconds: float = 15.0):
-        self.linger_seconds = linger_seconds  # how long a restarted replica may outlive the finished others
-        self.commands = commands
-        self.output_dir = Path(output_dir)
-        self.max_restarts = max_restarts
-        self.restarts = [0] * len(commands)
-        self.stopping = False
-        self.finished_at: float | None = None  # when the first replica completed the run
-
-    def _end_latecomers(self, processes, codes: list[int | None]) -> None:
-        """A replica started again near the end finds no one left to form a round with: once every replica that
-        never restarted has finished, the restarted ones get `linger_seconds` to finish too, then are ended (they
-        hold nothing the finished replicas do not)."""
-        if self.finished_at is None or time.monotonic() - self.finished_at < self.linger_seconds:
-            return
-        running = [r for r, code in enumerate(codes) if code is None]
-        if running and all(self.restarts[r] > 0 for r in running):
-            for r in running:
-                processes[r].kill()
-                processes[r].wait()
-                codes[r] = 0
-                print(f"[diloco] replica {r} was started again too late to rejoin: the run had finished; ended it",
-                      flush=True)
-
-    def run(self) -> int:
-        import signal
-        import subprocess
-
-        from .runs import STOP_FILE, STOPPED_FILE
-
-        def note_stop(signum, _frame) -> None:  # the replicas got it too when it came from the terminal
-            self.stopping = True
-            for process in processes:
-                if process.poll() is None:
-                    process.send_signal(signum)
-
-        previous = {s: signal.signal(s, note_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        processes = [subprocess.Popen(command) for command in self.commands]
-        codes: list[int | None] = [None] * len(processes)
-        try:
-            while any(code is None for code in codes):
-                time.sleep(0.5)
-                request = self.output_dir / STOP_FILE
-                if request.exists():
-                    for r in range(len(processes)):
-                        folder = Path(replica_folder(self.output_dir, r))
-                        folder.mkdir(parents=True, exist_ok=True)
-                        (folder / STOP_FILE).write_text(request.read_text())
-                    request.unlink(missing_ok=True)
-                    self.stopping = True
-                self._end_latecomers(processes, codes)
-                for r, process in enumerate(processes):
-                    if codes[r] is not None or (code := process.poll()) is None:
-                        continue
-                    if code != 0 and not self.stopping and self.restarts[r] < self.max_restarts:
-                        self.restarts[r] += 1
-                        print(f"[diloco] replica {r} exited with status {code}; starting it again (restart "
-                              f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
-                        processes[r] = subprocess.Popen(self.commands[r])
-                        continue
-                    codes[r] = code
-                    if code == 0 and self.finished_at is None:
-                        self.finished_at = time.monotonic()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        stopped = [Path(replica_folder(self.output_dir, r)) / STOPPED_FILE for r in range(len(processes))]
-        if any(path.exists() for path in stopped):
-            first = next(path for path in stopped if path.exists())
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / STOPPED_FILE).write_text(first.read_text())
-        return next((code for code in codes if code), 0)

@@ -239,24 +239,34 @@ class OuterLoop:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-# --- one round ----------------------------------------------------------------------------------------------------
+# --- one round ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class RoundResult:
-    """What a round measured beside the math: who took part, norms, agreement, statistics, cost."""
+    """What a round measured beside the math: who took part and with what weight, norms, agreement, statistics,
+    cost, and whether the round landed."""
 
-    healthy: list[bool] | None = None  # per replica: its pseudo-gradient was finite, so it took part
+    weights: list[float] | None = None  # per replica: its weight in the average (0: it sat the round out)
     local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the round's buckets
     average_norm_sq: float = 0.0  # ‖Δ‖²
     dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
+    committed: bool = True  # False: a backend that votes (torchft) rolled the round back; nothing was applied
+
+    @property
+    def healthy(self) -> list[bool] | None:
+        return None if self.weights is None else [w > 0 for w in self.weights]
 
     @property
     def participants(self) -> int:
-        return sum(self.healthy) if self.healthy is not None else 0
+        return sum(w > 0 for w in self.weights) if self.weights is not None else 0
+
+    @property
+    def total_weight(self) -> float:
+        return sum(self.weights) if self.weights is not None else 0.0
 
     @property
     def agreement(self) -> float:
@@ -281,8 +291,8 @@ class Exchange:
 
 
 # Statistics that ride along with a round's last collective, made once ‖Δ_i‖² of the whole round is known. Slot 0
-# is reserved for this replica's health flag, which the round fills in; the first bucket carries the flag alone when
-# the round has several, so every process knows who takes part before it divides the first sum.
+# is reserved for this replica's weight, which the round fills in; the first bucket carries the weight alone when
+# the round has several, so every process knows every weight before it divides the first sum.
 StatsFn = Callable[[float], torch.Tensor]
 
 
@@ -291,37 +301,42 @@ def is_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _riding(position: int, count: int, healthy: bool, stats: StatsFn | None) -> StatsFn | None:
-    flag = 1.0 if healthy else 0.0
+def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> StatsFn | None:
     if position == count - 1 and stats is not None:
         def full(norm_sq: float) -> torch.Tensor:
             values = stats(norm_sq).clone()
-            values[0] = flag
+            values[0] = weight
             return values
 
         return full
     if position == 0:
-        return lambda _norm_sq: torch.tensor([flag], dtype=torch.float64)
+        return lambda _norm_sq: torch.tensor([weight], dtype=torch.float64)
     return None
 
 
-def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, healthy: bool,
+def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, weight: float,
                     codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None) -> torch.Tensor:
-    """Δ for one bucket: the sum over replicas divided by the replicas that took part, with this bucket's norms,
-    agreement terms and cost added to `result`. An unhealthy replica sends zeros and leaves its residual alone."""
-    sent = delta_i if healthy else torch.zeros_like(delta_i)
+    """Δ for one bucket: Σ_i w_i Δ_i / Σ_i w_i over the replicas, with this bucket's norms, agreement terms and
+    cost added to `result`. A replica of weight 0 sends zeros and leaves its residual alone; a weight of exactly 1
+    sends Δ_i untouched, so equal weights give the plain mean bit for bit."""
+    if weight == 1:
+        sent = delta_i
+    elif weight > 0:
+        sent = delta_i.mul(weight)
+    else:
+        sent = torch.zeros_like(delta_i)
     # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
     result.local_norm_sq += float(torch.linalg.vector_norm(sent)) ** 2
     values = None if riding is None else riding(result.local_norm_sq)
-    total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if healthy else None,
+    total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if weight > 0 else None,
                                           key=str(index), stats=values)
     if rows is not None:
-        if result.healthy is None:
-            result.healthy = (rows[0, :, 0] > 0.5).tolist()
+        if result.weights is None:
+            result.weights = rows[0, :, 0].tolist()
         if rows.shape[-1] > 1:
             result.stats = rows
-    participants = result.participants
-    delta = total.div_(participants) if participants else total.zero_()
+    total_weight = result.total_weight
+    delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
     result.average_norm_sq += float(torch.linalg.vector_norm(delta)) ** 2
     result.dot += float(torch.dot(sent, delta))
     result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
@@ -329,26 +344,33 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 
 
 def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
-                feedback: ErrorFeedback | None = None, stats: StatsFn | None = None,
+                feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
                 alpha: float = 0.0) -> RoundResult:
     """One blocking outer round over `buckets` (all of them, or one fragment's), one bucket at a time.
 
-    A replica whose parameters hold a NaN or an infinity sits the round out (it sends zeros, the others divide by
-    the replicas that took part) and takes θ_global; with no healthy replica θ_global does not move. Every process
-    must call this with the same buckets.
+    `weight` is this replica's share in the average (1 on the torch backend; torchft's token and staleness
+    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity sits the round out
+    (weight 0: it sends zeros, the others divide by the weight that took part) and takes θ_global; with no weight
+    at all θ_global does not move. On a backend that votes on each round (`comm.votes`: torchft), the averaged
+    buckets are held until the vote and applied only if the round commits. Every process must call this with the
+    same buckets.
     """
+    if not is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]):
+        weight = 0.0
+    if comm.votes:
+        return land(outer, exchange(comm, buckets, snapshot(outer, comm, buckets), codec=codec,
+                                          feedback=feedback, stats=stats, weight=weight), alpha, weight > 0)
     result = RoundResult()
-    healthy = is_finite(outer.params[i] for index in buckets for i in outer.buckets[index])
     for position, index in enumerate(buckets):
         bucket = outer.buckets[index]
-        riding = _riding(position, len(buckets), healthy, stats)
+        riding = _riding(position, len(buckets), weight, stats)
         delta_i = outer.pseudo_gradient(bucket, comm.device)                  # Δ_i = θ_global − θ_i
-        delta = _average_bucket(comm, index, delta_i, result, healthy,        # Δ = (1/M) Σ_i Δ_i
+        delta = _average_bucket(comm, index, delta_i, result, weight,         # Δ = (1/M) Σ_i Δ_i
                                 codec, feedback, riding)
         del delta_i
         if result.participants:
             outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, alpha if healthy else 0.0)              # θ_i ← θ_global
+        outer.copy_to_replica(bucket, alpha if weight > 0 else 0.0)           # θ_i ← θ_global
         del delta  # one bucket at a time: freed before the next is formed
     return result
 
@@ -360,25 +382,43 @@ def snapshot(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> list[to
 
 def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor], *,
              codec: Codec | None = None, feedback: ErrorFeedback | None = None,
-             stats: StatsFn | None = None) -> Exchange:
-    """The communication half of an overlapped round: average the snapshotted Δ_i of `buckets`.
+             stats: StatsFn | None = None, weight: float = 1.0) -> Exchange:
+    """The communication half of a round: average the snapshotted Δ_i of `buckets`, then (torchft) vote.
 
     Touches neither θ_global nor the replica's parameters, so it may run in a background thread while the
-    replica takes its next inner steps.
+    replica takes its next inner steps. On a backend that votes, the result says whether the round committed;
+    a round that did not is never applied, whatever part of it arrived.
     """
     result = RoundResult()
-    healthy = is_finite(deltas)
+    if not is_finite(deltas):
+        weight = 0.0
+    # A round that may be rolled back must not leave its trace in the residuals: the replica sends the same
+    # progress again in its next round.
+    kept = feedback.copy([str(i) for i in buckets]) if comm.votes and feedback is not None else None
     averaged = []
     for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True)):
-        riding = _riding(position, len(buckets), healthy, stats)
-        averaged.append(_average_bucket(comm, index, delta_i, result, healthy, codec, feedback, riding))
+        riding = _riding(position, len(buckets), weight, stats)
+        averaged.append(_average_bucket(comm, index, delta_i, result, weight, codec, feedback, riding))
+    if comm.votes:
+        result.committed = comm.vote()
+        if not result.committed and kept is not None:
+            feedback.restore(kept)
     return Exchange(buckets, averaged, result)
 
 
 def apply(outer: OuterLoop, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> None:
-    """The second half of an overlapped round: outer step, then θ_i ← α·θ_i + (1 − α)·θ_global."""
+    """The second half of a round: outer step, then θ_i ← α·θ_i + (1 − α)·θ_global."""
     for index, delta in zip(landed.buckets, landed.deltas, strict=True):
         bucket = outer.buckets[index]
         if landed.result.participants:
             outer.step(bucket, delta)
         outer.copy_to_replica(bucket, alpha if healthy else 0.0)
+
+
+def land(outer: OuterLoop, landed: Exchange, alpha: float = 0.0,
+         healthy: bool = True) -> RoundResult:
+    """Apply an exchanged round if it committed. One that did not leaves θ_global and θ_i as they are: the
+    replica keeps its progress for the next round."""
+    if landed.result.committed:
+        apply(outer, landed, alpha, healthy)
+    return landed.result

@@ -14,7 +14,7 @@
 
 Design choices:
 - State lives on disk, never in a server's memory: any number of runs, and an app restart loses nothing.
-- Every run is started under a small supervisor process (`python -m hf_diloco.runs supervise RUN_DIR`), detached
+- Every run is started under a small supervisor process (`python -m hf_diloco.launch supervise RUN_DIR`), detached
   in a session of its own. The supervisor starts the command as an argument list (never a shell), waits for it
   and writes the exit code and final status into run.json, so the outcome is recorded even if the app is gone.
 - Status is read from the processes, not guessed: a run.json saying "running" whose supervisor no longer exists
@@ -155,7 +155,7 @@ def _alive(pid: int | None, marker: str) -> bool:
 def load(run_dir: Path) -> Run:
     """A run with its real status: an active run whose supervisor is gone has failed."""
     run = _read(run_dir)
-    if run.status in ACTIVE and not _alive(run.supervisor_pid, "hf_diloco.runs"):
+    if run.status in ACTIVE and not _alive(run.supervisor_pid, "hf_diloco.launch"):
         run.status = "failed"
         run.ended = run.ended or time.time()
         run.reason = run.reason or "its supervisor process is gone (the machine restarted or it was killed)."
@@ -216,7 +216,7 @@ def start_planned(run: Run) -> Run:
     with _updating(run_dir) as current:  # held until the pid is recorded: the supervisor's end waits for it
         with (run_dir / LOG_FILE).open("ab") as log:  # the supervisor's own errors, if any, end up in the log
             supervisor = subprocess.Popen(
-                [sys.executable, "-m", "hf_diloco.runs", "supervise", str(run_dir)],
+                [sys.executable, "-m", "hf_diloco.launch", "supervise", str(run_dir)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=training_env(),
             )
         current.supervisor_pid = supervisor.pid
@@ -272,29 +272,10 @@ def stop(run_dir: Path, grace_seconds: float = 600.0) -> Run:
         run.stop_requested = run.stop_requested or time.time()
         run.status = "stopping"
     subprocess.Popen(
-        [sys.executable, "-m", "hf_diloco.runs", "reap", str(run_dir), str(grace_seconds)],
+        [sys.executable, "-m", "hf_diloco.launch", "reap", str(run_dir), str(grace_seconds)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     return run
-
-
-def _supervise(run_dir: Path) -> int:
-    """Run the command, then record how it ended."""
-    signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # the stop signal is for the trainers
-    run = _read(run_dir)
-    env = {**training_env(), "HF_DILOCO_STOP_SIGNAL": "1"}
-    with (run_dir / LOG_FILE).open("ab") as log:
-        log.write(("$ " + " ".join(run.command) + "\n").encode())
-        log.flush()
-        code = subprocess.call(run.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-    with _updating(run_dir) as run:  # the app may have asked to stop meanwhile: its fields are kept
-        run.exit_code = code
-        run.ended = time.time()
-        stopped = (Path(run.output_dir) / STOPPED_FILE).exists()  # what the run did, not what was asked
-        run.status = ("stopped" if stopped else "finished") if code == 0 else "failed"
-        if code != 0:
-            run.reason = failure_reason(run_dir / LOG_FILE) or f"the run exited with status {code}; see its log."
-    return code
 
 
 def failure_reason(log_file: Path) -> str:
@@ -311,33 +292,3 @@ def failure_reason(log_file: Path) -> str:
     exceptions = [m for line in lines if (m := EXCEPTION_LINE.match(line.strip()))
                   and m.group(1) != "CalledProcessError"]  # the launcher's own "a process failed" line
     return f"{exceptions[-1].group(1)}: {exceptions[-1].group(2)}" if exceptions else ""
-
-
-def _reap(run_dir: Path, grace_seconds: float) -> None:
-    """Kill the run's supervisor and all its descendants if it outlives the grace period after a stop request."""
-    deadline = time.time() + grace_seconds
-    while time.time() < deadline:
-        if load(run_dir).status not in ACTIVE:
-            return
-        time.sleep(1.0)
-    run = load(run_dir)
-    if run.status in ACTIVE and run.supervisor_pid:
-        for pid in [run.supervisor_pid, *_descendants(run.supervisor_pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        with _updating(run_dir) as current:
-            if current.status not in ACTIVE:  # its supervisor recorded the end first
-                return
-            current.status, current.ended = "failed", time.time()
-            current.exit_code = current.exit_code if current.exit_code is not None else -signal.SIGKILL
-            current.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
-
-
-if __name__ == "__main__":
-    action, folder = sys.argv[1], Path(sys.argv[2])
-    if action == "supervise":
-        sys.exit(_supervise(folder))
-    if action == "reap":
-        _reap(folder, float(sys.argv[3]))

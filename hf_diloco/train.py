@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,20 +70,21 @@ def check_output_dir(config: DiLoCoConfig) -> None:
 
 
 def newest_complete_checkpoint(output_dir: str, clean_up: bool = True) -> str | None:
-    """The newest `checkpoint-<step>` in output_dir (complete by construction: DiLoCoTrainer renames a checkpoint
-    to that name only when every process's part is written). With `clean_up` (the main process), leftover
-    `tmp-checkpoint-*` folders, from a process that died while saving, are removed with a one-line notice."""
-    from .trainer import TEMPORARY_PREFIX
+    """The newest complete `checkpoint-<step>` in output_dir (see hf_diloco.checkpoints: a folder is complete
+    when its marker, written last, is there). With `clean_up` (the main process, before training), what a process
+    that died while saving or removing a checkpoint left behind (a `checkpoint-<step>` without its marker, a
+    `tmp-checkpoint-*` folder) is removed, with a one-line notice each."""
+    from . import checkpoints
 
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    for leftover in sorted(out.glob(f"{TEMPORARY_PREFIX}*")) if clean_up else []:
+    for leftover in checkpoints.leftovers(out) if clean_up else []:
         print(f"[diloco] removing {leftover.name}: an incomplete checkpoint left by a process that stopped while "
               f"saving or removing it", flush=True)
-        shutil.rmtree(leftover, ignore_errors=True)
-    steps = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
-    return str(out / f"checkpoint-{max(steps)}") if steps else None
+        checkpoints.remove(leftover)
+    newest = checkpoints.newest_complete(out)
+    return str(newest) if newest else None
 
 
 def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
@@ -106,7 +106,7 @@ def resolve_checkpoint(config: DiLoCoConfig) -> str | None:
         found = newest_complete_checkpoint(config.output_dir, clean_up=main)
         if found is None:
             raise ConfigError(
-                f"resume_from_checkpoint=latest but {config.output_dir!r} holds no checkpoint-* folder."
+                f"resume_from_checkpoint=latest but {config.output_dir!r} holds no complete checkpoint-* folder."
             )
         return found
     if not os.path.isdir(value):

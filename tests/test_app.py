@@ -59,7 +59,7 @@ def test_launch_watch_stop_and_push(tmp_path):
         run = runs.load(runs_dir / run_id)
         assert run.status == "stopped"
         assert list((runs_dir / run_id / "output").glob("checkpoint-*")), "Stop leaves a checkpoint"
-        assert runs.training_pids(run) == [] and not runs._alive(run.supervisor_pid, "hf_diloco.runs")
+        assert runs.training_pids(run) == [] and not runs._alive(run.supervisor_pid, "hf_diloco.launch")
         assert "data-status='stopped'" in client.predict(run_id, api_name="/refresh")[0]
 
         card, metadata, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")

@@ -13,7 +13,7 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 
 from hf_diloco.codecs import make_codec
 from hf_diloco.metrics import read_sync_rounds
-from hf_diloco.trainer import ROUND_STATS
+from hf_diloco.records import STAT_NAMES as ROUND_STATS
 
 REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
 OVERLAP_RUN = str(REPO / "tests" / "scripts" / "overlap_run.py")

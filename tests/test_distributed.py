@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, pattern_blocks, tiny_llama
 
-from hf_diloco.trainer import ROUND_STATS  # noqa: E402
+from hf_diloco.records import STAT_NAMES as ROUND_STATS  # noqa: E402
 
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import REPO, accelerate_launch, env, free_port, hf_diloco
 
@@ -71,30 +72,61 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
-    """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, commit) end with
-    the parameters the fixed-world torch backend reaches on the same data, within 1e-6."""
+def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4):
+    """The same two replicas on the same data, once as one `torch` launch and once as two torchft replicas with a
+    Lighthouse; returns ({rank: final parameters} for torch, the same for torchft)."""
     reference = tmp_path / "torch"
     reference.mkdir()
-    result = accelerate_launch([ELASTIC_RUN, json.dumps({"out": str(reference), "backend": "torch",
-                                                        "max_steps": 12, "inner_steps": 4})])
+    common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings}
+    result = accelerate_launch([ELASTIC_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})])
     assert result.returncode == 0, result.stderr[-4000:]
     elastic = tmp_path / "torchft"
     elastic.mkdir()
     with lighthouse(min_replicas=2, grace=5) as address:
         logs = [elastic / f"replica{r}.log" for r in range(2)]
         replicas = [start_replica({"out": str(elastic), "replica": r, "replicas": 2, "lighthouse": address,
-                                   "min_replicas": 2, "max_steps": 12, "inner_steps": 4}, logs[r]) for r in range(2)]
+                                   "min_replicas": 2, **common}, logs[r]) for r in range(2)]
         finish(replicas, logs)
+    return ({r: torch.load(reference / f"params{r}.pt") for r in range(2)},
+            {r: torch.load(elastic / f"params{r}.pt") for r in range(2)})
+
+
+def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
+    """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, vote) end with
+    exactly the parameters the fixed-world torch backend reaches on the same data. Equal tokens give every
+    replica the relative weight 1, so the merge is the torch backend's plain mean, bit for bit."""
+    expected, got = run_both_backends(tmp_path, {})
     for rank in (0, 1):
-        expected = torch.load(reference / f"params{rank}.pt")
-        got = torch.load(elastic / f"params{rank}.pt")
-        assert max_difference(expected, got) <= 1e-6
-    rounds = read_sync_rounds(elastic / "replica-0")
+        assert max_difference(expected[rank], got[rank]) == 0.0
+    rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
     assert [r["step"] for r in rounds] == [4, 8, 12]
     assert all(r["participants"] == 2 and r["committed"] for r in rounds)
     # The weights are the tokens each replica trained on in the round (4 steps x 2 blocks x 16 tokens).
     assert all(m["weight"] == m["tokens"] == 128 for r in rounds for m in r["members"])
+
+
+@pytest.mark.parametrize("round_settings", [
+    {"compression": "int8"},
+    {"compression": "int4", "error_feedback": True},
+    {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
+    {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "fragment_alpha": 0.5},
+], ids=["int8", "int4+ef", "sparse+ef", "streaming-int4+ef-overlap"])
+def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round_settings):
+    """The round is one code path: every codec (with error feedback), and F = 2 fragments whose exchange overlaps
+    one inner step and mixes with alpha 0.5, give bit-identical parameters on both backends (12 steps, H = 4: three
+    rounds, six with two fragments). The torchft records carry the same bytes per round as the torch backend's
+    plus the membership row exchange of that round."""
+    expected, got = run_both_backends(tmp_path, round_settings)
+    for rank in (0, 1):
+        assert max_difference(expected[rank], got[rank]) == 0.0, rank
+    torch_rounds = read_sync_rounds(tmp_path / "torch" / "run")
+    elastic_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    assert [r["step"] for r in elastic_rounds] == [r["step"] for r in torch_rounds]
+    assert [r["fragments"] for r in elastic_rounds] == [r["fragments"] for r in torch_rounds]
+    assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in elastic_rounds)
+    for ft, fixed in zip(elastic_rounds, torch_rounds, strict=True):
+        # The membership table: 2 participants x 12 float64 values, all-reduced over 2 replicas.
+        assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * 12 * 8
 
 
 def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
@@ -136,6 +168,73 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
     assert "healed from a live peer" in logs[2].read_text()
+
+
+def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(tmp_path):
+    """Three replicas, min_replicas 2, int4 with error feedback, F = 2 fragments overlapped by one step. Replica 2
+    is SIGKILLed inside a round, after that round's all-to-all went through and before its all-gather: the
+    survivors' all-gather fails, they vote the round down and apply none of it (the record says committed false)
+    and bring that progress to their next round (its tokens include the rolled-back round's). The survivors go on
+    without replica 2; started again, it heals, rejoins, and all three end with the same finite parameters."""
+    with lighthouse(min_replicas=2, grace=3.0, heartbeat=2.0) as address:
+        def settings(r, **extra):
+            return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
+                    "max_steps": 200, "inner_steps": 4, "step_sleep": 0.1, "sync_timeout": 30,
+                    "round": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
+                    **extra}
+
+        logs = [tmp_path / f"replica{r}.log" for r in range(3)]
+        replicas = [start_replica(settings(r, **({"die_in_all_gather": 6} if r == 2 else {})), logs[r])
+                    for r in range(3)]
+        assert replicas[2].wait(timeout=180) == -signal.SIGKILL, logs[2].read_text()[-3000:]
+
+        def rounds_without_2():
+            return [r for r in read_sync_rounds(tmp_path / "replica-0") if r["participants"] == 2]
+
+        wait_until(lambda: len(rounds_without_2()) >= 2, 90, "two rounds without replica 2")
+        assert step_of(tmp_path, 0) < 170, "the restarted replica needs the others still running"
+        replicas[2] = start_replica(settings(2), logs[2])
+        finish(replicas, logs)
+    for survivor in (0, 1):
+        rounds = read_sync_rounds(tmp_path / f"replica-{survivor}")
+        failed = [i for i, r in enumerate(rounds) if not r["committed"]]
+        assert failed, "the round replica 2 died in did not commit"
+        rolled_back, after = rounds[failed[0]], rounds[failed[0] + 1]
+        assert rolled_back["outer_step_skipped"] and after["committed"]
+        mine = [m for m in after["members"] if m["replica"] == survivor][0]
+        own = [m for m in rolled_back["members"] if m["replica"] == survivor][0]
+        assert mine["tokens"] > own["tokens"], "the rolled-back round's tokens come with the next round"
+        assert all(r["compression"] == "int4+ef" for r in rounds)
+    rounds = read_sync_rounds(tmp_path / "replica-0")
+    assert any(m["replica"] == 2 and m.get("healed") for r in rounds for m in r["members"])
+    assert [r for r in rounds if r["participants"] == 3 and r["step"] > rounds_without_2()[-1]["step"]]
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
+    assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
+    assert all(bool(torch.isfinite(p).all()) for p in final[0])
+
+
+def test_a_replica_behind_when_the_last_round_commits_ends_with_the_final_model(tmp_path):
+    """Three replicas, min_replicas 2. Replica 2 pauses 15 s after its 6th step; the other two finish the run without
+    it and stay (end_linger_seconds) to hand over the final model. When replica 2 reaches its round end, it meets
+    them in a quorum, heals, learns that the run is over, and exits 0 with the same parameters as the others,
+    within seconds of arriving instead of waiting sync_timeout for a round that can no longer form."""
+    with lighthouse(min_replicas=2, grace=1.0) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(3)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address,
+                                   "min_replicas": 2, "max_steps": 40, "inner_steps": 4, "step_sleep": 0.05,
+                                   "sync_timeout": 120, **({"pause": [6, 15.0]} if r == 2 else {})}, logs[r])
+                   for r in range(3)]
+        finish(replicas[:2], logs[:2], timeout=240)
+        started = time.monotonic()
+        finish(replicas[2:], logs[2:], timeout=240)
+        late_exit = time.monotonic() - started
+    finished = read_sync_rounds(tmp_path / "replica-0")
+    assert finished[-1]["round"] == 10 and finished[-1]["participants"] == 2
+    assert max(r["step"] for r in read_sync_rounds(tmp_path / "replica-2")) < 40, "replica 2 was behind at the end"
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
+    assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
+    assert "handed the final model to replica(s) 2" in logs[0].read_text() + logs[1].read_text()
+    assert late_exit < 60, late_exit
 
 
 def test_a_straggler_takes_fewer_steps_with_round_seconds_and_nobody_waits(tmp_path):
@@ -188,7 +287,7 @@ def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(tmp_path):
 
 
 def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weight(tmp_path):
-    """Three replicas, min_replicas 2, grace 1 s. Replica 2 pauses 8 s inside round 2: the other two merge rounds
+    """Three replicas, min_replicas 2, grace 1 s. Replica 2 pauses 8 s after its 6th step: the other two merge rounds
     without it. When it arrives, its base is rounds old: it heals θ_global from a live peer and its local progress
     joins that round with weight tokens / (1 + rounds behind), as the record lists; at the end all three hold
     identical parameters."""
@@ -217,10 +316,10 @@ def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path
     assert no_lighthouse.returncode != 0
     assert no_lighthouse.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: outer_backend torchft needs "
                                                                      "a Lighthouse")
-    streamed = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
-                         "--num_fragments", "2", "--output_dir", str(tmp_path / "b"))
-    assert streamed.returncode == 2 and "does not support num_fragments yet" in streamed.stderr
-    assert "Traceback" not in no_lighthouse.stderr + streamed.stderr
+    grouped = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
+                        "--replica_group_size", "2", "--output_dir", str(tmp_path / "b"))
+    assert grouped.returncode == 2 and "set replica_group_size 1" in grouped.stderr
+    assert "Traceback" not in no_lighthouse.stderr + grouped.stderr
 
 
 def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
@@ -271,6 +370,8 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     rounds = read_sync_rounds(out / "replica-0")
     assert rounds[-1]["round"] == 80 and rounds[-1]["participants"] == 3
     assert any(r["participants"] == 2 for r in rounds), "a round went on without the killed replica"
+    assert (f"[diloco] the run ended at round 80 (step {rounds[-1]['step']}), committed by replica(s) 0, 1, 2; "
+            "replica 0 exit 0, replica 1 exit 0, replica 2 exit 0") in text
     from safetensors.torch import load_file
 
     models = [load_file(out / f"replica-{r}" / "model.safetensors") for r in range(3)]

@@ -1,5 +1,6 @@
-"""Nothing lost when a process dies: atomic round checkpoints, `resume_from_checkpoint: auto`, and torchelastic's
-automatic restart (`--max_restarts`), with real 2-process runs of `hf-diloco train` on the tiny Llama (gloo).
+"""Nothing lost when a process dies: round checkpoints marked complete only when whole, `resume_from_checkpoint:
+auto`, and torchelastic's automatic restart (`--max_restarts`), with real 2-process runs of `hf-diloco train` on
+the tiny Llama (gloo).
 """
 
 import json
@@ -14,6 +15,7 @@ import torch
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
 from safetensors.torch import load_file
 
+from hf_diloco import checkpoints
 from hf_diloco.metrics import read_sync_rounds
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
@@ -58,24 +60,28 @@ def assert_same_model(a: Path, b: Path) -> None:
 
 
 def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
-    """SIGKILL to every process while checkpoint-20 is half written: no `checkpoint-20` appears, only its
-    `tmp-` folder; `auto` removes that with a notice, resumes from checkpoint-10, and ends with the model of a
-    run that was never interrupted (1e-5)."""
-    out, marker = tmp_path / "run", tmp_path / "saving"
-    run = launch([SLOW_SAVE, str(marker), "20", *train_args(out, 40, 10)])
-    wait_for(marker.exists)
+    """SIGKILL to every process while checkpoint-20 is half written: `checkpoint-20` is there without its marker
+    (not complete), checkpoint-10 is complete; `auto` removes checkpoint-20 with a notice, resumes from
+    checkpoint-10, and ends with the model of a run that was never interrupted (1e-5)."""
+    out, saving = tmp_path / "run", tmp_path / "saving"
+    run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 40, 10)])
+    wait_for(saving.exists)
     os.killpg(run.pid, signal.SIGKILL)
     run.communicate()
     names = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
-    assert names == ["checkpoint-10", "tmp-checkpoint-20"]
+    assert names == ["checkpoint-10", "checkpoint-20"]
+    assert checkpoints.is_complete(out / "checkpoint-10") and not checkpoints.is_complete(out / "checkpoint-20")
+    assert not (out / "checkpoint-20" / checkpoints.MARKER_FILE).exists()
 
     resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 40, 10), "--resume_from_checkpoint", "auto"]))
-    assert "removing tmp-checkpoint-20" in resumed and f"resuming from {out / 'checkpoint-10'}" in resumed
+    assert "removing checkpoint-20: an incomplete checkpoint" in resumed
+    assert f"resuming from {out / 'checkpoint-10'}" in resumed
     rounds = read_sync_rounds(out)
     assert [r["step"] for r in rounds] == [10, 20, 30, 40]
     assert rounds[1]["resumed_from"] == str(out / "checkpoint-10")
     assert 0 <= rounds[1]["steps_lost"] <= 10
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-30", "checkpoint-40"]
+    assert checkpoints.is_complete(out / "checkpoint-30") and checkpoints.is_complete(out / "checkpoint-40")
 
     clean = tmp_path / "clean"
     finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 40, 10)]))
@@ -83,16 +89,17 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
 
 
 def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp_path, monkeypatch):
-    """`save_total_limit` removes old checkpoints (and a re-save of a step replaces its folder). A process killed
-    while the files are being deleted leaves the folder under a temporary name, which `auto` clears with a notice,
-    never a `checkpoint-<step>` with files missing."""
-    import hf_diloco.trainer as trainer_module
+    """`save_total_limit` removes old checkpoints (and a new save of a step replaces an earlier attempt's folder).
+    A process killed while the files are being deleted leaves the folder under a temporary name, which `auto`
+    clears with a notice, never a `checkpoint-<step>` with files missing."""
     from hf_diloco.train import newest_complete_checkpoint
 
     for step in (10, 20, 30):
-        (tmp_path / f"checkpoint-{step}" / "replica-0").mkdir(parents=True)
+        folder = tmp_path / f"checkpoint-{step}"
+        (folder / "replica-0").mkdir(parents=True)
         for name in ("model.safetensors", "diloco_outer.pt", "replica-0/optimizer.pt"):
-            (tmp_path / f"checkpoint-{step}" / name).write_text(name)
+            (folder / name).write_text(name)
+        checkpoints.mark_complete(folder, step, processes=1)
     complete = sorted(p.relative_to(tmp_path / "checkpoint-10").as_posix()
                       for p in (tmp_path / "checkpoint-10").rglob("*"))
 
@@ -100,9 +107,9 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
         next(p for p in Path(path).rglob("*") if p.is_file()).unlink()  # one file gone, then the process dies
         raise KeyboardInterrupt("killed while deleting")
 
-    monkeypatch.setattr(trainer_module.shutil, "rmtree", killed_midway)
-    for attempt in (lambda: trainer_module.keep_newest_checkpoints(tmp_path, 2),
-                    lambda: trainer_module.remove_checkpoint(tmp_path / "checkpoint-30")):
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", killed_midway)
+    for attempt in (lambda: checkpoints.rotate(tmp_path, 2),
+                    lambda: checkpoints.begin(tmp_path / "checkpoint-30")):
         try:
             attempt()
         except KeyboardInterrupt:
@@ -112,6 +119,7 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
     monkeypatch.undo()
     for folder in tmp_path.glob("checkpoint-*"):  # whatever still has a checkpoint name is whole
         assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == complete, folder
+        assert checkpoints.is_complete(folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-20", "tmp-checkpoint-removed-checkpoint-10", "tmp-checkpoint-removed-checkpoint-30"]
     assert newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-20")

@@ -49,7 +49,7 @@ def test_stop_finishes_the_round_saves_a_checkpoint_and_leaves_no_process(tmp_pa
     assert (checkpoints[-1] / "diloco_outer.pt").is_file()
     assert rounds_of(run)[-1]["step"] == step
     assert runs.training_pids(final) == []
-    assert not runs._alive(final.supervisor_pid, "hf_diloco.runs")
+    assert not runs._alive(final.supervisor_pid, "hf_diloco.launch")
     log = (run.folder / "run.log").read_text()
     assert "stop requested" in log
 

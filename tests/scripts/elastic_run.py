@@ -1,11 +1,15 @@
 """One torchft replica of a FedAvg-style run on the tiny model (the elastic tests start several, and a Lighthouse).
 
 Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
-"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch"}.
-`step_sleep` makes this replica slower by sleeping after every inner step; "pause": [step, seconds] sleeps once,
-after that step; "nan_at_step": s fills one weight of this replica with NaN after step s. The replica writes its
-final trainable
-parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
+"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch",
+"round": {...}}. "round" holds DiLoCoConfig fields of the round itself (compression, error_feedback,
+num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes this replica
+slower by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own n-th inner
+step (counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s
+fills one weight of this replica with NaN after step s. The replica writes its final trainable parameters to
+`params<r>.pt` and, after every step, its step count to `step<r>.txt`. "die_in_all_gather": n SIGKILLs this replica
+inside its n-th cross-replica all-gather (torchft), i.e. in the middle of a round whose other collectives went
+through.
 """
 
 import json
@@ -22,6 +26,22 @@ from transformers import TrainerCallback, default_data_collator  # noqa: E402
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 
 settings = json.loads(sys.argv[1])
+if settings.get("die_in_all_gather"):
+    import os
+    import signal
+
+    from hf_diloco.elastic import TorchftComm
+
+    calls = {"all_gather": 0}
+    all_gather = TorchftComm._all_gather
+
+    def dying_all_gather(self, gathered, payload):
+        calls["all_gather"] += 1
+        if calls["all_gather"] == settings["die_in_all_gather"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return all_gather(self, gathered, payload)
+
+    TorchftComm._all_gather = dying_all_gather
 out = Path(settings["out"])
 replica = settings.get("replica", 0)
 backend = settings.get("backend", "torchft")
@@ -31,7 +51,8 @@ class Pace(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if settings.get("step_sleep"):
             time.sleep(settings["step_sleep"])
-        if settings.get("pause") and state.global_step == settings["pause"][0]:
+        self.taken = getattr(self, "taken", 0) + 1
+        if settings.get("pause") and self.taken == settings["pause"][0]:
             time.sleep(settings["pause"][1])
         if settings.get("nan_at_step") == state.global_step:
             with torch.no_grad():
@@ -50,6 +71,7 @@ config = DiLoCoConfig(
     learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
     inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
     eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0, **elastic,
+    **settings.get("round", {}),
 )
 trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=config, train_dataset=pattern_dataset(256),
                         data_collator=default_data_collator, callbacks=[Pace()])

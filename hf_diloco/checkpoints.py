@@ -1,0 +1,140 @@
+"""Round checkpoints: when a `checkpoint-<step>` folder is complete, which one to resume from, and which to keep.
+
+Trainer names and writes checkpoints as it always does (`checkpoint-<step>`); a folder under that name may
+therefore be half written, by a process killed while saving. This module is what tells the two apart.
+
+Design choices:
+- A checkpoint is complete when its marker, `diloco_complete.json`, is there and every file the marker lists is
+  there with the size it lists. The process that saves for a filesystem (`should_save`) writes the marker last,
+  after every process has said through the rendezvous store that its part is written. Listing the files makes a
+  deletion that is not ours (Trainer's own clean-up at the end of training with `save_total_limit: 1`, an `rm -r`
+  stopped midway) read as incomplete too, whatever order the files went in.
+- Folders written by earlier versions have no marker; they were complete by construction (those versions wrote
+  under `tmp-checkpoint-<step>` and renamed when done), and plain Trainer's (the `trainer: ddp` baseline) write
+  `trainer_state.json` last. Such a folder counts as complete when it holds `trainer_state.json` and every
+  `replica-<rank>/` in it holds its `complete` part marker. So that a folder this version is still writing never
+  passes that test, the saving process writes a note, `diloco_saving`, first, before any process writes into the
+  folder, and removes it after the marker.
+- Removal is atomic: a folder leaves the `checkpoint-*` names in one rename (to `tmp-checkpoint-removed-<name>`),
+  then its files are deleted. Nothing named `tmp-checkpoint-*` is a checkpoint; resume deletes such folders.
+- Rotation (`save_total_limit`) keeps the newest `limit` complete checkpoints and the best one; folders that are not
+  complete are left to resume, which removes them with a notice.
+- Standard library only: the checks that run before anything is built (hf_diloco.train.resolve_checkpoint, also
+  run by `hf-diloco launch`) need nothing heavier.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CHECKPOINT_PREFIX = "checkpoint-"  # Trainer's PREFIX_CHECKPOINT_DIR plus its "-"
+MARKER_FILE = "diloco_complete.json"  # written last: the checkpoint is complete
+SAVING_FILE = "diloco_saving"  # written first: this version is writing the folder (no earlier-version test applies)
+TEMPORARY_PREFIX = "tmp-checkpoint-"  # not a checkpoint: one being removed, or an earlier version's unfinished save
+REPLICA_DIR = "replica-{rank}"  # one process's part: its inner optimizer, scheduler and DiLoCo state
+PART_COMPLETE_FILE = "complete"  # in replica-<rank>/: this process's part of the checkpoint is written
+TRAINER_STATE_FILE = "trainer_state.json"  # Trainer's TRAINER_STATE_NAME
+
+
+def step_of(folder: Path) -> int | None:
+    """The step of a `checkpoint-<step>` folder name, or None for any other name.
+
+    >>> step_of(Path("run/checkpoint-120")), step_of(Path("run/tmp-checkpoint-removed-checkpoint-10"))
+    (120, None)
+    """
+    digits = folder.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(digits) if folder.name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
+
+
+def begin(folder: Path) -> None:
+    """Before any process writes `folder` (the saving process, then a barrier): clear it and leave the note.
+
+    A folder of the same name is an earlier attempt's (a run resumed from an older checkpoint, or one killed while
+    saving this step); writing over it would mix two saves under an old marker, so it is removed first.
+    """
+    if folder.exists():
+        remove(folder)
+    folder.mkdir(parents=True)
+    (folder / SAVING_FILE).touch()
+
+
+def finish_part(replica_dir: Path) -> None:
+    """This process's part of the checkpoint (its `replica-<rank>/`) is written."""
+    replica_dir.mkdir(parents=True, exist_ok=True)
+    (replica_dir / PART_COMPLETE_FILE).touch()
+
+
+def mark_complete(folder: Path, step: int, processes: int) -> None:
+    """Write the marker (once every process's part is written), listing every file and its size; then drop the
+    note. A marker cut short by a kill does not parse, so the folder still reads as incomplete."""
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.relative_to(folder).as_posix() not in (SAVING_FILE, MARKER_FILE)}
+    marker = {"step": step, "processes": processes, "files": files}
+    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=1) + "\n")
+    (folder / SAVING_FILE).unlink(missing_ok=True)
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` holds a whole checkpoint: its marker and every file the marker lists, at its size; or,
+    without a marker, an earlier version's folder (no note, `trainer_state.json`, every replica part marked)."""
+    marker = folder / MARKER_FILE
+    if marker.is_file():
+        try:
+            files = json.loads(marker.read_text())["files"]
+            return all((folder / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+    if (folder / SAVING_FILE).exists() or not (folder / TRAINER_STATE_FILE).is_file():
+        return False
+    # Written before the marker existed: earlier versions renamed a checkpoint into place only once every part was
+    # written, and plain Trainer writes trainer_state.json last; a folder without replica parts is plain Trainer's.
+    return all((part / PART_COMPLETE_FILE).is_file() for part in folder.glob(REPLICA_DIR.format(rank="*")))
+
+
+def checkpoint_folders(run_dir: Path) -> list[Path]:
+    """Every `checkpoint-<step>` folder in run_dir, complete or not, oldest step first."""
+    found = [p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints in run_dir, oldest step first."""
+    return [p for p in checkpoint_folders(run_dir) if is_complete(p)]
+
+
+def newest_complete(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step: where a resume starts."""
+    complete = complete_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """What processes that stopped while saving or removing a checkpoint left in run_dir: `checkpoint-<step>`
+    folders that are not complete, and `tmp-checkpoint-*` folders. Only safe to remove when no process of the run
+    is saving, that is before training starts."""
+    incomplete = [p for p in checkpoint_folders(run_dir) if not is_complete(p)]
+    return incomplete + sorted(p for p in run_dir.glob(f"{TEMPORARY_PREFIX}*") if p.is_dir())
+
+
+def remove(folder: Path) -> None:
+    """Delete a checkpoint so that no instant shows a `checkpoint-<step>` with files missing: it is first renamed
+    out of the `checkpoint-*` names (one atomic rename, into the temporary names a resume clears away), then its
+    files are removed. A folder already under a temporary name is deleted where it is."""
+    if not folder.name.startswith(TEMPORARY_PREFIX):
+        trash = folder.with_name(f"{TEMPORARY_PREFIX}removed-{folder.name}")
+        folder.rename(trash)
+        folder = trash
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def rotate(run_dir: Path, limit: int, best: str | None = None) -> list[Path]:
+    """`save_total_limit`: remove every complete checkpoint but the newest `limit` and the best one; returns
+    the folders removed. Incomplete folders are neither counted nor removed here (resume removes them)."""
+    complete = complete_checkpoints(run_dir)
+    best_name = Path(best).name if best else None
+    removed = [p for p in complete[:-limit] if p.name != best_name] if limit > 0 else []
+    for folder in removed:
+        remove(folder)
+    return removed

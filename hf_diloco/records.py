@@ -1,0 +1,142 @@
+"""What a round reports: the statistics each process sends with it, the round's record and the run's summary.
+
+The same functions serve both backends; a backend adds its membership fields (torchft: members, committed,
+quorum time) to the record it gets from here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import astuple, dataclass, fields
+
+import torch
+
+from .comm import ring_all_reduce_bytes
+
+
+@dataclass
+class ReplicaStats:
+    """One process's numbers for a round, sent with the round's last collective (see comm.ReplicaComm): every
+    process receives every process's, so decisions taken from them (stop now, the auto H) agree everywhere.
+
+    `weight` is filled in by the round (outer._riding); agreement and blocked time of a round are only known after
+    it, so they travel with the next one.
+
+    >>> ReplicaStats(loss_sum=2.5, steps=5).tensor()[:3].tolist()
+    [1.0, 2.5, 5.0]
+    """
+
+    weight: float = 1.0
+    loss_sum: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    compute_seconds: float = 0.0
+    pseudo_grad_norm_sq: float = 0.0
+    stop_requested: float = 0.0
+    previous_agreement: float = float("nan")
+    previous_blocked_seconds: float = 0.0
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([float(x) for x in astuple(self)], dtype=torch.float64)
+
+
+STAT_NAMES = tuple(f.name for f in fields(ReplicaStats))
+
+
+class RoundStats:
+    """Every process's ReplicaStats of a round, by name: `stats.steps` is a [g, M] tensor (member, replica).
+
+    >>> rows = torch.stack([ReplicaStats(steps=4).tensor(), ReplicaStats(steps=6).tensor()]).view(1, 2, -1)
+    >>> RoundStats(rows).steps.tolist()
+    [[4.0, 6.0]]
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name not in STAT_NAMES:
+            raise AttributeError(name)
+        return self.rows[..., STAT_NAMES.index(name)]
+
+
+def round_record(*, stats: RoundStats, result, step: int, round_number: int, fragments: list[int],
+                 cumulative_bytes: int, sync_seconds: float, blocked: float, outer_lr: float, inner_lr: float,
+                 num_replicas: int, group_size: int, ddp_payload: int, compression: str,
+                 synced_parameters: int) -> dict:
+    """The record of one round, as `<output_dir>/sync_rounds.jsonl` holds it (the contract in DESIGN.md §4).
+
+    A replica's loss is over all its members' micro-batches, its tokens are its members' sum, its compute time its
+    slowest member's; members share one pseudo-gradient.
+    """
+    cost = result.cost
+    steps = stats.steps.sum(0)
+    replica_losses = (stats.loss_sum.sum(0) / steps.clamp(min=1)).tolist()
+    replica_compute = stats.compute_seconds.amax(0).tolist()
+    compute = max(replica_compute)
+    tokens = int(stats.tokens.sum())
+    round_steps = int(stats.steps[0].max())
+    record = {
+        "round": round_number,
+        "step": step,
+        "time": time.time(),
+        "loss": sum(replica_losses) / len(replica_losses),
+        "replica_losses": replica_losses,
+        "pseudo_grad_norm": math.sqrt(result.average_norm_sq),
+        "replica_pseudo_grad_norms": stats.pseudo_grad_norm_sq[0].clamp(min=0).sqrt().tolist(),
+        "bytes_per_replica": cost.bytes_sent,
+        "cumulative_bytes_per_replica": cumulative_bytes,
+        "intra_replica_bytes": cost.intra_replica_bytes,
+        "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, num_replicas * group_size),
+        "compression": compression,
+        "compression_ratio": result.fp32_bytes_sent / cost.bytes_sent if cost.bytes_sent else None,
+        "fragments": fragments,
+        "sync_seconds": sync_seconds,
+        "blocked_seconds": blocked,
+        "compute_seconds": compute,
+        "replica_compute_seconds": replica_compute,
+        "tokens": tokens,
+        "tokens_per_second": tokens / (compute + blocked) if compute + blocked > 0 else 0.0,
+        "outer_lr": outer_lr,
+        "inner_lr": inner_lr,
+        "inner_steps": round_steps,
+        "num_replicas": num_replicas,
+        "replica_group_size": group_size,
+        "synced_parameters": synced_parameters,
+        "collectives": cost.collectives,
+    }
+    if result.committed and result.participants < num_replicas:
+        record["non_finite_replicas"] = [r for r, ok in enumerate(result.healthy) if not ok]
+        record["participants"] = result.participants
+        if not result.participants:
+            record["outer_step_skipped"] = True
+    previous = stats.previous_agreement[0].tolist()
+    if all(math.isfinite(x) for x in previous):
+        record["agreement_round"] = round_number - 1
+        record["replica_agreement"] = previous  # cos(Δ_i, Δ) of round `agreement_round`, one per replica
+    return record
+
+
+def summary(rounds: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,
+            settings: dict) -> dict:
+    """The run's totals (`diloco_summary.json`), from its round records."""
+    wall = sum(r["compute_seconds"] + r["blocked_seconds"] for r in rounds)
+    tokens = sum(r["tokens"] for r in rounds)
+    evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
+    return {
+        "rounds": len(rounds),
+        "steps": steps,
+        **settings,
+        "eval_loss_initial": initial_eval_loss,
+        "eval_loss_final": evals[-1] if evals else None,
+        "train_loss_final": rounds[-1]["loss"] if rounds else None,
+        "tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "train_seconds": time.time() - train_started,
+        "sync_seconds": sum(r["sync_seconds"] for r in rounds),
+        "blocked_seconds": sum(r["blocked_seconds"] for r in rounds),
+        "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
+        "startup_bytes": sum(r.get("startup_bytes", 0) for r in rounds),
+        "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
+    }

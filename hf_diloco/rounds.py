@@ -1,0 +1,576 @@
+"""The outer loop inside Trainer: at the end of each inner step, is a round due → run it on the backend → record it.
+
+`OuterLoopCallback` is the whole of DiLoCo's life inside `Trainer`'s loop; each job it needs is somewhere else:
+
+    schedule      which fragment syncs when, the inner_steps auto choice      hf_diloco.schedule
+    backend       who takes part, with what weight, the vote                   hf_diloco.backends / .elastic
+    the round     pseudo-gradient, codec, error feedback, outer step           hf_diloco.outer
+    overlap       a fragment's exchange in a background thread for τ steps     `Overlap` below
+    records       statistics sent with the round, the record, the summary      hf_diloco.records
+
+The same callback serves both backends: on torchft the round is the same call on a process group of the round's
+quorum, with the backend's weight, and a vote before anything is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+from .backends import FixedGroup, RoundStart
+from .codecs import Codec, ErrorFeedback, make_codec
+from .comm import ReplicaComm
+from .config import ConfigError, DiLoCoConfig
+from .errors import RunError, first_line
+from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
+from .outer import OuterLoop, RoundResult, assign_fragments, exchange, is_finite, land, outer_round, snapshot
+from .records import ReplicaStats, RoundStats, round_record, summary
+from .schedule import Schedule, choose_inner_steps
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """An overlapped round: its exchange runs in the background from `launched_at` until `lands_at`."""
+
+    future: Future
+    launched_at: int
+    lands_at: int
+    fragments: list[int]
+    outer_lr: float
+    launch_seconds: float  # time the inner loop spent starting it (quorum, taking the pseudo-gradient snapshot)
+    start: RoundStart
+
+
+class OuterLoopCallback(TrainerCallback):
+    """Runs the outer rounds on their schedule and reports them. Owned by a DiLoCoTrainer.
+
+    With sync_delay τ > 0 a fragment's exchange runs in a background thread and is applied τ steps later; the last
+    step waits for it. One exchange is in flight at a time: a due round first lands the one before.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args: DiLoCoConfig = trainer.args
+        self.outer: OuterLoop | None = None
+        self.comm: ReplicaComm | None = None
+        self.backend = None  # FixedGroup or elastic.ElasticRounds, made at the start of training
+        self.writer: RoundWriter | None = None
+        self.codec: Codec | None = None if self.args.compression == "none" else make_codec(
+            self.args.compression, chunk=self.args.compression_chunk, sparse_k=self.args.sparse_k,
+            sparse_chunk=self.args.sparse_chunk, sparse_bits=self.args.sparse_bits)
+        self.feedback: ErrorFeedback | None = None
+        self.saved_outer_state: dict | None = None
+        self.saved_replica_state: dict | None = None
+        self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
+        self.resume_note: dict = {}
+        self.reached_before_resume = 0
+        self.startup_bytes: int | None = None
+        self.deferred = {"should_save": False, "should_evaluate": False}
+        self.pending_records: list[dict] = []  # rounds completed at this step, written once its eval is known
+        self.history: list[dict] = []
+        self.initial_eval_loss: float | None = None
+        self.stop_requested = False
+        self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
+        self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
+        self.in_flight: InFlight | None = None
+        self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
+        self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
+        self.schedule = Schedule(self.args.inner_steps, self.args.num_fragments)
+        self.previous_blocked = 0.0  # seconds the last round kept this replica waiting, sent with the next sync
+        self.fragment_syncs = 0  # fragment syncs completed since this process started (inner_steps auto measures 2F)
+        self.auto_choice: dict | None = None  # the inner_steps auto decision, once made
+        self.background: ThreadPoolExecutor | None = None
+        self.total_rounds: int | None = None
+        self.last_round_tokens = 0  # tokens of the round launched last (torchft carries them over a rollback)
+        self.round_started = time.perf_counter()
+        self._reset_round()
+
+    @property
+    def elastic(self) -> bool:
+        return self.args.outer_backend == "torchft"
+
+    @property
+    def sync_every(self) -> int:
+        return self.schedule.sync_every
+
+    def request_stop(self) -> None:
+        """Stop at the end of the current round, with a checkpoint. Safe to call from a signal handler.
+
+        The request rides along with the round's sync, so every replica stops after the same step.
+        """
+        self.stop_requested = True
+
+    def _reset_round(self) -> None:
+        self.round_loss = torch.zeros(())
+        self.round_steps = 0
+        self.round_tokens = 0
+        self.round_compute = 0.0
+        self._step_started: float | None = None
+        self.round_started = time.perf_counter()
+
+    # --- inner loop bookkeeping (local only) ---
+
+    def observe_micro_batch(self, loss: torch.Tensor, inputs: dict) -> None:
+        if self.round_loss.device != loss.device:
+            self.round_loss = self.round_loss.to(loss.device)
+        self.round_loss += loss.detach().float()
+        input_ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if input_ids is not None:
+            self.round_tokens += input_ids.numel()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._flush_pending()
+        self._step_started = time.perf_counter()
+
+    # --- start of training ---
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)
+        named = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        resumed = self.saved_outer_state is not None
+        if not self.elastic and not resumed:
+            # The replicas must start from identical parameters: checked by digest before the first inner step,
+            # and rank 0's broadcast only where they differ. Reported with the first round (`startup_bytes`).
+            # (torchft: the first quorum gives every replica the primary's parameters.)
+            self.startup_bytes = self.trainer.comm.start_identical(params).bytes_sent
+        try:
+            fragments = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.outer = OuterLoop(
+            params,
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            nesterov=args.outer_nesterov,
+            optimizer=args.outer_optimizer,
+            offload=args.offload_outer_state,
+            bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)),
+            fragments=fragments,
+        )
+        if self.elastic:
+            from .elastic import ElasticRounds
+
+            self.backend = ElasticRounds(self, args)
+        else:
+            self.backend = FixedGroup(self.trainer.comm, self.schedule)
+        self.comm = self.backend.comm
+        if args.error_feedback:
+            self.feedback = ErrorFeedback(args.error_feedback_decay,
+                                          "cpu" if args.offload_outer_state else self.comm.device)
+        if resumed:
+            self.outer.load_state_dict(self.saved_outer_state)
+            self.outer.copy_global_to_replica()
+            self._load_schedule()
+            self._load_replica_state()
+            self.saved_outer_state = None
+        self.total_rounds = self.schedule.total_rounds(state.max_steps)
+        self.cumulative_bytes = 0
+        self.train_started = time.time()
+        if self.trainer.is_world_process_zero():
+            rounds = read_sync_rounds(args.output_dir)
+            reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
+            self.writer = RoundWriter(args.output_dir)
+            # torch: rounds past the checkpoint are retrained; torchft: a restarted replica continues its record.
+            kept = rounds if self.elastic else self.writer.truncate_after(state.global_step)
+            if resumed:
+                # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
+                self.resume_note = {"resumed_from": self.resumed_from,
+                                    "steps_lost": max(0, reached - state.global_step)}
+            self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
+            logger.info(
+                "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s, "
+                "compression %s%s, %d fragment(s), sync delay %d, backend %s",
+                self.args.num_replicas if self.elastic else self.comm.num_replicas, args.inner_steps, self.outer.numel,
+                args.outer_optimizer, args.outer_lr, args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "",
+                args.compression, " + error feedback" if args.error_feedback else "", args.num_fragments,
+                args.sync_delay, args.outer_backend,
+            )
+        self._reset_round()
+        if self.elastic:
+            # Before the first inner step: join the quorum; a late (or restarted) replica heals from a live peer here.
+            self._round(state, joining=True)
+            joined = self.backend.last_start
+            print(f"[diloco] replica {args.replica_id} joined at round {self.backend.global_round} (step "
+                  f"{state.global_step}){', healed from a live peer' if joined.healed else ''}; "
+                  f"{len(joined.members)} replica(s) in the quorum", flush=True)
+            self._flush_pending()
+            self._reset_round()
+
+    # --- end of each inner step: maybe sync ---
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_started is not None:
+            self.round_compute += time.perf_counter() - self._step_started
+            self._step_started = None
+        self.round_steps += 1
+        step = state.global_step
+        lands = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps)
+        at_boundary = False
+        over = self.elastic and self.backend.run_over()  # torchft: healed from a replica that finished the run
+        if not over and (lands or self.backend.due(step, state.max_steps)):
+            stop = self._sync(state)
+            at_boundary = self.in_flight is None
+            if at_boundary:
+                self.completed_rounds += 1
+                every = args.save_every_rounds
+                if every and (self.completed_rounds % every == 0 or step >= state.max_steps):
+                    control.should_save = True
+            if stop and step < state.max_steps:
+                self.stopped_at = step
+                if self.trainer.is_world_process_zero():
+                    logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
+                control.should_save = True
+                control.should_training_stop = True
+        if self.elastic and self.backend.run_over() and not control.should_training_stop:
+            # The run ended by its round count (or this replica healed from one that finished it): the final model
+            # is θ_global, whatever this replica trained since its last round.
+            self.outer.copy_global_to_replica()
+            if step < state.max_steps and args.eval_strategy != "no":
+                control.should_evaluate = True
+            control.should_training_stop = True
+        self._align_to_round(control, at_boundary)
+        return control
+
+    def _sync(self, state) -> bool:
+        """The sync work of this step: land an overlapped round that is due, then run or start the round due now.
+        Returns whether any replica asked to stop (known from the rounds that completed)."""
+        step, stop = state.global_step, False
+        if self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps):
+            stop |= self._land(state)
+        if self.backend.due(step, state.max_steps):
+            stop |= self._round(state)
+        return stop
+
+    def _round(self, state, joining: bool = False) -> bool:
+        """Start the backend's round, then run it here (blocking) or in the background (sync_delay > 0)."""
+        step, max_steps = state.global_step, state.max_steps
+        launched = time.perf_counter()
+        start = self._guarded(lambda: self.backend.start(step, max_steps, joining=joining))
+        self.backend.last_start = start
+        self.last_round_tokens = self.round_tokens
+        outer_lr = self.outer.lr()
+        if start.empty:  # nobody brings progress (every participant is joining): only the vote
+            result = RoundResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote())
+            self._reset_round()
+            self._finish(state, start, result)
+            return start.stop_requested
+        buckets = [b for f in start.fragments for b in self.outer.fragment_buckets[f]]
+        stats = self._round_stats()
+        deltas = None if start.stash is None else [start.stash[b] for b in buckets]
+        self.comm.arrive(step)
+        if self.args.sync_delay > 0 and step < max_steps and not joining:
+            deltas = deltas if deltas is not None else snapshot(self.outer, self.comm, buckets)
+            if self.background is None:
+                self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
+            future = self.background.submit(self._timed_exchange, buckets, deltas, stats, start.weight)
+            self.in_flight = InFlight(future, step, step + self.args.sync_delay, start.fragments, outer_lr,
+                                      time.perf_counter() - launched, start)
+            self._reset_round()
+            return start.stop_requested
+        with self._timeout_names_the_absent(step):
+            if deltas is None:  # a blocking round takes θ_global as it is (α applies to overlapped rounds only)
+                result = outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
+                                     stats=stats, weight=start.weight, alpha=0.0)
+            else:
+                result = land(self.outer, exchange(self.comm, buckets, deltas, codec=self.codec,
+                                                   feedback=self.feedback, stats=stats, weight=start.weight))
+        seconds = time.perf_counter() - launched
+        self._reset_round()
+        return start.stop_requested | self._complete(state, result, start, step, outer_lr, seconds, seconds)
+
+    def _guarded(self, run):
+        """torchft: a quorum that never formed becomes one sentence."""
+        try:
+            return run()
+        except (RuntimeError, TimeoutError) as error:
+            if not self.elastic:
+                raise
+            raise RunError(f"the torchft round failed ({first_line(error)}): no round formed within sync_timeout="
+                           f"{self.args.sync_timeout:g} s; fewer than min_replicas={self.args.min_replicas} replicas "
+                           f"are live, the others have finished the run, or the Lighthouse "
+                           f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
+
+    @contextlib.contextmanager
+    def _timeout_names_the_absent(self, step: int):
+        """A collective that failed (sync_timeout expired, or a peer's connection closed) becomes one sentence
+        naming the replicas that never reached this sync and the last sync step each was seen at."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not self.comm.active or self.comm.votes:
+                raise
+            absent = self.comm.absent(step)
+            if not absent:
+                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
+            names = ", ".join(
+                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
+                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
+            )
+            raise RunError(
+                f"the sync at step {step} gave up after waiting for {names} (sync_timeout={self.args.sync_timeout:g} "
+                f"s, or its connection closed); check that process, or raise sync_timeout for slow links."
+            ) from None
+
+    def _timed_exchange(self, buckets, deltas, stats, weight):
+        started = time.perf_counter()
+        landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
+                          weight=weight)
+        return landed, time.perf_counter() - started
+
+    def _land(self, state) -> bool:
+        """Wait for the overlapped round (the time it makes the inner loop wait is blocked time) and apply it, if
+        it committed."""
+        flight, self.in_flight = self.in_flight, None
+        waited = time.perf_counter()
+        with self._timeout_names_the_absent(flight.launched_at):
+            landed, exchange_seconds = flight.future.result()
+        result = land(self.outer, landed, self.args.fragment_alpha, healthy=landed.result.committed and
+                      self._healthy(landed.result))
+        blocked = flight.launch_seconds + time.perf_counter() - waited
+        return flight.start.stop_requested | self._complete(state, result, flight.start, flight.launched_at,
+                                                            flight.outer_lr, exchange_seconds, blocked)
+
+    def _round_stats(self):
+        """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
+        mine = ReplicaStats(loss_sum=self.round_loss.item(), steps=self.round_steps, tokens=self.round_tokens,
+                            compute_seconds=self.round_compute, stop_requested=float(self.stop_requested),
+                            previous_agreement=self.previous_agreement,
+                            previous_blocked_seconds=self.previous_blocked)
+
+        def stats(local_norm_sq: float) -> torch.Tensor:
+            mine.pseudo_grad_norm_sq = local_norm_sq
+            return mine.tensor()
+
+        return stats
+
+    def _healthy(self, result: RoundResult) -> bool:
+        return result.weights is None or result.weights[self.comm.replica_index] > 0
+
+    def _complete(self, state, result: RoundResult, start: RoundStart, launched_at, outer_lr, sync_seconds,
+                  blocked) -> bool:
+        # This replica's own parameters were not finite (it sat the round out with weight 0): it takes θ_global.
+        if not start.finite or (result.committed and start.weight > 0 and not self._healthy(result)):
+            self._reset_replica(state.global_step)
+        if result.committed:
+            self._count_bad_rounds(result, state.global_step)
+        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this round
+        # kept the replica waiting is known after it: both are sent with the NEXT round's statistics, so they cost
+        # no collective of their own.
+        self.previous_agreement = result.agreement
+        self.previous_blocked = blocked
+        result.cost.bytes_sent += start.extra_bytes
+        self.cumulative_bytes += result.cost.bytes_sent
+        stats = RoundStats(result.stats) if result.stats is not None else None
+        record = {} if stats is None else round_record(
+            stats=stats, result=result, step=state.global_step, round_number=self.schedule.round_at(launched_at),
+            fragments=start.fragments, cumulative_bytes=self.cumulative_bytes, sync_seconds=sync_seconds,
+            blocked=start.quorum_seconds + blocked, outer_lr=outer_lr, inner_lr=self.trainer._get_learning_rate(),
+            num_replicas=self.comm.num_replicas, group_size=self.comm.group_size,
+            ddp_payload=sum(p.numel() * p.element_size() for p in self.outer.params),
+            compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
+            synced_parameters=sum(self.outer.bucket_numel(self.outer.buckets[b])
+                                  for f in start.fragments for b in self.outer.fragment_buckets[f]))
+        if launched_at != state.global_step:
+            record["launch_step"] = launched_at
+        self.fragment_syncs += 1
+        if self.args.auto_inner_steps and self.auto_choice is None and stats is not None and \
+                self.fragment_syncs >= 2 * self.args.num_fragments and state.global_step < state.max_steps:
+            record["inner_steps_auto"] = self._choose_inner_steps(stats, launched_at, state.max_steps)
+        self._finish(state, start, result, record)
+        return stats is not None and bool(stats.stop_requested.sum() > 0)
+
+    def _finish(self, state, start: RoundStart, result: RoundResult, record: dict | None = None) -> None:
+        """The backend's word on the round (torchft: commit bookkeeping, membership), then the record is queued."""
+        membership = self.backend.finish(start, result)
+        if start.empty:  # a round with nothing exchanged (every participant joining) has no record
+            return
+        if membership:
+            for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
+                record = record or {}
+                record.pop(key, None)
+            record = self._membership_record(state, start, result, record or {}, membership)
+        if not record:
+            return
+        record.update(self.resume_note)
+        self.resume_note = {}
+        if self.startup_bytes is not None:  # the first round: what starting from identical parameters cost
+            record["startup_bytes"] = self.startup_bytes
+            self.startup_bytes = None
+        self.pending_records.append(record)
+
+    def _membership_record(self, state, start: RoundStart, result: RoundResult, record: dict, membership: dict):
+        """torchft: the record names every member of the round (participants with their rows, absent ones), and
+        its loss and tokens are the members' (known even when the round rolled back)."""
+        members = [m for m in membership["members"] if m["participated"]]
+        losses = [m["loss_sum"] / m["steps"] for m in members if m["steps"]]
+        record.update(membership)
+        if not record.get("step"):
+            record.update(step=state.global_step, time=time.time(), fragments=start.fragments,
+                          bytes_per_replica=result.cost.bytes_sent, cumulative_bytes_per_replica=self.cumulative_bytes,
+                          sync_seconds=0.0, blocked_seconds=start.quorum_seconds, compute_seconds=0.0,
+                          outer_lr=self.outer.lr(), inner_steps=0, ddp_bytes_per_replica=0, collectives=0,
+                          compression=self.args.compression + ("+ef" if self.feedback is not None else ""))
+        record.update(loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
+                      tokens=sum(m["tokens"] for m in members), num_replicas=membership["participants"])
+        compute = record["compute_seconds"] + record["blocked_seconds"]
+        record["tokens_per_second"] = self.last_round_tokens / compute if compute > 0 else 0.0
+        return record
+
+    def _choose_inner_steps(self, stats: RoundStats, launched_at: int, max_steps: int) -> dict:
+        """inner_steps auto, from what the first rounds measured, the same on every replica (every number comes
+        from the round's statistics, which every replica received alike). See schedule.choose_inner_steps; the
+        new schedule starts at the step this round was launched at."""
+        per_step = stats.compute_seconds / stats.steps.clamp(min=1)
+        step_seconds = float(per_step.max())
+        sync_seconds = float(stats.previous_blocked_seconds.max())
+        overhead = self.args.max_sync_overhead
+        chosen = choose_inner_steps(step_seconds, sync_seconds, num_fragments=self.args.num_fragments,
+                                    sync_delay=self.args.sync_delay, max_sync_overhead=overhead)
+        self.schedule.restart_at(launched_at, chosen)
+        self.args.inner_steps = chosen
+        self.total_rounds = self.schedule.total_rounds(max_steps)
+        self.auto_choice = {"step_seconds": step_seconds, "sync_seconds": sync_seconds,
+                            "max_sync_overhead": overhead, "chosen": chosen, "from_step": launched_at}
+        if self.trainer.is_world_process_zero():
+            logger.warning(
+                "DiLoCo inner_steps auto: an inner step takes %.4f s and a fragment's sync kept the replicas waiting "
+                "%.4f s, so H = %d keeps waiting under %.0f%% of compute (%d fragment(s)); H = %d from step %d on.",
+                step_seconds, sync_seconds, chosen, 100 * overhead, self.args.num_fragments, chosen, launched_at)
+        return self.auto_choice
+
+    @torch.no_grad()
+    def _reset_replica(self, step: int) -> None:
+        """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
+        optimizer state holds non-finite values too, starts that state afresh (stale NaN moments would poison the
+        next step again)."""
+        self.outer.copy_global_to_replica()
+        optimizer = self.trainer.optimizer
+        moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        if not is_finite(moments):
+            optimizer.state.clear()
+        replica = self.args.replica_id if self.elastic else self.comm.replica_index
+        logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the round out and "
+                       "restarts from the global parameters.", replica, step)
+
+    def _count_bad_rounds(self, result: RoundResult, step: int) -> None:
+        """`max_bad_rounds` consecutive rounds with no healthy participant stop the run with one sentence."""
+        self.bad_rounds = 0 if result.participants else self.bad_rounds + 1
+        if self.bad_rounds >= self.args.max_bad_rounds:
+            raise RunError(
+                f"no replica had a finite pseudo-gradient for {self.bad_rounds} consecutive rounds (last at step "
+                f"{step}); the run is diverging: lower learning_rate or outer_lr, or resume from an earlier "
+                f"checkpoint."
+            )
+
+    # --- per-replica state in checkpoints ---
+
+    def replica_state(self) -> dict:
+        """What only this replica knows: its error-feedback residuals and, when replicas may differ after a
+        round (several fragments, or α > 0), its own trainable parameters."""
+        state: dict = {}
+        if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
+            state["schedule"] = {"origin_step": self.schedule.origin_step, "origin_round": self.schedule.origin_round,
+                                 "inner_steps": self.args.inner_steps, "choice": self.auto_choice}
+        if self.feedback is not None:
+            state["error_feedback"] = self.feedback.state_dict()
+        if self.outer is not None and (self.args.num_fragments > 1 or self.args.fragment_alpha > 0):
+            state["params"] = [p.detach().cpu().clone() for p in self.outer.params]
+        return state
+
+    def _load_schedule(self) -> None:
+        """After a resume: the schedule inner_steps auto had chosen, if it had (the checkpoint holds it)."""
+        schedule = (self.saved_replica_state or {}).get("schedule")
+        if schedule is None:
+            return
+        self.schedule.origin_step, self.schedule.origin_round = schedule["origin_step"], schedule["origin_round"]
+        self.args.inner_steps = self.schedule.inner_steps = schedule["inner_steps"]
+        self.auto_choice = schedule["choice"]
+
+    @torch.no_grad()
+    def _load_replica_state(self) -> None:
+        state, self.saved_replica_state = self.saved_replica_state or {}, None
+        if self.feedback is not None and "error_feedback" in state:
+            self.feedback.load_state_dict(state["error_feedback"])
+        for param, saved in zip(self.outer.params, state.get("params", []), strict=False):
+            param.copy_(saved)
+
+    def _align_to_round(self, control, at_boundary: bool) -> None:
+        """Postpone saves and evaluations that fall inside a round to the round's end."""
+        for flag in self.deferred:
+            if at_boundary:
+                if self.deferred[flag]:
+                    setattr(control, flag, True)
+                    self.deferred[flag] = False
+            elif getattr(control, flag):
+                setattr(control, flag, False)
+                if not self.deferred[flag] and self.trainer.is_world_process_zero() and not self.history:
+                    logger.warning(
+                        "DiLoCo: a %s falls inside a round; it is postponed to the end of the round (set "
+                        "save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
+                        "save" if flag == "should_save" else "evaluation", self.args.inner_steps,
+                    )
+                self.deferred[flag] = True
+
+    # --- reporting ---
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        eval_loss = (metrics or {}).get("eval_loss")
+        if self.pending_records and self.pending_records[-1]["step"] == state.global_step:
+            self.pending_records[-1]["eval_loss"] = eval_loss
+            self._flush_pending()
+        elif state.global_step == 0:  # eval_on_start: the model before any training
+            self.initial_eval_loss = eval_loss
+
+    def _flush_pending(self) -> None:
+        records, self.pending_records = self.pending_records, []
+        for record in records:
+            self.history.append(record)
+            if self.writer is None:
+                continue
+            self.writer.write(record)
+            line = format_round(record, self.total_rounds)
+            if self.args.disable_tqdm:
+                print(line, flush=True)
+            else:
+                from tqdm.auto import tqdm
+
+                tqdm.write(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.background is not None:
+            self.background.shutdown(wait=True)
+            self.background = None
+        self._flush_pending()
+        # The last round's agreement has no next sync to ride with; each replica hands it over through the store.
+        last_agreement = self.comm.replica_values("last_agreement", self.previous_agreement, args.sync_timeout)
+        if self.elastic and self.backend.run_over() and args.end_linger_seconds > 0:
+            served = self.backend.linger(state.global_step, state.max_steps)
+            if served:
+                print(f"[diloco] replica {args.replica_id} handed the final model to replica(s) "
+                      f"{', '.join(map(str, served))}, which missed the last round", flush=True)
+        if self.backend is not None:
+            self.backend.shutdown()
+        if self.writer is None:
+            return
+        self.writer.close()
+        totals = summary(self.history, steps=state.global_step, train_started=self.train_started,
+                         initial_eval_loss=self.initial_eval_loss, settings={
+                             "num_replicas": self.args.num_replicas if self.elastic else self.comm.num_replicas,
+                             "replica_group_size": self.args.replica_group_size,
+                             "inner_steps": self.args.inner_steps,
+                             "synced_parameters": self.outer.numel if self.outer else 0,
+                             "compression": self.args.compression + ("+ef" if self.args.error_feedback else ""),
+                             "num_fragments": self.args.num_fragments, "sync_delay": self.args.sync_delay})
+        if last_agreement is not None and self.history and all(math.isfinite(x) for x in last_agreement):
+            totals["last_round_agreement"] = {"round": self.history[-1]["round"], "replica_agreement": last_agreement}
+        write_summary(args.output_dir, totals)
