@@ -54,6 +54,10 @@ VARIANTS: dict[str, list[str]] = {
     # H % F == 0, so the paper's F = 4 becomes 5 here), each overlapped with 2 inner steps, int4 + error feedback.
     "stream F=5 tau=2 int4+EF": ["--num_fragments", "5", "--sync_delay", "2", "--compression", "int4",
                                  "--error_feedback", "true"],
+    # The same rounds on the torchft backend (a Lighthouse on the first host, one replica launch per host).
+    "torchft fp32": ["--outer_backend", "torchft"],
+    "torchft stream F=5 tau=2 int4+EF": ["--outer_backend", "torchft", "--num_fragments", "5", "--sync_delay", "2",
+                                         "--compression", "int4", "--error_feedback", "true"],
 }
 
 
@@ -156,6 +160,19 @@ class Processes:
             tail = self.tails[index]
             tail.append(line)
             del tail[:-60]
+
+    def stop(self, grace_seconds: float = 10) -> None:
+        """End every process (a server the runs needed): SIGTERM, then SIGKILL after the grace period."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + grace_seconds
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def wait(self, timeout: float = 1800) -> None:
         """Wait for all; if one fails (or time runs out) end the others, then raise RunFailed."""

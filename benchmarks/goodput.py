@@ -16,7 +16,11 @@ launch command's, start-up and restarts included. Capacity is what the replicas 
 torch backend's fault-free run in the same invocation (which therefore reads 100%). Eval loss is the final model's
 on the held-out blocks, compared with the same backend's fault-free run.
 
-    python benchmarks/goodput.py [--quick] [--kill-every N]
+Variants (`--variants`) run the same six scenarios with another round: `fp32` (plain DiLoCo) and
+`int4-ef-streaming` (int4 with error feedback, F = 2 fragments overlapped by τ = 2 steps), on both backends. Each
+row also gives the mean bytes a replica sent per round, to compare the backends at the same codec.
+
+    python benchmarks/goodput.py [--quick] [--kill-every N] [--variants fp32,int4-ef-streaming]
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ from common import RECIPE, REPO, markdown_table, pyplot, run_env, save, skip
 PACED = str(Path(__file__).resolve().parent / "paced.py")
 REPLICAS = 3
 SLOWDOWN = 3.0
+VARIANTS = {
+    "fp32": [],
+    "int4-ef-streaming": ["--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
+                          "--sync_delay", "2"],
+}
 
 
 def rounds_of(folder: Path) -> list[dict]:
@@ -115,8 +124,8 @@ def free_port() -> int:
 def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int,
         round_seconds: float = 0.0) -> dict:
     """One launch of a scenario, as a user would start it; returns its measurements."""
-    from hf_diloco.cli import run_with_restarts
-    from hf_diloco.elastic import ReplicaSupervisor, replica_overrides, start_lighthouse
+    from hf_diloco.elastic import replica_overrides
+    from hf_diloco.launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
 
     env_before = dict(os.environ)
     os.environ.update(run_env(1))
@@ -154,7 +163,9 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
     members = [m for r in rounds for m in r.get("members", []) if m.get("participated")]
     slow_steps = [m["steps"] for m in members if m["replica"] == 2]
     fast_steps = [m["steps"] for m in members if m["replica"] != 2]
+    sent = [r["bytes_per_replica"] for r in rounds if r.get("committed", True) and r["bytes_per_replica"]]
     return {"backend": backend, "scenario": scenario, "wall_seconds": wall, "rounds": len(rounds),
+            "bytes_per_round": sum(sent) / len(sent) if sent else 0.0,
             "useful_tokens": sum(r["tokens"] for r in rounds), "eval_loss": summary.get("eval_loss_final"),
             "kills": killer.kills if killer else [],
             "round_compute_seconds": [r["compute_seconds"] for r in rounds],
@@ -166,8 +177,14 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="120 steps, H = 30 (about 4 minutes)")
-    parser.add_argument("--kill-every", type=int, default=0, help="rounds between kills (default: 2 quick, 3 full)")
+    parser.add_argument("--kill-every", type=int, default=0, help="rounds between kills (default: 2 quick, 4 full)")
+    parser.add_argument("--variants", default="fp32", help=f"comma-separated, from {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        sys.exit(f"goodput: unknown variant(s) {', '.join(unknown) or '(none given)'}; choose from "
+                 f"{', '.join(VARIANTS)}.")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -183,60 +200,70 @@ def main() -> None:
                  "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps),
                  "--sync_timeout", "120"]
     results = []
+    scenarios = ["no fault", "kill", "straggler"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        plan = [("torch", "no fault"), ("torchft", "no fault"), ("torch", "kill"), ("torchft", "kill"),
-                ("torch", "straggler"), ("torchft", "straggler")]
-        round_seconds = 0.0
-        for i, (backend, scenario) in enumerate(plan):
-            print(f"[{i + 1}/{len(plan)}] {backend}: {scenario} ...", flush=True)
-            extra = ["--save_every_rounds", "1" if backend == "torch" and scenario == "kill" else "0"]
-            result = run(backend, scenario, tmp / f"{backend}-{scenario.replace(' ', '-')}", [*overrides, *extra],
-                         kill_every, total_rounds, round_seconds if scenario == "straggler" else 0.0)
+        plan = [(variant, backend, scenario) for variant in variants for scenario in scenarios
+                for backend in ("torch", "torchft")]
+        round_seconds: dict[str, float] = {}
+        for i, (variant, backend, scenario) in enumerate(plan):
+            print(f"[{i + 1}/{len(plan)}] {variant}, {backend}: {scenario} ...", flush=True)
+            extra = ["--save_every_rounds", "1" if backend == "torch" and scenario == "kill" else "0",
+                     *VARIANTS[variant]]
+            result = run(backend, scenario, tmp / f"{variant}-{backend}-{scenario.replace(' ', '-')}",
+                         [*overrides, *extra], kill_every, total_rounds,
+                         round_seconds.get(variant, 0.0) if scenario == "straggler" else 0.0)
+            result["variant"] = variant
             results.append(result)
             if backend == "torchft" and scenario == "no fault":
                 # The straggler's torchft rounds last as long as a fault-free round's inner steps; a little less,
-                # so that the full-speed replicas never reach max_steps before the last round.
-                per_round = sorted(result["round_compute_seconds"])[len(result["round_compute_seconds"]) // 2]
-                round_seconds = round(0.9 * per_round, 2)
+                # so that the full-speed replicas never reach max_steps before the last round. With F fragments a
+                # round_seconds budget covers the F fragment rounds of one H.
+                computes = result["round_compute_seconds"]
+                fragments = 2 if "--num_fragments" in VARIANTS[variant] else 1
+                round_seconds[variant] = round(0.9 * fragments * sorted(computes)[len(computes) // 2], 2)
     base = next(r for r in results if r["backend"] == "torch" and r["scenario"] == "no fault")
     rate = base["useful_tokens"] / (REPLICAS * base["wall_seconds"])  # tokens/s per full-speed replica
-    reference_loss = {r["backend"]: r["eval_loss"] for r in results if r["scenario"] == "no fault"}
+    reference_loss = {(r["variant"], r["backend"]): r["eval_loss"] for r in results if r["scenario"] == "no fault"}
     rows = []
     for r in results:
         capacity = rate * ((REPLICAS - 1) + 1 / SLOWDOWN if r["scenario"] == "straggler" else REPLICAS)
         r["goodput"] = r["useful_tokens"] / (r["wall_seconds"] * capacity)
-        loss_change = r["eval_loss"] / reference_loss[r["backend"]] - 1 if r["eval_loss"] else float("nan")
+        reference = reference_loss[(r["variant"], r["backend"])]
+        loss_change = r["eval_loss"] / reference - 1 if r["eval_loss"] else float("nan")
         per_round = r["steps_per_round"]
         trained = {k: [n for n in v if n] for k, v in per_round.items()} if per_round else None  # not join rows
         ratio = (sorted(trained["replica 2"])[len(trained["replica 2"]) // 2] /
                  sorted(trained["others"])[len(trained["others"]) // 2]) if trained and trained["replica 2"] else None
-        rows.append([r["backend"], r["scenario"], f"{r['goodput']:.1%}", f"{r['useful_tokens']:,}",
-                     f"{r['wall_seconds']:.0f}", r["rounds"], f"{r['eval_loss'] or float('nan'):.4f}",
-                     f"{loss_change:+.2%}",
+        rows.append([r["variant"], r["backend"], r["scenario"], f"{r['goodput']:.1%}", f"{r['useful_tokens']:,}",
+                     f"{r['wall_seconds']:.0f}", r["rounds"], f"{r['bytes_per_round'] / 1e6:.3f}",
+                     f"{r['eval_loss'] or float('nan'):.4f}", f"{loss_change:+.2%}",
                      ", ".join(map(str, r["kills"])) or "-", f"{ratio:.2f}" if ratio is not None else "-"])
-    table = markdown_table(["backend", "scenario", "goodput", "useful tokens", "wall s", "rounds", "eval loss",
-                            "vs its fault-free", "killed after rounds", "replica 2 steps ÷ others'"], rows)
-    table += (f"\n\n3 replicas, {steps} steps, H = {inner} ({total_rounds} rounds), 128-token blocks, batch 4; kill: "
-              f"replica 2 SIGKILLed every {kill_every} rounds and restarted; straggler: replica 2 at 1/{SLOWDOWN:g} "
-              f"speed (torchft: round_seconds {round_seconds:g}). Goodput = useful tokens ÷ (wall × capacity), "
-              f"capacity = {REPLICAS} × {rate:,.0f} tokens/s (the torch fault-free run's rate per replica; "
-              f"(2 + 1/3) × that with the straggler). One run per row.")
+    table = markdown_table(["round", "backend", "scenario", "goodput", "useful tokens", "wall s", "rounds",
+                            "MB per round", "eval loss", "vs its fault-free", "killed after rounds",
+                            "replica 2 steps ÷ others'"], rows)
+    budgets = ", ".join(f"{v} {t:g} s" for v, t in round_seconds.items())
+    table += (f"\n\n3 replicas, {steps} steps, H = {inner} ({total_rounds} rounds of H), 128-token blocks, batch 4; "
+              f"kill: replica 2 SIGKILLed every {kill_every} rounds and restarted; straggler: replica 2 at "
+              f"1/{SLOWDOWN:g} speed (torchft: round_seconds {budgets}). Goodput = useful tokens ÷ (wall × capacity), "
+              f"capacity = {REPLICAS} × {rate:,.0f} tokens/s (the first torch fault-free run's rate per replica; "
+              f"(2 + 1/3) × that with the straggler). MB per round: mean bytes a replica sent per committed round "
+              f"(a fragment round with streaming). One run per row.")
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(7, 3.2))
-    scenarios = ["no fault", "kill", "straggler"]
-    for offset, backend, color in ((-0.2, "torch", "#2563eb"), (0.2, "torchft", "#ea580c")):
-        values = [next(r["goodput"] for r in results if r["backend"] == backend and r["scenario"] == s) * 100
-                  for s in scenarios]
-        axis.bar([i + offset for i in range(3)], values, width=0.38, color=color, label=backend)
-    axis.set_xticks(range(3), scenarios)
-    axis.set_ylabel("goodput (%)")
-    axis.axhline(85, color="#888", linestyle=":", linewidth=1)
-    axis.axhline(90, color="#888", linestyle="--", linewidth=1)
-    axis.legend()
-    axis.set_title("3 replicas: goodput when one dies or lags")
-    save("goodput", table, {"results": results, "rate_per_replica": rate, "round_seconds": round_seconds,
-                            "steps": steps, "inner_steps": inner, "kill_every": kill_every},
+    figure, axes = plt.subplots(1, len(variants), figsize=(7 * len(variants), 3.2), squeeze=False)
+    for axis, variant in zip(axes[0], variants, strict=True):
+        for offset, backend, color in ((-0.2, "torch", "#2563eb"), (0.2, "torchft", "#ea580c")):
+            values = [next(r["goodput"] for r in results if r["backend"] == backend and r["scenario"] == s and
+                           r["variant"] == variant) * 100 for s in scenarios]
+            axis.bar([i + offset for i in range(3)], values, width=0.38, color=color, label=backend)
+        axis.set_xticks(range(3), scenarios)
+        axis.set_ylabel("goodput (%)")
+        axis.axhline(90, color="#888", linestyle="--", linewidth=1)
+        axis.legend()
+        axis.set_title(f"3 replicas ({variant}): goodput when one dies or lags")
+    name = "goodput" if variants == ["fp32"] else "goodput-variants"
+    save(name, table, {"results": results, "rate_per_replica": rate, "round_seconds": round_seconds,
+                       "steps": steps, "inner_steps": inner, "kill_every": kill_every, "variants": variants},
          figure, quick=args.quick, seconds=time.time() - begun)
 
 

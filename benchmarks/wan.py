@@ -108,12 +108,28 @@ def two_host_run(hosts, out: Path, overrides: list[str]) -> Measured:
             seen.set()
 
     commands = []
-    for rank, host in enumerate(hosts):
-        launch = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-                  "--main_process_ip", hosts[0].address, "--main_process_port", port]
-        commands.append(train_command(2, ["--output_dir", str(out / f"node{rank}"), *overrides],
-                                      prefix=host.exec_prefix(), launch=launch))
-    Processes(commands, on_line=watch).wait()
+    torchft = any(a == "--outer_backend" and b == "torchft" for a, b in zip(overrides, overrides[1:], strict=False))
+    lighthouse = None
+    if torchft:  # a Lighthouse on the first host, bound to its veth address; one replica launch per host
+        lighthouse = Processes([[*hosts[0].exec_prefix(), sys.executable, "-m", "hf_diloco.cli", "lighthouse",
+                                 "--host", hosts[0].address, "--port", port, "--min-replicas", "2",
+                                 "--grace-seconds", "5"]])
+    try:
+        for rank, host in enumerate(hosts):
+            if torchft:
+                replica = ["--replica_id", str(rank), "--num_replicas", "2", "--min_replicas", "2",
+                           "--lighthouse", f"http://{hosts[0].address}:{port}", "--replica_address", host.address]
+                commands.append(train_command(1, ["--output_dir", str(out / f"node{rank}"), *overrides, *replica],
+                                              prefix=host.exec_prefix()))
+                continue
+            launch = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                      "--main_process_ip", hosts[0].address, "--main_process_port", port]
+            commands.append(train_command(2, ["--output_dir", str(out / f"node{rank}"), *overrides],
+                                          prefix=host.exec_prefix(), launch=launch))
+        Processes(commands, on_line=watch).wait()
+    finally:
+        if lighthouse is not None:
+            lighthouse.stop()
     ended = [h.tx_bytes() for h in hosts]
     if not seen.is_set():
         raise RunFailed(f"the main replica never logged {LOOP_STARTS!r}; cannot tell the loop's bytes")

@@ -10,9 +10,11 @@ code whatever the backend. A backend supplies only the membership around it and 
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
 
-Both answer the same three questions for the trainer's callback: is a round `due` at this step, `start` it (who,
-with what weight, which fragments), and `finish` it (what the record says about membership, what a replica keeps
-after a rollback).
+Both answer the same questions for the trainer's callback: is a round `due` at this step, which fragments it is
+`expected` to sync (an overlapped round snapshots them before it starts), `start` it (who, with what weight, which
+fragments: `local` holds this replica's numbers, read before the inner loop moved on) and `finish` it (what the
+record says about membership, what a replica keeps after a rollback). `start` may run in the background thread
+of an overlapped round; it then touches only the outer state, never the replica's parameters.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class FixedGroup:
     def due(self, step: int, max_steps: int) -> bool:
         return bool(self.schedule.due_fragments(step, max_steps))
 
-    def start(self, step: int, max_steps: int, joining: bool = False) -> RoundStart:
+    def expected_fragments(self, step: int, max_steps: int) -> list[int]:
+        return self.schedule.due_fragments(step, max_steps)
+
+    def start(self, step: int, max_steps: int, local: dict, joining: bool = False) -> RoundStart:
         return RoundStart(fragments=self.schedule.due_fragments(step, max_steps))
 
-    def finish(self, start: RoundStart, result) -> dict:
-        return {}
+    def finish(self, start: RoundStart, result, record: dict) -> dict:
+        return record
 
     def shutdown(self) -> None:
         pass

@@ -12,9 +12,9 @@ Design choices:
 - Folders written by earlier versions have no marker; they were complete by construction (those versions wrote
   under `tmp-checkpoint-<step>` and renamed when done), and plain Trainer's (the `trainer: ddp` baseline) write
   `trainer_state.json` last. Such a folder counts as complete when it holds `trainer_state.json` and every
-  `replica-<rank>/` in it holds its `complete` part marker. So that a folder this version is still writing never
-  passes that test, the saving process writes a note, `diloco_saving`, first, before any process writes into the
-  folder, and removes it after the marker.
+  `replica-<rank>/` in it (the name earlier versions gave a process's part) holds its `complete` part marker.
+  So that a folder this version is still writing never passes that test, the saving process writes a note,
+  `diloco_saving`, first, before any process writes into the folder, and removes it after the marker.
 - Removal is atomic: a folder leaves the `checkpoint-*` names in one rename (to `tmp-checkpoint-removed-<name>`),
   then its files are deleted. Nothing named `tmp-checkpoint-*` is a checkpoint; resume deletes such folders.
 - Rotation (`save_total_limit`) keeps the newest `limit` complete checkpoints and the best one; folders that are not
@@ -33,8 +33,11 @@ CHECKPOINT_PREFIX = "checkpoint-"  # Trainer's PREFIX_CHECKPOINT_DIR plus its "-
 MARKER_FILE = "diloco_complete.json"  # written last: the checkpoint is complete
 SAVING_FILE = "diloco_saving"  # written first: this version is writing the folder (no earlier-version test applies)
 TEMPORARY_PREFIX = "tmp-checkpoint-"  # not a checkpoint: one being removed, or an earlier version's unfinished save
-REPLICA_DIR = "replica-{rank}"  # one process's part: its inner optimizer, scheduler and DiLoCo state
-PART_COMPLETE_FILE = "complete"  # in replica-<rank>/: this process's part of the checkpoint is written
+# One process's part: its inner optimizer, scheduler and DiLoCo state, by global process rank ("replica-<id>" names
+# a torchft replica's own output folder; earlier versions named these parts "replica-<rank>", still read).
+PART_DIR = "process-{rank}"
+EARLIER_PART_DIR = "replica-{rank}"
+PART_COMPLETE_FILE = "complete"  # in process-<rank>/: this process's part of the checkpoint is written
 TRAINER_STATE_FILE = "trainer_state.json"  # Trainer's TRAINER_STATE_NAME
 
 
@@ -61,7 +64,7 @@ def begin(folder: Path) -> None:
 
 
 def finish_part(replica_dir: Path) -> None:
-    """This process's part of the checkpoint (its `replica-<rank>/`) is written."""
+    """This process's part of the checkpoint (its `process-<rank>/`) is written."""
     replica_dir.mkdir(parents=True, exist_ok=True)
     (replica_dir / PART_COMPLETE_FILE).touch()
 
@@ -90,7 +93,15 @@ def is_complete(folder: Path) -> bool:
         return False
     # Written before the marker existed: earlier versions renamed a checkpoint into place only once every part was
     # written, and plain Trainer writes trainer_state.json last; a folder without replica parts is plain Trainer's.
-    return all((part / PART_COMPLETE_FILE).is_file() for part in folder.glob(REPLICA_DIR.format(rank="*")))
+    return all((part / PART_COMPLETE_FILE).is_file() for part in folder.glob(EARLIER_PART_DIR.format(rank="*")))
+
+
+def part_dir(checkpoint: str | Path, rank: int) -> Path:
+    """Where process `rank` keeps its part of `checkpoint`: `process-<rank>/`, or `replica-<rank>/` in a checkpoint
+    an earlier version wrote."""
+    folder = Path(checkpoint) / PART_DIR.format(rank=rank)
+    earlier = Path(checkpoint) / EARLIER_PART_DIR.format(rank=rank)
+    return earlier if not folder.exists() and earlier.exists() else folder
 
 
 def checkpoint_folders(run_dir: Path) -> list[Path]:

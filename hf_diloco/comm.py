@@ -41,6 +41,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs import Codec, ErrorFeedback, SparseCodec, from_bytes
+from .errors import RunError, first_line
 
 
 @dataclass
@@ -211,6 +213,29 @@ class ReplicaComm:
                 replica = rank // self.group_size
                 missing[replica] = seen if replica not in missing else min(missing[replica] or 0, seen or 0)
         return missing
+
+    @contextlib.contextmanager
+    def naming_the_absent(self, step: int):
+        """A collective of the sync of `step` that failed (sync_timeout expired, or a peer's connection closed)
+        becomes one sentence naming the replicas that never reached this sync and the last sync step each was seen
+        at (from `arrive`). A backend that votes never raises here: its rounds roll back instead."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not self.active or self.votes:
+                raise
+            absent = self.absent(step)
+            if not absent:
+                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
+            names = ", ".join(
+                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
+                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
+            )
+            timeout = f"sync_timeout={self.timeout_seconds:g} s" if self.timeout_seconds else "the sync timeout"
+            raise RunError(
+                f"the sync at step {step} gave up after waiting for {names} ({timeout}, or its connection closed); "
+                f"check that process, or raise sync_timeout for slow links."
+            ) from None
 
     @property
     def active(self) -> bool:

@@ -41,7 +41,6 @@ from .backends import RoundStart
 from .comm import ReplicaComm, ring_all_reduce_bytes
 from .errors import ConfigError, first_line
 from .launch import replica_folder
-from .outer import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +50,8 @@ MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", 
                  "quorum_seconds", "stop_requested", "non_finite", "last")
 NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
                  "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
+# The local numbers of a replica that brings no progress to a round (it only hands over the final model).
+NOTHING_TRAINED = {"steps": 0, "tokens": 0, "loss_sum": 0.0, "compute_seconds": 0.0, "stop_requested": False}
 INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
 
 
@@ -200,8 +201,11 @@ class ElasticRounds:
     def _load_healed(self, state: dict) -> None:
         callback = self.callback
         outer = callback.outer
-        if callback.round_steps > 0 and self.stash is None:
+        if callback.round_steps > 0 and self.stash is None and callback.overlap.in_flight is None:
             # Local progress made against the old base: kept, and brought to this round with a staleness weight.
+            # (Not in an overlapped round's background start: the replica is training meanwhile; that round's
+            # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
+            # healed θ_global.)
             self.stash = [outer.pseudo_gradient(bucket) for bucket in outer.buckets]
         self.healed_from_round = self.global_round
         outer.load_state_dict(state["outer"])
@@ -240,10 +244,21 @@ class ElasticRounds:
         total = self.callback.total_rounds
         return total is not None and self.global_round >= total
 
-    def start(self, step: int, max_steps: int, joining: bool = False, timeout: float | None = None) -> RoundStart:
+    def expected_fragments(self, step: int, max_steps: int) -> list[int]:
+        """The fragments the next round syncs by this replica's round counter; the same on every participant unless
+        this replica heals in the quorum (see rounds.OuterLoopCallback._background_round)."""
+        return self._fragments(self.global_round + 1, step >= max_steps)
+
+    def _fragments(self, number: int, last: bool) -> list[int]:
+        total = self.callback.total_rounds
+        if last or (total is not None and number >= total):
+            return list(range(self.args.num_fragments))
+        return [(number - 1) % self.args.num_fragments]
+
+    def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
+              timeout: float | None = None) -> RoundStart:
         """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
         weight, staleness, loss, ...) so that every participant knows every weight before the first bucket."""
-        callback, outer = self.callback, self.callback.outer
         started = time.perf_counter()
         self.healed_from_round = None
         self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
@@ -256,14 +271,15 @@ class ElasticRounds:
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
         over = self.run_over()
-        tokens = 0 if joining or over else callback.round_tokens + self.carried_tokens
+        tokens = 0 if joining or over else local["tokens"] + self.carried_tokens
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
         # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
-        finite = joining or over or self.stash is not None or is_finite(outer.params)
+        # (An overlapped round's exchange checks its snapshot again; here the parameters have not moved yet.)
+        finite = joining or over or self.stash is not None or local.get("finite", True)
         weight = staleness_weight(tokens, staleness) if finite else 0.0
-        mine = [float(self.args.replica_id), callback.round_steps, tokens, weight, float(healed), staleness,
-                float(callback.round_loss.item()), callback.round_compute, quorum_seconds,
-                float(callback.stop_requested), float(not finite), float(step >= max_steps)]
+        mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
+                local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
+                float(not finite), float(step >= max_steps)]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             table[rank] = torch.tensor(mine, dtype=torch.float64)
@@ -271,11 +287,8 @@ class ElasticRounds:
         self.comm.configure(participants, rank)
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
-        number = self.global_round + 1
         # The run's last round, or a participant at its last step: every fragment syncs, so the final model is global.
-        last = bool(table[:, MEMBER_FIELDS.index("last")].any())
-        final = last or (callback.total_rounds is not None and number >= callback.total_rounds)
-        fragments = list(range(self.args.num_fragments)) if final else [(number - 1) % self.args.num_fragments]
+        fragments = self._fragments(self.global_round + 1, bool(table[:, MEMBER_FIELDS.index("last")].any()))
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return RoundStart(
             weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
@@ -284,9 +297,10 @@ class ElasticRounds:
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
             error=None if error is None else first_line(error))
 
-    def finish(self, start: RoundStart, result) -> dict:
+    def finish(self, start: RoundStart, result, record: dict) -> dict:
         """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback, and
-        give the round's membership for its record."""
+        put the round's membership in its record: every member (participants with their rows, absent ones), the
+        vote, and loss and tokens from the members' rows (known even when the round rolled back)."""
         callback = self.callback
         if result.committed:
             if result.total_weight > 0:
@@ -314,18 +328,28 @@ class ElasticRounds:
         present = {m["replica"] for m in members}
         self.known |= present
         members += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
-        fields = {"round": self.global_round, "members": sorted(members, key=lambda m: m["replica"]),
-                  "committed": result.committed, "participants": len(present), "quorum_seconds": start.quorum_seconds,
-                  "outer_backend": "torchft", "replica": self.args.replica_id}
+        if not record:
+            return record
+        for key in ("non_finite_replicas", "outer_step_skipped", "participants"):  # the fixed group's reading
+            record.pop(key, None)
+        took_part = [m for m in members if m["participated"]]
+        losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
+        compute = record["compute_seconds"] + record["blocked_seconds"]
+        record.update(round=self.global_round, members=sorted(members, key=lambda m: m["replica"]),
+                      committed=result.committed, participants=len(present), num_replicas=len(present),
+                      quorum_seconds=start.quorum_seconds, outer_backend="torchft", replica=self.args.replica_id,
+                      loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
+                      tokens=sum(m["tokens"] for m in took_part),
+                      tokens_per_second=callback.last_round_tokens / compute if compute > 0 else 0.0)
         non_finite = [m["replica"] for m in members if m.get("non_finite")]
         if non_finite:
-            fields["non_finite_replicas"] = non_finite
+            record["non_finite_replicas"] = non_finite
         if not result.committed:
-            fields["outer_step_skipped"] = True
+            record["outer_step_skipped"] = True
             logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "
                            "progress for the next round.", callback.trainer.state.global_step,
                            start.error or first_line(self.manager.errored() or "a peer failed"))
-        return fields
+        return record
 
     def linger(self, step: int, max_steps: int) -> list[int]:
         """After the run's last round: stay up to end_linger_seconds for the replicas that missed it.
@@ -342,8 +366,9 @@ class ElasticRounds:
         deadline = time.monotonic() + self.args.end_linger_seconds
         while waiting and time.monotonic() < deadline:
             try:
-                start = self.start(step, max_steps, joining=True, timeout=max(0.1, deadline - time.monotonic()))
-            except Exception as error:  # noqa: BLE001 (no quorum before the deadline: nobody is coming)
+                start = self.start(step, max_steps, NOTHING_TRAINED, joining=True,
+                                   timeout=max(0.1, deadline - time.monotonic()))
+            except (RuntimeError, TimeoutError) as error:  # no quorum before the deadline: nobody is coming
                 logger.debug("torchft: no late replica came: %s", first_line(error))
                 break
             if not start.empty:  # someone brings progress against a live round: this replica has nothing to add

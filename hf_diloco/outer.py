@@ -4,7 +4,7 @@
     for each round:
         each replica i:  θ_i ← InnerOpt^H(θ_i)             (H local steps, no communication; done by Trainer)
         each replica i:  Δ_i ← θ_global − θ_i               (pseudo-gradient)
-        all replicas:    Δ  ← (1/M) Σ_i Δ_i                 (the round's only collective; comm.ReplicaComm)
+        all replicas:    Δ  ← (1/M) Σ_i Δ_i                 (the round's only communication; comm.ReplicaComm)
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
         each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
 
@@ -13,18 +13,24 @@ the model at a time, and with an overlap of τ inner steps splits it in two: `ex
 which may run in the background) and `apply` (the last two, after the τ steps), where the copy back mixes
 θ_i ← α·θ_i + (1 − α)·θ_global.
 
+Backends (hf_diloco.backends) change who takes part, not these lines: the mean is a weighted one,
+Δ = Σ_i w_i Δ_i / Σ_i w_i, with w_i = 1 on a fixed group (the plain mean, bit for bit) and torchft's token and
+staleness weights on a quorum; a replica whose parameters are not finite takes part with w_i = 0. A backend that
+votes on each round (torchft) applies a round only if it commits.
+
 Design choices:
 - θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`), so the
   outer loop costs no accelerator memory.
 - Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking round forms,
   sends, receives and applies one bucket before it starts the next. The extra memory of a sync is the bucket's
-  Δ_i, its average Δ and the codec's payloads, whatever the model's size.
+  Δ_i, its average Δ and the codec's payloads, whatever the model's size. (A round that waits for a vote, or runs
+  in the background, holds every bucket's average until it is applied.)
 - The outer optimizer is one stock torch optimizer over θ_global; a bucket's step sets the gradients of its
   parameters only, and torch optimizers skip parameters without a gradient, so stepping bucket by bucket is the
   same arithmetic as one step over all of them. torch's Nesterov SGD computes v ← μ v + Δ; θ ← θ − lr (Δ + μ v),
   the formulation DiLoCo uses.
 - Every replica runs the identical outer step on the identical averaged Δ, so after `apply` (with α = 0) all
-  replicas hold bit-identical parameters without a broadcast.
+  replicas hold bit-identical parameters in the synced buckets without a broadcast.
 - Only the parameters handed in are synced: for a PEFT model these are the trainable adapter weights.
 """
 

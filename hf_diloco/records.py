@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 
 from .comm import ring_all_reduce_bytes
+from .metrics import RoundWriter, format_round
 
 
 @dataclass
@@ -100,7 +101,7 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
         "tokens_per_second": tokens / (compute + blocked) if compute + blocked > 0 else 0.0,
         "outer_lr": outer_lr,
         "inner_lr": inner_lr,
-        "inner_steps": round_steps,
+        "round_steps": round_steps,  # inner steps taken in this round (H is the run's inner_steps)
         "num_replicas": num_replicas,
         "replica_group_size": group_size,
         "synced_parameters": synced_parameters,
@@ -140,3 +141,43 @@ def summary(rounds: list[dict], *, steps: int, train_started: float, initial_eva
         "startup_bytes": sum(r.get("startup_bytes", 0) for r in rounds),
         "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
     }
+
+
+class RoundLog:
+    """The rounds of this process as they complete. A record waits until the round's evaluation (Trainer runs it
+    right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and on the main
+    process written to sync_rounds.jsonl and TensorBoard (`RoundWriter`) and printed as one console line."""
+
+    def __init__(self, plain_console: bool):
+        self.plain_console = plain_console  # print lines as they are (disable_tqdm), else through tqdm.write
+        self.pending: list[dict] = []  # rounds completed at this step, written once its eval is known
+        self.history: list[dict] = []
+        self.writer: RoundWriter | None = None
+        self.total_rounds: int | None = None
+        self.initial_eval_loss: float | None = None
+
+    def queue(self, record: dict) -> None:
+        self.pending.append(record)
+
+    def evaluated(self, step: int, eval_loss: float | None) -> None:
+        """An evaluation at `step`: it belongs to the round completed at that step, or (step 0) to the start."""
+        if self.pending and self.pending[-1]["step"] == step:
+            self.pending[-1]["eval_loss"] = eval_loss
+            self.flush()
+        elif step == 0:  # eval_on_start: the model before any training
+            self.initial_eval_loss = eval_loss
+
+    def flush(self) -> None:
+        records, self.pending = self.pending, []
+        for record in records:
+            self.history.append(record)
+            if self.writer is None:
+                continue
+            self.writer.write(record)
+            line = format_round(record, self.total_rounds)
+            if self.plain_console:
+                print(line, flush=True)
+            else:
+                from tqdm.auto import tqdm
+
+                tqdm.write(line)

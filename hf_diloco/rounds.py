@@ -6,6 +6,7 @@
     backend       who takes part, with what weight, the vote                   hf_diloco.backends / .elastic
     the round     pseudo-gradient, codec, error feedback, outer step           hf_diloco.outer
     overlap       a fragment's exchange in a background thread for τ steps     `Overlap` below
+    reporting     records queued until the round's evaluation, then written    hf_diloco.records.RoundLog
     records       statistics sent with the round, the record, the summary      hf_diloco.records
 
 The same callback serves both backends: on torchft the round is the same call on a process group of the round's
@@ -14,7 +15,6 @@ quorum, with the backend's weight, and a vote before anything is applied.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -29,9 +29,9 @@ from .codecs import Codec, ErrorFeedback, make_codec
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .errors import RunError, first_line
-from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
-from .outer import OuterLoop, RoundResult, assign_fragments, exchange, is_finite, land, outer_round, snapshot
-from .records import ReplicaStats, RoundStats, round_record, summary
+from .metrics import RoundWriter, read_sync_rounds, write_summary
+from .outer import Exchange, OuterLoop, RoundResult, assign_fragments, exchange, is_finite, land, outer_round, snapshot
+from .records import ReplicaStats, RoundLog, RoundStats, round_record, summary
 from .schedule import Schedule, choose_inner_steps
 
 logger = logging.getLogger(__name__)
@@ -44,10 +44,37 @@ class InFlight:
     future: Future
     launched_at: int
     lands_at: int
-    fragments: list[int]
     outer_lr: float
-    launch_seconds: float  # time the inner loop spent starting it (quorum, taking the pseudo-gradient snapshot)
-    start: RoundStart
+    launch_seconds: float  # time the inner loop spent starting it (taking the pseudo-gradient snapshot)
+
+
+class Overlap:
+    """Streaming DiLoCo's overlap: one exchange at a time runs in a background thread while the replica trains on,
+    and lands τ steps later (or at the last step). Its collectives run on process groups of their own (see
+    comm.ReplicaComm), so they never interleave with the training thread's."""
+
+    def __init__(self, delay: int):
+        self.delay = delay
+        self.executor: ThreadPoolExecutor | None = None
+        self.in_flight: InFlight | None = None
+
+    def launch(self, work, step: int, outer_lr: float, launch_seconds: float) -> None:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
+        self.in_flight = InFlight(self.executor.submit(work), step, step + self.delay, outer_lr, launch_seconds)
+
+    def lands(self, step: int, max_steps: int) -> bool:
+        """Whether the exchange in flight is due to land at `step`."""
+        return self.in_flight is not None and (step >= self.in_flight.lands_at or step >= max_steps)
+
+    def take(self) -> InFlight:
+        flight, self.in_flight = self.in_flight, None
+        return flight
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
 
 
 class OuterLoopCallback(TrainerCallback):
@@ -63,7 +90,6 @@ class OuterLoopCallback(TrainerCallback):
         self.outer: OuterLoop | None = None
         self.comm: ReplicaComm | None = None
         self.backend = None  # FixedGroup or elastic.ElasticRounds, made at the start of training
-        self.writer: RoundWriter | None = None
         self.codec: Codec | None = None if self.args.compression == "none" else make_codec(
             self.args.compression, chunk=self.args.compression_chunk, sparse_k=self.args.sparse_k,
             sparse_chunk=self.args.sparse_chunk, sparse_bits=self.args.sparse_bits)
@@ -75,21 +101,17 @@ class OuterLoopCallback(TrainerCallback):
         self.reached_before_resume = 0
         self.startup_bytes: int | None = None
         self.deferred = {"should_save": False, "should_evaluate": False}
-        self.pending_records: list[dict] = []  # rounds completed at this step, written once its eval is known
-        self.history: list[dict] = []
-        self.initial_eval_loss: float | None = None
+        self.log = RoundLog(plain_console=self.args.disable_tqdm)
         self.stop_requested = False
         self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
-        self.in_flight: InFlight | None = None
+        self.overlap = Overlap(self.args.sync_delay)
         self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
         self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
         self.schedule = Schedule(self.args.inner_steps, self.args.num_fragments)
         self.previous_blocked = 0.0  # seconds the last round kept this replica waiting, sent with the next sync
         self.fragment_syncs = 0  # fragment syncs completed since this process started (inner_steps auto measures 2F)
         self.auto_choice: dict | None = None  # the inner_steps auto decision, once made
-        self.background: ThreadPoolExecutor | None = None
-        self.total_rounds: int | None = None
         self.last_round_tokens = 0  # tokens of the round launched last (torchft carries them over a rollback)
         self.round_started = time.perf_counter()
         self._reset_round()
@@ -101,6 +123,14 @@ class OuterLoopCallback(TrainerCallback):
     @property
     def sync_every(self) -> int:
         return self.schedule.sync_every
+
+    @property
+    def total_rounds(self) -> int | None:
+        return self.log.total_rounds
+
+    @property
+    def history(self) -> list[dict]:
+        return self.log.history
 
     def request_stop(self) -> None:
         """Stop at the end of the current round, with a checkpoint. Safe to call from a signal handler.
@@ -128,7 +158,7 @@ class OuterLoopCallback(TrainerCallback):
             self.round_tokens += input_ids.numel()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._flush_pending()
+        self.log.flush()
         self._step_started = time.perf_counter()
 
     # --- start of training ---
@@ -173,15 +203,15 @@ class OuterLoopCallback(TrainerCallback):
             self._load_schedule()
             self._load_replica_state()
             self.saved_outer_state = None
-        self.total_rounds = self.schedule.total_rounds(state.max_steps)
+        self.log.total_rounds = self.schedule.total_rounds(state.max_steps)
         self.cumulative_bytes = 0
         self.train_started = time.time()
         if self.trainer.is_world_process_zero():
             rounds = read_sync_rounds(args.output_dir)
             reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
-            self.writer = RoundWriter(args.output_dir)
+            self.log.writer = RoundWriter(args.output_dir)
             # torch: rounds past the checkpoint are retrained; torchft: a restarted replica continues its record.
-            kept = rounds if self.elastic else self.writer.truncate_after(state.global_step)
+            kept = rounds if self.elastic else self.log.writer.truncate_after(state.global_step)
             if resumed:
                 # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
                 self.resume_note = {"resumed_from": self.resumed_from,
@@ -203,7 +233,7 @@ class OuterLoopCallback(TrainerCallback):
             print(f"[diloco] replica {args.replica_id} joined at round {self.backend.global_round} (step "
                   f"{state.global_step}){', healed from a live peer' if joined.healed else ''}; "
                   f"{len(joined.members)} replica(s) in the quorum", flush=True)
-            self._flush_pending()
+            self.log.flush()
             self._reset_round()
 
     # --- end of each inner step: maybe sync ---
@@ -214,12 +244,12 @@ class OuterLoopCallback(TrainerCallback):
             self._step_started = None
         self.round_steps += 1
         step = state.global_step
-        lands = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps)
+        lands = self.overlap.lands(step, state.max_steps)
         at_boundary = False
         over = self.elastic and self.backend.run_over()  # torchft: healed from a replica that finished the run
         if not over and (lands or self.backend.due(step, state.max_steps)):
             stop = self._sync(state)
-            at_boundary = self.in_flight is None
+            at_boundary = self.overlap.in_flight is None
             if at_boundary:
                 self.completed_rounds += 1
                 every = args.save_every_rounds
@@ -245,48 +275,79 @@ class OuterLoopCallback(TrainerCallback):
         """The sync work of this step: land an overlapped round that is due, then run or start the round due now.
         Returns whether any replica asked to stop (known from the rounds that completed)."""
         step, stop = state.global_step, False
-        if self.in_flight is not None and (step >= self.in_flight.lands_at or step >= state.max_steps):
+        if self.overlap.lands(step, state.max_steps):
             stop |= self._land(state)
         if self.backend.due(step, state.max_steps):
             stop |= self._round(state)
         return stop
 
     def _round(self, state, joining: bool = False) -> bool:
-        """Start the backend's round, then run it here (blocking) or in the background (sync_delay > 0)."""
+        """Run the round due now: here, blocking; or with sync_delay > 0 in the background, the backend's start
+        (torchft: the quorum, which waits for the slowest replica) included, so the replica trains on meanwhile."""
         step, max_steps = state.global_step, state.max_steps
         launched = time.perf_counter()
-        start = self._guarded(lambda: self.backend.start(step, max_steps, joining=joining))
-        self.backend.last_start = start
+        local = self._local_round()  # this replica's numbers, read here, before the inner loop moves on
         self.last_round_tokens = self.round_tokens
         outer_lr = self.outer.lr()
+        stats = self._round_stats()
+        self.comm.arrive(step)
+        if self.args.sync_delay > 0 and step < max_steps and not joining:
+            fragments = self.backend.expected_fragments(step, max_steps)
+            buckets = [b for f in fragments for b in self.outer.fragment_buckets[f]]
+            deltas = snapshot(self.outer, self.comm, buckets)
+            self.overlap.launch(lambda: self._background_round(step, max_steps, local, fragments, deltas, stats),
+                                step, outer_lr, time.perf_counter() - launched)
+            self._reset_round()
+            return False
+        start = self._guarded(lambda: self.backend.start(step, max_steps, local, joining=joining))
+        self.backend.last_start = start
         if start.empty:  # nobody brings progress (every participant is joining): only the vote
             result = RoundResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote())
             self._reset_round()
             self._finish(state, start, result)
             return start.stop_requested
         buckets = [b for f in start.fragments for b in self.outer.fragment_buckets[f]]
-        stats = self._round_stats()
         deltas = None if start.stash is None else [start.stash[b] for b in buckets]
-        self.comm.arrive(step)
-        if self.args.sync_delay > 0 and step < max_steps and not joining:
-            deltas = deltas if deltas is not None else snapshot(self.outer, self.comm, buckets)
-            if self.background is None:
-                self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-            future = self.background.submit(self._timed_exchange, buckets, deltas, stats, start.weight)
-            self.in_flight = InFlight(future, step, step + self.args.sync_delay, start.fragments, outer_lr,
-                                      time.perf_counter() - launched, start)
-            self._reset_round()
-            return start.stop_requested
-        with self._timeout_names_the_absent(step):
+        exchanged = time.perf_counter()
+        with self.comm.naming_the_absent(step):
             if deltas is None:  # a blocking round takes θ_global as it is (α applies to overlapped rounds only)
                 result = outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
                                      stats=stats, weight=start.weight, alpha=0.0)
             else:
                 result = land(self.outer, exchange(self.comm, buckets, deltas, codec=self.codec,
                                                    feedback=self.feedback, stats=stats, weight=start.weight))
-        seconds = time.perf_counter() - launched
+        done = time.perf_counter()
         self._reset_round()
-        return start.stop_requested | self._complete(state, result, start, step, outer_lr, seconds, seconds)
+        return start.stop_requested | self._complete(state, result, start, step, outer_lr, done - exchanged,
+                                                     done - launched)
+
+    def _local_round(self) -> dict:
+        """This replica's numbers for the backend's start (torchft: its row of the membership table)."""
+        local = {"steps": self.round_steps, "tokens": self.round_tokens, "loss_sum": float(self.round_loss.item()),
+                 "compute_seconds": self.round_compute, "stop_requested": self.stop_requested}
+        if self.elastic:  # a replica whose parameters are not finite comes with weight 0
+            local["finite"] = is_finite(self.outer.params)
+        return local
+
+    def _background_round(self, step, max_steps, local, fragments, deltas, stats):
+        """An overlapped round, in the background thread: the backend's start, then the exchange of the Δ_i taken
+        at launch. A replica whose round turns out to sync other fragments than it expected (torchft: it healed
+        from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
+        start = self._guarded(lambda: self.backend.start(step, max_steps, local))
+        started = time.perf_counter()
+        buckets = [b for f in start.fragments for b in self.outer.fragment_buckets[f]]
+        weight = start.weight
+        if start.fragments != fragments:
+            deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
+                      for b in buckets]
+            weight = 0.0
+        if start.empty:
+            landed = Exchange(buckets, [], RoundResult(weights=[0.0] * max(1, len(start.members)),
+                                                       committed=self.comm.vote()))
+        else:
+            landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
+                              weight=weight)
+        return start, landed, time.perf_counter() - started
 
     def _guarded(self, run):
         """torchft: a quorum that never formed becomes one sentence."""
@@ -300,45 +361,21 @@ class OuterLoopCallback(TrainerCallback):
                            f"are live, the others have finished the run, or the Lighthouse "
                            f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
 
-    @contextlib.contextmanager
-    def _timeout_names_the_absent(self, step: int):
-        """A collective that failed (sync_timeout expired, or a peer's connection closed) becomes one sentence
-        naming the replicas that never reached this sync and the last sync step each was seen at."""
-        try:
-            yield
-        except RuntimeError as error:
-            if not self.comm.active or self.comm.votes:
-                raise
-            absent = self.comm.absent(step)
-            if not absent:
-                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
-            names = ", ".join(
-                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
-                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
-            )
-            raise RunError(
-                f"the sync at step {step} gave up after waiting for {names} (sync_timeout={self.args.sync_timeout:g} "
-                f"s, or its connection closed); check that process, or raise sync_timeout for slow links."
-            ) from None
-
-    def _timed_exchange(self, buckets, deltas, stats, weight):
-        started = time.perf_counter()
-        landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
-                          weight=weight)
-        return landed, time.perf_counter() - started
-
     def _land(self, state) -> bool:
         """Wait for the overlapped round (the time it makes the inner loop wait is blocked time) and apply it, if
         it committed."""
-        flight, self.in_flight = self.in_flight, None
+        flight = self.overlap.take()
         waited = time.perf_counter()
-        with self._timeout_names_the_absent(flight.launched_at):
-            landed, exchange_seconds = flight.future.result()
+        with self.comm.naming_the_absent(flight.launched_at):
+            start, landed, exchange_seconds = flight.future.result()
+        if start.empty:
+            self._finish(state, start, landed.result)
+            return start.stop_requested
         result = land(self.outer, landed, self.args.fragment_alpha, healthy=landed.result.committed and
                       self._healthy(landed.result))
         blocked = flight.launch_seconds + time.perf_counter() - waited
-        return flight.start.stop_requested | self._complete(state, result, flight.start, flight.launched_at,
-                                                            flight.outer_lr, exchange_seconds, blocked)
+        return start.stop_requested | self._complete(state, result, start, flight.launched_at, flight.outer_lr,
+                                                     exchange_seconds, blocked)
 
     def _round_stats(self):
         """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
@@ -374,7 +411,7 @@ class OuterLoopCallback(TrainerCallback):
         record = {} if stats is None else round_record(
             stats=stats, result=result, step=state.global_step, round_number=self.schedule.round_at(launched_at),
             fragments=start.fragments, cumulative_bytes=self.cumulative_bytes, sync_seconds=sync_seconds,
-            blocked=start.quorum_seconds + blocked, outer_lr=outer_lr, inner_lr=self.trainer._get_learning_rate(),
+            blocked=blocked, outer_lr=outer_lr, inner_lr=self.trainer._get_learning_rate(),
             num_replicas=self.comm.num_replicas, group_size=self.comm.group_size,
             ddp_payload=sum(p.numel() * p.element_size() for p in self.outer.params),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
@@ -390,41 +427,17 @@ class OuterLoopCallback(TrainerCallback):
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
     def _finish(self, state, start: RoundStart, result: RoundResult, record: dict | None = None) -> None:
-        """The backend's word on the round (torchft: commit bookkeeping, membership), then the record is queued."""
-        membership = self.backend.finish(start, result)
-        if start.empty:  # a round with nothing exchanged (every participant joining) has no record
-            return
-        if membership:
-            for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
-                record = record or {}
-                record.pop(key, None)
-            record = self._membership_record(state, start, result, record or {}, membership)
-        if not record:
+        """The backend's word on the round (torchft: commit bookkeeping, membership in the record), then the record
+        is queued. A round with nothing exchanged (every participant joining) has no record."""
+        record = self.backend.finish(start, result, record or {})
+        if start.empty or not record:
             return
         record.update(self.resume_note)
         self.resume_note = {}
         if self.startup_bytes is not None:  # the first round: what starting from identical parameters cost
             record["startup_bytes"] = self.startup_bytes
             self.startup_bytes = None
-        self.pending_records.append(record)
-
-    def _membership_record(self, state, start: RoundStart, result: RoundResult, record: dict, membership: dict):
-        """torchft: the record names every member of the round (participants with their rows, absent ones), and
-        its loss and tokens are the members' (known even when the round rolled back)."""
-        members = [m for m in membership["members"] if m["participated"]]
-        losses = [m["loss_sum"] / m["steps"] for m in members if m["steps"]]
-        record.update(membership)
-        if not record.get("step"):
-            record.update(step=state.global_step, time=time.time(), fragments=start.fragments,
-                          bytes_per_replica=result.cost.bytes_sent, cumulative_bytes_per_replica=self.cumulative_bytes,
-                          sync_seconds=0.0, blocked_seconds=start.quorum_seconds, compute_seconds=0.0,
-                          outer_lr=self.outer.lr(), inner_steps=0, ddp_bytes_per_replica=0, collectives=0,
-                          compression=self.args.compression + ("+ef" if self.feedback is not None else ""))
-        record.update(loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
-                      tokens=sum(m["tokens"] for m in members), num_replicas=membership["participants"])
-        compute = record["compute_seconds"] + record["blocked_seconds"]
-        record["tokens_per_second"] = self.last_round_tokens / compute if compute > 0 else 0.0
-        return record
+        self.log.queue(record)
 
     def _choose_inner_steps(self, stats: RoundStats, launched_at: int, max_steps: int) -> dict:
         """inner_steps auto, from what the first rounds measured, the same on every replica (every number comes
@@ -438,7 +451,7 @@ class OuterLoopCallback(TrainerCallback):
                                     sync_delay=self.args.sync_delay, max_sync_overhead=overhead)
         self.schedule.restart_at(launched_at, chosen)
         self.args.inner_steps = chosen
-        self.total_rounds = self.schedule.total_rounds(max_steps)
+        self.log.total_rounds = self.schedule.total_rounds(max_steps)
         self.auto_choice = {"step_seconds": step_seconds, "sync_seconds": sync_seconds,
                             "max_sync_overhead": overhead, "chosen": chosen, "from_step": launched_at}
         if self.trainer.is_world_process_zero():
@@ -524,33 +537,11 @@ class OuterLoopCallback(TrainerCallback):
     # --- reporting ---
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        eval_loss = (metrics or {}).get("eval_loss")
-        if self.pending_records and self.pending_records[-1]["step"] == state.global_step:
-            self.pending_records[-1]["eval_loss"] = eval_loss
-            self._flush_pending()
-        elif state.global_step == 0:  # eval_on_start: the model before any training
-            self.initial_eval_loss = eval_loss
-
-    def _flush_pending(self) -> None:
-        records, self.pending_records = self.pending_records, []
-        for record in records:
-            self.history.append(record)
-            if self.writer is None:
-                continue
-            self.writer.write(record)
-            line = format_round(record, self.total_rounds)
-            if self.args.disable_tqdm:
-                print(line, flush=True)
-            else:
-                from tqdm.auto import tqdm
-
-                tqdm.write(line)
+        self.log.evaluated(state.global_step, (metrics or {}).get("eval_loss"))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.background is not None:
-            self.background.shutdown(wait=True)
-            self.background = None
-        self._flush_pending()
+        self.overlap.shutdown()
+        self.log.flush()
         # The last round's agreement has no next sync to ride with; each replica hands it over through the store.
         last_agreement = self.comm.replica_values("last_agreement", self.previous_agreement, args.sync_timeout)
         if self.elastic and self.backend.run_over() and args.end_linger_seconds > 0:
@@ -560,11 +551,11 @@ class OuterLoopCallback(TrainerCallback):
                       f"{', '.join(map(str, served))}, which missed the last round", flush=True)
         if self.backend is not None:
             self.backend.shutdown()
-        if self.writer is None:
+        if self.log.writer is None:
             return
-        self.writer.close()
+        self.log.writer.close()
         totals = summary(self.history, steps=state.global_step, train_started=self.train_started,
-                         initial_eval_loss=self.initial_eval_loss, settings={
+                         initial_eval_loss=self.log.initial_eval_loss, settings={
                              "num_replicas": self.args.num_replicas if self.elastic else self.comm.num_replicas,
                              "replica_group_size": self.args.replica_group_size,
                              "inner_steps": self.args.inner_steps,

@@ -15,7 +15,7 @@ Design choices:
 - The outer step runs in `on_step_end`, after the inner optimizer and scheduler stepped and before Trainer logs,
   evaluates or saves, so evaluations and checkpoints see θ_global.
 - Checkpoints are Trainer's (`checkpoint-<step>`), plus each replica's own inner optimizer and scheduler state
-  (`replica-<rank>/`) and the outer state (`diloco_outer.pt`: θ_global in fp32 and the outer optimizer); a marker
+  (`process-<rank>/`) and the outer state (`diloco_outer.pt`: θ_global in fp32 and the outer optimizer); a marker
   written last says one is whole (hf_diloco.checkpoints).
 """
 
@@ -30,7 +30,6 @@ import torch
 from transformers import Trainer
 
 from . import checkpoints
-from .checkpoints import REPLICA_DIR
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
@@ -237,7 +236,7 @@ class DiLoCoTrainer(Trainer):
                 checkpoints.rotate(run_dir, limit, self.state.best_model_checkpoint)
 
     def _replica_dir(self, checkpoint: str) -> Path:
-        return Path(checkpoint) / REPLICA_DIR.format(rank=self.args.process_index)
+        return checkpoints.part_dir(checkpoint, self.args.process_index)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         replica_dir = self._replica_dir(output_dir)

@@ -130,7 +130,7 @@ def test_compressed_streamed_rounds_show_codec_ratio_fragments_and_waiting(tmp_p
         rounds.append(record)
     table = views.round_rows(rounds)
     newest = table.iloc[0]
-    assert (newest["fragments"], newest["codec"], newest["× fewer"]) == ("2", "int4+ef", 7.9)
+    assert (newest["fragments"], newest["compression"], newest["× fewer"]) == ("2", "int4+ef", 7.9)
     assert (newest["sync s"], newest["blocked s"]) == (0.4, 0.02)
     bar = views.status_html(make_run(tmp_path, rounds=rounds))
     assert "int4+ef (7.9× fewer bytes)" in bar and "waited for syncs 0.0 s" in bar

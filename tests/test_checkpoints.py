@@ -27,7 +27,7 @@ def written(run_dir: Path, step: int, replicas: int = 2) -> Path:
     for name in ("model.safetensors", "trainer_state.json", "diloco_outer.pt"):
         (folder / name).write_text(f"{name} of step {step}")
     for rank in range(replicas):
-        part = folder / f"replica-{rank}"
+        part = folder / f"process-{rank}"
         part.mkdir()
         (part / "optimizer.pt").write_text(f"optimizer of replica {rank}")
         checkpoints.finish_part(part)
@@ -44,6 +44,8 @@ def earlier_version(run_dir: Path, step: int) -> Path:
     """A checkpoint written before the marker existed: no note and no marker, every part marked."""
     folder = complete(run_dir, step)
     (folder / checkpoints.MARKER_FILE).unlink()
+    for part in folder.glob("process-*"):  # earlier versions named a process's part replica-<rank>
+        part.rename(folder / part.name.replace("process-", "replica-"))
     return folder
 
 
@@ -58,10 +60,10 @@ def test_a_checkpoint_is_complete_only_with_its_marker_and_every_file_it_lists(t
     listed = json.loads((marked / checkpoints.MARKER_FILE).read_text())
     assert listed["step"] == 20 and listed["processes"] == 2
     assert set(listed["files"]) == {"model.safetensors", "trainer_state.json", "diloco_outer.pt",
-                                    "replica-0/optimizer.pt", "replica-0/complete", "replica-1/optimizer.pt",
-                                    "replica-1/complete"}
+                                    "process-0/optimizer.pt", "process-0/complete", "process-1/optimizer.pt",
+                                    "process-1/complete"}
 
-    (marked / "replica-1" / "optimizer.pt").unlink()
+    (marked / "process-1" / "optimizer.pt").unlink()
     assert not checkpoints.is_complete(marked), "a listed file is missing"
     truncated = complete(tmp_path, 30)
     (truncated / "model.safetensors").write_text("cut")
@@ -70,6 +72,13 @@ def test_a_checkpoint_is_complete_only_with_its_marker_and_every_file_it_lists(t
     text = (cut_marker / checkpoints.MARKER_FILE).read_text()
     (cut_marker / checkpoints.MARKER_FILE).write_text(text[: len(text) // 2])
     assert not checkpoints.is_complete(cut_marker), "a marker cut short by a kill does not parse"
+
+
+def test_an_earlier_versions_part_folder_is_read_where_it_is(tmp_path):
+    """Checkpoints of earlier versions keep each process's part in replica-<rank>/; a resume finds it there."""
+    old = earlier_version(tmp_path, 10)
+    assert checkpoints.part_dir(old, 1) == old / "replica-1"
+    assert checkpoints.part_dir(complete(tmp_path, 20), 1) == tmp_path / "checkpoint-20" / "process-1"
 
 
 def test_folders_of_earlier_versions_and_of_plain_trainer_count_as_complete(tmp_path):

@@ -61,7 +61,7 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
     tmp, _ = paper_run
     rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2, 3]
-    assert [r["inner_steps"] for r in rounds] == [5, 5, 2]
+    assert [r["round_steps"] for r in rounds] == [5, 5, 2]
     assert len(rounds[0]["replica_losses"]) == 2
     assert rounds[0]["replica_losses"][0] != rounds[0]["replica_losses"][1], "replicas must read different shards"
     assert rounds[-1]["loss"] < rounds[0]["loss"]
@@ -70,7 +70,7 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
         numel = r["synced_parameters"]
         # Ring all-reduce of the fp32 pseudo-gradient plus M x k metric slots: 2 (M-1)/M x payload = payload.
         assert r["bytes_per_replica"] == (numel + SLOTS) * 4
-        assert r["ddp_bytes_per_replica"] == r["inner_steps"] * numel * 4
+        assert r["ddp_bytes_per_replica"] == r["round_steps"] * numel * 4
 
 
 def test_replica_agreement_matches_the_recorded_norms(paper_run):

@@ -40,7 +40,7 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
     # The run folder holds checkpoints (with per-replica optimizer states), TensorBoard files and run metrics;
     # none of them belongs in the model repository.
     local = {str(p.relative_to(finished_run)) for p in finished_run.rglob("*") if p.is_file()}
-    for kept_local in ("checkpoint-3/model.safetensors", "checkpoint-6/replica-0/optimizer.pt", "run_metrics.json"):
+    for kept_local in ("checkpoint-3/model.safetensors", "checkpoint-6/process-0/optimizer.pt", "run_metrics.json"):
         assert kept_local in local, sorted(local)
     assert any(name.startswith("runs/") for name in local)
     assert not any(name.startswith(("checkpoint", "replica-", "runs")) or "/" in name for name in files), sorted(files)
@@ -131,10 +131,10 @@ def test_card_of_a_slow_link_run_lists_its_codec_and_streaming_settings(tmp_path
                                     "max_sync_overhead": 0.05}}]
     (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     card = model_card(tmp_path, settings=run_settings(args, trainer="diloco"), curve=False)
-    assert "| fewer bytes than fp32 syncs (codec) | 7.6x |" in card
+    assert "| fewer bytes than fp32 syncs (compression) | 7.6x |" in card
     assert "| H chosen by inner_steps auto | 40 from step 20 (a step 0.05 s, waiting for a sync 0.1 s, at most 5% " \
            "waiting) |" in card
-    assert "| pseudo-gradient codec (`compression`) | int4 | none |" in card
+    assert "| pseudo-gradient compression (`compression`) | int4 | none |" in card
     assert "| error feedback (`error_feedback`) | True | False |" in card
     assert "| streaming fragments (`num_fragments`) | 5 | 1 |" in card
     assert "| sync overlapped with inner steps (τ) (`sync_delay`) | 2 | 0 |" in card

@@ -96,8 +96,8 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
 
     for step in (10, 20, 30):
         folder = tmp_path / f"checkpoint-{step}"
-        (folder / "replica-0").mkdir(parents=True)
-        for name in ("model.safetensors", "diloco_outer.pt", "replica-0/optimizer.pt"):
+        (folder / "process-0").mkdir(parents=True)
+        for name in ("model.safetensors", "diloco_outer.pt", "process-0/optimizer.pt"):
             (folder / name).write_text(name)
         checkpoints.mark_complete(folder, step, processes=1)
     complete = sorted(p.relative_to(tmp_path / "checkpoint-10").as_posix()

@@ -37,14 +37,14 @@ def uninterrupted(tmp_path_factory):
 def test_round_checkpoint_holds_every_replica_and_the_outer_state(uninterrupted):
     checkpoint = uninterrupted / "checkpoint-20"
     for rank in (0, 1):
-        assert (checkpoint / f"replica-{rank}" / "optimizer.pt").is_file()
-        assert (checkpoint / f"replica-{rank}" / "scheduler.pt").is_file()
+        assert (checkpoint / f"process-{rank}" / "optimizer.pt").is_file()
+        assert (checkpoint / f"process-{rank}" / "scheduler.pt").is_file()
         assert (checkpoint / f"rng_state_{rank}.pth").is_file()
     outer = torch.load(checkpoint / "diloco_outer.pt", weights_only=True)
     assert outer["global_params"][0].dtype == torch.float32
     assert outer["optimizer"]["state"], "the outer momentum buffers must be saved"
     # The replicas' inner optimizers saw different data, so their states differ.
-    states = [torch.load(checkpoint / f"replica-{r}" / "optimizer.pt", weights_only=True) for r in (0, 1)]
+    states = [torch.load(checkpoint / f"process-{r}" / "optimizer.pt", weights_only=True) for r in (0, 1)]
     assert not torch.equal(states[0]["state"][0]["exp_avg"], states[1]["state"][0]["exp_avg"])
 
 
