@@ -31,10 +31,10 @@ from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Ru
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "codec", "× fewer",
+ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
                  "sync s", "blocked s", "compute s", "tokens/s"]
 MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
-RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "codec", "loss", "started", "reason"]
+RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
 # Series keep their colour whatever else is on the plot: replica i is always PALETTE[i], held-out loss black.
@@ -250,7 +250,9 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
         rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
                 for r in rounds for i, loss in replica_losses(r)]
         if len(rounds) == 1:
-            first = rounds[0]["step"] - rounds[0].get("inner_steps", rounds[0]["step"])
+            # round_steps: the steps the round took (runs written before it was named so: inner_steps)
+            taken = rounds[0].get("round_steps", rounds[0].get("inner_steps", rounds[0]["step"]))
+            first = rounds[0]["step"] - taken
             rows += [{**row, "step": first} for row in rows]
         held_out = evals or [{"step": r["step"], "loss": r["eval_loss"]} for r in rounds
                              if r.get("eval_loss") is not None]

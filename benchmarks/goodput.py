@@ -124,8 +124,8 @@ def free_port() -> int:
 def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int,
         round_seconds: float = 0.0) -> dict:
     """One launch of a scenario, as a user would start it; returns its measurements."""
-    from hf_diloco.elastic import replica_overrides
     from hf_diloco.launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
+    from hf_diloco.torchft_backend import replica_overrides
 
     env_before = dict(os.environ)
     os.environ.update(run_env(1))

@@ -6,7 +6,7 @@ code whatever the backend. A backend supplies only the membership around it and 
     torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every round
               with weight 1, fragments follow the step schedule, and a round is a barrier (a replica that never
               arrives ends the run after sync_timeout).
-    torchft   `hf_diloco.elastic.ElasticRounds`: a Lighthouse quorum per round, participants only, token and
+    torchft   `hf_diloco.torchft_backend.TorchftRounds`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
 

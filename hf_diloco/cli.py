@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan(training.dry_run_plan(run, config))
         return 0
 
-    from .elastic import require_lighthouse
+    from .torchft_backend import require_lighthouse
 
     require_lighthouse(config)
     trainer = training.train(run, config)
@@ -195,7 +195,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise CLIError(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     if config.outer_backend == "torchft":
-        return launch_elastic(args, config)
+        return launch_torchft(args, config)
     if args.replicas:
         raise CLIError("--replicas starts torchft replicas; set outer_backend: torchft (the torch backend takes its "
                        "replica count from the accelerate config).")
@@ -208,11 +208,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
 
 
-def launch_elastic(args: argparse.Namespace, config) -> int:
+def launch_torchft(args: argparse.Namespace, config) -> int:
     """outer_backend torchft: one launch per replica. With --replicas N: a Lighthouse (unless --lighthouse names
     one) and N replicas on this machine, each started again when it fails; without: this one replica."""
-    from .elastic import replica_overrides, require_lighthouse
     from .launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
+    from .torchft_backend import replica_overrides, require_lighthouse
 
     if launch_args_of(args):
         raise CLIError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "

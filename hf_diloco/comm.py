@@ -111,7 +111,7 @@ class ReplicaComm:
     With one process (no process group, or a world of one) every collective is a local no-op costing 0 bytes, so
     the same code path serves a single process and a fleet. The three collectives across replicas
     (`_all_reduce`, `_all_to_all`, `_all_gather`) are the only methods another backend replaces
-    (hf_diloco.elastic.TorchftComm runs them on torchft's process group over the round's quorum).
+    (hf_diloco.torchft_backend.TorchftComm runs them on torchft's process group over the round's quorum).
     """
 
     # A backend that votes on every round (torchft) holds the averaged pseudo-gradient until the vote and applies

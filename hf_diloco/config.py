@@ -263,9 +263,9 @@ class DiLoCoConfig(TrainingArguments):
         if self.outer_backend not in ("torch", "torchft"):
             raise ConfigError(f"outer_backend must be torch or torchft, got {self.outer_backend!r}.")
         if self.outer_backend == "torchft":
-            from .elastic import check_elastic, require_torchft
+            from .torchft_backend import check_torchft, require_torchft
 
-            check_elastic(self)
+            check_torchft(self)
             require_torchft()
 
     def _validate_diloco_fields(self) -> None:

@@ -96,7 +96,7 @@ def _stopped_since(output_dir: str, since: float) -> bool:
 
 def start_lighthouse(bind: str, min_replicas: int, grace_seconds: float, heartbeat_timeout_seconds: float = 5.0):
     """torchft's Lighthouse, serving in this process until `.shutdown()`; its address is `.address()`."""
-    from .elastic import require_torchft
+    from .torchft_backend import require_torchft
 
     require_torchft()
     from torchft._torchft import LighthouseServer

@@ -3,7 +3,7 @@
 `OuterLoopCallback` is the whole of DiLoCo's life inside `Trainer`'s loop; each job it needs is somewhere else:
 
     schedule      which fragment syncs when, the inner_steps auto choice      hf_diloco.schedule
-    backend       who takes part, with what weight, the vote                   hf_diloco.backends / .elastic
+    backend       who takes part, with what weight, the vote                   hf_diloco.backends / .torchft_backend
     the round     pseudo-gradient, codec, error feedback, outer step           hf_diloco.outer
     overlap       a fragment's exchange in a background thread for τ steps     `Overlap` below
     reporting     records queued until the round's evaluation, then written    hf_diloco.records.RoundLog
@@ -89,7 +89,7 @@ class OuterLoopCallback(TrainerCallback):
         self.args: DiLoCoConfig = trainer.args
         self.outer: OuterLoop | None = None
         self.comm: ReplicaComm | None = None
-        self.backend = None  # FixedGroup or elastic.ElasticRounds, made at the start of training
+        self.backend = None  # FixedGroup or torchft_backend.TorchftRounds, made at the start of training
         self.codec: Codec | None = None if self.args.compression == "none" else make_codec(
             self.args.compression, chunk=self.args.compression_chunk, sparse_k=self.args.sparse_k,
             sparse_chunk=self.args.sparse_chunk, sparse_bits=self.args.sparse_bits)
@@ -117,7 +117,7 @@ class OuterLoopCallback(TrainerCallback):
         self._reset_round()
 
     @property
-    def elastic(self) -> bool:
+    def on_torchft(self) -> bool:
         return self.args.outer_backend == "torchft"
 
     @property
@@ -168,7 +168,7 @@ class OuterLoopCallback(TrainerCallback):
         named = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         resumed = self.saved_outer_state is not None
-        if not self.elastic and not resumed:
+        if not self.on_torchft and not resumed:
             # The replicas must start from identical parameters: checked by digest before the first inner step,
             # and rank 0's broadcast only where they differ. Reported with the first round (`startup_bytes`).
             # (torchft: the first quorum gives every replica the primary's parameters.)
@@ -187,10 +187,10 @@ class OuterLoopCallback(TrainerCallback):
             bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)),
             fragments=fragments,
         )
-        if self.elastic:
-            from .elastic import ElasticRounds
+        if self.on_torchft:
+            from .torchft_backend import TorchftRounds
 
-            self.backend = ElasticRounds(self, args)
+            self.backend = TorchftRounds(self, args)
         else:
             self.backend = FixedGroup(self.trainer.comm, self.schedule)
         self.comm = self.backend.comm
@@ -211,7 +211,7 @@ class OuterLoopCallback(TrainerCallback):
             reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
             self.log.writer = RoundWriter(args.output_dir)
             # torch: rounds past the checkpoint are retrained; torchft: a restarted replica continues its record.
-            kept = rounds if self.elastic else self.log.writer.truncate_after(state.global_step)
+            kept = rounds if self.on_torchft else self.log.writer.truncate_after(state.global_step)
             if resumed:
                 # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
                 self.resume_note = {"resumed_from": self.resumed_from,
@@ -220,13 +220,14 @@ class OuterLoopCallback(TrainerCallback):
             logger.info(
                 "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s, "
                 "compression %s%s, %d fragment(s), sync delay %d, backend %s",
-                self.args.num_replicas if self.elastic else self.comm.num_replicas, args.inner_steps, self.outer.numel,
-                args.outer_optimizer, args.outer_lr, args.outer_momentum, " (Nesterov)" if args.outer_nesterov else "",
+                self.args.num_replicas if self.on_torchft else self.comm.num_replicas, args.inner_steps,
+                self.outer.numel, args.outer_optimizer, args.outer_lr, args.outer_momentum,
+                " (Nesterov)" if args.outer_nesterov else "",
                 args.compression, " + error feedback" if args.error_feedback else "", args.num_fragments,
                 args.sync_delay, args.outer_backend,
             )
         self._reset_round()
-        if self.elastic:
+        if self.on_torchft:
             # Before the first inner step: join the quorum; a late (or restarted) replica heals from a live peer here.
             self._round(state, joining=True)
             joined = self.backend.last_start
@@ -246,7 +247,7 @@ class OuterLoopCallback(TrainerCallback):
         step = state.global_step
         lands = self.overlap.lands(step, state.max_steps)
         at_boundary = False
-        over = self.elastic and self.backend.run_over()  # torchft: healed from a replica that finished the run
+        over = self.on_torchft and self.backend.run_over()  # torchft: healed from a replica that finished the run
         if not over and (lands or self.backend.due(step, state.max_steps)):
             stop = self._sync(state)
             at_boundary = self.overlap.in_flight is None
@@ -261,7 +262,7 @@ class OuterLoopCallback(TrainerCallback):
                     logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
                 control.should_save = True
                 control.should_training_stop = True
-        if self.elastic and self.backend.run_over() and not control.should_training_stop:
+        if self.on_torchft and self.backend.run_over() and not control.should_training_stop:
             # The run ended by its round count (or this replica healed from one that finished it): the final model
             # is θ_global, whatever this replica trained since its last round.
             self.outer.copy_global_to_replica()
@@ -325,7 +326,7 @@ class OuterLoopCallback(TrainerCallback):
         """This replica's numbers for the backend's start (torchft: its row of the membership table)."""
         local = {"steps": self.round_steps, "tokens": self.round_tokens, "loss_sum": float(self.round_loss.item()),
                  "compute_seconds": self.round_compute, "stop_requested": self.stop_requested}
-        if self.elastic:  # a replica whose parameters are not finite comes with weight 0
+        if self.on_torchft:  # a replica whose parameters are not finite comes with weight 0
             local["finite"] = is_finite(self.outer.params)
         return local
 
@@ -354,7 +355,7 @@ class OuterLoopCallback(TrainerCallback):
         try:
             return run()
         except (RuntimeError, TimeoutError) as error:
-            if not self.elastic:
+            if not self.on_torchft:
                 raise
             raise RunError(f"the torchft round failed ({first_line(error)}): no round formed within sync_timeout="
                            f"{self.args.sync_timeout:g} s; fewer than min_replicas={self.args.min_replicas} replicas "
@@ -471,7 +472,7 @@ class OuterLoopCallback(TrainerCallback):
         moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         if not is_finite(moments):
             optimizer.state.clear()
-        replica = self.args.replica_id if self.elastic else self.comm.replica_index
+        replica = self.args.replica_id if self.on_torchft else self.comm.replica_index
         logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the round out and "
                        "restarts from the global parameters.", replica, step)
 
@@ -544,7 +545,7 @@ class OuterLoopCallback(TrainerCallback):
         self.log.flush()
         # The last round's agreement has no next sync to ride with; each replica hands it over through the store.
         last_agreement = self.comm.replica_values("last_agreement", self.previous_agreement, args.sync_timeout)
-        if self.elastic and self.backend.run_over() and args.end_linger_seconds > 0:
+        if self.on_torchft and self.backend.run_over() and args.end_linger_seconds > 0:
             served = self.backend.linger(state.global_step, state.max_steps)
             if served:
                 print(f"[diloco] replica {args.replica_id} handed the final model to replica(s) "
@@ -556,7 +557,7 @@ class OuterLoopCallback(TrainerCallback):
         self.log.writer.close()
         totals = summary(self.history, steps=state.global_step, train_started=self.train_started,
                          initial_eval_loss=self.log.initial_eval_loss, settings={
-                             "num_replicas": self.args.num_replicas if self.elastic else self.comm.num_replicas,
+                             "num_replicas": self.args.num_replicas if self.on_torchft else self.comm.num_replicas,
                              "replica_group_size": self.args.replica_group_size,
                              "inner_steps": self.args.inner_steps,
                              "synced_parameters": self.outer.numel if self.outer else 0,

@@ -74,7 +74,7 @@ def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str]
     return command + [*(launch_args or []), "-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
 
 
-def elastic_command(recipe: str, accelerate_config: str, replicas: int, overrides: list[str]) -> list[str]:
+def torchft_command(recipe: str, accelerate_config: str, replicas: int, overrides: list[str]) -> list[str]:
     """The `hf-diloco launch RECIPE --accelerate-config CONFIG --replicas N ...` command of an `outer_backend:
     torchft` run, as an argument list: a torchft Lighthouse and N replica launches, replica r writing
     `<output_dir>/replica-r`. `overrides` are recipe fields."""
@@ -193,7 +193,7 @@ def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[st
          launch_args: list[str] | None = None, name: str = "", replicas: int | None = None) -> Run:
     """The run that `start_planned` will start: its id, output folder and exact command (nothing is created).
 
-    With `replicas`, an `outer_backend: torchft` run of that many replicas (`elastic_command`; its replicas meet
+    With `replicas`, an `outer_backend: torchft` run of that many replicas (`torchft_command`; its replicas meet
     through the Lighthouse, so `port` and `launch_args` do not apply); otherwise one `accelerate launch`.
     """
     run_id = new_run_id(runs_dir, name or recipe)
@@ -201,7 +201,7 @@ def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[st
     fields = [*overrides, "--output_dir", output_dir]
     if replicas is not None:
         assert port is None and not launch_args, "a torchft run takes neither a rendezvous port nor launch flags"
-        command = elastic_command(recipe, accelerate_config, replicas, fields)
+        command = torchft_command(recipe, accelerate_config, replicas, fields)
     else:
         command = accelerate_command(recipe, accelerate_config, fields, port, launch_args)
     return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir, name=name or run_id)

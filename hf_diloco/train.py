@@ -198,8 +198,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
     check_arguments(run, config)
     model, _ = build_model(run)
     group = config.replica_group_size
-    elastic = config.outer_backend == "torchft"
-    replicas = config.num_replicas if elastic else int(os.environ.get("WORLD_SIZE", "1")) // group
+    on_torchft = config.outer_backend == "torchft"
+    replicas = config.num_replicas if on_torchft else int(os.environ.get("WORLD_SIZE", "1")) // group
     shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -215,7 +215,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
-        "replicas in this launch": f"1 of {replicas} (outer_backend torchft: one launch per replica)" if elastic
+        "replicas in this launch": f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
         else f"{replicas} of {group} process(es) each",
         "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
@@ -236,7 +236,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),
     }
-    if elastic:
+    if on_torchft:
         length = f"rounds of {config.round_seconds:g} s of inner steps" if config.round_seconds > 0 \
             else f"rounds of {config.inner_steps} steps"
         if config.max_steps > 0:

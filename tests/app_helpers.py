@@ -12,8 +12,8 @@ from helpers import REPO, env, free_port
 
 TINY_YAML = (REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("block_size: 256", "block_size: 64") \
     .replace("eval_on_start: true", "eval_on_start: false").replace("eval_strategy: steps", "eval_strategy: \"no\"")
-# elastic-3 (outer_backend torchft) small enough that 40 steps of 2 replicas take seconds on 2 CPU cores.
-ELASTIC_YAML = (REPO / "recipes" / "elastic-3.yaml").read_text().replace("block_size: 256", "block_size: 32") \
+# torchft-3 (outer_backend torchft) small enough that 40 steps of 2 replicas take seconds on 2 CPU cores.
+TORCHFT_YAML = (REPO / "recipes" / "torchft-3.yaml").read_text().replace("block_size: 256", "block_size: 32") \
     .replace("per_device_train_batch_size: 8", "per_device_train_batch_size: 4") \
     .replace("eval_strategy: steps", "eval_strategy: \"no\"")
 

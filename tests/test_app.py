@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from app_helpers import ELASTIC_YAML, TINY_YAML, app_server, knobs
+from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
 from gradio_client import Client
 from helpers import REPO, env
 from hub_server import FakeHub
@@ -83,7 +83,7 @@ def table(value) -> dict:
 
 
 def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
-    """Recipe elastic-3 (outer_backend torchft) with 2 replicas: Preview shows, and Start runs, one `hf-diloco
+    """Recipe torchft-3 (outer_backend torchft) with 2 replicas: Preview shows, and Start runs, one `hf-diloco
     launch ... --replicas 2` with the one-process-per-replica config. The run writes only replica-r/ folders, and
     Live reads them: the round table has each round once, the membership table one row per round with a cell per
     replica, both as the replicas recorded them; the status bar, the Runs table and the model card follow."""
@@ -91,10 +91,10 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
     with app_server(runs_dir) as url:
         client = Client(url, verbose=False)
         values = knobs(replicas=2, inner_steps=10, max_steps=40)
-        wrong = client.predict("", "elastic-3.yaml", ELASTIC_YAML, "cpu-2proc.yaml", *values, api_name="/preview")[1]
+        wrong = client.predict("", "torchft-3.yaml", TORCHFT_YAML, "cpu-2proc.yaml", *values, api_name="/preview")[1]
         assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
 
-        form = ["", "elastic-3.yaml", ELASTIC_YAML, "torchft-replica.yaml", *values]
+        form = ["", "torchft-3.yaml", TORCHFT_YAML, "torchft-replica.yaml", *values]
         command, message = client.predict(*form, api_name="/preview")
         assert "Form is valid" in message, message
         assert " -m hf_diloco.cli launch " in command and " --replicas 2 " in command, command
@@ -151,9 +151,9 @@ BAD_FORMS = {
     "3 processes over 2 machines": (["tiny-pretrain.yaml", "cpu-2proc.yaml",
                                      knobs(replicas=3, num_machines=2, machine_rank=1)],
                                     "spreads 3 processes over 2 machines"),
-    "torchft over machines": (["elastic-3.yaml", "torchft-replica.yaml", knobs(num_machines=2, machine_rank=1)],
+    "torchft over machines": (["torchft-3.yaml", "torchft-replica.yaml", knobs(num_machines=2, machine_rank=1)],
                               "the distributed settings (machines, this machine's rank) do not apply to a torchft run"),
-    "torchft below its quorum": (["elastic-3.yaml", "torchft-replica.yaml", knobs(replicas=1)],
+    "torchft below its quorum": (["torchft-3.yaml", "torchft-replica.yaml", knobs(replicas=1)],
                                  "replicas = 1 is below the recipe's min_replicas = 2"),
 }
 

@@ -182,8 +182,8 @@ def test_a_torchft_run_is_read_from_its_replica_folders(tmp_path):
     write_replica(output, 1, [torchft_round(n, m, writer=1) for n, m in
                               ((1, everyone), (2, without_2), (3, everyone), (4, everyone))], step=45)
     write_replica(output, 2, [torchft_round(3, everyone, writer=2), torchft_round(4, everyone, writer=2)], step=45)
-    run = Run("ft", str(REPO / "recipes" / "elastic-3.yaml"), "c.yaml", ["--max_steps", "100"],
-              ["python", "-m", "hf_diloco.cli", "launch", "elastic-3.yaml", "--replicas", "3"], str(output))
+    run = Run("ft", str(REPO / "recipes" / "torchft-3.yaml"), "c.yaml", ["--max_steps", "100"],
+              ["python", "-m", "hf_diloco.cli", "launch", "torchft-3.yaml", "--replicas", "3"], str(output))
     rounds = views.read_rounds(run)
     assert [(r["round"], r["committed"], r["replica"]) for r in rounds] == [(1, True, 0), (2, True, 0),
                                                                             (3, True, 0), (4, True, 1)]

@@ -159,13 +159,13 @@ def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(brows
 
 
 def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(browser, tmp_path):
-    """Fresh app: choosing elastic-3 (outer_backend torchft) picks the one-process-per-replica config; 2 replicas,
+    """Fresh app: choosing torchft-3 (outer_backend torchft) picks the one-process-per-replica config; 2 replicas,
     H = 5. On Live, the membership table appears with the first round: one row per round, a column per replica,
     each replica's steps in its cells. Stop ends the run as stopped, every replica after the same round, and the
     table then holds exactly the rounds the replicas recorded."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
-        page = open_form(browser, url, "elastic-3.yaml")
+        page = open_form(browser, url, "torchft-3.yaml")
         wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
                    "the torchft replica config to be chosen")
         fill(page, "knob-replicas", "2")

@@ -174,7 +174,7 @@ def test_run_json_changes_from_two_writers_are_both_kept(tmp_path):
     assert final["stop_requested"] == 123.0 and final["exit_code"] == 0 and final["status"] == "finished"
 
 
-ELASTIC_RECIPE = str(REPO / "recipes" / "elastic-3.yaml")
+TORCHFT_RECIPE = str(REPO / "recipes" / "torchft-3.yaml")
 TORCHFT_REPLICA = str(REPO / "accelerate_configs" / "torchft-replica.yaml")
 ELASTIC_SHORT = ["--max_steps", "4000", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size",
                  "4", "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_timeout", "30"]
@@ -188,8 +188,8 @@ def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_r
     1 went on alone, waited for a round that never formed and failed."""
     for key, value in env().items():
         monkeypatch.setenv(key, value)
-    run = runs.start(tmp_path, ELASTIC_RECIPE, TORCHFT_REPLICA, ELASTIC_SHORT, replicas=2)
-    assert run.command[3:5] == ["launch", ELASTIC_RECIPE] and run.command[-2:] == ["--output_dir", run.output_dir]
+    run = runs.start(tmp_path, TORCHFT_RECIPE, TORCHFT_REPLICA, ELASTIC_SHORT, replicas=2)
+    assert run.command[3:5] == ["launch", TORCHFT_RECIPE] and run.command[-2:] == ["--output_dir", run.output_dir]
     output = Path(run.output_dir)
     wait_for(lambda: all(read_sync_rounds(output / f"replica-{r}") for r in (0, 1)), 120, "a round of both replicas")
     (output / "replica-0" / runs.STOP_FILE).write_text(f"{time.time()}\n")

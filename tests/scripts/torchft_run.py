@@ -1,4 +1,4 @@
-"""One torchft replica of a FedAvg-style run on the tiny model (the elastic tests start several, and a Lighthouse).
+"""One torchft replica of a FedAvg-style run on the tiny model (the torchft tests start several, and a Lighthouse).
 
 Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
 "max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch",
@@ -30,7 +30,7 @@ if settings.get("die_in_all_gather"):
     import os
     import signal
 
-    from hf_diloco.elastic import TorchftComm
+    from hf_diloco.torchft_backend import TorchftComm
 
     calls = {"all_gather": 0}
     all_gather = TorchftComm._all_gather
@@ -60,7 +60,7 @@ class Pace(TrainerCallback):
         (out / f"step{replica}.txt").write_text(str(state.global_step))
 
 
-elastic = {} if backend == "torch" else dict(
+torchft_fields = {} if backend == "torch" else dict(
     outer_backend="torchft", lighthouse=settings["lighthouse"], replica_id=replica,
     num_replicas=settings.get("replicas", 1), min_replicas=settings.get("min_replicas", 1),
     round_seconds=settings.get("round_seconds", 0.0), sync_timeout=settings.get("sync_timeout", 60),
@@ -70,7 +70,7 @@ config = DiLoCoConfig(
     output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
     learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
     inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
-    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0, **elastic,
+    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0, **torchft_fields,
     **settings.get("round", {}),
 )
 trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=config, train_dataset=pattern_dataset(256),

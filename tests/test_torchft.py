@@ -18,7 +18,7 @@ from helpers import REPO, accelerate_launch, env, free_port, hf_diloco
 
 from hf_diloco.metrics import read_sync_rounds
 
-ELASTIC_RUN = str(REPO / "tests" / "scripts" / "elastic_run.py")
+TORCHFT_RUN = str(REPO / "tests" / "scripts" / "torchft_run.py")
 
 
 @contextlib.contextmanager
@@ -39,7 +39,7 @@ def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Pat
 
 
 def start_replica(settings: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, ELASTIC_RUN, json.dumps(settings)], stdout=log.open("a"),
+    return subprocess.Popen([sys.executable, TORCHFT_RUN, json.dumps(settings)], stdout=log.open("a"),
                             stderr=subprocess.STDOUT, env=env(), cwd=REPO)
 
 
@@ -78,17 +78,17 @@ def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12,
     reference = tmp_path / "torch"
     reference.mkdir()
     common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings}
-    result = accelerate_launch([ELASTIC_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})])
+    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})])
     assert result.returncode == 0, result.stderr[-4000:]
-    elastic = tmp_path / "torchft"
-    elastic.mkdir()
+    ft_dir = tmp_path / "torchft"
+    ft_dir.mkdir()
     with lighthouse(min_replicas=2, grace=5) as address:
-        logs = [elastic / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(elastic), "replica": r, "replicas": 2, "lighthouse": address,
+        logs = [ft_dir / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(ft_dir), "replica": r, "replicas": 2, "lighthouse": address,
                                    "min_replicas": 2, **common}, logs[r]) for r in range(2)]
         finish(replicas, logs)
     return ({r: torch.load(reference / f"params{r}.pt") for r in range(2)},
-            {r: torch.load(elastic / f"params{r}.pt") for r in range(2)})
+            {r: torch.load(ft_dir / f"params{r}.pt") for r in range(2)})
 
 
 def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
@@ -120,11 +120,11 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0, rank
     torch_rounds = read_sync_rounds(tmp_path / "torch" / "run")
-    elastic_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
-    assert [r["step"] for r in elastic_rounds] == [r["step"] for r in torch_rounds]
-    assert [r["fragments"] for r in elastic_rounds] == [r["fragments"] for r in torch_rounds]
-    assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in elastic_rounds)
-    for ft, fixed in zip(elastic_rounds, torch_rounds, strict=True):
+    ft_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    assert [r["step"] for r in ft_rounds] == [r["step"] for r in torch_rounds]
+    assert [r["fragments"] for r in ft_rounds] == [r["fragments"] for r in torch_rounds]
+    assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in ft_rounds)
+    for ft, fixed in zip(ft_rounds, torch_rounds, strict=True):
         # The membership table: 2 participants x 12 float64 values, all-reduced over 2 replicas.
         assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * 12 * 8
 
@@ -346,11 +346,11 @@ def training_process(output_dir: Path, replica: int) -> int | None:
 
 
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
-    """`hf-diloco launch recipes/elastic-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
+    """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
     live replicas and rejoins, the launch exits 0 and all three replicas end with the same model."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/elastic-3.yaml", "--accelerate-config",
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
                "--output_dir", str(out), "--max_steps", "800", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
@@ -384,7 +384,7 @@ def test_the_readme_multi_site_commands_work_on_one_machine(tmp_path):
     with lighthouse(min_replicas=2, grace=5, log=tmp_path / "lighthouse.log") as address:
         logs = [tmp_path / f"replica{k}.log" for k in range(2)]
         replicas = [subprocess.Popen(
-            [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/elastic-3.yaml", "--accelerate-config",
+            [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
              "accelerate_configs/torchft-replica.yaml", "--lighthouse", address, "--replica_id", str(k),
              "--num_replicas", "2", "--replica_address", "127.0.0.1", "--max-restarts", "1", "--min_replicas", "2",
              "--output_dir", str(tmp_path / f"site{k}"), "--max_steps", "20", "--inner_steps", "10",

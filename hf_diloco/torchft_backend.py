@@ -139,7 +139,7 @@ class TorchftComm(ReplicaComm):
         self._run(lambda: self.pg.allgather([rows], [payload], AllgatherOptions()), gathered)
 
 
-class ElasticRounds:
+class TorchftRounds:
     """One replica's side of the torchft rounds: its Manager and process group, and who takes part in each round
     with what weight. The round itself (codec, fragments, overlap, outer step) is hf_diloco.outer's, run by the
     trainer's callback exactly as on the `torch` backend; this class supplies `start` (quorum, heal, weights,
@@ -386,7 +386,7 @@ class ElasticRounds:
             logger.debug("torchft manager shutdown: %s", error)
 
 
-def check_elastic(config) -> None:
+def check_torchft(config) -> None:
     """What outer_backend torchft does not combine with, in one sentence each."""
     if config.outer_backend != "torchft":
         return
