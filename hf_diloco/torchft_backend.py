@@ -73,6 +73,24 @@ def staleness_weight(tokens: int, staleness: int) -> float:
     return float(tokens) / (1 + max(0, staleness))
 
 
+def addressed_checkpoint_transport(host: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transfer (what heals a joining replica), advertised at `host` (replica_address).
+
+    Its own address names socket.gethostname(), which on a machine whose host name resolves to 127.0.0.1 (network
+    namespaces, many containers and cloud images) sends a healing peer to itself: the heal hangs until the timeout.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    from torchft.checkpointing import HTTPTransport
+
+    class AddressedTransport(HTTPTransport):
+        def address(self) -> str:
+            parts = urlsplit(super().address())
+            return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
+
+    return AddressedTransport(timeout=timeout, num_chunks=0)
+
+
 class TorchftComm(ReplicaComm):
     """The round's collectives on torchft's process group, over the replicas of the round's quorum.
 
@@ -171,6 +189,7 @@ class TorchftRounds:
             raise ConfigError(NO_LIGHTHOUSE)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
+            checkpoint_transport=addressed_checkpoint_transport(host, timeout),
             pg=pg,
             load_state_dict=self._load_healed,
             state_dict=self._state_for_peer,
