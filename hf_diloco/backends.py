@@ -58,7 +58,8 @@ class FixedGroup:
     def expected_fragments(self, step: int, max_steps: int) -> list[int]:
         return self.schedule.due_fragments(step, max_steps)
 
-    def start(self, step: int, max_steps: int, local: dict, joining: bool = False) -> RoundStart:
+    def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
+              overlapped: bool = False) -> RoundStart:
         return RoundStart(fragments=self.schedule.due_fragments(step, max_steps))
 
     def finish(self, start: RoundStart, result, record: dict) -> dict:

@@ -334,11 +334,11 @@ class OuterLoopCallback(TrainerCallback):
         """An overlapped round, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose round turns out to sync other fragments than it expected (torchft: it healed
         from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
-        start = self._guarded(lambda: self.backend.start(step, max_steps, local))
+        start = self._guarded(lambda: self.backend.start(step, max_steps, local, overlapped=True))
         started = time.perf_counter()
         buckets = [b for f in start.fragments for b in self.outer.fragment_buckets[f]]
         weight = start.weight
-        if start.fragments != fragments:
+        if start.fragments != fragments or start.weight == 0:
             deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
                       for b in buckets]
             weight = 0.0

@@ -177,6 +177,7 @@ class TorchftRounds:
         self.global_round = 0  # committed rounds that moved θ_global (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
         self.healed_from_round: int | None = None
+        self.overlapped = False  # the round being started runs in the background (no stash: the replica trains on)
         self.carried_tokens = 0  # tokens of local progress that a rolled-back round did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
         self.last_members: set[int] = set()  # the participants of the last round that moved θ_global
@@ -220,7 +221,7 @@ class TorchftRounds:
     def _load_healed(self, state: dict) -> None:
         callback = self.callback
         outer = callback.outer
-        if callback.round_steps > 0 and self.stash is None and callback.overlap.in_flight is None:
+        if callback.round_steps > 0 and self.stash is None and not self.overlapped:
             # Local progress made against the old base: kept, and brought to this round with a staleness weight.
             # (Not in an overlapped round's background start: the replica is training meanwhile; that round's
             # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
@@ -275,11 +276,16 @@ class TorchftRounds:
         return [(number - 1) % self.args.num_fragments]
 
     def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
-              timeout: float | None = None) -> RoundStart:
+              timeout: float | None = None, overlapped: bool = False) -> RoundStart:
         """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
-        weight, staleness, loss, ...) so that every participant knows every weight before the first bucket."""
+        weight, staleness, loss, ...) so that every participant knows every weight before the first bucket.
+
+        `overlapped`: the round's start runs in the background while the replica trains on; a replica that heals
+        there takes part with weight 0 (its snapshot was taken against the base it left) and restarts from the
+        healed θ_global after the round."""
         started = time.perf_counter()
         self.healed_from_round = None
+        self.overlapped = overlapped
         self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
         quorum_seconds = time.perf_counter() - started
         error = self.manager.errored()
@@ -295,7 +301,7 @@ class TorchftRounds:
         # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
         # (An overlapped round's exchange checks its snapshot again; here the parameters have not moved yet.)
         finite = joining or over or self.stash is not None or local.get("finite", True)
-        weight = staleness_weight(tokens, staleness) if finite else 0.0
+        weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) else 0.0
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
                 float(not finite), float(step >= max_steps)]
