@@ -31,12 +31,13 @@ def bad_inputs(tmp_path):
         "no text column": (["--dataset_name", str(no_text)], ["text", "content"]),
         "missing model path": (["--model_name_or_path", str(tmp_path / "nowhere")], ["does not exist"]),
         "missing recipe": (["--config", str(tmp_path / "absent.yaml")], ["absent.yaml"]),
+        "negative linger": (["--outer_backend", "torchft", "--end_linger_seconds", "-1"], ["end_linger_seconds"]),
         "_out": out,
     }
 
 
 @pytest.mark.parametrize("case", ["H = 0", "negative outer lr", "unknown recipe key", "no text column",
-                                  "missing model path", "missing recipe"])
+                                  "missing model path", "missing recipe", "negative linger"])
 def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     args, words = bad_inputs[case]
     base = [] if "--config" in args else ["--config", RECIPE]
