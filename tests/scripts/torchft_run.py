@@ -6,7 +6,9 @@ Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse
 num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes this replica
 slower by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own n-th inner
 step (counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s
-fills one weight of this replica with NaN after step s. The replica writes its final trainable parameters to
+fills one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after global step s until
+the file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the
+tests hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes its final trainable parameters to
 `params<r>.pt` and, after every step, its step count to `step<r>.txt`. "die_in_all_gather": n SIGKILLs this replica
 inside its n-th cross-replica all-gather (torchft), i.e. in the middle of a round whose other collectives went
 through.
@@ -48,12 +50,20 @@ backend = settings.get("backend", "torchft")
 
 
 class Pace(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        if settings.get("announce"):
+            Path(settings["announce"]).write_text("up")
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if settings.get("step_sleep"):
             time.sleep(settings["step_sleep"])
         self.taken = getattr(self, "taken", 0) + 1
         if settings.get("pause") and self.taken == settings["pause"][0]:
             time.sleep(settings["pause"][1])
+        if settings.get("hold") and state.global_step == settings["hold"][0]:
+            deadline = time.monotonic() + 300
+            while not Path(settings["hold"][1]).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         if settings.get("nan_at_step") == state.global_step:
             with torch.no_grad():
                 next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
