@@ -52,6 +52,7 @@ class Knobs:
 
 
 RECIPE_FIELDS = ("inner_steps", "outer_lr", "outer_momentum", "max_steps", "model_name_or_path", "dataset_name")
+# The replicas knob becomes --num_processes = replicas × replica_group_size (see flags).
 LAUNCH_FIELDS = {"replicas": "--num_processes", "num_machines": "--num_machines", "machine_rank": "--machine_rank",
                  "main_process_ip": "--main_process_ip", "main_process_port": "--main_process_port"}
 
@@ -139,15 +140,6 @@ def check_recipe_keys(recipe: Path) -> dict:
     if not set(report if isinstance(report, list) else [report]) <= set(REPORT_VALUES):
         raise FormError(f"report_to may only be 'none' or 'tensorboard' here (files on this machine), got {report!r}.")
     return values
-
-
-def check_layout(knobs: Knobs, recipe_values: dict) -> None:
-    """The process count fits the recipe's replica groups, as the launch would find out in every worker."""
-    replicas = str(knobs.replicas).strip()
-    group = recipe_values.get("replica_group_size", 1)
-    if replicas and isinstance(group, int) and group > 1 and int(replicas) % group:
-        raise FormError(f"replicas (processes) = {replicas} is not a multiple of the recipe's replica_group_size "
-                        f"= {group}; use a multiple of {group}.")
 
 
 def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:
@@ -297,8 +289,9 @@ def config_path(name: str) -> Path:
     return allowed(CONFIGS / name if name and "/" not in name else name, [CONFIGS], "accelerate config")
 
 
-def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
-    """(recipe overrides, accelerate launch flags) from the knobs that were filled in."""
+def flags(knobs: Knobs, group_size: int = 1) -> tuple[list[str], list[str]]:
+    """(recipe overrides, accelerate launch flags) from the knobs that were filled in. The replicas knob counts
+    replicas: a launch of the `torch` backend starts replicas × the recipe's replica_group_size processes."""
     check_knobs(knobs)
     check_source(knobs.model_name_or_path, "model", PRESETS)
     check_source(knobs.dataset_name, "dataset", ("builtin",))
@@ -310,8 +303,14 @@ def flags(knobs: Knobs) -> tuple[list[str], list[str]]:
     for name, flag in LAUNCH_FIELDS.items():
         value = str(getattr(knobs, name)).strip()
         if value:
-            launch += [flag, value]
+            launch += [flag, str(int(value) * group_size) if name == "replicas" else value]
     return overrides, launch
+
+
+def group_size(recipe_values: dict) -> int:
+    """The recipe's replica_group_size (processes per replica), 1 where it sets none or nothing sensible."""
+    group = recipe_values.get("replica_group_size", 1)
+    return group if isinstance(group, int) and group >= 1 else 1
 
 
 def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | None = None,

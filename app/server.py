@@ -25,6 +25,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from hf_diloco import runs
 from hf_diloco.errors import ConfigError
 
 KNOB_LABELS = {
-    "replicas": "Replicas (blank: the config's processes, or a torchft recipe's num_replicas)",
+    "replicas": "Replicas (blank: the config's; each starts the recipe's replica_group_size processes)",
     "inner_steps": "H: inner steps between syncs",
     "outer_lr": "Outer learning rate", "outer_momentum": "Outer momentum", "max_steps": "Max steps",
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
@@ -78,10 +79,9 @@ class App:
     def _plan(self, name, recipe_name, yaml_text, config_name, *knob_values) -> runs.Run:
         # Typed paths are accepted by the dropdowns; forms.allowed keeps them inside the project's folders.
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
-        overrides, launch = forms.flags(knobs)
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
         recipe_values = forms.check_recipe_keys(recipe)
-        forms.check_layout(knobs, recipe_values)
+        overrides, launch = forms.flags(knobs, forms.group_size(recipe_values))
         replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
         typed = (name or "").strip()
@@ -246,8 +246,13 @@ class App:
             launch = command[command.index("--config_file") + 2: command.index("-m", 3)] \
                 if "--config_file" in command and "-m" in command[3:] else []
             launch_values = dict(zip(launch[::2], launch[1::2], strict=False))
+            processes = forms.LAUNCH_FIELDS["replicas"]
             if "--replicas" in command:  # a torchft run: `hf-diloco launch ... --replicas N`
-                launch_values[forms.LAUNCH_FIELDS["replicas"]] = command[command.index("--replicas") + 1]
+                launch_values[processes] = command[command.index("--replicas") + 1]
+            elif launch_values.get(processes, "").isdigit():  # the torch backend: processes ÷ replica_group_size
+                with contextlib.suppress(forms.FormError, OSError, ValueError, ZeroDivisionError):
+                    group = values.get("--replica_group_size") or forms.group_size(forms.check_recipe_keys(recipe))
+                    launch_values[processes] = str(int(launch_values[processes]) // int(group))
             knob_values = [launch_values.get(forms.LAUNCH_FIELDS[f.name], "") if f.name in forms.LAUNCH_FIELDS
                            else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
             # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.

@@ -211,16 +211,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def launch_torchft(args: argparse.Namespace, config) -> int:
     """outer_backend torchft: one launch per replica. With --replicas N: a Lighthouse (unless --lighthouse names
     one) and N replicas on this machine, each started again when it fails; without: this one replica."""
-    from .launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
+    from .launch import ReplicaSupervisor, free_port, run_with_restarts, start_lighthouse
     from .torchft_backend import replica_overrides, require_lighthouse
 
     if launch_args_of(args):
         raise CLIError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "
                        f"({' '.join(launch_args_of(args)[::2])}) do not apply; leave them out.")
     values = training.check_accelerate_config(args.accelerate_config, config)
-    if int(values.get("num_processes", 1) or 1) != 1:
-        raise CLIError(f"outer_backend torchft starts one process per replica, but {args.accelerate_config!r} starts "
-                       f"{values.get('num_processes')}; use accelerate_configs/torchft-replica.yaml.")
+    processes = int(values.get("num_processes", 1) or 1)
+    if processes != config.replica_group_size:
+        raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
+                       f"{config.replica_group_size} process(es), but {args.accelerate_config!r} starts {processes}; "
+                       f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml "
+                       f"with replica_group_size 2.")
     if not args.replicas:
         require_lighthouse(config)
         command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
@@ -237,8 +240,12 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
             lighthouse = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
             print(f"[diloco] Lighthouse on {lighthouse} (min {config.min_replicas} replica(s), grace "
                   f"{config.sync_grace_seconds:g} s)", flush=True)
+    # Replicas of several processes each rendezvous on their own port (one launch per replica on this machine).
+    ports = [None] * args.replicas if processes == 1 else \
+        [args.port + r if args.port else free_port() for r in range(args.replicas)]
     commands = [accelerate_command(args.recipe, args.accelerate_config,
-                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir))
+                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir),
+                                   ports[r])
                 for r in range(args.replicas)]
     for command in commands:
         print(" ".join(command), flush=True)

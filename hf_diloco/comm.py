@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs import Codec, ErrorFeedback, SparseCodec, from_bytes
-from .errors import RunError, first_line
+from .errors import ConfigError, RunError, first_line
 
 
 @dataclass
@@ -126,7 +126,8 @@ class ReplicaComm:
         world = dist.get_world_size() if self.distributed else 1
         rank = dist.get_rank() if self.distributed else 0
         if world % group_size:
-            raise ValueError(f"replica_group_size={group_size} does not divide the {world} processes")
+            raise ConfigError(f"replica_group_size={group_size} does not divide the {world} launched process(es); "
+                              f"launch a multiple of it (accelerate launch --num_processes).")
         self.group_size = group_size
         self.num_replicas = world // group_size
         self.replica_index, self.member = divmod(rank, group_size)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -234,6 +235,13 @@ def reap_run(run_dir: Path, grace_seconds: float) -> None:
             current.status, current.ended = "failed", time.time()
             current.exit_code = current.exit_code if current.exit_code is not None else -signal.SIGKILL
             current.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a launch's rendezvous; another program could take it before it starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def replica_folder(output_dir: str | os.PathLike, replica: int) -> str:

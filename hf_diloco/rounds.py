@@ -171,7 +171,7 @@ class OuterLoopCallback(TrainerCallback):
         if not self.on_torchft and not resumed:
             # The replicas must start from identical parameters: checked by digest before the first inner step,
             # and rank 0's broadcast only where they differ. Reported with the first round (`startup_bytes`).
-            # (torchft: the first quorum gives every replica the primary's parameters.)
+            # (torchft: the same check rides in the first round's membership table, TorchftRounds._start_identical.)
             self.startup_bytes = self.trainer.comm.start_identical(params).bytes_sent
         try:
             fragments = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
@@ -231,9 +231,10 @@ class OuterLoopCallback(TrainerCallback):
             # Before the first inner step: join the quorum; a late (or restarted) replica heals from a live peer here.
             self._round(state, joining=True)
             joined = self.backend.last_start
-            print(f"[diloco] replica {args.replica_id} joined at round {self.backend.global_round} (step "
-                  f"{state.global_step}){', healed from a live peer' if joined.healed else ''}; "
-                  f"{len(joined.members)} replica(s) in the quorum", flush=True)
+            if self.trainer.is_world_process_zero():
+                print(f"[diloco] replica {args.replica_id} joined at round {self.backend.global_round} (step "
+                      f"{state.global_step}){', healed from a live peer' if joined.healed else ''}; "
+                      f"{len(joined.members)} replica(s) in the quorum", flush=True)
             self.log.flush()
             self._reset_round()
 

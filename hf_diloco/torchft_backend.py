@@ -28,6 +28,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -39,7 +40,7 @@ import torch
 
 from .backends import RoundStart
 from .comm import ReplicaComm, ring_all_reduce_bytes
-from .errors import ConfigError, first_line
+from .errors import ConfigError, RunError, first_line
 from .launch import replica_folder
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ logger = logging.getLogger(__name__)
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
 # every participant of the round stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds", "stop_requested", "non_finite", "last")
+                 "quorum_seconds", "stop_requested", "non_finite", "last", "digest")
+# Columns of the table that steer the round but are not part of the record.
+UNRECORDED = ("last", "digest")
 NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
                  "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
 # The local numbers of a replica that brings no progress to a round (it only hands over the final model).
@@ -102,9 +105,15 @@ class TorchftComm(ReplicaComm):
 
     votes = True
 
-    def __init__(self, manager, pg):
-        super().__init__(1)
+    def __init__(self, manager, pg, replica: ReplicaComm):
+        # `replica` is this launch's processes, which form one replica of g = replica_group_size processes: DDP
+        # inside it, member j sums the j-th 1/g slice with member j of the other replicas (torchft's process group
+        # for group rank j), then the slices are all-gathered inside the replica, as on the torch backend.
+        self.group_size, self.member, self.timeout_seconds = replica.group_size, replica.member, replica.timeout_seconds
+        self.replica_group, self.gather_group, self.slice_group = replica.replica_group, replica.gather_group, None
+        self.device = replica.device
         self.distributed = False  # no torch.distributed between replicas: the rendezvous store helpers are off
+        self.num_replicas, self.replica_index = 1, 0
         self.manager, self.pg = manager, pg
 
     def configure(self, participants: int, rank: int | None) -> None:
@@ -168,7 +177,6 @@ class TorchftRounds:
 
     def __init__(self, callback, args):
         require_torchft()
-        from torch.distributed import TCPStore
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
@@ -181,13 +189,15 @@ class TorchftRounds:
         self.carried_tokens = 0  # tokens of local progress that a rolled-back round did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
         self.last_members: set[int] = set()  # the participants of the last round that moved θ_global
+        self.round_step = 0  # the step the round being formed started at (what a healing peer is given)
+        self.check_identical = callback.saved_outer_state is None  # a fresh run: compare θ by digest at the start
         timeout = timedelta(seconds=args.sync_timeout)
         host = args.replica_address or socket.gethostname()
-        # The Manager's own store: a replica here is one process, so it is the master of a store of one.
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError(NO_LIGHTHOUSE)
+        replica = callback.trainer.comm  # this launch's g processes: one replica, its Manager ranks 0 .. g-1
+        store_host, store_port = self._replica_store(replica, host)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             checkpoint_transport=addressed_checkpoint_transport(host, timeout),
@@ -199,23 +209,45 @@ class TorchftRounds:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
-            rank=0,
-            world_size=1,
-            store_addr=host,
-            store_port=self.store.port,
+            rank=replica.member,
+            world_size=replica.group_size,
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=lighthouse,
             replica_id=f"replica_{args.replica_id}",
             hostname=host,
-            init_sync=True,  # the first quorum gives every replica the primary's θ (the `torch` backend broadcasts)
+            # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the
+            # torch backend, they compare a digest of θ in the first round's table and send it only if they differ
+            # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the round.
+            init_sync=not self.check_identical,
         )
-        self.comm = TorchftComm(self.manager, pg)
+        self.comm = TorchftComm(self.manager, pg, replica)
+
+    STORE_KEY = "hf_diloco/torchft_store"
+
+    def _replica_store(self, replica: ReplicaComm, host: str) -> tuple[str, int]:
+        """The replica's store, which its Manager ranks meet in (and peers' process groups rendezvous through):
+        served by member 0 on a free port of `host`; with g > 1 the other members learn its address through the
+        launch's own rendezvous store."""
+        from torch.distributed import TCPStore
+
+        if replica.member == 0:
+            self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            address = (host, self.store.port)
+            if replica.group_size > 1:
+                replica._store().set(self.STORE_KEY, f"{host}:{self.store.port}")
+            return address
+        store_host, port = replica._store().get(self.STORE_KEY).decode().rsplit(":", 1)
+        return store_host, int(port)
 
     # --- what a peer sends a healing replica, and how it is taken ---
 
     def _state_for_peer(self) -> dict:
-        trainer = self.callback.trainer
+        # The step the round being formed started at, not the trainer's step: an overlapped round's quorum runs in
+        # the background while the inner loop moves on, and a healer given a later step would run its rounds that
+        # many steps ahead of everyone's, and end one round early.
         return {"outer": self.callback.outer.state_dict(), "global_round": self.global_round,
-                "global_step": trainer.state.global_step}
+                "global_step": self.round_step}
 
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
@@ -283,9 +315,13 @@ class TorchftRounds:
         `overlapped`: the round's start runs in the background while the replica trains on; a replica that heals
         there takes part with weight 0 (its snapshot was taken against the base it left) and restarts from the
         healed θ_global after the round."""
+        local = {**local, "tokens": local["tokens"] + self.carried_tokens}
+        if not joining and self.comm.group_size > 1:
+            local = self._whole_replica(local)
         started = time.perf_counter()
         self.healed_from_round = None
         self.overlapped = overlapped
+        self.round_step = step
         self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
         quorum_seconds = time.perf_counter() - started
         error = self.manager.errored()
@@ -296,20 +332,25 @@ class TorchftRounds:
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
         over = self.run_over()
-        tokens = 0 if joining or over else local["tokens"] + self.carried_tokens
+        tokens = 0 if joining or over else local["tokens"]
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
         # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
         # (An overlapped round's exchange checks its snapshot again; here the parameters have not moved yet.)
         finite = joining or over or self.stash is not None or local.get("finite", True)
         weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) else 0.0
+        checking = joining and self.check_identical and not healed
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
-                float(not finite), float(step >= max_steps)]
+                float(not finite), float(step >= max_steps), self._digest() if checking else 0.0]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             table[rank] = torch.tensor(mine, dtype=torch.float64)
         self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         self.comm.configure(participants, rank)
+        if joining:
+            self.check_identical = False  # once, before the first inner step
+        if checking and participants > 1 and error is None:
+            self.callback.startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
         # The run's last round, or a participant at its last step: every fragment syncs, so the final model is global.
@@ -321,6 +362,55 @@ class TorchftRounds:
             stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
             error=None if error is None else first_line(error))
+
+    def _digest(self) -> float:
+        """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
+        digest = hashlib.sha256()
+        for param in self.callback.outer.global_params:
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return float(int.from_bytes(digest.digest()[:6], "big"))
+
+    @torch.no_grad()
+    def _start_identical(self, digests: torch.Tensor) -> int:
+        """A fresh run's first round: if the participants' θ differ (replicas built from different seeds), the
+        first participant's θ goes to the others (an all-reduce where the others send zeros). Returns the bytes
+        this process sent (0 when every digest agrees, as with one seed or one checkpoint)."""
+        if bool((digests == digests[0]).all()):
+            return 0
+        outer = self.callback.outer
+        flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
+        if self.manager.participating_rank() != 0:
+            flat.zero_()
+        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            raise RunError(f"the replicas started from different parameters and sending the first one's to the "
+                           f"others failed ({first_line(self.manager.errored())}); start them again.")
+        offset = 0
+        for param in outer.global_params:
+            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        outer.copy_global_to_replica()
+        logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's "
+                       "(%.2f MB) were sent to the others. Give every replica the same seed or checkpoint to skip "
+                       "this.", flat.numel() * 4 / 1e6)
+        return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
+
+    def _whole_replica(self, local: dict) -> dict:
+        """The replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group):
+        its tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of
+        them does and is finite only if all are. Every member then writes the same row, so every slice of the round
+        is averaged with the same weights."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
+                             float(local["stop_requested"]), float(not local.get("finite", True))],
+                            dtype=torch.float64)
+        every = torch.empty(self.comm.group_size * mine.numel(), dtype=torch.float64)
+        dist.all_gather_into_tensor(every, mine, group=self.comm.gather_group)
+        every = every.view(self.comm.group_size, -1)
+        return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
+                "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
+                "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
     def finish(self, start: RoundStart, result, record: dict) -> dict:
         """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback, and
@@ -348,7 +438,8 @@ class TorchftRounds:
             member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
                       "steps": int(row["steps"]), "tokens": int(row["tokens"]), "staleness": int(row["staleness"]),
                       "stop_requested": bool(row["stop_requested"]), "non_finite": bool(row["non_finite"])}
-            del member["last"]
+            for key in UNRECORDED:
+                del member[key]
             members.append(member)
         present = {m["replica"] for m in members}
         self.known |= present
@@ -415,9 +506,6 @@ def check_torchft(config) -> None:
     """What outer_backend torchft does not combine with, in one sentence each."""
     if config.outer_backend != "torchft":
         return
-    if config.replica_group_size != 1:
-        raise ConfigError("outer_backend torchft runs one process per replica for now; set replica_group_size 1 "
-                          "(replica groups of several processes need the torch backend).")
     if config.min_replicas < 1:
         raise ConfigError(f"min_replicas must be at least 1, got {config.min_replicas!r}.")
     if not 0 <= config.replica_id < max(config.num_replicas, 1):

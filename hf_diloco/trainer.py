@@ -80,6 +80,11 @@ class DiLoCoTrainer(Trainer):
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
         self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0,
                                 timeout_seconds=args.sync_timeout)
+        if args.outer_backend == "torchft" and self.comm.num_replicas != 1:
+            processes = self.comm.num_replicas * self.comm.group_size
+            raise ConfigError(f"outer_backend torchft starts one launch per replica, so the {processes} processes of "
+                              f"this launch are one replica: set replica_group_size {processes} (or launch one "
+                              f"process per replica).")
         self.diloco = OuterLoopCallback(self)
         self.add_callback(self.diloco)
 
@@ -105,10 +110,12 @@ class DiLoCoTrainer(Trainer):
 
     @property
     def data_shard(self) -> tuple[int, int]:
-        """(this replica's shard, number of shards): the process's place in the launch, or with torchft (one
-        launch per replica) the configured replica_id of num_replicas."""
+        """(this process's shard, number of shards): its place in the launch, or with torchft (one launch per
+        replica of g processes) member j of replica_id r takes shard r·g + j of num_replicas·g, the shard the same
+        process has in a torch launch of num_replicas·g processes."""
         if self.args.outer_backend == "torchft":
-            return self.args.replica_id, self.args.num_replicas
+            g = self.args.replica_group_size
+            return self.args.replica_id * g + self.args.process_index, self.args.num_replicas * g
         return self.args.process_index, self.args.world_size
 
     def _get_train_sampler(self, train_dataset=None):

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
@@ -227,8 +228,6 @@ BAD_DRAFTS = {
     "DeepSpeed": (TINY + "deepspeed: ds.json\n", {}, "'deepspeed'"),
     "resume from anywhere": (TINY + "resume_from_checkpoint: /tmp/other/checkpoint-5\n", {},
                              "resume_from_checkpoint may only be 'auto' or 'latest'"),
-    "3 processes for groups of 2": (TINY + "replica_group_size: 2\n", {"replicas": 3},
-                                    "replicas (processes) = 3 is not a multiple of the recipe's replica_group_size"),
     "a torchft replica's own Lighthouse": (TINY + "outer_backend: torchft\nlighthouse: http://10.0.0.9:29510\n", {},
                                            "the recipe may not set 'lighthouse': the app starts"),
 }
@@ -248,6 +247,9 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
             started = client.predict(*form, api_name="/start")[0]
             for message in (previewed, started):
                 assert message.startswith("**Cannot start:**") and words in message, (case, message)
+        grouped = ["", "tiny-pretrain.yaml", TINY + "replica_group_size: 2\n", "cpu-2proc.yaml", *knobs(replicas=3)]
+        command = client.predict(*grouped, api_name="/preview")[0]
+        assert " --num_processes 6 " in command, "3 replicas of 2 processes are 6 processes"
         ports = set()
         for name in ("first", "second"):
             command = client.predict(name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(max_steps=5),
@@ -255,3 +257,22 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
             ports.add(command.split("--main_process_port")[1].split()[0])
         assert len(ports) == 2
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
+
+
+def test_a_reloaded_form_counts_replicas_not_processes(tmp_path):
+    """A torch-backend run of 6 processes with replica_group_size 2 refills the replicas knob with 3."""
+    sys.path.insert(0, str(REPO))
+    from app import forms
+    from app.server import App
+
+    runs_dir = tmp_path / "runs"
+    folder = runs_dir / "grouped"
+    folder.mkdir(parents=True)
+    recipe, config = str(REPO / "recipes" / "tiny-pretrain.yaml"), str(REPO / "accelerate_configs" / "cpu-4proc.yaml")
+    overrides = ["--replica_group_size", "2"]
+    command = runs.accelerate_command(recipe, config, overrides, 29600, ["--num_processes", "6"])
+    runs._write(folder, runs.Run("grouped", recipe, config, overrides, command, str(folder / "output"),
+                                 status="finished", ended=time.time()))
+    form = App(runs_dir).reattach()[1:]
+    knob_names = [f.name for f in fields(forms.Knobs)]
+    assert form[4 + knob_names.index("replicas")] == "3"

@@ -94,6 +94,23 @@ def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_o
     assert launch[-4:] == ["--main_process_port", "29999", "--num_processes", "4"], launch
 
 
+def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_path):
+    """On torchft each launch is one replica: an accelerate config of 2 processes needs replica_group_size 2 (and
+    with it, --replicas N gives every replica launch its own rendezvous port)."""
+    two = str(REPO / "accelerate_configs" / "torchft-replica-2proc.yaml")
+    torchft = str(REPO / "recipes" / "torchft-3.yaml")
+    out = ["--output_dir", str(tmp_path / "x")]
+    wrong = hf_diloco("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out)
+    assert_one_sentence_error(wrong, "replica_group_size=1 process(es), but")
+    fine = hf_diloco("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out,
+                     "--replica_group_size", "2")
+    assert fine.returncode == 0, fine.stderr
+    commands = [line.split() for line in fine.stdout.splitlines() if "accelerate.commands.launch" in line]
+    ports = [c[c.index("--main_process_port") + 1] for c in commands]
+    assert len(commands) == 2 and len(set(ports)) == 2, ports
+    assert not (tmp_path / "x").exists(), "a dry run starts nothing"
+
+
 def test_inner_steps_auto_in_every_spelling_is_the_auto_fields(tmp_path):
     recipe = tmp_path / "auto.yaml"
     recipe.write_text((REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("inner_steps: 50",

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, accelerate_launch, env, free_port, hf_diloco
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, hf_diloco
 
 from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.torchft_backend import MEMBER_FIELDS
 
 TORCHFT_RUN = str(REPO / "tests" / "scripts" / "torchft_run.py")
 
@@ -39,7 +40,13 @@ def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Pat
 
 
 def start_replica(settings: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, TORCHFT_RUN, json.dumps(settings)], stdout=log.open("a"),
+    """One torchft replica: a process, or with "group": 2 an `accelerate launch` of two processes."""
+    launcher = [sys.executable]
+    if settings.get("group", 1) > 1:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(REPO / "accelerate_configs" / "torchft-replica-2proc.yaml"),
+                    "--main_process_port", str(free_port())]
+    return subprocess.Popen([*launcher, TORCHFT_RUN, json.dumps(settings)], stdout=log.open("a"),
                             stderr=subprocess.STDOUT, env=env(), cwd=REPO)
 
 
@@ -88,13 +95,15 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4):
-    """The same two replicas on the same data, once as one `torch` launch and once as two torchft replicas with a
-    Lighthouse; returns ({rank: final parameters} for torch, the same for torchft)."""
+def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4,
+                      group: int = 1, **extra):
+    """The same two replicas of `group` processes on the same data, once as one `torch` launch and once as two
+    torchft replicas with a Lighthouse; returns ({replica: final parameters} for torch, the same for torchft)."""
     reference = tmp_path / "torch"
     reference.mkdir()
-    common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings}
-    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})])
+    common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings, "group": group, **extra}
+    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})],
+                               config=ACCELERATE_CPU_4PROC if group == 2 else ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, result.stderr[-4000:]
     ft_dir = tmp_path / "torchft"
     ft_dir.mkdir()
@@ -103,7 +112,7 @@ def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12,
         replicas = [start_replica({"out": str(ft_dir), "replica": r, "replicas": 2, "lighthouse": address,
                                    "min_replicas": 2, **common}, logs[r]) for r in range(2)]
         finish(replicas, logs)
-    return ({r: torch.load(reference / f"params{r}.pt") for r in range(2)},
+    return ({r: torch.load(reference / f"params{r * group}.pt") for r in range(2)},
             {r: torch.load(ft_dir / f"params{r}.pt") for r in range(2)})
 
 
@@ -119,6 +128,24 @@ def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
     assert all(r["participants"] == 2 and r["committed"] for r in rounds)
     # The weights are the tokens each replica trained on in the round (4 steps x 2 blocks x 16 tokens).
     assert all(m["weight"] == m["tokens"] == 128 for r in rounds for m in r["members"])
+    # Built from one seed, the replicas agree on θ by digest: nobody heals at the start, nothing else is sent.
+    assert rounds[0]["startup_bytes"] == 0
+    assert not any("healed from a live peer" in (tmp_path / "torchft" / f"replica{r}.log").read_text()
+                   for r in range(2))
+
+
+def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(tmp_path):
+    """Replica r builds its model from seed r. The first round's digests differ, so the first participant's θ goes
+    to the other (one all-reduce, counted as startup bytes), exactly as the torch backend broadcasts rank 0's: the
+    two backends end bit for bit alike."""
+    expected, got = run_both_backends(tmp_path, {}, seed_by_replica=True)
+    assert max_difference(expected[0], expected[1]) == 0.0
+    for replica in (0, 1):
+        assert max_difference(expected[replica], got[replica]) == 0.0, replica
+    rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    numel = sum(p.numel() for p in got[0])
+    assert rounds[0]["startup_bytes"] == numel * 4  # ring all-reduce over 2: 2 (M - 1)/M x payload
+    assert "started from different parameters" in (tmp_path / "torchft" / "replica1.log").read_text()
 
 
 @pytest.mark.parametrize("round_settings", [
@@ -141,8 +168,30 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
     assert [r["fragments"] for r in ft_rounds] == [r["fragments"] for r in torch_rounds]
     assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in ft_rounds)
     for ft, fixed in zip(ft_rounds, torch_rounds, strict=True):
-        # The membership table: 2 participants x 12 float64 values, all-reduced over 2 replicas.
-        assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * 12 * 8
+        # The membership table: 2 participants x one float64 per column, all-reduced over 2 replicas.
+        assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * len(MEMBER_FIELDS) * 8
+
+
+@pytest.mark.parametrize("round_settings", [
+    {},
+    {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
+], ids=["fp32", "streaming-int4+ef-overlap"])
+def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, round_settings):
+    """2 replicas x 2 processes: on torchft each replica is an `accelerate launch` of two processes (DDP inside),
+    whose Manager ranks 0 and 1 each sync their half of the pseudo-gradient with the same rank of the other replica;
+    on the torch backend the same layout is one launch of four processes with replica_group_size 2. The final
+    parameters are bit-identical (the same sums of the same slices in the same order, and equal replica weights),
+    and both members of a torchft replica hold the same parameters."""
+    expected, got = run_both_backends(tmp_path, round_settings, group=2)
+    for replica in (0, 1):
+        assert max_difference(expected[replica], got[replica]) == 0.0, replica
+    torch_rounds = read_sync_rounds(tmp_path / "torch" / "run")
+    ft_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    assert [(r["step"], r["fragments"]) for r in ft_rounds] == [(r["step"], r["fragments"]) for r in torch_rounds]
+    assert all(r["committed"] and r["participants"] == 2 for r in ft_rounds)
+    # A replica's weight is the tokens of both its processes (per process: H/F steps x 2 blocks x 16 tokens).
+    steps = 4 // round_settings.get("num_fragments", 1)
+    assert all(m["tokens"] == 2 * steps * 2 * 16 for r in ft_rounds[:-1] for m in r["members"])
 
 
 def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
@@ -223,6 +272,13 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
     rounds = read_sync_rounds(tmp_path / "replica-0")
     assert any(m["replica"] == 2 and m.get("healed") for r in rounds for m in r["members"])
     assert [r for r in rounds if r["participants"] == 3 and r["step"] > rounds_without_2()[-1]["step"]]
+    # Healed inside an overlapped round (its quorum runs while the others train on), replica 2 takes the step that
+    # round started at, so it runs every later round at the others' steps and ends with them. (The round it healed
+    # in is recorded at the step it joined, the others' at the step it landed, τ later.)
+    steps = {r["round"]: r["step"] for r in rounds if r["committed"]}
+    healer = [r for r in read_sync_rounds(tmp_path / "replica-2") if r["committed"]
+              and not any(m["replica"] == 2 and m.get("healed") for m in r["members"])]
+    assert [(r["round"], r["step"]) for r in healer] == [(r["round"], steps[r["round"]]) for r in healer]
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
     assert all(bool(torch.isfinite(p).all()) for p in final[0])
@@ -331,10 +387,21 @@ def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path
     assert no_lighthouse.returncode != 0
     assert no_lighthouse.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: outer_backend torchft needs "
                                                                      "a Lighthouse")
-    grouped = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
-                        "--replica_group_size", "2", "--output_dir", str(tmp_path / "b"))
-    assert grouped.returncode == 2 and "set replica_group_size 1" in grouped.stderr
-    assert "Traceback" not in no_lighthouse.stderr + grouped.stderr
+    for backend in ("torch", "torchft"):  # one process cannot hold a replica of two
+        grouped = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", backend,
+                            "--lighthouse", "http://127.0.0.1:1", "--replica_group_size", "2",
+                            "--output_dir", str(tmp_path / backend), "--max_steps", "1")
+        assert grouped.returncode == 2 and grouped.stderr.strip().splitlines()[-1] == (
+            "hf-diloco: error: replica_group_size=2 does not divide the 1 launched process(es); launch a multiple of "
+            "it (accelerate launch --num_processes)."), grouped.stderr
+    assert "Traceback" not in no_lighthouse.stderr
+    # Two processes in one torchft launch are one replica of two, or nothing.
+    two = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
+                             "--outer_backend", "torchft", "--lighthouse", "http://127.0.0.1:1", "--max_steps", "1",
+                             "--output_dir", str(tmp_path / "two")])
+    assert two.returncode != 0
+    assert ("hf-diloco: error: outer_backend torchft starts one launch per replica, so the 2 processes of this launch "
+            "are one replica: set replica_group_size 2 (or launch one process per replica).") in two.stderr
 
 
 def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
@@ -391,6 +458,44 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
 
     models = [load_file(out / f"replica-{r}" / "model.safetensors") for r in range(3)]
     assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
+
+
+def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(tmp_path):
+    """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-replica-2proc.yaml --replicas 2
+    --replica_group_size 2`: two replicas of two processes, each launch on its own rendezvous port. One member of
+    replica 1 is SIGKILLed: its launch ends, replica 0 goes on alone (min_replicas 1), the launcher starts replica
+    1 again, both of its processes heal from their counterparts in replica 0, and both replicas end with the same
+    model."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
+               "accelerate_configs/torchft-replica-2proc.yaml", "--replicas", "2", "--replica_group_size", "2",
+               "--min_replicas", "1", "--max-restarts", "1", "--output_dir", str(out), "--max_steps", "400",
+               "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
+               "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3"]
+    log = tmp_path / "launch.log"
+    launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        wait_until(lambda: len(read_sync_rounds(out / "replica-1")) >= 1, 180, "a round of replica 1")
+        os.kill(training_process(out, 1), signal.SIGKILL)
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
+    # Started twice, replica 1 healed both times (the second time from replica 0 mid-run, or, on a slow machine,
+    # from replica 0 lingering after the last round with the final model).
+    joins = [line for line in text.splitlines() if line.startswith("[diloco] replica 1 joined at round")]
+    assert len(joins) == 2 and "healed from a live peer" in joins[1], joins
+    rounds = read_sync_rounds(out / "replica-0")
+    assert rounds[-1]["round"] == 40
+    together = [r["round"] for r in rounds if r["participants"] == 2]
+    assert together and any(r["participants"] == 1 and r["round"] > together[0] for r in rounds), \
+        "a round went on without the killed replica"
+    from safetensors.torch import load_file
+
+    a, b = (load_file(out / f"replica-{r}" / "model.safetensors") for r in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_readme_multi_site_commands_work_on_one_machine(tmp_path):

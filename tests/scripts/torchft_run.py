@@ -1,20 +1,22 @@
 """One torchft replica of a FedAvg-style run on the tiny model (the torchft tests start several, and a Lighthouse).
 
 Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
-"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch",
-"round": {...}}. "round" holds DiLoCoConfig fields of the round itself (compression, error_feedback,
-num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes this replica
-slower by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own n-th inner
-step (counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s
-fills one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after global step s until
-the file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the
-tests hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes its final trainable parameters to
-`params<r>.pt` and, after every step, its step count to `step<r>.txt`. "die_in_all_gather": n SIGKILLs this replica
-inside its n-th cross-replica all-gather (torchft), i.e. in the middle of a round whose other collectives went
-through.
+"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch", "group": g,
+"round": {...}}. "group" is replica_group_size (torchft: start it under `accelerate launch` with g processes; torch:
+num_replicas·g processes). "round" holds DiLoCoConfig fields of the round itself (compression, error_feedback,
+num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes this replica slower
+by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own n-th inner step
+(counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s fills
+one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after global step s until the
+file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the tests
+hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes
+its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
+"die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
+a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +31,6 @@ from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 
 settings = json.loads(sys.argv[1])
 if settings.get("die_in_all_gather"):
-    import os
     import signal
 
     from hf_diloco.torchft_backend import TorchftComm
@@ -80,11 +81,17 @@ config = DiLoCoConfig(
     output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
     learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
     inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
-    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0, **torchft_fields,
+    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0,
+    replica_group_size=settings.get("group", 1), **torchft_fields,
     **settings.get("round", {}),
 )
-trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=config, train_dataset=pattern_dataset(256),
+# "seed_by_replica": each replica (torch: each process) builds its model from its own seed, so they start apart.
+seed = (replica if backend == "torchft" else int(os.environ.get("RANK", 0))) if settings.get("seed_by_replica") else 0
+trainer = DiLoCoTrainer(model=tiny_llama(seed=seed), args=config, train_dataset=pattern_dataset(256),
                         data_collator=default_data_collator, callbacks=[Pace()])
 trainer.train()
-rank = trainer.args.process_index if backend == "torch" else replica
-torch.save([p.detach().clone() for p in trainer.model.parameters() if p.requires_grad], out / f"params{rank}.pt")
+# Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
+if backend == "torch" or trainer.args.process_index == 0:
+    rank = trainer.args.process_index if backend == "torch" else replica
+    params = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    torch.save(params, out / f"params{rank}.pt")
