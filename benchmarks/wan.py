@@ -272,6 +272,8 @@ def main() -> None:
     parser.add_argument("--links", nargs="+", choices=list(LINKS),
                         help="measure these links only (with --quick: at the quick steps, default 10mbit)")
     add_variant_arguments(parser, default=["fp32"])
+    parser.add_argument("--results", default="wan", metavar="NAME",
+                        help="write results/NAME.md, .json and .png (default wan; e.g. wan-torchft for a variant run)")
     args = parser.parse_args()
     if args.repeats < 3:
         sys.exit("--repeats must be at least 3: a median and a spread need three runs.")
@@ -302,7 +304,7 @@ def main() -> None:
              "loop time + bytes on the veth · 8 ÷ rate) for blocking syncs; for overlapped ones (sync_delay > 0) "
              "baseline loop time ÷ (max(baseline loop time, wire time of the overlapped rounds) + wire time of the "
              "rounds that block, the final all-fragment round).")
-    save("wan", text, {"method": __doc__.split("\n\n")[1], "groups": [g.__dict__ for g in groups],
+    save(args.results, text, {"method": __doc__.split("\n\n")[1], "groups": [g.__dict__ for g in groups],
                        "repeats": args.repeats, "variants": variants, "rows": rows, "runs": runs},
          plot(rows), quick=args.quick, seconds=time.time() - started)
 

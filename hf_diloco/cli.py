@@ -244,7 +244,8 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
     ports = [None] * args.replicas if processes == 1 else \
         [args.port + r if args.port else free_port() for r in range(args.replicas)]
     commands = [accelerate_command(args.recipe, args.accelerate_config,
-                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir),
+                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir,
+                                                     on_this_machine=not config.lighthouse),
                                    ports[r])
                 for r in range(args.replicas)]
     for command in commands:
@@ -257,6 +258,17 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
     finally:
         if server is not None:
             server.shutdown()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine's loopback, unreachable from others."""
+    import ipaddress
+
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
 
 
 def cmd_lighthouse(args: argparse.Namespace) -> int:
@@ -273,9 +285,14 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         raise CLIError(f"the Lighthouse could not start on {args.host}:{args.port}: {first_line(error)}.") from None
     port = server.address().rsplit(":", 1)[1]
+    reach = "this machine only" if is_loopback(args.host) else "anyone who can reach this address"
+    shown = socket.gethostname() if args.host in ("0.0.0.0", "::") else host
     print(f"[diloco] Lighthouse on {args.host}:{port} (min {args.min_replicas} replica(s), grace "
-          f"{args.grace_seconds:g} s); start replicas with --outer_backend torchft --lighthouse "
-          f"http://{socket.gethostname()}:{port} --replica_id N", flush=True)
+          f"{args.grace_seconds:g} s), open to {reach}; start replicas with --outer_backend torchft --lighthouse "
+          f"http://{shown}:{port} --replica_id N", flush=True)
+    if not is_loopback(args.host):
+        print(f"[diloco] the Lighthouse has no authentication: keep port {port} on a private network or an "
+              f"encrypted overlay (WireGuard, Tailscale), not the open internet.", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -389,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lighthouse = sub.add_parser(
         "lighthouse", help="start torchft's Lighthouse, which forms the rounds of outer_backend torchft replicas")
-    lighthouse.add_argument("--host", default="0.0.0.0",
-                            help="address to bind (default 0.0.0.0: replicas on other machines can reach it)")
+    lighthouse.add_argument("--host", default="127.0.0.1",
+                            help="address to bind (default 127.0.0.1: replicas on this machine only; for replicas "
+                                 "on other machines give this machine's private or overlay address)")
     lighthouse.add_argument("--port", type=int, default=29510, help="port (default 29510)")
     lighthouse.add_argument("--min-replicas", type=int, default=1,
                             help="a round starts once this many replicas have arrived (default 1)")

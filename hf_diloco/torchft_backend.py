@@ -32,6 +32,7 @@ import hashlib
 import logging
 import math
 import os
+import pickle
 import socket
 import time
 from datetime import timedelta
@@ -76,22 +77,63 @@ def staleness_weight(tokens: int, staleness: int) -> float:
     return float(tokens) / (1 + max(0, staleness))
 
 
-def addressed_checkpoint_transport(host: str, timeout: timedelta):
-    """torchft's HTTP checkpoint transfer (what heals a joining replica), advertised at `host` (replica_address).
+def safe_checkpoint_transport(host: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transfer (what heals a joining replica), made safe to expose between sites.
 
-    Its own address names socket.gethostname(), which on a machine whose host name resolves to 127.0.0.1 (network
-    namespaces, many containers and cloud images) sends a healing peer to itself: the heal hangs until the timeout.
+    torchft's own (0.2.0) listens on every interface, advertises socket.gethostname() and loads what it receives
+    with `weights_only=False`, i.e. unpickles it: whoever can reach a healing replica, or sit between two sites,
+    could run code on it. This one:
+    - listens on `host` only (replica_address, or the host name's address), and advertises that address (a host
+      name that resolves to 127.0.0.1, as in network namespaces and many containers, would send a healing peer
+      to itself);
+    - loads with `weights_only=True`: tensors and plain values (what the outer state is), nothing that runs code.
+      Anything else is refused with HealRefused, naming the sender; the round then fails on the healing replica,
+      which votes it down and asks again next round.
     """
-    from urllib.parse import urlsplit, urlunsplit
+    import threading
+    import urllib.request
+    from http.server import ThreadingHTTPServer
 
+    from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing import HTTPTransport
 
-    class AddressedTransport(HTTPTransport):
-        def address(self) -> str:
-            parts = urlsplit(super().address())
-            return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
 
-    return AddressedTransport(timeout=timeout, num_chunks=0)
+    class BoundServer(ThreadingHTTPServer):
+        address_family = family
+        request_queue_size = 1024
+
+    class SafeTransport(HTTPTransport):
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout, num_chunks=0)
+            # torchft binds ("", 0) and starts serving in its constructor: serve the same handler on `host` instead.
+            wildcard = self._server
+            self._server = BoundServer((host, 0), wildcard.RequestHandlerClass)
+            wildcard.shutdown()
+            wildcard.server_close()
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}/checkpoint/"
+
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                try:
+                    return _streaming_load(response, weights_only=True)
+                except pickle.UnpicklingError as error:
+                    raise HealRefused(f"refused the state sent by {address.rsplit('/checkpoint/', 1)[0]}: it holds "
+                                      f"more than tensors and plain values ({first_line(error)[:200]}), so loading "
+                                      f"it could run code; heal only from replicas of this run.") from None
+
+    return SafeTransport()
+
+
+class HealRefused(RuntimeError):
+    """A peer sent a healing replica something other than tensors and plain values."""
 
 
 class TorchftComm(ReplicaComm):
@@ -200,7 +242,7 @@ class TorchftRounds:
         store_host, store_port = self._replica_store(replica, host)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            checkpoint_transport=addressed_checkpoint_transport(host, timeout),
+            checkpoint_transport=safe_checkpoint_transport(host, timeout),
             pg=pg,
             load_state_dict=self._load_healed,
             state_dict=self._state_for_peer,
@@ -527,7 +569,10 @@ def require_lighthouse(config) -> None:
 # --- starting replicas ----------------------------------------------------------------------------------------------
 
 
-def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str) -> list[str]:
-    """The recipe overrides of one replica (later flags win, so these come last)."""
+def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str,
+                      on_this_machine: bool = False) -> list[str]:
+    """The recipe overrides of one replica (later flags win, so these come last). `on_this_machine`: the run's
+    Lighthouse and every replica are here, so each replica's healing server listens on loopback only."""
+    local = ["--replica_address", "127.0.0.1"] if on_this_machine else []
     return [*overrides, "--outer_backend", "torchft", "--replica_id", str(replica), "--num_replicas", str(replicas),
-            "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica)]
+            "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica), *local]

@@ -4,6 +4,7 @@ one process per replica, talking over torchft's gloo process group on this machi
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -518,3 +519,103 @@ def test_the_readme_multi_site_commands_work_on_one_machine(tmp_path):
 
     a, b = (load_file(tmp_path / f"site{k}" / "model.safetensors") for k in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_healing_transport_listens_on_its_address_and_loads_only_tensors(tmp_path):
+    """What heals a joining replica: the sender listens on the replica's address only (not every interface), the
+    outer state (tensors, numbers, the optimizer's settings) arrives whole, and a peer that serves a pickle which
+    would run code if loaded (as torchft's own transport would load it) is refused in one sentence naming it, and
+    the code never runs."""
+    import http.server
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed._serialization import _streaming_load, _streaming_save
+
+    from hf_diloco.torchft_backend import HealRefused, safe_checkpoint_transport
+
+    timeout = timedelta(seconds=20)
+    sender, receiver = safe_checkpoint_transport("127.0.0.1", timeout), safe_checkpoint_transport("127.0.0.1", timeout)
+    try:
+        assert sender._server.socket.getsockname()[0] == "127.0.0.1"
+        assert sender.metadata().startswith("http://127.0.0.1:")
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+        optimizer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        state = {"user": {"outer": {"global_params": [p.detach() for p in params],
+                                    "optimizer": optimizer.state_dict()}, "global_round": 3, "global_step": 12},
+                 "torchft": {"step": 3, "batches_committed": 6}}
+        sender.send_checkpoint(dst_ranks=[1], step=3, state_dict=state, timeout=timeout)
+        got = receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=3, timeout=timeout)
+        assert got["user"]["global_round"] == 3 and got["torchft"] == {"step": 3, "batches_committed": 6}
+        assert all(torch.equal(a, b) for a, b in zip(got["user"]["outer"]["global_params"], params, strict=True))
+        momentum = got["user"]["outer"]["optimizer"]["state"][0]["momentum_buffer"]
+        assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
+    finally:
+        sender.shutdown()
+
+    ran = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (ran,))
+
+    poisoned = io.BytesIO()
+    _streaming_save({"global_params": [torch.zeros(2)], "extra": Payload()}, poisoned)
+
+    class Poisoner(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(poisoned.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Poisoner)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(HealRefused) as refused:
+            receiver.recv_checkpoint(src_rank=0, metadata=f"{address}/checkpoint/", step=3, timeout=timeout)
+    finally:
+        server.shutdown()
+        receiver.shutdown()
+    assert str(refused.value).startswith(f"refused the state sent by {address}: it holds more than tensors")
+    assert not ran.exists(), "the poisoned state ran code"
+    # The same bytes loaded as torchft's own transport loads them (weights_only=False) do run the code.
+    _streaming_load(io.BytesIO(poisoned.getvalue()), weights_only=False)
+    assert ran.exists()
+
+
+def listening_addresses(pid: int) -> set[str]:
+    import psutil
+
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
+    """`hf-diloco lighthouse` with no --host listens on 127.0.0.1 only and says so; given a wildcard address it
+    says who can reach it and that it has no authentication."""
+    for host, reach in ((None, "open to this machine only"), ("0.0.0.0", "open to anyone who can reach this address")):
+        log = tmp_path / f"lighthouse-{host}.log"
+        port = free_port()
+        process = subprocess.Popen([sys.executable, "-m", "hf_diloco.cli", "lighthouse", "--port", str(port),
+                                    *(["--host", host] if host else [])],
+                                   stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+        try:
+            wait_until(lambda log=log: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
+            text = log.read_text()
+            assert reach in text, text
+            listening = listening_addresses(process.pid)
+            if host is None:
+                assert listening == {"127.0.0.1"}, listening
+                assert "no authentication" not in text
+            else:
+                assert listening == {"0.0.0.0"}, listening
+                assert f"has no authentication: keep port {port} on a private network" in text
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=20)
