@@ -53,6 +53,13 @@ from .codecs import Codec, ErrorFeedback, SparseCodec, from_bytes
 from .errors import ConfigError, RunError, first_line
 
 
+def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Every process's `tensor`, concatenated into `output`. torch 2.13 calls it all_gather_single and warns on the
+    old name, which is all that torch 2.4 to 2.12 have (looked up at each call, so a wrapper set later is used)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
 @dataclass
 class SyncCost:
     """What one sync round cost this process."""
@@ -334,7 +341,7 @@ class ReplicaComm:
         k = 0 if rows is None else rows.numel() // m
         piece = total if rows is None else torch.cat([total, rows.reshape(-1).to(total.device)])
         gathered = torch.empty(g * piece.numel(), dtype=piece.dtype, device=piece.device)
-        dist.all_gather_into_tensor(gathered, piece, group=self.gather_group)
+        gather_into(gathered, piece, group=self.gather_group)
         cost.collectives += 1
         cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * gathered.element_size(), g)
         pieces = gathered.view(g, -1)
@@ -351,7 +358,7 @@ class ReplicaComm:
         dist.all_to_all_single(received, send, group=self.slice_group)
 
     def _all_gather(self, gathered: torch.Tensor, payload: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(gathered, payload, group=self.slice_group)
+        gather_into(gathered, payload, group=self.slice_group)
 
     # --- the three ways across replicas, for this process's slice ---
 

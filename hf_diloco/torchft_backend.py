@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 
 from .backends import RoundStart
-from .comm import ReplicaComm, ring_all_reduce_bytes
+from .comm import ReplicaComm, gather_into, ring_all_reduce_bytes
 from .errors import ConfigError, RunError, first_line
 from .launch import replica_folder
 
@@ -442,13 +442,11 @@ class TorchftRounds:
         its tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of
         them does and is finite only if all are. Every member then writes the same row, so every slice of the round
         is averaged with the same weights."""
-        import torch.distributed as dist
-
         mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
                              float(local["stop_requested"]), float(not local.get("finite", True))],
                             dtype=torch.float64)
         every = torch.empty(self.comm.group_size * mine.numel(), dtype=torch.float64)
-        dist.all_gather_into_tensor(every, mine, group=self.comm.gather_group)
+        gather_into(every, mine, group=self.comm.gather_group)
         every = every.view(self.comm.group_size, -1)
         return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
                 "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),

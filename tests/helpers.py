@@ -11,6 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CPU_2PROC = REPO / "accelerate_configs" / "cpu-2proc.yaml"
 ACCELERATE_CPU_4PROC = REPO / "accelerate_configs" / "cpu-4proc.yaml"
+# The name of the all-gather into one tensor that hf_diloco.comm.gather_into calls on this torch.
+GATHER = "all_gather_single" if hasattr(__import__("torch.distributed").distributed, "all_gather_single") \
+    else "all_gather_into_tensor"
 
 
 def free_port() -> int:

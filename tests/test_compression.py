@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, GATHER, REPO, accelerate_launch
 
 from hf_diloco.codecs import make_codec
 from hf_diloco.metrics import read_sync_rounds
@@ -53,7 +53,7 @@ def test_int4_sync_is_a_reduce_scatter_and_an_all_gather_and_nothing_between(int
     for rank in ranks:
         by_step = collectives_by_step(rank)
         for step in range(1, 13):
-            expected = ["all_to_all_single", "all_gather_into_tensor"] if step in (4, 8, 12) else []
+            expected = ["all_to_all_single", GATHER] if step in (4, 8, 12) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step)}"
 
 
@@ -102,7 +102,7 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
         payload = codec.encoded_bytes(record["synced_parameters"]) + 4 * len(ROUND_STATS)
         assert record["bytes_per_replica"] == payload  # M = 2: the payload goes to the one other replica
     for rank in ranks:
-        assert collectives_by_step(rank)[4] == ["all_gather_into_tensor"]
+        assert collectives_by_step(rank)[4] == [GATHER]
 
 
 def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):

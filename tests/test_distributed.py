@@ -9,7 +9,15 @@ import sys
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, pattern_blocks, tiny_llama
+from helpers import (
+    ACCELERATE_CPU_2PROC,
+    ACCELERATE_CPU_4PROC,
+    GATHER,
+    REPO,
+    accelerate_launch,
+    pattern_blocks,
+    tiny_llama,
+)
 
 from hf_diloco.records import STAT_NAMES as ROUND_STATS  # noqa: E402
 
@@ -202,7 +210,7 @@ def test_replica_groups_sync_is_one_sliced_all_reduce_and_one_all_gather(grouped
         for step, name in rank["calls"]:
             by_step.setdefault(step, []).append(name)
         for step in range(1, 8):
-            expected = ["all_reduce", "all_gather_into_tensor"] if step in (3, 6, 7) else []
+            expected = ["all_reduce", GATHER] if step in (3, 6, 7) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
 
 

@@ -30,8 +30,8 @@ seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its mo
 
 # --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
 # inside a replica of several processes run in C++ and are not seen here ---
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "all_to_all", "all_to_all_single",
                "send", "recv", "isend", "irecv"]
 calls: list[tuple[int, str]] = []
