@@ -476,7 +476,10 @@ def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(t
     log = tmp_path / "launch.log"
     launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
-        wait_until(lambda: len(read_sync_rounds(out / "replica-1")) >= 1, 180, "a round of replica 1")
+        # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once
+        # both have taken part in a round.
+        wait_until(lambda: any(r["participants"] == 2 for r in read_sync_rounds(out / "replica-1")), 180,
+                   "a round of both replicas")
         os.kill(training_process(out, 1), signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
@@ -484,8 +487,8 @@ def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(t
             launcher.kill()
     text = log.read_text()
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
-    # Started twice, replica 1 healed both times (the second time from replica 0 mid-run, or, on a slow machine,
-    # from replica 0 lingering after the last round with the final model).
+    # Started twice; the second time replica 1 healed (from replica 0 mid-run, or, on a slow machine, from replica 0
+    # lingering after the last round with the final model).
     joins = [line for line in text.splitlines() if line.startswith("[diloco] replica 1 joined at round")]
     assert len(joins) == 2 and "healed from a live peer" in joins[1], joins
     rounds = read_sync_rounds(out / "replica-0")
