@@ -517,6 +517,8 @@ def tensorboard_hint(run: Run | None) -> str:
         return ""
     # A torchft run's replicas each log under replica-r/runs; TensorBoard finds them all below the output folder.
     logdir = Path(run.output_dir) if replica_folders(run) else Path(run.output_dir) / "runs"
+    if not any(Path(run.output_dir).glob("**/runs")):  # report_to without tensorboard: there is nothing to show
+        return ""
     return f"TensorBoard for this run: `tensorboard --logdir {logdir}`"
 
 

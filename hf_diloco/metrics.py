@@ -1,12 +1,13 @@
-"""Per-round metrics: `<output_dir>/sync_rounds.jsonl`, TensorBoard scalars under `diloco/`, a console line.
+"""Per-round metrics: `<output_dir>/sync_rounds.jsonl`, the trackers of `report_to` (diloco/<name>), a console line.
 
 Design choices:
 - Only the main process writes. Every replica's numbers reach it inside the round's sync (see comm.py), so writing
   metrics needs no collective of its own.
 - A round's record is written once the round is complete: right after the sync, or after the evaluation that the
   trainer runs on that round boundary, so `eval_loss` lands in the same record.
-- The JSONL file is the interface of runs: the app and the benchmarks read it; nothing reads TensorBoard files
-  except TensorBoard. Floats are plain JSON numbers; NaN is written as null.
+- The JSONL file is the interface of runs: the app and the benchmarks read it. The trackers get the same numbers
+  through Trainer's own integrations (hf_diloco.rounds reports them), so every `report_to` Trainer supports
+  receives them and the project keeps no tracker code of its own. Floats are plain JSON numbers; NaN is written as null.
 - On resume, records of rounds after the checkpoint are dropped first, since those rounds are trained again.
 """
 
@@ -22,10 +23,22 @@ SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
 SUMMARY_FILE = "diloco_summary.json"
 
 # Scalars mirrored to TensorBoard as diloco/<name>.
-TENSORBOARD_KEYS = (
+# The round numbers that go to the trackers Trainer reports to (`report_to`), as diloco/<name> at the round's step.
+REPORTED_KEYS = (
     "loss", "eval_loss", "pseudo_grad_norm", "bytes_per_replica", "sync_seconds", "compute_seconds", "outer_lr",
     "tokens_per_second", "cumulative_bytes_per_replica",
 )
+
+
+def reported_metrics(record: dict) -> dict[str, float]:
+    """A round record as tracker metrics: diloco/<name> for each finite number of REPORTED_KEYS, and
+    diloco/replica_<r>/loss for each replica's loss."""
+    metrics = {f"diloco/{key}": float(record[key]) for key in REPORTED_KEYS
+               if isinstance(record.get(key), (int, float)) and math.isfinite(record[key])}
+    for rank, loss in enumerate(record.get("replica_losses", [])):
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            metrics[f"diloco/replica_{rank}/loss"] = float(loss)
+    return metrics
 
 
 def _clean(value: Any) -> Any:
@@ -79,14 +92,10 @@ def format_round(record: dict, total_rounds: int | None) -> str:
 
 
 class RoundWriter:
-    """Writes round records (main process only)."""
+    """Writes round records to sync_rounds.jsonl (main process only)."""
 
-    def __init__(self, output_dir: str, tensorboard_dir: str | None = None):
+    def __init__(self, output_dir: str):
         self.path = Path(output_dir) / SYNC_ROUNDS_FILE
-        self.tensorboard_dir = tensorboard_dir or os.environ.get("TENSORBOARD_LOGGING_DIR") or str(
-            Path(output_dir) / "runs" / "diloco"
-        )
-        self._writer = None
 
     def truncate_after(self, step: int) -> list[dict]:
         """Forget rounds past `step` (they are retrained after a resume); returns the rounds kept."""
@@ -99,25 +108,6 @@ class RoundWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._tensorboard(record)
-
-    def _tensorboard(self, record: dict) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=self.tensorboard_dir)
-        for key in TENSORBOARD_KEYS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(f"diloco/{key}", value, record["step"])
-        for rank, loss in enumerate(record.get("replica_losses", [])):
-            self._writer.add_scalar(f"diloco/replica_{rank}/loss", loss, record["step"])
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
 
 def write_summary(output_dir: str, summary: dict) -> None:

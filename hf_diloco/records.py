@@ -146,13 +146,15 @@ def summary(rounds: list[dict], *, steps: int, train_started: float, initial_eva
 class RoundLog:
     """The rounds of this process as they complete. A record waits until the round's evaluation (Trainer runs it
     right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and on the main
-    process written to sync_rounds.jsonl and TensorBoard (`RoundWriter`) and printed as one console line."""
+    process written to sync_rounds.jsonl (`RoundWriter`), handed to the trackers (`report`) and printed as one
+    console line."""
 
     def __init__(self, plain_console: bool):
         self.plain_console = plain_console  # print lines as they are (disable_tqdm), else through tqdm.write
         self.pending: list[dict] = []  # rounds completed at this step, written once its eval is known
         self.history: list[dict] = []
         self.writer: RoundWriter | None = None
+        self.report = None  # called with each written record (the trainer's trackers)
         self.total_rounds: int | None = None
         self.initial_eval_loss: float | None = None
 
@@ -174,6 +176,8 @@ class RoundLog:
             if self.writer is None:
                 continue
             self.writer.write(record)
+            if self.report is not None:
+                self.report(record)
             line = format_round(record, self.total_rounds)
             if self.plain_console:
                 print(line, flush=True)

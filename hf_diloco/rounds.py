@@ -19,17 +19,18 @@ import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
 
 from .backends import FixedGroup, RoundStart
 from .codecs import Codec, ErrorFeedback, make_codec
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .errors import RunError, first_line
-from .metrics import RoundWriter, read_sync_rounds, write_summary
+from .metrics import RoundWriter, read_sync_rounds, reported_metrics, write_summary
 from .outer import Exchange, OuterLoop, RoundResult, assign_fragments, exchange, is_finite, land, outer_round, snapshot
 from .records import ReplicaStats, RoundLog, RoundStats, round_record, summary
 from .schedule import Schedule, choose_inner_steps
@@ -210,6 +211,7 @@ class OuterLoopCallback(TrainerCallback):
             rounds = read_sync_rounds(args.output_dir)
             reached = max([r["step"] for r in rounds] + [self.reached_before_resume, state.global_step])
             self.log.writer = RoundWriter(args.output_dir)
+            self.log.report = self._report
             # torch: rounds past the checkpoint are retrained; torchft: a restarted replica continues its record.
             kept = rounds if self.on_torchft else self.log.writer.truncate_after(state.global_step)
             if resumed:
@@ -541,6 +543,20 @@ class OuterLoopCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.log.evaluated(state.global_step, (metrics or {}).get("eval_loss"))
 
+    def _report(self, record: dict) -> None:
+        """A written round to every tracker Trainer reports to (`report_to`: TensorBoard, trackio, W&B, MLflow, ...),
+        as diloco/<name> at the round's step, through the same `on_log` that carries Trainer's own metrics. The
+        console printers are left out: the round's line is printed already. (Integrations that prefix Trainer's
+        training metrics with train/, as TensorBoard's and W&B's do, show train/diloco/<name>.)"""
+        trainer = self.trainer
+        at_round = replace(trainer.state, global_step=record["step"])
+        logs = reported_metrics(record)
+        for callback in trainer.callback_handler.callbacks:
+            if not isinstance(callback, (DefaultFlowCallback, PrinterCallback, ProgressCallback, OuterLoopCallback)):
+                callback.on_log(self.args, at_round, trainer.control, logs=dict(logs), model=trainer.model,
+                                processing_class=trainer.processing_class, optimizer=trainer.optimizer,
+                                lr_scheduler=trainer.lr_scheduler)
+
     def on_train_end(self, args, state, control, **kwargs):
         self.overlap.shutdown()
         self.log.flush()
@@ -555,7 +571,6 @@ class OuterLoopCallback(TrainerCallback):
             self.backend.shutdown()
         if self.log.writer is None:
             return
-        self.log.writer.close()
         totals = summary(self.history, steps=state.global_step, train_started=self.train_started,
                          initial_eval_loss=self.log.initial_eval_loss, settings={
                              "num_replicas": self.args.num_replicas if self.on_torchft else self.comm.num_replicas,

@@ -224,7 +224,7 @@ TINY = TINY_YAML
 BAD_DRAFTS = {
     "push from a run": (TINY + "push_to_hub: true\n", {}, "does not start runs that set 'push_to_hub'"),
     "a token in the recipe": (TINY + "hub_token: hf_abc\n", {}, "'hub_token'"),
-    "an online tracker": (TINY.replace("report_to: none", "report_to: wandb"), {}, "report_to may only be"),
+    "an online tracker": (TINY.replace("report_to: tensorboard", "report_to: wandb"), {}, "report_to may only be"),
     "DeepSpeed": (TINY + "deepspeed: ds.json\n", {}, "'deepspeed'"),
     "resume from anywhere": (TINY + "resume_from_checkpoint: /tmp/other/checkpoint-5\n", {},
                              "resume_from_checkpoint may only be 'auto' or 'latest'"),

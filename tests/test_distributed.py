@@ -36,7 +36,8 @@ def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
 def paper_run(tmp_path_factory):
     """Paper outer settings (SGD lr 0.7, momentum 0.9, Nesterov), H = 5, 12 steps: rounds end at 5, 10, 12."""
     tmp = tmp_path_factory.mktemp("paper")
-    ranks = launch_replicas(tmp, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+    ranks = launch_replicas(tmp, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True,
+                            report_to="tensorboard")
     return tmp, ranks
 
 
@@ -97,18 +98,24 @@ def test_replica_agreement_matches_the_recorded_norms(paper_run):
         assert all(-1 <= a <= 1 for a in later["replica_agreement"])
 
 
-def test_tensorboard_scalars_match_sync_rounds(paper_run):
-    """The same per-round numbers are in TensorBoard under diloco/ (event files read back)."""
+def test_round_metrics_reach_the_trackers_of_report_to(paper_run):
+    """The round numbers go through Trainer's report_to integrations: with report_to tensorboard, Trainer's
+    TensorBoardCallback writes them (event files read back) at each round's step, equal to sync_rounds.jsonl, under
+    train/diloco/<name> (TensorBoard's integration prefixes training metrics with train/), per replica too."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tmp, _ = paper_run
     rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
-    events = EventAccumulator(str(tmp / "run" / "runs" / "diloco"))
+    (logdir,) = list((tmp / "run" / "runs").iterdir())  # Trainer's own: runs/<date>_<host>
+    events = EventAccumulator(str(logdir))
     events.Reload()
     for key in ("loss", "pseudo_grad_norm", "bytes_per_replica"):
-        scalars = events.Scalars(f"diloco/{key}")
+        scalars = events.Scalars(f"train/diloco/{key}")
         assert [s.step for s in scalars] == [r["step"] for r in rounds]
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in rounds], rel=1e-6)
+    replica_1 = events.Scalars("train/diloco/replica_1/loss")
+    assert [s.value for s in replica_1] == pytest.approx([r["replica_losses"][1] for r in rounds], rel=1e-6)
+    assert "train/loss" in events.Tags()["scalars"], "Trainer's own metrics are there too"
 
 
 def test_iid_shards_are_disjoint(paper_run):

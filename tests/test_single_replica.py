@@ -155,3 +155,35 @@ def test_library_train_function_runs_a_whole_run_and_never_overwrites_one(tmp_pa
     assert type(trainer) is Trainer and not (baseline / "sync_rounds.jsonl").exists()
     assert json.loads((baseline / "run_config.json").read_text())["trainer"] == "ddp"
     assert set(load_file(baseline / "model.safetensors")) == set(load_file(out / "model.safetensors"))
+
+
+def test_round_metrics_reach_every_tracker_callback(tmp_path):
+    """Any callback Trainer reports to (its integrations for trackio, W&B, MLflow, ... are such callbacks) gets each
+    round's numbers as diloco/<name> through on_log, at the round's step, equal to the round record; the console
+    printers do not (the round's line is printed already)."""
+    from transformers import TrainerCallback
+
+    from hf_diloco.metrics import read_sync_rounds
+
+    class Tracker(TrainerCallback):
+        def __init__(self):
+            self.logged = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if any(key.startswith("diloco/") for key in logs):
+                self.logged.append((state.global_step, dict(logs)))
+
+    tracker = Tracker()
+    args = DiLoCoConfig(output_dir=str(tmp_path / "run"), inner_steps=5, outer_lr=0.7, outer_momentum=0.9,
+                        **{**COMMON, "max_steps": 12})
+    trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=args, train_dataset=pattern_dataset(),
+                            data_collator=default_data_collator, callbacks=[tracker])
+    trainer.train()
+    rounds = read_sync_rounds(tmp_path / "run")
+    assert [step for step, _ in tracker.logged] == [r["step"] for r in rounds] == [5, 10, 12]
+    for (_, logs), record in zip(tracker.logged, rounds, strict=True):
+        assert logs["diloco/loss"] == pytest.approx(record["loss"], rel=1e-12)
+        assert logs["diloco/bytes_per_replica"] == record["bytes_per_replica"]
+        assert logs["diloco/replica_0/loss"] == pytest.approx(record["replica_losses"][0], rel=1e-12)
+    assert not any(key.startswith("diloco/") for entry in trainer.state.log_history for key in entry), \
+        "round metrics stay out of Trainer's own log history and console"

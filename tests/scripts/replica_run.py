@@ -92,7 +92,7 @@ config = DiLoCoConfig(
     logging_steps=1,  # Trainer logs every step: proves the logged loss needs no gather
     save_strategy="no",
     eval_strategy="no",
-    report_to="none",
+    report_to=settings.pop("report_to", "none"),
     disable_tqdm=True,
     seed=0,
     **settings,
