@@ -516,8 +516,10 @@ def tensorboard_hint(run: Run | None) -> str:
     if run is None:
         return ""
     # A torchft run's replicas each log under replica-r/runs; TensorBoard finds them all below the output folder.
-    logdir = Path(run.output_dir) if replica_folders(run) else Path(run.output_dir) / "runs"
-    if not any(Path(run.output_dir).glob("**/runs")):  # report_to without tensorboard: there is nothing to show
+    replicas = replica_folders(run)
+    logdir = Path(run.output_dir) if replicas else Path(run.output_dir) / "runs"
+    # Trainer writes event files under <output>/runs only with report_to tensorboard: otherwise nothing to show.
+    if not any((folder / "runs").is_dir() for folder in replicas or [Path(run.output_dir)]):
         return ""
     return f"TensorBoard for this run: `tensorboard --logdir {logdir}`"
 

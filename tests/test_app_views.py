@@ -220,3 +220,12 @@ def test_a_torchft_rounds_losses_are_named_by_their_replica():
     rounds = [torchft_round(1, [member(0, loss=3.0), {"replica": 1, "participated": False}, member(2, loss=2.0)])]
     frame = views.loss_frame(rounds, [])
     assert sorted(set(zip(frame["replica"], frame["loss"], strict=True))) == [("replica 0", 3.0), ("replica 2", 2.0)]
+
+
+def test_the_tensorboard_hint_shows_only_when_the_run_wrote_event_files(tmp_path):
+    """report_to tensorboard leaves <output>/runs (a torchft run: replica-r/runs); without it there is no hint."""
+    run = make_run(tmp_path)
+    assert views.tensorboard_hint(run) == ""
+    (tmp_path / "output" / "runs").mkdir()
+    logdir = tmp_path / "output" / "runs"
+    assert views.tensorboard_hint(run) == f"TensorBoard for this run: `tensorboard --logdir {logdir}`"
