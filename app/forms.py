@@ -177,15 +177,6 @@ def is_torchft(recipe: Path) -> bool:
     return isinstance(values, dict) and values.get("outer_backend") == "torchft"
 
 
-def free_port() -> int:
-    """A port nobody listens on now, for one run's rendezvous (two runs at once must not share one)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def check_knobs(knobs: Knobs) -> None:
     """Refuse a knob that cannot be right, with one sentence, before anything runs."""
     for name, (label, kind, low, high, low_allowed) in NUMBERS.items():

@@ -38,6 +38,7 @@ import gradio as gr
 from app import forms, views
 from hf_diloco import runs
 from hf_diloco.errors import ConfigError
+from hf_diloco.launch import free_port
 
 KNOB_LABELS = {
     "replicas": "Replicas (blank: the config's; each starts the recipe's replica_group_size processes)",
@@ -93,7 +94,7 @@ class App:
             # Each run gets its own rendezvous port unless the form names one (a run over several machines needs
             # the port they agreed on: the form's, or the config's).
             single_machine = str(knobs.num_machines).strip() in ("", "1")
-            port = forms.free_port() if single_machine and not str(knobs.main_process_port).strip() else None
+            port = free_port() if single_machine and not str(knobs.main_process_port).strip() else None
             plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, port=port, launch_args=launch,
                              name=name)
         if not typed:

@@ -428,6 +428,20 @@ def training_process(output_dir: Path, replica: int) -> int | None:
     return None
 
 
+def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str) -> str:
+    """Run an `hf-diloco launch --replicas` command; once `ready()`, SIGKILL replica 1's training process (one of
+    them); the launch must still exit 0. Returns its output."""
+    launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        wait_until(ready, 180, what)
+        os.kill(training_process(out, 1), signal.SIGKILL)
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    return log.read_text()
+
+
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
@@ -438,16 +452,8 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
                "--output_dir", str(out), "--max_steps", "800", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
-    log = tmp_path / "launch.log"
-    launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    try:
-        wait_until(lambda: len(read_sync_rounds(out / "replica-1")) >= 1, 180, "a round of replica 1")
-        os.kill(training_process(out, 1), signal.SIGKILL)
-        assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    text = log.read_text()
+    text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
+                                     lambda: len(read_sync_rounds(out / "replica-1")) >= 1, "a round of replica 1")
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_sync_rounds(out / "replica-0")
@@ -473,19 +479,11 @@ def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(t
                "--min_replicas", "1", "--max-restarts", "1", "--output_dir", str(out), "--max_steps", "400",
                "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
                "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3"]
-    log = tmp_path / "launch.log"
-    launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    try:
-        # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once
-        # both have taken part in a round.
-        wait_until(lambda: any(r["participants"] == 2 for r in read_sync_rounds(out / "replica-1")), 180,
-                   "a round of both replicas")
-        os.kill(training_process(out, 1), signal.SIGKILL)
-        assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    text = log.read_text()
+    # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once both
+    # have taken part in a round.
+    text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
+                                     lambda: any(r["participants"] == 2 for r in read_sync_rounds(out / "replica-1")),
+                                     "a round of both replicas")
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     # Started twice; the second time replica 1 healed (from replica 0 mid-run, or, on a slow machine, from replica 0
     # lingering after the last round with the final model).
