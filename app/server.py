@@ -18,16 +18,16 @@ Design choices:
   changes one refresh after a new series arrived, so the plot is rebuilt with it. Bytes are drawn with
   matplotlib because they need a log scale.
 - Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
-- Long work (validation, pushing) runs as `hf-diloco` subprocesses; the app never imports torch.
+- Validation runs as an `hf-diloco` subprocess and pushing in the app's process through hf_diloco.hub; the app
+  never imports torch.
 - Binds 127.0.0.1 unless --host says otherwise; --auth (or HF_DILOCO_APP_AUTH) asks for a user and password; no
-  share link unless --share. Tokens typed into the push form go to the push process's environment only.
+  share link unless --share. A token typed into the push form goes to
+  huggingface_hub only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, fields
@@ -278,36 +278,37 @@ class App:
         metadata, body = views.card_preview(model_card(output, repo_id or None))
         return body, metadata, str(curve) if curve else None
 
-    def push(self, run_id, repo_id, private, token, merge_lora, message, progress=gr.Progress()):  # noqa: B008 (Gradio injects it)
-        from hf_diloco.hub import check_repo_id
+    def push(self, run_id, repo_id, private, token, merge_lora, message, unfinished,
+             progress=gr.Progress()):  # noqa: B008 (Gradio injects it)
+        """Push in this process with huggingface_hub (hf_diloco.hub imports no torch); the token goes to
+        huggingface_hub only, never to a log, a file or the environment of another process."""
+        from hf_diloco import hub
 
         run = self.run(run_id)
         if run is None:
             return "**Cannot push:** select a run first.", ""
         if run.status in runs.ACTIVE:
             return "**Cannot push:** the run is still going; stop it or wait for it to finish.", ""
+        lines = []
+
+        def report(line: str) -> None:
+            lines.append(line.replace(token, "***") if token else line)
+            progress(min(0.9, 0.3 * len(lines)), desc=lines[-1].removeprefix("[push] ")[:80])
+
         try:
-            check_repo_id(repo_id)
+            url = hub.push(views.lead_folder(run), repo_id, token=token or None, private=private,
+                           merge_lora=merge_lora, commit_message=message or "Upload DiLoCo model",
+                           allow_unfinished=unfinished, progress=report)
+        except hub.UnfinishedRun as refused:
+            how = hub.describe_outcome(refused.outcome)
+            return f"**Not pushed:** this run {how}. Tick \"Push a run that did not finish\" to push it anyway; " \
+                "its card will say how it ended.", "\n".join(lines)
         except ConfigError as error:
-            return f"**Cannot push:** {error}", ""
-        env = dict(os.environ)
-        if token:
-            env["HF_TOKEN"] = token  # the push process's environment only: never on a command line or on disk
-        command = [sys.executable, "-m", "hf_diloco.cli", "push", str(views.lead_folder(run)),
-                   "--repo-id", repo_id.strip(), "--commit-message", message or "Upload DiLoCo model"]
-        command += ["--private"] if private else []
-        command += ["--merge-lora"] if merge_lora else []
-        progress(0.1, desc="Uploading")
-        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=forms.PROJECT, timeout=3600)
-        log = "\n".join(line for line in result.stdout.splitlines() if line.startswith("[push]"))
-        if token:
-            log = log.replace(token, "***")
-        if result.returncode != 0:
-            errors = [line for line in result.stderr.splitlines() if line.startswith("hf-diloco: error:")]
-            reason = errors[-1].removeprefix("hf-diloco: error: ") if errors else "see the server log"
-            return f"**Push failed:** {reason.replace(token, '***') if token else reason}", log
-        url = next((line.split("done: ", 1)[1] for line in log.splitlines() if "done: " in line), "")
-        return f"Pushed: [{url}]({url})", log
+            return f"**Cannot push:** {error}", "\n".join(lines)
+        except Exception as error:  # noqa: BLE001 (network and Hub errors: the reason, never a traceback)
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            return f"**Push failed:** {reason.replace(token, '***') if token else reason}", "\n".join(lines)
+        return f"Pushed: [{url}]({url})", "\n".join(lines)
 
 
 FOLLOW_LOG = """() => {
@@ -404,6 +405,8 @@ def build(runs_dir: Path) -> gr.Blocks:
                     repo_id = gr.Textbox(label="Repo id (owner/name)", elem_id="repo-id")
                     private = gr.Checkbox(label="Private", value=True)
                     merge = gr.Checkbox(label="Push merged model (LoRA runs)")
+                    unfinished = gr.Checkbox(label="Push a run that did not finish (stopped or failed)",
+                                             elem_id="push-unfinished")
                 token = gr.Textbox(label="Token (blank: HF_TOKEN or your huggingface_hub login)", type="password")
                 message = gr.Textbox(label="Commit message", value="Upload DiLoCo model")
                 with gr.Row():
@@ -439,7 +442,8 @@ def build(runs_dir: Path) -> gr.Blocks:
         compare_tab.select(app.compare_choices, None, compared, api_name=False)
         compared.change(app.compare, compared, [compare_plot, compare_table], api_name="compare")
         card_button.click(app.card, [run_select, repo_id], [card, card_metadata, curve], api_name="card")
-        push_button.click(app.push, [run_select, repo_id, private, token, merge, message], [push_result, push_log],
+        push_button.click(app.push, [run_select, repo_id, private, token, merge, message, unfinished],
+                          [push_result, push_log],
                           api_name="push")
         page.load(app.reattach, None, [run_select, *form], api_name=False)
     return page

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from hf_diloco.metrics import SUMMARY_FILE, SYNC_ROUNDS_FILE, read_sync_rounds
+from hf_diloco import metrics
+from hf_diloco.metrics import SUMMARY_FILE
 from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
@@ -37,10 +38,7 @@ MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one 
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
-# Series keep their colour whatever else is on the plot: replica i is always PALETTE[i], held-out loss black.
-PALETTE = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
-FIXED_COLORS = {"held-out (global model)": "#111827", "held-out loss": "#111827", "averaged Δ": "#111827",
-                "train loss (all processes)": "#2563eb", "compute": "#2563eb", "sync": "#ea580c"}
+PALETTE, FIXED_COLORS = metrics.PALETTE, metrics.SERIES_COLORS  # one colour per series in the app and the card
 MIN_ROUND_AXIS = 10  # round axes span at least 0..10, so their ticks fall on whole rounds
 
 
@@ -62,13 +60,7 @@ def _replica_id(folder: Path) -> int:
 def replica_folders(run: Run | None) -> list[Path]:
     """The `replica-r` folders of a torchft run started with --replicas, lowest replica id first; [] for a run
     whose output folder holds its own sync_rounds.jsonl (every other run)."""
-    if run is None:
-        return []
-    output = Path(run.output_dir)
-    if (output / SYNC_ROUNDS_FILE).exists():
-        return []
-    found = [p for p in output.glob("replica-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
-    return sorted(found, key=_replica_id)
+    return metrics.replica_folders(run.output_dir) if run is not None else []
 
 
 def lead_folder(run: Run) -> Path:
@@ -81,24 +73,9 @@ def lead_folder(run: Run) -> Path:
 
 
 def read_rounds(run: Run | None) -> list[dict]:
-    """The run's sync_rounds.jsonl; a half-written last line of a live run is skipped.
-
-    A torchft run's rounds: the union over its replica folders, one record per round number (every participant
-    of a round writes the same membership): a committed record before one whose round did not commit, then the
-    lowest replica id's.
-    """
-    if run is None:
-        return []
-    folders = replica_folders(run)
-    if not folders:
-        return read_sync_rounds(run.output_dir)
-    merged: dict[int, dict] = {}
-    for folder in folders:
-        for record in read_sync_rounds(folder):
-            kept = merged.get(record["round"])
-            if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
-                merged[record["round"]] = record
-    return [merged[n] for n in sorted(merged)]
+    """The run's round records (a torchft run's merged over its replicas: `metrics.run_rounds`); a half-written
+    last line of a live run is skipped."""
+    return metrics.run_rounds(run.output_dir) if run is not None else []
 
 
 def read_progress(run: Run | None) -> dict:

@@ -354,7 +354,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     try:
         push(args.output_dir, args.repo_id, private=args.private, merge_lora=args.merge_lora,
-             commit_message=args.commit_message)
+             commit_message=args.commit_message, allow_unfinished=args.allow_unfinished)
     except ConfigError:
         raise
     except Exception as error:  # network and Hub errors: the user needs the reason, not a traceback
@@ -426,11 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     push = sub.add_parser("push", help="push a finished run's model to the Hugging Face Hub with a DiLoCo card")
-    push.add_argument("output_dir", help="the run's output_dir")
+    push.add_argument("output_dir", help="the run's output_dir (for a torchft launch, its folder or a replica's)")
     push.add_argument("--repo-id", required=True, help="'owner/name' or 'name'")
     push.add_argument("--private", action="store_true", help="create the repository as private")
     push.add_argument("--merge-lora", action="store_true", help="push the merged model instead of the LoRA adapter")
     push.add_argument("--commit-message", default="Upload DiLoCo model", help="commit message")
+    push.add_argument("--allow-unfinished", action="store_true",
+                      help="push a run that was stopped, failed or did not reach max_steps (its card says how it "
+                           "ended); refused without it")
     push.set_defaults(func=cmd_push)
 
     app = sub.add_parser("app", help="the Gradio app: launch recipes, watch sync rounds, push to the Hub")

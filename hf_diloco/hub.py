@@ -7,31 +7,40 @@ Design choices:
   run_metrics.json), a training-curve image, base model and datasets in the metadata.
 - The card says what ran: a DiLoCo run is tagged `diloco` and described with its replicas and H; a `trainer: ddp`
   baseline is described as ordinary data-parallel training, with no DiLoCo settings.
-- Only what a model repo needs is uploaded: weights, config, tokenizer, card, curve and the round log. Checkpoints,
-  per-replica optimizer states and TensorBoard files stay local.
+- Only what a model repo needs is uploaded, named one by one (`repo_files`): weights, model and generation config,
+  tokenizer files, the card (huggingface_hub's `ModelCard`/`ModelCardData`), the training curve, the round log and
+  the run config, in one commit. Checkpoints, optimizer states, TensorBoard files, `training_args.bin` (a pickle)
+  and the app's own files (progress, stop markers, Trainer log) stay local.
+- A run that did not finish (stopped on request, failed, or still short of max_steps) is pushed only when the
+  caller says so (`allow_unfinished`, `--allow-unfinished`, a tick in the app), and its card says how it ended.
+- A torchft launch (`hf-diloco launch --replicas N`) keeps each replica in `replica-r/`: the card counts the
+  launch's replicas and the rounds committed by any of them, as the app does (`metrics.run_rounds`).
 - The token comes from the caller, HF_TOKEN, or the huggingface_hub login, in that order. It is only ever passed to
   huggingface_hub: never written to a file, a log or the card.
 - The endpoint follows huggingface_hub (HF_ENDPOINT); the tests push to a local server that speaks the Hub's
   repo-creation, preupload and commit endpoints.
+- No torch import: the app calls `push` in its own process.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import tempfile
 from pathlib import Path
 
 from .errors import ConfigError
-from .metrics import read_sync_rounds
+from .metrics import SUMMARY_FILE, SYNC_ROUNDS_FILE, launch_folder, outer_rounds, replica_folders, run_rounds
+from .runs import PROGRESS_FILE, RUN_FILE, STOPPED_FILE
 
 CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.json"
-UPLOAD_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.txt", "tokenizer*", "sync_rounds.jsonl", CURVE_FILE)
-NOT_UPLOADED = ("run_metrics.json",)
-REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# What a model repository holds, besides the card and the curve written at push time: the files transformers and
+# peft save for a model and its tokenizer, the round log and the run config.
+MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+                  "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja")
+RUN_FILES = (SYNC_ROUNDS_FILE, RUN_CONFIG_FILE)
 PRESET_PREFIXES = ("tiny-llama", "llama-")
 
 DILOCO_ROWS = (
@@ -50,12 +59,25 @@ DILOCO_ROWS = (
 )
 
 
+class UnfinishedRun(ConfigError):
+    """A push of a run that did not finish, without the caller's consent; `outcome` is its `run_outcome`."""
+
+    def __init__(self, outcome: dict):
+        self.outcome = outcome
+        super().__init__(f"this run {describe_outcome(outcome)}; push it anyway with --allow-unfinished, and its card "
+                         f"will say so.")
+
+
 def check_repo_id(repo_id: str) -> str:
+    """`repo_id` stripped, if huggingface_hub's own check accepts it; one sentence otherwise."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     repo_id = (repo_id or "").strip()
-    if not REPO_ID.match(repo_id):
-        raise ConfigError(
-            f"repo id {repo_id!r} is not valid; use 'name' or 'owner/name' with letters, digits, '-', '_' or '.'."
-        )
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ConfigError(f"repo id {repo_id!r} is not valid; use 'name' or 'owner/name' with letters, digits, "
+                          f"'-', '_' or '.' (at most 96 each, not starting or ending with '-' or '.').") from None
     return repo_id
 
 
@@ -102,8 +124,11 @@ def run_settings(args, run=None, trainer: str | None = None) -> dict:
 
 
 def write_training_curve(output_dir: Path, target: Path) -> Path | None:
-    """Inner loss per round (mean over replicas) and held-out loss, as a PNG; None without rounds."""
-    rounds = read_sync_rounds(output_dir)
+    """Inner loss per round (mean over replicas) and held-out loss, as a PNG; None without rounds. The colours are
+    the app's (`metrics.SERIES_COLORS`)."""
+    from .metrics import SERIES_COLORS
+
+    rounds = run_rounds(launch_folder(output_dir))
     if not rounds:
         return None
     import matplotlib
@@ -112,10 +137,12 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rounds], [r["loss"] for r in rounds], marker="o", label="train loss (mean of replicas)")
+    ax.plot([r["step"] for r in rounds], [r["loss"] for r in rounds], marker="o", label="train loss (mean of replicas)",
+            color=SERIES_COLORS["train loss (mean of replicas)"])
     evals = [r for r in rounds if r.get("eval_loss") is not None]
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="s", label="held-out loss")
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="s", label="held-out loss",
+                color=SERIES_COLORS["held-out loss"])
     ax.set_xlabel("inner step")
     ax.set_ylabel("loss")
     ax.set_title("DiLoCo training (one point per sync round)")
@@ -123,6 +150,45 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     fig.savefig(target, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return target
+
+
+def run_outcome(folder: str | Path) -> dict:
+    """How the run whose model is in `folder` ended: {"ended": "finished" | "stopped" | "failed" | "unfinished",
+    "step", "max_steps", "checkpoint"}. Read from the run's own files: `stopped.json` (a stop on request),
+    `progress.json` (its last step and phase) and, for a run started by the app, run.json's status. A folder with
+    none of them (a model saved by a script of one's own) counts as finished."""
+    folder = Path(folder)
+    root = launch_folder(folder)
+    stopped = _read_json(root / STOPPED_FILE) or _read_json(folder / STOPPED_FILE)
+    progress = _read_json(folder / PROGRESS_FILE)
+    started = _read_json(root.parent / RUN_FILE)  # runs.start puts output/ inside the run's folder
+    step, total = progress.get("step"), progress.get("max_steps")
+    if started.get("status") == "failed":
+        ended = "failed"
+    elif stopped:
+        ended, step = "stopped", stopped.get("step", step)
+    elif progress and (progress.get("phase") != "finished" or (total and step is not None and step < total)):
+        ended = "unfinished"
+    else:
+        ended = "finished"
+    return {"ended": ended, "step": step, "max_steps": total, "checkpoint": stopped.get("checkpoint")}
+
+
+def describe_outcome(outcome: dict) -> str:
+    """One sentence on how a run ended, for the card and for a refused push.
+
+    >>> describe_outcome({"ended": "stopped", "step": 40, "max_steps": 200, "checkpoint": "checkpoint-40"})
+    'stopped on request at step 40 of 200; its checkpoint-40 was kept'
+    >>> describe_outcome({"ended": "failed", "step": None, "max_steps": None, "checkpoint": None})
+    'failed'
+    """
+    at = ""
+    if outcome.get("step") is not None:
+        at = f" at step {outcome['step']}" + (f" of {outcome['max_steps']}" if outcome.get("max_steps") else "")
+    words = {"finished": "finished", "stopped": "stopped on request", "failed": "failed",
+             "unfinished": "did not finish"}[outcome["ended"]]
+    kept = f"; its {outcome['checkpoint']} was kept" if outcome.get("checkpoint") else ""
+    return words + at + kept
 
 
 def trainer_settings(trainer) -> dict:
@@ -137,29 +203,39 @@ def trainer_settings(trainer) -> dict:
 
 def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool = True,
                settings: dict | None = None) -> str:
-    """The model card of a run folder, as markdown with YAML metadata.
+    """The model card of a run folder, as markdown with YAML metadata (huggingface_hub's `ModelCard`).
 
-    `settings` is `run_settings(...)` of the run; without it, the run_config.json that `hf-diloco train` wrote.
+    `settings` is `run_settings(...)` of the run; without it, the run_config.json that `hf-diloco train` wrote. For
+    a replica folder of a torchft launch, replicas and rounds are the launch's (every replica folder beside it).
     """
+    from huggingface_hub import ModelCard, ModelCardData
+
     output_dir = Path(output_dir)
     settings = settings if settings is not None else _read_json(output_dir / RUN_CONFIG_FILE)
     run, diloco, training = settings.get("run", {}), settings.get("diloco", {}), settings.get("training", {})
     trainer = settings.get("trainer") or run.get("trainer") or "diloco"
-    summary = _read_json(output_dir / "diloco_summary.json")
+    summary = _read_json(output_dir / SUMMARY_FILE)
     metrics = _read_json(output_dir / "run_metrics.json")
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
-    tags = ["diloco", "hf-diloco", "distributed-training"] if trainer == "diloco" else ["hf-diloco", "ddp-baseline"]
-    meta = ["---", "library_name: transformers", "tags:", *(f"- {tag}" for tag in tags)]
-    if model and not model.startswith(PRESET_PREFIXES) and not Path(model).exists():
-        meta.append(f"base_model: {model}")
-    if dataset and dataset != "builtin" and not Path(dataset).exists():
-        meta += ["datasets:", f"- {dataset}"]
-    meta.append("---")
+    data = ModelCardData(
+        library_name="transformers",
+        tags=["diloco", "hf-diloco", "distributed-training"] if trainer == "diloco" else ["hf-diloco", "ddp-baseline"],
+        base_model=model if model and not model.startswith(PRESET_PREFIXES) and not Path(model).exists() else None,
+        datasets=[dataset] if dataset and dataset != "builtin" and not Path(dataset).exists() else None,
+    )
     processes = settings.get("num_processes")
     group = diloco.get("replica_group_size", 1)
-    replicas = summary.get("num_replicas") or (processes // group if processes else "?")
-    lines = [*meta, "", f"# {repo_id or output_dir.name}", ""]
+    root = launch_folder(output_dir)
+    rounds = run_rounds(root)
+    if root != output_dir:  # one replica of a torchft launch: count the launch's replicas
+        replicas = len(replica_folders(root))
+    else:
+        replicas = summary.get("num_replicas") or (processes // group if processes else "?")
+    outcome = run_outcome(output_dir)
+    lines = [f"# {repo_id or output_dir.name}", ""]
+    if outcome["ended"] != "finished":
+        lines += [f"> **This run {describe_outcome(outcome)}.** The weights are those it had then.", ""]
     if trainer == "diloco":
         lines += [f"Trained with hf-diloco using DiLoCo (Douillard et al., "
                   f"[arXiv 2311.08105](https://arxiv.org/abs/2311.08105)): {replicas} replicas trained "
@@ -179,17 +255,20 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     for key in ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size"):
         if key in training:
             lines.append(f"| {prefix}{key} | {training[key]} |" + (" |" if trainer == "diloco" else ""))
+    committed = [r for r in rounds if r.get("committed", True) is not False]
     lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
     results = {
         "model": model or "?",
         "data": dataset or "?",
-        "steps": summary.get("steps", metrics.get("global_step")),
-        "outer rounds": summary.get("rounds"),
+        "how the run ended": describe_outcome(outcome),
+        "steps": max([summary.get("steps") or 0, *(r["step"] for r in committed)]) or metrics.get("global_step"),
+        "outer rounds": outer_rounds(committed) if committed else summary.get("rounds"),
+        "fragment syncs": len(committed) if committed and outer_rounds(committed) != len(committed) else None,
         "held-out loss before training": summary.get("eval_loss_initial", metrics.get("eval_loss_initial")),
         "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
         "bytes sent per replica": summary.get("bytes_per_replica"),
-        "fewer bytes than fp32 syncs (compression)": _compression_ratio(output_dir),
-        "H chosen by inner_steps auto": _auto_inner_steps(output_dir),
+        "fewer bytes than fp32 syncs (compression)": _compression_ratio(rounds),
+        "H chosen by inner_steps auto": _auto_inner_steps(rounds),
         "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
         "seconds the inner loop waited for syncs": summary.get("blocked_seconds"),
         "tokens/s (all replicas)": summary.get("tokens_per_second"),
@@ -199,24 +278,24 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
             shown = f"{value:,.4f}" if isinstance(value, float) and value < 100 else (
                 f"{value:,.0f}" if isinstance(value, (int, float)) else value)
             lines.append(f"| {key} | {shown} |")
-    if curve and read_sync_rounds(output_dir):
+    if curve and rounds:
         lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
         lines += ["", "Per-round metrics are in `sync_rounds.jsonl`."]
     lines.append("")
-    return "\n".join(lines)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _compression_ratio(output_dir: Path) -> str | None:
+def _compression_ratio(rounds: list[dict]) -> str | None:
     """fp32 bytes the rounds would have sent ÷ bytes they sent, e.g. '7.9x' (None for fp32 or no rounds)."""
-    rounds = [r for r in read_sync_rounds(output_dir) if r.get("compression_ratio") and r.get("bytes_per_replica")]
+    rounds = [r for r in rounds if r.get("compression_ratio") and r.get("bytes_per_replica")]
     sent = sum(r["bytes_per_replica"] for r in rounds)
     if not sent or all(str(r.get("compression", "none")) == "none" for r in rounds):
         return None
     return f"{sum(r['compression_ratio'] * r['bytes_per_replica'] for r in rounds) / sent:.1f}x"
 
 
-def _auto_inner_steps(output_dir: Path) -> str | None:
-    chosen = [r["inner_steps_auto"] for r in read_sync_rounds(output_dir) if "inner_steps_auto" in r]
+def _auto_inner_steps(rounds: list[dict]) -> str | None:
+    chosen = [r["inner_steps_auto"] for r in rounds if "inner_steps_auto" in r]
     if not chosen:
         return None
     c = chosen[-1]
@@ -224,47 +303,63 @@ def _auto_inner_steps(output_dir: Path) -> str | None:
             f"{c['sync_seconds']:.3g} s, at most {100 * c['max_sync_overhead']:g}% waiting)")
 
 
-def stage(output_dir: Path, target: Path, repo_id: str | None, merge_lora: bool) -> list[str]:
-    """Copy what the repo should hold into `target`, write the card and the curve; returns the file names."""
-    target.mkdir(parents=True, exist_ok=True)
-    adapter = (output_dir / "adapter_config.json").exists()
-    if merge_lora and adapter:
-        merged = output_dir / "merged"
-        if not merged.is_dir():
+def model_folder(output_dir: Path, merge_lora: bool = False) -> Path:
+    """Where the model to push lies: the run folder, the lead replica's folder of a torchft launch (all replicas
+    end with the same model), or a LoRA run's merged/ model when `merge_lora`."""
+    if not output_dir.is_dir():
+        raise ConfigError(f"output folder {str(output_dir)!r} does not exist.")
+    replicas = [f for f in replica_folders(output_dir) if any(f.glob("*.safetensors"))]
+    if replicas and not any(output_dir.glob("*.safetensors")):
+        output_dir = max(replicas, key=lambda f: _read_json(f / PROGRESS_FILE).get("step") or 0)
+    if merge_lora and (output_dir / "adapter_config.json").exists():
+        if not (output_dir / "merged").is_dir():
             raise ConfigError(f"{output_dir} has a LoRA adapter but no merged/ model; train with merge_lora: true.")
-        source = merged
-    else:
-        source = output_dir
-    for pattern in UPLOAD_PATTERNS:
-        for path in source.glob(pattern):
-            if path.is_file() and path.name not in NOT_UPLOADED:
-                shutil.copy2(path, target / path.name)
-    for name in ("sync_rounds.jsonl", "diloco_summary.json", RUN_CONFIG_FILE):
-        if (output_dir / name).exists():
-            shutil.copy2(output_dir / name, target / name)
-    if not any(target.glob("*.safetensors")):
+        return output_dir / "merged"
+    return output_dir
+
+
+def repo_files(output_dir: Path, merge_lora: bool = False) -> dict[str, Path]:
+    """The run's files a model repository holds (name in the repo → file), the card and curve aside: the model and
+    tokenizer files of `model_folder`, and the run's round log and run config."""
+    source = model_folder(output_dir, merge_lora)
+    run_folder = source.parent if source.name == "merged" else source
+    files = {path.name: path for pattern in MODEL_PATTERNS for path in source.glob(pattern) if path.is_file()}
+    if not any(name.endswith(".safetensors") for name in files):
         raise ConfigError(f"{output_dir} holds no saved model (*.safetensors); is the run finished?")
-    write_training_curve(output_dir, target / CURVE_FILE)
-    (target / CARD_FILE).write_text(model_card(output_dir, repo_id))
-    return sorted(p.name for p in target.iterdir())
+    files |= {name: run_folder / name for name in RUN_FILES if (run_folder / name).is_file()}
+    return dict(sorted(files.items()))
 
 
 def push(output_dir: str | Path, repo_id: str, token: str | None = None, private: bool = False,
          merge_lora: bool = False, commit_message: str = "Upload DiLoCo model", endpoint: str | None = None,
-         progress=print) -> str:
-    """Create (or reuse) the repo and upload the run's model with its card; returns the repo URL."""
-    from huggingface_hub import HfApi
+         allow_unfinished: bool = False, progress=print) -> str:
+    """Create (or reuse) the repo and upload the run's model with its card in one commit; returns the repo URL.
+
+    A run that did not finish is refused unless `allow_unfinished`; `progress` gets one line per stage.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        raise ConfigError(f"output folder {str(output_dir)!r} does not exist.")
     repo_id = check_repo_id(repo_id)
-    api = HfApi(endpoint=endpoint, token=resolve_token(token))
+    token = resolve_token(token)
+    files = repo_files(output_dir, merge_lora)
+    run_folder = files[next(n for n in files if n.endswith(".safetensors"))].parent
+    run_folder = run_folder.parent if run_folder.name == "merged" else run_folder
+    outcome = run_outcome(run_folder)
+    if outcome["ended"] != "finished" and not allow_unfinished:
+        raise UnfinishedRun(outcome)
+    api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory() as staging:
-        files = stage(output_dir, Path(staging), repo_id, merge_lora)
-        progress(f"[push] staged {len(files)} files: {', '.join(files)}")
+        curve = write_training_curve(run_folder, Path(staging) / CURVE_FILE)
+        card = model_card(run_folder, repo_id)
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+        operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
+        if curve is not None:
+            operations.append(CommitOperationAdd(path_in_repo=CURVE_FILE, path_or_fileobj=str(curve)))
+        names = sorted(op.path_in_repo for op in operations)
+        progress(f"[push] {len(names)} files: {', '.join(names)}")
         url = api.create_repo(repo_id, private=private, exist_ok=True)
         progress(f"[push] repository {url}")
-        api.upload_folder(folder_path=staging, repo_id=repo_id, commit_message=commit_message)
+        api.create_commit(repo_id, operations, commit_message=commit_message)
     progress(f"[push] done: {url}")
     return str(url)

@@ -20,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
+# Series keep their colour wherever they are drawn (the app's Live and Compare views, the model card's curve):
+# replica i is always PALETTE[i], the held-out loss of the global model black.
+PALETTE = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
+SERIES_COLORS = {"held-out (global model)": "#111827", "held-out loss": "#111827", "averaged Δ": "#111827",
+                 "train loss (all processes)": "#2563eb", "train loss (mean of replicas)": "#2563eb",
+                 "compute": "#2563eb", "sync": "#ea580c", "blocked": "#dc2626"}
 SUMMARY_FILE = "diloco_summary.json"
 
-# Scalars mirrored to TensorBoard as diloco/<name>.
 # The round numbers that go to the trackers Trainer reports to (`report_to`), as diloco/<name> at the round's step.
 REPORTED_KEYS = (
     "loss", "eval_loss", "pseudo_grad_norm", "bytes_per_replica", "sync_seconds", "compute_seconds", "outer_lr",
@@ -61,6 +66,62 @@ def read_sync_rounds(output_dir: str | os.PathLike) -> list[dict]:
         except json.JSONDecodeError:
             break
     return records
+
+
+REPLICA_PREFIX = "replica-"
+
+
+def replica_folders(output_dir: str | os.PathLike) -> list[Path]:
+    """The `replica-r` folders of a torchft launch's output folder (`hf-diloco launch --replicas N`), lowest replica
+    id first; [] for a folder that holds its own sync_rounds.jsonl (every other run)."""
+    output = Path(output_dir)
+    if (output / SYNC_ROUNDS_FILE).exists():
+        return []
+    found = [p for p in output.glob(REPLICA_PREFIX + "*") if p.is_dir() and p.name[len(REPLICA_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(REPLICA_PREFIX):]))
+
+
+def launch_folder(folder: str | os.PathLike) -> Path:
+    """The torchft launch's output folder when `folder` is one of its replica folders, else `folder` itself."""
+    folder = Path(folder)
+    if folder.name.startswith(REPLICA_PREFIX) and folder in replica_folders(folder.parent):
+        return folder.parent
+    return folder
+
+
+def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
+    """The rounds of a run folder: its sync_rounds.jsonl, or for a torchft launch the union over its replica
+    folders, one record per round number (every participant of a round writes the same membership): a committed
+    record before one whose round did not commit, then the lowest replica id's. The app and the model card both
+    count from this."""
+    folders = replica_folders(output_dir)
+    if not folders:
+        return read_sync_rounds(output_dir)
+    merged: dict[int, dict] = {}
+    for folder in folders:
+        for record in read_sync_rounds(folder):
+            kept = merged.get(record["round"])
+            if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
+                merged[record["round"]] = record
+    return [merged[n] for n in sorted(merged)]
+
+
+def outer_rounds(rounds: list[dict]) -> int:
+    """Whole outer rounds among committed round records: with streaming fragments a record syncs some fragments,
+    and an outer round is over once every fragment has synced, so this is the fewest syncs of any fragment.
+
+    >>> outer_rounds([{"fragments": [0]}, {"fragments": [1]}, {"fragments": [0]}, {"fragments": [0, 1]}])
+    2
+    >>> outer_rounds([{"fragments": [0]}, {"fragments": [0], "committed": False}, {}])
+    2
+    """
+    synced: dict[int, int] = {}
+    for record in rounds:
+        if record.get("committed", True) is False:
+            continue
+        for fragment in record.get("fragments") or [0]:
+            synced[fragment] = synced.get(fragment, 0) + 1
+    return min(synced.values()) if synced else 0
 
 
 def format_bytes(n: float) -> str:

@@ -66,13 +66,23 @@ def test_launch_watch_stop_and_push(tmp_path):
         card, metadata, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")
         assert "## DiLoCo settings" in card and "- diloco" in metadata
         assert not card.startswith("---") and "![" not in card, "the preview renders the card, not its YAML header"
+        # A stopped run is pushed only when the user says so, and its card says how it ended.
+        result, _ = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
+                                   False, api_name="/push")
+        stopped = json.loads((runs_dir / run_id / "output" / runs.STOPPED_FILE).read_text())
+        assert result.startswith("**Not pushed:** this run stopped on request at step "
+                                 f"{stopped['step']} of 400; its {stopped['checkpoint']} was kept."), result
+        assert hub.commits == [] and hub.repos == {}
         result, log = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
-                                     api_name="/push")
+                                     True, api_name="/push")
         assert result.startswith("Pushed"), result
         assert "alice/tiny-diloco" in result
         files = hub.files["alice/tiny-diloco"]
-        assert {"config.json", "model.safetensors", "README.md"} <= set(files)
-        assert hub.commits[-1]["header"]["summary"] == "from the app"
+        assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                                 "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json",
+                                 "training_curve.png"], log
+        assert f"**This run stopped on request at step {stopped['step']} of 400" in files["README.md"].decode()
+        assert len(hub.commits) == 1 and hub.commits[-1]["header"]["summary"] == "from the app"
         assert all(t == "Bearer hf_app_token_456" for t in hub.tokens)
     leaked = [p for p in runs_dir.rglob("*") if p.is_file() and b"hf_app_token_456" in p.read_bytes()]
     assert leaked == [], "the token never reaches the run folders"

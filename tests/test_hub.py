@@ -34,9 +34,11 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
         assert result.returncode == 0, result.stderr[-3000:]
         files = hub.files["alice/tiny-diloco"]
         assert hub.repos["alice/tiny-diloco"]["visibility"] == "private"
-    for name in ("config.json", "model.safetensors", "tokenizer_config.json", "README.md", "training_curve.png",
-                 "sync_rounds.jsonl"):
-        assert name in files, sorted(files)
+    # Exactly what a model repository needs: weights, configs, tokenizer, card, curve, round log and run config.
+    assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                             "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json", "training_curve.png"]
+    assert len(hub.commits) == 1, "one commit"
+    assert f"[push] 8 files: {', '.join(sorted(files))}" in result.stdout
     # The run folder holds checkpoints (with per-replica optimizer states), TensorBoard files and run metrics;
     # none of them belongs in the model repository.
     local = {str(p.relative_to(finished_run)) for p in finished_run.rglob("*") if p.is_file()}
@@ -44,7 +46,9 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
         assert kept_local in local, sorted(local)
     assert any(name.startswith("runs/") for name in local)
     assert not any(name.startswith(("checkpoint", "replica-", "runs")) or "/" in name for name in files), sorted(files)
-    assert "run_metrics.json" not in files and "optimizer.pt" not in files
+    for kept_local in ("run_metrics.json", "progress.json", "trainer_log.jsonl", "training_args.bin",
+                       "diloco_summary.json"):
+        assert kept_local in local and kept_local not in files
     card = files["README.md"].decode()
     assert "- diloco" in card and "- hf-diloco" in card
     assert "| H, inner steps between syncs (`inner_steps`) | 3 | 500 |" in card

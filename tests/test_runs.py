@@ -200,3 +200,22 @@ def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_r
     assert [read_sync_rounds(output / f"replica-{r}")[-1]["step"] for r in (0, 1)] == stopped
     assert (output / runs.STOPPED_FILE).is_file(), "the launcher reports the stop in the run's own folder"
     assert runs.training_pids(final) == []
+
+    # The model card of either replica counts the launch's replicas and rounds, as the app does, and says how the
+    # run ended; `hf-diloco push` of the launch folder refuses the stopped run unless told to push it anyway.
+    from hf_diloco import hub
+
+    for folder in (output / "replica-0", output / "replica-1"):
+        card = hub.model_card(folder, "alice/elastic")
+        assert "2 replicas trained independently" in card
+        assert f"| outer rounds | {stopped[0] // 10} |" in card, card
+        assert f"**This run stopped on request at step {stopped[0]} of 4000" in card
+    assert hub.repo_files(output)["model.safetensors"].parent.name.startswith("replica-")
+    import subprocess
+
+    refused = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "push", str(output), "--repo-id", "alice/x"],
+                             capture_output=True, text=True, cwd=REPO,
+                             env={**env(), "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_x"})
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"this run stopped on request at step {stopped[0]} of 4000" in refused.stderr
+    assert "--allow-unfinished" in refused.stderr
