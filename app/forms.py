@@ -16,6 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -112,6 +113,20 @@ def library_fields() -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.cache
+def training_argument_fields() -> frozenset[str]:
+    """The field names of transformers' TrainingArguments, read from its source (importing it imports torch)."""
+    import ast
+    import importlib.util
+
+    source = Path(importlib.util.find_spec("transformers").origin).parent / "training_args.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments":
+            return frozenset(item.target.id for item in node.body
+                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
+    return frozenset()
+
+
 def check_recipe_keys(recipe: Path) -> dict:
     """The recipe's values, if every key is one a run started from the app may set; a FormError otherwise."""
     import yaml
@@ -122,6 +137,17 @@ def check_recipe_keys(recipe: Path) -> dict:
         raise FormError(f"the recipe is not valid YAML ({str(error).splitlines()[0]}).") from None
     if not isinstance(values, dict):
         raise FormError("the recipe must be a mapping of field names to values.")
+    known = library_fields() | training_argument_fields()
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            guess = difflib.get_close_matches(str(key), known, n=1)
+            hints.append(f"{key!r} (did you mean {guess[0]!r}?)" if guess else repr(key))
+        raise FormError(f"the recipe has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: neither a "
+                        f"DiLoCoConfig, RunArguments nor TrainingArguments field.")
     refused = sorted(set(values) - library_fields() - TRAINING_KEYS)
     if refused:
         raise FormError(
@@ -140,6 +166,17 @@ def check_recipe_keys(recipe: Path) -> dict:
     if not set(report if isinstance(report, list) else [report]) <= set(REPORT_VALUES):
         raise FormError(f"report_to may only be 'none' or 'tensorboard' here (files on this machine), got {report!r}.")
     return values
+
+
+def check_rounds(knobs: Knobs, recipe_values: dict) -> None:
+    """Refuse an H above max steps (knob, else recipe): no replica would sync before the run ends."""
+    if recipe_values.get("trainer") == "ddp" or (recipe_values.get("round_seconds") or 0) > 0:
+        return  # the baseline never syncs; a timed round ends by the clock, not after H steps
+    inner = str(knobs.inner_steps).strip() or str(recipe_values.get("inner_steps", ""))
+    steps = str(knobs.max_steps).strip() or str(recipe_values.get("max_steps", ""))
+    if inner.isdigit() and steps.isdigit() and int(steps) > 0 and int(inner) > int(steps):
+        raise FormError(f"H = {inner} inner steps is above max steps = {steps}, so the replicas would never sync "
+                        f"before the run ends; choose H at most {steps}.")
 
 
 def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:
@@ -215,6 +252,10 @@ def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
             raise FormError(f"model path {value!r} is not a model folder (expected a folder with config.json).")
         if what == "dataset" and not path.is_dir() and path.suffix not in DATA_FILES:
             raise FormError(f"dataset path {value!r} is not a dataset (a folder, or a {', '.join(DATA_FILES)} file).")
+        if what == "dataset" and path.is_dir() and not any(
+                p.suffix in DATA_FILES or p.name == "dataset_info.json" for p in path.rglob("*") if p.is_file()):
+            raise FormError(f"dataset folder {value!r} holds no data file ({', '.join(DATA_FILES)}) and is not a "
+                            f"dataset saved with save_to_disk.")
         return
     if looks_local:
         raise FormError(f"{what} path {value!r} does not exist.")

@@ -27,7 +27,6 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import tempfile
 from dataclasses import asdict, fields
@@ -82,6 +81,7 @@ class App:
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
         recipe_values = forms.check_recipe_keys(recipe)
+        forms.check_rounds(knobs, recipe_values)
         overrides, launch = forms.flags(knobs, forms.group_size(recipe_values))
         replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
@@ -99,6 +99,8 @@ class App:
                              name=name)
         if not typed:
             plan.name = plan.id  # a default name is made unique like the id: two runs are never named alike
+        # Stored with the run, so a reload refills what the user chose, never a port or flag the app picked.
+        plan.form = {key: value.strip() for key, value in asdict(knobs).items() if value.strip()}
         forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir], replicas,
                        launch=[] if replicas is not None else launch, port=port, command=plan.command)
         return plan
@@ -236,26 +238,15 @@ class App:
         return gr.update(choices=self.run_ids())
 
     def reattach(self):
-        """On page load: select the newest active run (else the newest) and refill the form from it."""
+        """On page load: select the newest active run (else the newest) and refill the form from it: its recipe,
+        config and the knobs the user filled in (stored with the run), nothing the app chose itself (a rendezvous
+        port, the process count a replicas knob became)."""
         all_runs = runs.list_runs(self.runs_dir)
         chosen = next((r for r in all_runs if r.status in runs.ACTIVE), all_runs[0] if all_runs else None)
         form = [gr.update()] * (4 + len(fields(forms.Knobs)))
         if chosen is not None:
             recipe = Path(chosen.recipe)
-            values = dict(zip(chosen.overrides[::2], chosen.overrides[1::2], strict=False))
-            command = chosen.command
-            launch = command[command.index("--config_file") + 2: command.index("-m", 3)] \
-                if "--config_file" in command and "-m" in command[3:] else []
-            launch_values = dict(zip(launch[::2], launch[1::2], strict=False))
-            processes = forms.LAUNCH_FIELDS["replicas"]
-            if "--replicas" in command:  # a torchft run: `hf-diloco launch ... --replicas N`
-                launch_values[processes] = command[command.index("--replicas") + 1]
-            elif launch_values.get(processes, "").isdigit():  # the torch backend: processes ÷ replica_group_size
-                with contextlib.suppress(forms.FormError, OSError, ValueError, ZeroDivisionError):
-                    group = values.get("--replica_group_size") or forms.group_size(forms.check_recipe_keys(recipe))
-                    launch_values[processes] = str(int(launch_values[processes]) // int(group))
-            knob_values = [launch_values.get(forms.LAUNCH_FIELDS[f.name], "") if f.name in forms.LAUNCH_FIELDS
-                           else values.get(f"--{f.name}", "") for f in fields(forms.Knobs)]
+            knob_values = [chosen.form.get(f.name, "") for f in fields(forms.Knobs)]
             # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.
             shown = recipe.name if recipe.parent == forms.RECIPES else str(recipe)
             # The name box stays blank, showing the default for the refilled form: a new Start is a new run, never
@@ -366,7 +357,8 @@ def build(runs_dir: Path) -> gr.Blocks:
                         for knob in DISTRIBUTED:
                             knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
                 with gr.Accordion("Recipe YAML (edits are saved as a new draft under the runs folder)", open=False):
-                    yaml_text = gr.Code(app.load_recipe(first), language="yaml", label="recipe", interactive=True)
+                    yaml_text = gr.Code(app.load_recipe(first), language="yaml", label="recipe", interactive=True,
+                                        elem_id="recipe-yaml")
                 form_message = gr.Markdown(elem_id="form-message")
                 with gr.Row():
                     preview_button = gr.Button("Preview command", elem_id="preview")

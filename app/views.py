@@ -98,18 +98,24 @@ def read_trainer_log(run: Run | None) -> list[dict]:
     return entries
 
 
+def _yaml(path: str | Path) -> dict:
+    """A YAML mapping file (a recipe, an accelerate config); {} when unreadable."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def recipe_value(run: Run, key: str) -> str | None:
-    """A setting as the run got it: a --key override, else the recipe's plain `key: value` line."""
+    """A setting as the run got it: a --key override, else the recipe's `key`."""
     values = dict(zip(run.overrides[::2], run.overrides[1::2], strict=False))
     if f"--{key}" in values:
         return values[f"--{key}"]
-    try:
-        for line in Path(run.recipe).read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return line.split(":", 1)[1].split("#")[0].strip().strip("\"'")
-    except OSError:
-        pass
-    return None
+    value = _yaml(run.recipe).get(key)
+    return None if value is None else str(value)
 
 
 def max_steps(run: Run) -> int | None:
@@ -131,13 +137,8 @@ def replicas(run: Run) -> str:
     for flag in ("--replicas", "--num_processes"):
         if flag in run.command:
             return run.command[run.command.index(flag) + 1]
-    try:
-        for line in Path(run.accelerate_config).read_text().splitlines():
-            if line.startswith("num_processes:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    value = _yaml(run.accelerate_config).get("num_processes")
+    return "" if value is None else str(value)
 
 
 def _duration(seconds: float) -> str:

@@ -35,6 +35,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from common import RECIPE, REPO, markdown_table, pyplot, run_env, save, skip
 
 PACED = str(Path(__file__).resolve().parent / "paced.py")
@@ -64,17 +65,17 @@ def rounds_of(folder: Path) -> list[dict]:
 
 def pid_of_replica(folder: Path, backend: str, replica: int) -> int | None:
     """The training process of `replica`: torchft, by its --replica_id; torch, by the RANK accelerate gave it."""
-    for proc in Path("/proc").glob("[0-9]*"):
+    for process in psutil.process_iter(["cmdline"]):
         try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = process.info["cmdline"] or []
             if PACED not in argv or "accelerate.commands.launch" in argv or str(folder) not in " ".join(argv):
                 continue
             if backend == "torchft":
                 if f"replica-{replica}" in " ".join(argv):
-                    return int(proc.name)
-            elif f"RANK={replica}" in (proc / "environ").read_bytes().decode(errors="replace").split("\0"):
-                return int(proc.name)
-        except (OSError, ValueError):
+                    return process.pid
+            elif process.environ().get("RANK") == str(replica):
+                return process.pid
+        except psutil.Error:
             continue
     return None
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from common import RECIPE, REPO, markdown_table, run_env, save, show, spread
 
 CONFIG = REPO / "accelerate_configs" / "cpu-2proc.yaml"
@@ -42,13 +43,13 @@ def progress_step(folder: Path) -> int:
 
 
 def rank_pid(folder: Path, rank: int) -> int | None:
-    for proc in Path("/proc").glob("[0-9]*"):
+    for process in psutil.process_iter(["cmdline"]):
         try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = process.info["cmdline"] or []
             if "hf_diloco.cli" in argv and "train" in argv and str(folder) in argv and \
-                    f"RANK={rank}" in (proc / "environ").read_bytes().decode(errors="replace").split("\0"):
-                return int(proc.name)
-        except (OSError, ValueError):
+                    process.environ().get("RANK") == str(rank):
+                return process.pid
+        except psutil.Error:
             continue
     return None
 

@@ -48,6 +48,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
 LOG_FILE = "run.log"
@@ -98,6 +100,7 @@ class Run:
     stop_requested: float | None = None
     name: str = ""
     reason: str = ""
+    form: dict = field(default_factory=dict)  # the app's knobs as the user filled them in (a reload refills these)
 
     @property
     def folder(self) -> Path:
@@ -144,12 +147,12 @@ def _alive(pid: int | None, marker: str) -> bool:
     if not pid:
         return False
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        process = psutil.Process(pid)
+        cmdline, state = " ".join(process.cmdline()), process.status()
+    except (psutil.Error, OSError):
         return False
     # An empty command line is a process in the middle of exec (just started): alive, marker not yet readable.
-    return (marker in cmdline or not cmdline) and state != "Z"
+    return (marker in cmdline or not cmdline) and state != psutil.STATUS_ZOMBIE
 
 
 def load(run_dir: Path) -> Run:
@@ -234,19 +237,10 @@ def start(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[s
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (torch's launcher puts its workers in sessions of their own, so a process group
     would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the command: state, ppid, ...
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def training_pids(run: Run) -> list[int]:

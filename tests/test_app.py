@@ -238,6 +238,11 @@ BAD_DRAFTS = {
     "DeepSpeed": (TINY + "deepspeed: ds.json\n", {}, "'deepspeed'"),
     "resume from anywhere": (TINY + "resume_from_checkpoint: /tmp/other/checkpoint-5\n", {},
                              "resume_from_checkpoint may only be 'auto' or 'latest'"),
+    "a misspelt key": (TINY + "inner_stepz: 5\n", {}, "unknown key 'inner_stepz' (did you mean 'inner_steps'?)"),
+    "H above max steps": (TINY, {"inner_steps": 10**9, "max_steps": 150},
+                          "H = 1000000000 inner steps is above max steps = 150"),
+    "a dataset folder with no data file": (TINY, {"dataset_name": str(REPO / "accelerate_configs")},
+                                           "holds no data file"),
     "a torchft replica's own Lighthouse": (TINY + "outer_backend: torchft\nlighthouse: http://10.0.0.9:29510\n", {},
                                            "the recipe may not set 'lighthouse': the app starts"),
 }
@@ -262,27 +267,31 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
         assert " --num_processes 6 " in command, "3 replicas of 2 processes are 6 processes"
         ports = set()
         for name in ("first", "second"):
-            command = client.predict(name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(max_steps=5),
-                                     api_name="/preview")[0]
+            form = [name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=5)]
+            command = client.predict(*form, api_name="/preview")[0]
             ports.add(command.split("--main_process_port")[1].split()[0])
         assert len(ports) == 2
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 
-def test_a_reloaded_form_counts_replicas_not_processes(tmp_path):
-    """A torch-backend run of 6 processes with replica_group_size 2 refills the replicas knob with 3."""
+def test_a_reloaded_form_refills_what_the_user_chose_and_nothing_the_app_chose(tmp_path):
+    """A torch-backend run of 3 replicas with replica_group_size 2 runs 6 processes on a port the app picked; the
+    reloaded form says 3 replicas and leaves the port and the other distributed settings blank."""
     sys.path.insert(0, str(REPO))
     from app import forms
     from app.server import App
 
     runs_dir = tmp_path / "runs"
-    folder = runs_dir / "grouped"
-    folder.mkdir(parents=True)
-    recipe, config = str(REPO / "recipes" / "tiny-pretrain.yaml"), str(REPO / "accelerate_configs" / "cpu-4proc.yaml")
-    overrides = ["--replica_group_size", "2"]
-    command = runs.accelerate_command(recipe, config, overrides, 29600, ["--num_processes", "6"])
-    runs._write(folder, runs.Run("grouped", recipe, config, overrides, command, str(folder / "output"),
-                                 status="finished", ended=time.time()))
-    form = App(runs_dir).reattach()[1:]
-    knob_names = [f.name for f in fields(forms.Knobs)]
-    assert form[4 + knob_names.index("replicas")] == "3"
+    app = App(runs_dir)
+    grouped = TINY + "replica_group_size: 2\n"
+    form = ["", "tiny-pretrain.yaml", grouped, "cpu-2proc.yaml", *knobs(replicas=3, inner_steps=7)]
+    command, message, planned = app.preview(*form)
+    assert "Form is valid" in message, message
+    assert " --num_processes 6 " in command and " --main_process_port " in command
+    plan = runs.Run(**planned["plan"])
+    plan.status, plan.ended = "finished", time.time()
+    plan.folder.mkdir(parents=True)
+    runs._write(plan.folder, plan)  # as Start leaves it, less the processes
+
+    refilled = dict(zip([f.name for f in fields(forms.Knobs)], app.reattach()[5:], strict=True))
+    assert refilled == {**dict.fromkeys(refilled, ""), "replicas": "3", "inner_steps": "7"}

@@ -133,6 +133,42 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
     assert runs.training_pids(run) == []
 
 
+def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unknown_recipe_key(browser, tmp_path):
+    """Fresh app: three forms that would fail a minute into the run are refused by Preview, each with its sentence
+    shown beside the form, and nothing is started."""
+    runs_dir = tmp_path / "runs"
+    empty = tmp_path / "my-data"
+    empty.mkdir()
+    (empty / "README.md").write_text("notes, no data\n")
+    with app_server(runs_dir) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_text("Preview command").wait_for(timeout=60_000)
+        message = page.locator("#form-message")
+
+        def refused(words: str) -> None:
+            page.click("#preview")
+            message.get_by_text(words).wait_for(timeout=60_000)
+            assert "Cannot start" in message.inner_text(), message.inner_text()
+
+        fill(page, "knob-inner_steps", "1000000000")
+        fill(page, "knob-max_steps", "150")
+        refused("H = 1000000000 inner steps is above max steps = 150")
+        fill(page, "knob-inner_steps", "5")
+        fill(page, "knob-dataset_name", str(empty))
+        refused(f"dataset folder '{empty}' holds no data file")
+        fill(page, "knob-dataset_name", "")
+        page.get_by_text("Recipe YAML").click()
+        editor = page.locator("#recipe-yaml .cm-content")
+        editor.click()
+        page.keyboard.press("Control+End")
+        page.keyboard.type("\ninner_stepz: 5\n")
+        page.locator("#recipe-source").get_by_text("unsaved edits").wait_for(timeout=20_000)
+        refused("unknown key 'inner_stepz' (did you mean 'inner_steps'?)")
+        page.screenshot(path=str(ARTIFACTS / "app-refused.png"), full_page=True)
+    assert runs.list_runs(runs_dir) == []
+
+
 def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(browser, tmp_path):
     """A run from an edited recipe fails at run time (its dataset has no `text` column): the status bar shows the
     run's own one-sentence reason, and after a reload the form says it holds that saved draft."""
@@ -142,7 +178,7 @@ def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(brows
     draft = TINY_YAML.replace("dataset_name: builtin", f"dataset_name: {data}")
     with app_server(runs_dir) as url:
         client = Client(url, verbose=False)
-        message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(max_steps=20),
+        message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=20),
                                  api_name="/start")[0]
         assert message.startswith("Started"), message
         (run,) = runs.list_runs(runs_dir)
@@ -336,6 +372,24 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         name_box = page.locator(NAME_BOX).first
         wait_until(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default name after the reload")
         assert name_box.input_value() == ""
+        # The runs got rendezvous ports the app chose; the reloaded form leaves them out, so a torchft recipe
+        # (whose replicas meet through its Lighthouse, not a port) starts from it.
+        assert " --main_process_port " in " ".join(runs.list_runs(runs_dir)[0].command)
+        page.locator("#recipe input").click()
+        page.get_by_role("option", name="torchft-3.yaml").click()
+        wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
+                   "the torchft replica config to be chosen")
+        page.get_by_text("Distributed settings").click()
+        for knob in ("main_process_port", "main_process_ip", "num_machines", "machine_rank"):
+            assert page.locator(f"#knob-{knob} input, #knob-{knob} textarea").first.input_value() == "", knob
+        fill(page, "knob-model_name_or_path", "")
+        fill(page, "knob-replicas", "2")
+        fill(page, "knob-inner_steps", "5")
+        fill(page, "knob-max_steps", "20")
+        page.click("#start")
+        page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
+        torchft = runs.list_runs(runs_dir)[0]
+        assert " --replicas 2 " in " ".join(torchft.command) and torchft.status == "running"
     for run in (first, second):
         run = runs.load(run.folder)
         stopped = json.loads((Path(run.output_dir) / runs.STOPPED_FILE).read_text())

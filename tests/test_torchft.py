@@ -419,12 +419,13 @@ def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
 
 def training_process(output_dir: Path, replica: int) -> int | None:
     """The pid of replica `replica`'s training process (not its accelerate launcher) of the run in output_dir."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):
-            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
-            if ("hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv
-                    and str(Path(output_dir) / f"replica-{replica}") in argv):
-                return int(cmdline.parent.name)
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if ("hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv
+                and str(Path(output_dir) / f"replica-{replica}") in argv):
+            return process.pid
     return None
 
 
