@@ -50,6 +50,7 @@ class Knobs:
     machine_rank: str = ""
     main_process_ip: str = ""
     main_process_port: str = ""
+    restarts: str = ""
 
 
 RECIPE_FIELDS = ("inner_steps", "outer_lr", "outer_momentum", "max_steps", "model_name_or_path", "dataset_name")
@@ -68,9 +69,11 @@ NUMBERS = {
     "num_machines": ("machines", int, 1, None, True),
     "machine_rank": ("this machine's rank", int, 0, None, True),
     "main_process_port": ("main machine port", int, 1, 65535, True),
+    "restarts": ("restarts", int, 0, None, True),
 }
 SHORT_NAMES = {"replicas": "x", "inner_steps": "H", "outer_lr": "olr", "outer_momentum": "mom", "max_steps": "steps",
-               "model_name_or_path": "", "dataset_name": "", "num_machines": "nodes"}
+               "model_name_or_path": "", "dataset_name": "", "num_machines": "nodes",
+               "restarts": "restarts"}
 # The model presets, read from hf_diloco/models.py's PRESETS keys without importing it (it imports torch).
 PRESETS = tuple(re.findall(r'^    "([\w.-]+)": dict\(', (PROJECT / "hf_diloco" / "models.py").read_text(), re.M))
 DATA_FILES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow")  # a name ending so is a file, not a Hub id
@@ -98,6 +101,7 @@ REPORT_VALUES = ("none", "tensorboard", None)
 LAUNCHER_KEYS = ("lighthouse", "replica_address", "replica_id")
 TORCHFT_CONFIG = "torchft-replica.yaml"  # one process per replica
 DEFAULT_TORCHFT_REPLICAS = 3
+DEFAULT_RESTARTS = 3  # a torchft replica that fails is started again this many times (it heals from the others)
 
 
 def library_fields() -> frozenset[str]:
@@ -201,6 +205,19 @@ def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:
         raise FormError(f"replicas = {replicas} is below the recipe's min_replicas = {least}, so no round could "
                         f"form; start at least {least} replicas or lower min_replicas.")
     return replicas
+
+
+def restarts(knobs: Knobs, torchft: bool) -> int:
+    """How many times a failed replica of a torchft run is started again: the restarts knob, else 3. The torch
+    backend has no replica to start alone (all processes are one collective group), so the knob is refused there."""
+    text = str(knobs.restarts).strip()
+    if not torchft:
+        if text:
+            raise FormError("restarts apply to torchft runs, whose replicas are started again one by one; a torch-"
+                            "backend run is one group of processes (resume it from its round checkpoint with "
+                            "`hf-diloco launch --max-restarts N`); leave restarts blank.")
+        return 0
+    return int(text) if text else DEFAULT_RESTARTS
 
 
 def is_torchft(recipe: Path) -> bool:

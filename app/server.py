@@ -46,6 +46,7 @@ KNOB_LABELS = {
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
     "num_machines": "Machines", "machine_rank": "This machine's rank", "main_process_ip": "Main machine address",
     "main_process_port": "Main machine port",
+    "restarts": "Restarts per replica (torchft; blank: 3)",
 }
 DEFAULT_CONFIG = "cpu-2proc.yaml"
 DISTRIBUTED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
@@ -88,8 +89,10 @@ class App:
         typed = (name or "").strip()
         name = typed or forms.auto_name(recipe_name or "", knobs)
         port = None
+        restarts = forms.restarts(knobs, replicas is not None)
         if replicas is not None:  # torchft: a Lighthouse and N replicas, which need no rendezvous port
-            plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, name=name, replicas=replicas)
+            plan = runs.plan(self.runs_dir, str(recipe), str(config), overrides, name=name, replicas=replicas,
+                             max_restarts=restarts)
         else:
             # Each run gets its own rendezvous port unless the form names one (a run over several machines needs
             # the port they agreed on: the form's, or the config's).
@@ -201,7 +204,9 @@ class App:
         axis = views.round_axis(run, rounds)
         drawn = drawn or {}
         count = views.replicas(run) if run is not None else ""
-        membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0)
+        membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0,
+                                           views.read_replica_states(run))
+        replica_states = views.replica_rows(run)
         frames = {"loss": (views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
                   "norm": (views.norm_frame(rounds), "of", axis),
                   "agreement": (views.agreement_frame(rounds, views.read_summary(run)), "replica", axis),
@@ -222,7 +227,8 @@ class App:
             figure,
             updates["time"],
             views.round_rows(rounds),
-            gr.update(value=membership, visible=not membership.empty),  # torchft runs only
+            gr.update(value=replica_states, visible=not replica_states.empty),  # torchft runs only
+            gr.update(value=membership, visible=not membership.empty),
             views.log_tail(run),
             views.tensorboard_hint(run),
             views.runs_table(runs.list_runs(self.runs_dir)),
@@ -347,7 +353,7 @@ def build(runs_dir: Path) -> gr.Blocks:
                 recipe_note = gr.Markdown(app.recipe_source(first, app.load_recipe(first)), elem_id="recipe-source")
                 knobs = {}
                 with gr.Row():
-                    for knob in ("replicas", "inner_steps", "outer_lr", "outer_momentum", "max_steps"):
+                    for knob in ("replicas", "restarts", "inner_steps", "outer_lr", "outer_momentum", "max_steps"):
                         knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
                 with gr.Row():
                     for knob in ("model_name_or_path", "dataset_name"):
@@ -379,6 +385,9 @@ def build(runs_dir: Path) -> gr.Blocks:
                                            height=250, elem_id="time-plot")
                 rounds_table = gr.Dataframe(headers=views.ROUND_COLUMNS, label="Rounds (newest first)",
                                             elem_id="rounds")
+                replicas_table = gr.Dataframe(headers=views.REPLICA_COLUMNS, visible=False, elem_id="replicas",
+                                              label="Replicas: each replica's process (a failed one is started "
+                                                    "again and heals from the others)")
                 membership_table = gr.Dataframe(headers=views.MEMBERSHIP_COLUMNS, visible=False,
                                                 label="Membership: who took part in each round (newest first)",
                                                 elem_id="membership")
@@ -415,7 +424,8 @@ def build(runs_dir: Path) -> gr.Blocks:
 
         knob_inputs = [knobs[f.name] for f in fields(forms.Knobs)]
         form = [name, recipe, yaml_text, config, *knob_inputs]
-        live = [status, loss_plot, norm_plot, agreement_plot, bytes_plot, time_plot, rounds_table, membership_table,
+        live = [status, loss_plot, norm_plot, agreement_plot, bytes_plot, time_plot, rounds_table, replicas_table,
+                membership_table,
                 log, tensorboard, all_runs, stop_button, drawn]
         recipe.change(app.load_recipe, recipe, yaml_text, api_name=False)
         recipe.input(app.config_for, [recipe, config], config, api_name=False)

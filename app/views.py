@@ -27,7 +27,7 @@ import pandas as pd
 
 from hf_diloco import metrics
 from hf_diloco.metrics import SUMMARY_FILE
-from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, Run
+from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
@@ -35,6 +35,7 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
                  "sync s", "blocked s", "compute s", "tokens/s"]
 MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
+REPLICA_COLUMNS = ["replica", "state", "restarts", "last round recorded"]
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
@@ -352,11 +353,12 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 
-def member_cell(member: dict | None) -> str:
+def member_cell(member: dict | None, down: str = "") -> str:
     """One replica in one torchft round: "✓ 14 steps", "healed" (it took θ_global from a live peer), "✓ 9 steps,
-    1 round late" (its base was behind), or "absent"."""
+    1 round late" (its base was behind), "absent" (alive but not in time), or, with `down`, why its process was
+    not there at all ("down, restarting", "down")."""
     if not member or not member.get("participated"):
-        return "absent"
+        return down or "absent"
     healed, late = member.get("healed"), member.get("staleness", 0)
     parts = [f"✓ {member.get('steps', 0)} steps"] if member.get("steps") or not healed else []
     parts += ["healed"] if healed else []
@@ -364,18 +366,60 @@ def member_cell(member: dict | None) -> str:
     return ", ".join(parts)
 
 
-def membership_rows(rounds: list[dict], replicas: int = 0) -> pd.DataFrame:
+def read_replica_states(run: Run | None) -> list[dict]:
+    """A torchft launch's replicas.json (written by its launcher as replicas go down and come back); [] else."""
+    try:
+        states = json.loads((Path(run.output_dir) / REPLICAS_FILE).read_text()) if run is not None else []
+    except (OSError, ValueError):
+        return []
+    return states if isinstance(states, list) else []
+
+
+def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
+    """The rounds in which a replica's process was down, with why: from each outage (the run's round when it went
+    down) to the first round it took part in again."""
+    replica, down = state.get("replica"), {}
+    for outage in state.get("outages", []):
+        after = outage.get("after_round", 0)
+        back = next((r["round"] for r in torchft if r["round"] > after and any(
+            m["replica"] == replica and m.get("participated") for m in r["members"])), None)
+        for r in torchft:
+            if r["round"] > after and (back is None or r["round"] < back):
+                down[r["round"]] = "down, restarting" if outage.get("restarted") else "down"
+    return down
+
+
+def membership_rows(rounds: list[dict], replicas: int = 0, states: list[dict] = ()) -> pd.DataFrame:
     """Who took part in each torchft round, newest first: round, step, participants, whether it committed, then a
-    cell per replica (at least `replicas` of them, the run's count). Empty for any other run."""
+    cell per replica (at least `replicas` of them, the run's count); `states` (replicas.json) tells a replica whose
+    process was down from one that was only late. Empty for any other run."""
     torchft = [r for r in rounds if "members" in r]
     ids = {m["replica"] for r in torchft for m in r["members"]}
     columns = [f"replica {i}" for i in range(max([replicas, *(i + 1 for i in ids)]))] if torchft else []
+    down = {state["replica"]: _down_rounds(state, torchft) for state in states if "replica" in state}
     rows = []
     for r in reversed(torchft):
         members = {m["replica"]: m for m in r["members"]}
         rows.append([r["round"], r["step"], r["participants"], "yes" if r.get("committed", True) else "no",
-                     *(member_cell(members.get(i)) for i in range(len(columns)))])
+                     *(member_cell(members.get(i), down.get(i, {}).get(r["round"], "")) for i in range(len(columns)))])
     return pd.DataFrame(rows, columns=MEMBERSHIP_COLUMNS + columns)
+
+
+def replica_rows(run: Run | None) -> pd.DataFrame:
+    """One row per replica of a torchft launch: its state (running; restarting, until it has taken part in a round
+    again, then rejoined; finished; exited with its status; ended when started again after the run was over),
+    restarts and the last round it recorded. Empty for any other run."""
+    rows = []
+    folders = {_replica_id(f): f for f in replica_folders(run)}
+    for state in read_replica_states(run):
+        replica = state.get("replica")
+        records = metrics.read_sync_rounds(folders[replica]) if replica in folders else []
+        shown = {"running": "running", "finished": "finished", "ended": "ended (started after the run was over)",
+                 "exited": f"exited (status {state.get('exit_code')}, no restart left)"}.get(state.get("state"), "")
+        if state.get("state") == "rejoining":
+            shown = "rejoined" if len(records) > state.get("records_at_restart", 0) else "restarting"
+        rows.append([replica, shown, state.get("restarts", 0), records[-1]["round"] if records else None])
+    return pd.DataFrame(rows, columns=REPLICA_COLUMNS)
 
 
 def log_tail(run: Run | None, lines: int = 200) -> str:
@@ -435,13 +479,16 @@ def held_out_curve(run: Run) -> pd.DataFrame:
     if not evals:
         evals = [(r["step"], r["eval_loss"]) for r in rounds if r.get("eval_loss") is not None]
     rows = []
+    counted = [r for r in rounds if r.get("committed", True) is not False and "tokens" in r]
     for step, loss in evals:
         if rounds:
             sent = sum(r["bytes_per_replica"] for r in rounds if r["step"] <= step)
         else:
             sent = step * float(progress.get("ddp_bytes_per_step") or 0)
-        rows.append({"run": run.name or run.id, "step": step, "tokens": step * tokens_per_step, "MB": sent / 1e6,
-                     "loss": loss})
+        # Tokens as trained: each round's record counts the tokens its replicas trained (a replica that was down or
+        # absent trained none); a run without rounds (DDP) trains every process every step.
+        tokens = sum(r["tokens"] for r in counted if r["step"] <= step) if counted else step * tokens_per_step
+        rows.append({"run": run.name or run.id, "step": step, "tokens": tokens, "MB": sent / 1e6, "loss": loss})
     return pd.DataFrame(rows, columns=["run", "step", "tokens", "MB", "loss"])
 
 

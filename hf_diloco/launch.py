@@ -28,9 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+from .metrics import read_sync_rounds, run_rounds
 from .runs import (
     ACTIVE,
     LOG_FILE,
+    REPLICAS_FILE,
     STOP_FILE,
     STOP_SIGNAL,
     STOPPED_FILE,
@@ -109,7 +111,16 @@ def start_lighthouse(bind: str, min_replicas: int, grace_seconds: float, heartbe
 class ReplicaSupervisor:
     """Runs N replica launches on this machine, starting a replica that failed again (it heals from the live
     ones) up to `max_restarts` times each; hands a stop request in `output_dir` to every replica and reports the
-    stop back where one-folder runs report it."""
+    stop back where one-folder runs report it.
+
+    What each replica's launch is doing goes to `<output_dir>/replicas.json` whenever it changes (the app shows it):
+    per replica its `state` ("running"; "rejoining" once started again, until `records_at_restart` is passed by its
+    round log; "finished"; "exited" with no restart left; "ended" when started again too late), `restarts`,
+    `exit_code` and its `outages` (after which round of the run it went down, and whether it was started again).
+
+    The run succeeds (exit 0) when any replica finished it: a replica exits 0 only after the run's last round
+    committed (or after a stop), and a replica that died for good does not undo what the others committed. The
+    closing line names every replica's exit."""
 
     def __init__(self, commands: list[list[str]], output_dir: str, max_restarts: int, linger_seconds: float = 15.0):
         self.linger_seconds = linger_seconds  # how long a restarted replica may outlive the finished others
@@ -119,6 +130,22 @@ class ReplicaSupervisor:
         self.restarts = [0] * len(commands)
         self.stopping = False
         self.finished_at: float | None = None  # when the first replica completed the run
+        self.states = [{"replica": r, "state": "running", "restarts": 0, "exit_code": None, "records_at_restart": 0,
+                        "outages": []}
+                       for r in range(len(commands))]
+
+    def _outage(self, restarted: bool) -> dict:
+        """A replica went down now: after the run's newest round, and whether it is being started again."""
+        rounds = [r["round"] for r in run_rounds(self.output_dir) if r.get("committed", True)]
+        return {"after_round": max(rounds, default=0), "restarted": restarted}
+
+    def _note(self, replica: int, **changes) -> None:
+        """Record a replica's new state in replicas.json (atomically: the app reads it while it changes)."""
+        self.states[replica].update(changes)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.output_dir / (REPLICAS_FILE + ".tmp")
+        temporary.write_text(json.dumps(self.states, indent=1) + "\n")
+        temporary.replace(self.output_dir / REPLICAS_FILE)
 
     def _end_latecomers(self, processes, codes: list[int | None]) -> None:
         """A replica started again near the end finds no one left to form a round with: once every replica that
@@ -132,6 +159,7 @@ class ReplicaSupervisor:
                 processes[r].kill()
                 processes[r].wait()
                 codes[r] = 0
+                self._note(r, state="ended", exit_code=0)
                 print(f"[diloco] replica {r} was started again too late to rejoin: the run had finished; ended it",
                       flush=True)
 
@@ -145,6 +173,7 @@ class ReplicaSupervisor:
         previous = {s: signal.signal(s, note_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         processes = [subprocess.Popen(command) for command in self.commands]
         codes: list[int | None] = [None] * len(processes)
+        self._note(0)
         try:
             while any(code is None for code in codes):
                 time.sleep(0.5)
@@ -165,8 +194,13 @@ class ReplicaSupervisor:
                         print(f"[diloco] replica {r} exited with status {code}; starting it again (restart "
                               f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
                         processes[r] = subprocess.Popen(self.commands[r])
+                        self._note(r, state="rejoining", restarts=self.restarts[r], exit_code=code,
+                                   records_at_restart=len(read_sync_rounds(replica_folder(self.output_dir, r))),
+                                   outages=[*self.states[r]["outages"], self._outage(restarted=True)])
                         continue
                     codes[r] = code
+                    outages = self.states[r]["outages"] + ([self._outage(restarted=False)] if code else [])
+                    self._note(r, state="finished" if code == 0 else "exited", exit_code=code, outages=outages)
                     if code == 0 and self.finished_at is None:
                         self.finished_at = time.monotonic()
         finally:
@@ -178,12 +212,10 @@ class ReplicaSupervisor:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / STOPPED_FILE).write_text(first.read_text())
         print(self.ending(codes), flush=True)
-        return next((code for code in codes if code), 0)
+        return 0 if 0 in codes else next(code for code in codes if code)
 
     def ending(self, codes: list[int | None]) -> str:
         """One line on how the run ended: the last round and who took part in it, and how each replica exited."""
-        from .metrics import read_sync_rounds
-
         rounds = [r for replica in range(len(codes)) for r in read_sync_rounds(replica_folder(self.output_dir, replica))
                   if r.get("committed", True)]
         exits = ", ".join(f"replica {r} exit {code}" for r, code in enumerate(codes))

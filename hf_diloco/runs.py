@@ -11,6 +11,8 @@
         replica-r/          an `outer_backend: torchft` run (`hf-diloco launch --replicas N`): replica r's own
                             sync_rounds.jsonl, progress.json, ... and model; the launcher hands stop.request on to
                             every replica folder and writes stopped.json here
+        replicas.json       such a run's replica launches: state (running, rejoining, finished, exited),
+                            restarts and exit code of each, rewritten by the launcher as they change
 
 Design choices:
 - State lives on disk, never in a server's memory: any number of runs, and an app restart loses nothing.
@@ -59,6 +61,7 @@ STOP_FILE = "stop.request"
 STOPPED_FILE = "stopped.json"
 PROGRESS_FILE = "progress.json"
 TRAINER_LOG_FILE = "trainer_log.jsonl"
+REPLICAS_FILE = "replicas.json"  # a torchft launch's replica states, written by launch.ReplicaSupervisor
 ACTIVE = ("starting", "running", "stopping")
 ERROR_PREFIX = "hf-diloco: error: "
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
@@ -76,12 +79,13 @@ def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str]
     return command + [*(launch_args or []), "-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
 
 
-def torchft_command(recipe: str, accelerate_config: str, replicas: int, overrides: list[str]) -> list[str]:
-    """The `hf-diloco launch RECIPE --accelerate-config CONFIG --replicas N ...` command of an `outer_backend:
-    torchft` run, as an argument list: a torchft Lighthouse and N replica launches, replica r writing
-    `<output_dir>/replica-r`. `overrides` are recipe fields."""
+def torchft_command(recipe: str, accelerate_config: str, replicas: int, overrides: list[str],
+                    max_restarts: int = 0) -> list[str]:
+    """The `hf-diloco launch RECIPE --accelerate-config CONFIG --replicas N --max-restarts R ...` command of an
+    `outer_backend: torchft` run, as an argument list: a torchft Lighthouse and N replica launches, replica r
+    writing `<output_dir>/replica-r` and started again up to R times when it fails. `overrides` are recipe fields."""
     return [sys.executable, "-m", "hf_diloco.cli", "launch", recipe, "--accelerate-config", accelerate_config,
-            "--replicas", str(replicas), *overrides]
+            "--replicas", str(replicas), "--max-restarts", str(max_restarts), *overrides]
 
 
 @dataclass
@@ -193,18 +197,20 @@ def new_run_id(runs_dir: Path, name: str) -> str:
 
 
 def plan(runs_dir: Path, recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
-         launch_args: list[str] | None = None, name: str = "", replicas: int | None = None) -> Run:
+         launch_args: list[str] | None = None, name: str = "", replicas: int | None = None,
+         max_restarts: int = 0) -> Run:
     """The run that `start_planned` will start: its id, output folder and exact command (nothing is created).
 
-    With `replicas`, an `outer_backend: torchft` run of that many replicas (`torchft_command`; its replicas meet
-    through the Lighthouse, so `port` and `launch_args` do not apply); otherwise one `accelerate launch`.
+    With `replicas`, an `outer_backend: torchft` run of that many replicas, each started again up to
+    `max_restarts` times (`torchft_command`; its replicas meet through the Lighthouse, so `port` and `launch_args`
+    do not apply); otherwise one `accelerate launch`.
     """
     run_id = new_run_id(runs_dir, name or recipe)
     output_dir = str((runs_dir / run_id / OUTPUT_DIR).resolve())
     fields = [*overrides, "--output_dir", output_dir]
     if replicas is not None:
         assert port is None and not launch_args, "a torchft run takes neither a rendezvous port nor launch flags"
-        command = torchft_command(recipe, accelerate_config, replicas, fields)
+        command = torchft_command(recipe, accelerate_config, replicas, fields, max_restarts)
     else:
         command = accelerate_command(recipe, accelerate_config, fields, port, launch_args)
     return Run(run_id, recipe, accelerate_config, list(overrides), command, output_dir, name=name or run_id)

@@ -108,7 +108,7 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
         form = ["", "torchft-3.yaml", TORCHFT_YAML, "torchft-replica.yaml", *values]
         command, message = client.predict(*form, api_name="/preview")
         assert "Form is valid" in message, message
-        assert " -m hf_diloco.cli launch " in command and " --replicas 2 " in command, command
+        assert " -m hf_diloco.cli launch " in command and " --replicas 2 --max-restarts 3 " in command, command
         assert "accelerate_configs/torchft-replica.yaml" in command and "--main_process_port" not in command
         message, selected, started = client.predict(*form, api_name="/start")
         assert message.startswith("Started") and started == command, "Start runs exactly the previewed command"
@@ -125,13 +125,14 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
         rounds = table(live[6])
         assert [row[:2] for row in rounds["data"]] == [[4, 40], [3, 30], [2, 20], [1, 10]], "newest first, once each"
         assert [row[3] for row in rounds["data"]] == [round(r["loss"], 4) for r in reversed(recorded)]
-        membership = table(live[7])
+        assert table(live[7])["data"] == [[0, "finished", 0, 4], [1, "finished", 0, 4]], "each replica's process"
+        membership = table(live[8])
         assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
         assert membership["data"] == [[r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
                                                                           r["members"])] for r in reversed(recorded)]
         assert all(m["steps"] == 10 for r in recorded for m in r["members"])
         assert "step 40/40" in live[0] and "round 4 " in live[0] and "2 of 2 replicas" in live[0]
-        runs_table = table(live[10])
+        runs_table = table(live[11])
         assert runs_table["data"][0][:6] == [run_id, "finished", "diloco", "10", "2", 40]
         card = client.predict(run_id, "alice/elastic", api_name="/card")[0]
         assert "## DiLoCo settings" in card, "the card is written from a replica's folder"

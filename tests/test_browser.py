@@ -236,6 +236,81 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
     assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
 
 
+def replica_training_pid(output_dir: Path, replica: int) -> int | None:
+    """The pid of a torchft replica's training process (not its accelerate launcher)."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if "train" in argv and "accelerate.commands.launch" not in argv and \
+                str(output_dir / f"replica-{replica}") in argv:
+            return process.pid
+    return None
+
+
+def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_run_ends_finished(browser, tmp_path):
+    """A torchft run of 2 replicas (min_replicas 1) from the app, restarts left at the default (3). Replica 1's
+    training process is SIGKILLed from outside after round 2: the Replicas table shows it restarting, then rejoined;
+    the membership table marks the rounds it missed as down, not merely absent; the run ends finished (its last
+    round committed), and the status bar, the round table and Compare count the steps and tokens as trained."""
+    import os
+    import signal
+
+    from app_helpers import TORCHFT_YAML
+
+    runs_dir = tmp_path / "runs"
+    draft = TORCHFT_YAML.replace("min_replicas: 2", "min_replicas: 1")
+    draft = draft.replace('eval_strategy: "no"', "eval_strategy: steps").replace("eval_steps: 50", "eval_steps: 100")
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        form = ["", "torchft-3.yaml", draft, "torchft-replica.yaml", *knobs(replicas=2, inner_steps=5, max_steps=300)]
+        message = client.predict(*form, api_name="/start")[0]
+        assert message.startswith("Started"), message
+        (run,) = runs.list_runs(runs_dir)
+        assert " --max-restarts 3 " in " ".join(run.command), "the default: a failed replica is started again"
+        output = Path(run.output_dir)
+        page = browser.new_page(viewport={"width": 1400, "height": 1200})
+        page.goto(url)
+        page.get_by_role("tab", name="Live").click()
+        table = page.locator("#replicas")
+        wait_until(lambda: len(read_sync_rounds(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
+        pid = replica_training_pid(output, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: table.count() and "restarting" in table.inner_text(), 60, "replica 1 shown restarting")
+        wait_until(lambda: "rejoined" in table.inner_text(), 240, "replica 1 shown rejoined")
+        page.screenshot(path=str(ARTIFACTS / "app-replica-rejoined.png"), full_page=True)
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
+                               timeout=300_000)
+        rows = [page.locator("#replicas .virtual-row").nth(i).inner_text().split("\n") for i in range(2)]
+        rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
+        assert rows[0][:3] == ["0", "finished", "0"] and rows[1][:3] == ["1", "finished", "1"], rows
+        live = client.predict(run.id, api_name="/refresh")
+        membership = live[8]["value"] if "value" in live[8] else live[8]  # older rows lie below the table's fold
+        down = [row[0] for row in membership["data"] if row[5] == "down, restarting"]
+        assert down and all(row[4].startswith("✓") for row in membership["data"] if row[0] in down), membership
+        assert "step 300/300" in status(page)
+        rounds = [r for k in (0, 1) for r in read_sync_rounds(output / f"replica-{k}") if r.get("committed", True)]
+        top = page.locator("#rounds .virtual-row").first.inner_text().split()
+        assert top[:2] == [str(max(r["round"] for r in rounds)), "300"], top
+        page.screenshot(path=str(ARTIFACTS / "app-replica-restarted.png"), full_page=True)
+        trained = sum({r["round"]: r["tokens"] for r in rounds}.values())
+        curve = views_curve(run)
+        assert list(curve["step"]) == [100, 200, 300], curve
+        assert curve["tokens"].iloc[-1] == trained, "tokens as trained: the rounds' own counts"
+        assert trained < 300 * 2 * 4 * 32, "replica 1 trained less than every step"
+    assert runs.load(run.folder).status == "finished"
+
+
+def views_curve(run):
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from app import views
+
+    return views.held_out_curve(runs.load(run.folder))
+
+
 def start_short_run(runs_dir, recipe: str, name: str, extra: list[str]) -> runs.Run:
     overrides = ["--max_steps", "20", "--block_size", "64", "--eval_steps", "5", "--logging_steps", "5",
                  "--per_device_eval_batch_size", "8", "--eval_fraction", "0.02", *extra]

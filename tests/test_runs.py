@@ -219,3 +219,18 @@ def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_r
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert f"this run stopped on request at step {stopped[0]} of 4000" in refused.stderr
     assert "--allow-unfinished" in refused.stderr
+
+
+def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_replica_died_for_good(tmp_path):
+    """Replica 1 fails twice (one restart allowed, then none left) while replica 0 finishes: the launch exits 0,
+    since the run's rounds were committed by the replica that finished, and replicas.json tells each replica's
+    story as it happened."""
+    from hf_diloco.launch import ReplicaSupervisor
+
+    finish = [sys.executable, "-c", "import time; time.sleep(3)"]
+    fail = [sys.executable, "-c", "raise SystemExit(3)"]
+    assert ReplicaSupervisor([finish, fail], str(tmp_path), max_restarts=1).run() == 0
+    states = json.loads((tmp_path / runs.REPLICAS_FILE).read_text())
+    assert [(s["state"], s["restarts"], s["exit_code"]) for s in states] == [("finished", 0, 0), ("exited", 1, 3)]
+    assert [o["restarted"] for o in states[1]["outages"]] == [True, False]
+    assert ReplicaSupervisor([fail, fail], str(tmp_path / "all"), max_restarts=0).run() == 3, "no replica finished"
