@@ -187,3 +187,36 @@ def test_round_metrics_reach_every_tracker_callback(tmp_path):
         assert logs["diloco/replica_0/loss"] == pytest.approx(record["replica_losses"][0], rel=1e-12)
     assert not any(key.startswith("diloco/") for entry in trainer.state.log_history for key in entry), \
         "round metrics stay out of Trainer's own log history and console"
+
+
+def test_round_metrics_read_back_from_a_local_trackio_project(tmp_path):
+    """`report_to: trackio` (its local SQLite store, no Space): each round's diloco/ numbers are in the project, at
+    the round's step and equal to sync_rounds.jsonl, read back from trackio's own storage in another process."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO, env
+
+    from hf_diloco.metrics import read_sync_rounds
+
+    out, store = tmp_path / "run", tmp_path / "trackio"
+    environment = {**env(), "TRACKIO_DIR": str(store), "HF_HUB_OFFLINE": "1"}
+    train = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" / "tiny-pretrain.yaml"),
+             "--output_dir", str(out), "--max_steps", "6", "--inner_steps", "3", "--block_size", "64",
+             "--eval_steps", "3", "--disable_tqdm", "true", "--report_to", "trackio", "--project", "hfd",
+             "--run_name", "round-metrics"]
+    result = subprocess.run(train, capture_output=True, text=True, env=environment, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    read = ("import json; from trackio.sqlite_storage import SQLiteStorage; "
+            "print(json.dumps(SQLiteStorage.get_logs('hfd', 'round-metrics')))")
+    logs = json.loads(subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, check=True,
+                                     env=environment, cwd=REPO, timeout=120).stdout)
+    logged = [entry for entry in logs if "train/diloco/loss" in entry]
+    rounds = read_sync_rounds(out)
+    assert [entry["train/global_step"] for entry in logged] == [r["step"] for r in rounds] == [3, 6]
+    for entry, record in zip(logged, rounds, strict=True):
+        assert entry["train/diloco/loss"] == pytest.approx(record["loss"], rel=1e-9)
+        assert entry["train/diloco/eval_loss"] == pytest.approx(record["eval_loss"], rel=1e-9)
+        assert entry["train/diloco/pseudo_grad_norm"] == pytest.approx(record["pseudo_grad_norm"], rel=1e-9)
+        assert entry["train/diloco/replica_0/loss"] == pytest.approx(record["replica_losses"][0], rel=1e-9)
