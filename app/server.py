@@ -13,10 +13,9 @@ Design choices:
 - Preview and Start share one plan: Start runs exactly the command Preview showed (same run id and output folder)
   unless the form changed in between, in which case it plans again. Run ids come from the run name, so planning
   at Preview does not start the run's clock; Start does. Start stays available while other runs train.
-- Live plots: the page fixes a native plot's spec (column types, series) when it first draws and only swaps
-  its data afterwards; frames are typed even when empty, and a plot's series colour map, which the page watches,
-  changes one refresh after a new series arrived, so the plot is rebuilt with it. Bytes are drawn with
-  matplotlib because they need a log scale.
+- Every figure is a Plotly figure in a gr.Plot (one library for Live and Compare; bytes need a log axis, which
+  Gradio's native plots lack), each series in the colour it has everywhere, the model card's curve included. A
+  refresh sends figures only when a round, a logged loss or the run's status is new.
 - Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
 - Validation runs as an `hf-diloco` subprocess and pushing in the app's process through hf_diloco.hub; the app
   never imports torch.
@@ -49,7 +48,27 @@ KNOB_LABELS = {
     "restarts": "Restarts per replica (torchft; blank: 3)",
 }
 DEFAULT_CONFIG = "cpu-2proc.yaml"
+PLOTS = ("loss", "norm", "agreement", "bytes", "time")
 DISTRIBUTED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
+HOW_IT_WORKS = (
+    "**How DiLoCo works.** Each *replica* (a copy of the model on its own processes) trains alone for *H* inner "
+    "steps with its own optimizer. Then comes a *round*: every replica sends its *pseudo-gradient* (how far its "
+    "weights moved in those H steps), the replicas average them, and an outer optimizer (Nesterov momentum) moves "
+    "the shared weights by that average. Replicas talk once per round instead of once per step, so they send about "
+    "H times fewer bytes than data-parallel training."
+)
+GLOSSARY = """
+**Reading these plots**
+- **replica**: one copy of the model and its data shard; replica *i* has the same colour in every plot and in the
+  model card.
+- **round** / **sync**: the exchange after *H* inner steps; with streaming fragments each sync carries one
+  fragment, and a round is over once every fragment has synced (the status bar counts rounds).
+- **pseudo-gradient Δ**: a replica's weights at the start of the round minus its weights now; ‖Δ‖ is its size.
+- **agreement**: the cosine between a replica's Δ and the averaged Δ; near 1, the replicas pull the same way.
+- **blocked time**: seconds the inner loop waited for a sync; an overlapped sync hides its transfer behind compute.
+- **held-out loss**: the loss of the averaged (global) model on data no replica trains on.
+- **logged loss**: the loss Trainer logs every `logging_steps` steps on process 0, between rounds.
+"""
 CSS = """
 .hfd-status {font-size: 1.05em; padding: 10px 14px; border-radius: 8px; background: #f3f4f6; color: #111827}
 .hfd-badge {color: white; padding: 2px 10px; border-radius: 10px; font-weight: 600; text-transform: uppercase}
@@ -200,32 +219,21 @@ class App:
         rounds = views.read_rounds(run)
         trainer_log = views.read_trainer_log(run)
         active = run is not None and run.status in runs.ACTIVE
-        total = views.max_steps(run) if run is not None else None
-        axis = views.round_axis(run, rounds)
-        drawn = drawn or {}
         count = views.replicas(run) if run is not None else ""
         membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0,
                                            views.read_replica_states(run))
         replica_states = views.replica_rows(run)
-        frames = {"loss": (views.loss_frame(rounds, trainer_log), "replica", [0, total] if total else None),
-                  "norm": (views.norm_frame(rounds), "of", axis),
-                  "agreement": (views.agreement_frame(rounds, views.read_summary(run)), "replica", axis),
-                  "time": (views.time_frame(rounds), "part", axis)}
-        # A plot's colour map (and so its series) is sent one refresh after its data: the page rebuilds a plot
-        # when the map changes, and takes the series from the value it already holds.
-        updates = {name: gr.update(value=frame, x_lim=x_lim, color_map=views.colors(drawn.get(name, [])))
-                   for name, (frame, series, x_lim) in frames.items()}
-        seen = {name: views.series_names(frame, series) for name, (frame, series, _) in frames.items()}
-        # The bytes figure is drawn again only when there is something new to draw.
-        key = [run_id, len(rounds), run.status if run else None]
-        figure = views.bytes_figure(run, rounds) if key != drawn.get("bytes") else gr.skip()
+        # The figures are drawn again only when there is something new to draw (a round, a logged loss, the end).
+        key = [run_id, len(rounds), len(trainer_log), run.status if run else None]
+        figures = views.live_figures(run, rounds, trainer_log, views.read_summary(run)) if key != drawn else None
+        plot = {name: figures[name] if figures else gr.skip() for name in PLOTS}
         return (
             views.status_html(run),
-            updates["loss"],
-            updates["norm"],
-            updates["agreement"],
-            figure,
-            updates["time"],
+            plot["loss"],
+            plot["norm"],
+            plot["agreement"],
+            plot["bytes"],
+            plot["time"],
             views.round_rows(rounds),
             gr.update(value=replica_states, visible=not replica_states.empty),  # torchft runs only
             gr.update(value=membership, visible=not membership.empty),
@@ -233,7 +241,7 @@ class App:
             views.tensorboard_hint(run),
             views.runs_table(runs.list_runs(self.runs_dir)),
             gr.update(interactive=active),  # Stop
-            {**seen, "bytes": key},
+            key,
         )
 
     def compare(self, run_ids):
@@ -332,6 +340,7 @@ def build(runs_dir: Path) -> gr.Blocks:
     app = App(runs_dir)
     recipes, configs = forms.choices(forms.RECIPES), forms.choices(forms.CONFIGS)
     with gr.Blocks(title="hf-diloco") as page:
+        gr.Markdown(HOW_IT_WORKS, elem_id="how-it-works")
         status = gr.HTML(views.status_html(None), elem_id="status")
         with gr.Row():
             run_select = gr.Dropdown(app.run_ids(), label="Run", scale=4, elem_id="run-select")
@@ -372,17 +381,13 @@ def build(runs_dir: Path) -> gr.Blocks:
                 command = gr.Code(label="Command (exactly what Start runs)", language="shell", elem_id="command")
             with gr.Tab("Live", id="live"):
                 with gr.Row():
-                    loss_plot = gr.LinePlot(x="step", y="loss", color="replica", title="Inner loss per replica, "
-                                            "held-out loss of the global model", height=280, elem_id="loss-plot")
-                    bytes_plot = gr.Plot(label="MB sent per replica vs DDP", elem_id="bytes-plot")
+                    loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
+                    bytes_plot = gr.Plot(label="Bytes", elem_id="bytes-plot")
                 with gr.Row():
-                    norm_plot = gr.ScatterPlot(x="round", y="norm", color="of", title="Pseudo-gradient norm",
-                                               height=250, elem_id="norm-plot")
-                    agreement_plot = gr.ScatterPlot(x="round", y="cosine", color="replica", height=250,
-                                                    title="Agreement cos(Δ_replica, Δ_mean), per round",
-                                                    elem_id="agreement-plot")
-                    time_plot = gr.BarPlot(x="round", y="seconds", color="part", title="Compute vs sync time",
-                                           height=250, elem_id="time-plot")
+                    norm_plot = gr.Plot(label="Pseudo-gradient norm", elem_id="norm-plot")
+                    agreement_plot = gr.Plot(label="Agreement", elem_id="agreement-plot")
+                    time_plot = gr.Plot(label="Time", elem_id="time-plot")
+                gr.Markdown(GLOSSARY, elem_id="glossary")
                 rounds_table = gr.Dataframe(headers=views.ROUND_COLUMNS, label="Rounds (newest first)",
                                             elem_id="rounds")
                 replicas_table = gr.Dataframe(headers=views.REPLICA_COLUMNS, visible=False, elem_id="replicas",

@@ -1,7 +1,7 @@
 """What the app shows about a run, computed from its folder only (no torch, no Gradio).
 
 Every function takes a `Run` (hf_diloco.runs) or what was read from its folder and returns plain data: HTML for the
-status bar, pandas frames in long format for the plots, matplotlib figures where a log scale is needed, rows for
+status bar, pandas frames in long format and the Plotly figures drawn from them, rows for
 the tables, the tail of the log.
 
 Sources, all under the run's output folder: `sync_rounds.jsonl` (DiLoCo rounds), `progress.json` (step and phase,
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import re
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import pandas as pd
 
 from hf_diloco import metrics
 from hf_diloco.metrics import SUMMARY_FILE
-from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, TRAINER_LOG_FILE, Run
+from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, STOPPED_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
                  "stopped": "#7c3aed", "failed": "#dc2626"}
@@ -40,7 +39,6 @@ RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
 PALETTE, FIXED_COLORS = metrics.PALETTE, metrics.SERIES_COLORS  # one colour per series in the app and the card
-MIN_ROUND_AXIS = 10  # round axes span at least 0..10, so their ticks fall on whole rounds
 
 
 # --- reading a run folder -------------------------------------------------------------------------------------
@@ -179,7 +177,10 @@ def status_html(run: Run | None) -> str:
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
         present = f"{last['participants']} of {len(last['members'])}" if "members" in last else last["num_replicas"]
-        parts.append(f"round {last['round']} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
+        # With streaming fragments a record is one fragment's sync: the round count is of whole outer rounds.
+        counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} fragment syncs)" if streamed(rounds) \
+            else last["round"]
+        parts.append(f"round {counted} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
                      f" · {present} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
                      f" · waited for syncs {blocked:,.1f} s")
     elif trainer_kind(run) == "ddp":
@@ -190,15 +191,38 @@ def status_html(run: Run | None) -> str:
     if run.status == "failed":
         reason = run.reason or (f"exit code {run.exit_code}" if run.exit_code is not None else "")
         parts.append(f"<span class='hfd-reason'>{html.escape(reason)}</span>")
+    if run.status == "stopped":
+        parts.append(f"<span class='hfd-resume'>{html.escape(resume_hint(run))}</span>")
     return "<div class='hfd-status' id='hfd-status' data-status='" + html.escape(run.status) + "'>" + \
         " &nbsp;|&nbsp; ".join(parts) + "</div>"
 
 
+def streamed(rounds: list[dict]) -> bool:
+    """Whether the rounds are streaming fragment syncs (some record carries a fragment other than 0)."""
+    return any(max(r.get("fragments") or [0]) > 0 for r in rounds)
+
+
+def resume_hint(run: Run) -> str:
+    """What a stopped run kept and how to go on from it: its command again, resuming from the newest checkpoint."""
+    stopped = _json(Path(run.output_dir) / STOPPED_FILE) or _json(lead_folder(run) / STOPPED_FILE)
+    step, checkpoint = stopped.get("step"), stopped.get("checkpoint")
+    if not checkpoint:
+        return f"stopped at step {step}; no checkpoint was kept (the recipe saves none)." if step is not None \
+            else "stopped."
+    import shlex
+
+    command = " ".join(shlex.quote(part) for part in [*run.command, "--resume_from_checkpoint", "latest"])
+    return f"stopped at step {step}; {checkpoint} kept in {run.output_dir}. To resume from it: {command}"
+
+
 # --- live plots ---------------------------------------------------------------------------------------------------
+# Every figure the app draws is a Plotly figure (gr.Plot): one library for Live and Compare, with log axes where
+# bytes span orders of magnitude, markers so a one-point series shows, and each series in its fixed colour, the
+# same as in the model card's curve (metrics.SERIES_COLORS, replica i PALETTE[i]).
 
 
 def _frame(rows: list[dict], x: str, y: str, series: str) -> pd.DataFrame:
-    """A plot frame whose column types hold even when empty (the page types a plot from its first frame)."""
+    """A long-format frame (x, y, series) whose column types hold even when empty."""
     frame = pd.DataFrame(rows, columns=[x, y, series])
     return frame.astype({x: "float64", y: "float64", series: "string"})
 
@@ -217,17 +241,62 @@ def colors(names: list[str]) -> dict[str, str]:
     return chosen
 
 
+DASHES = {"DDP for the same steps": "dash", "DiLoCo (this round)": "dot", "logged loss (process 0)": "dot"}
+
+
+def _layout(figure, title: str, x_title: str, y_title: str, x_range=None, log_x=False, log_y=False,
+            empty: str = ""):
+    """Titles, rounded ticks (3 significant digits), a legend below, a fixed height; `empty` is written across an
+    empty figure."""
+    figure.update_layout(title={"text": title, "font": {"size": 13}}, template="plotly_white", height=320,
+                         margin={"l": 55, "r": 15, "t": 40, "b": 30}, hovermode="closest",
+                         legend={"orientation": "h", "y": -0.38, "font": {"size": 10}})
+    padded = [x_range[0] - 0.02 * x_range[1], 1.02 * x_range[1]] if x_range and not log_x else None
+    figure.update_xaxes(title_text=x_title, type="log" if log_x else "linear", tickformat="~s" if log_x else "~r",
+                        range=padded)
+    figure.update_yaxes(title_text=y_title, type="log" if log_y else "linear", tickformat=".3~g")
+    if empty:
+        figure.add_annotation(text=empty, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                              font={"size": 13, "color": "#6b7280"})
+        figure.update_xaxes(visible=False)
+        figure.update_yaxes(visible=False)
+    return figure
+
+
+def series_figure(frame: pd.DataFrame, series: str, *, title: str, x_title: str, y_title: str, kind: str = "lines",
+                  x_range=None, log_y: bool = False, empty: str = ""):
+    """One trace per series of a long-format frame (x, y, series): lines with markers, points, or stacked bars."""
+    import plotly.graph_objects as go
+
+    x, y = frame.columns[0], frame.columns[1]
+    figure = go.Figure()
+    names = series_names(frame, series)
+    for name, color in colors(names).items():
+        part = frame[frame[series] == name]
+        if kind == "bars":
+            figure.add_bar(x=part[x], y=part[y], name=name, marker_color=color)
+        else:
+            figure.add_scatter(x=part[x], y=part[y], name=name, mode="markers" if kind == "points" else "lines+markers",
+                               line={"color": color, "dash": DASHES.get(name, "solid"), "width": 2},
+                               marker={"color": color, "size": 7 if kind == "points" else 5})
+    if kind == "bars":
+        figure.update_layout(barmode="stack", bargap=0.15)
+    return _layout(figure, title, x_title, y_title, x_range, log_y=log_y, empty="" if names else empty)
+
+
 def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
-    """Inner loss per replica per round and held-out loss (DiLoCo), or Trainer's logged losses (DDP baseline).
+    """Inner loss per replica per round and held-out loss (DiLoCo), with the loss Trainer logs every
+    `logging_steps` on process 0 beside them; or Trainer's logged losses (DDP baseline).
 
     A round's inner loss is the mean over its steps; a replica with one round so far is drawn as a flat segment over
     that round's steps, so that a one-round run shows a line too. A torchft round lists only its participants'
     losses, so there each loss is named by its member's replica id.
     """
     evals = [{"step": e["step"], "loss": e["eval_loss"]} for e in trainer_log if e.get("eval_loss") is not None]
+    logged = [{"step": e["step"], "loss": e["loss"]} for e in trainer_log if e.get("loss") is not None]
     if rounds:
         rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
-                for r in rounds for i, loss in replica_losses(r)]
+                for r in rounds for i, loss in metrics.replica_losses(r)]
         if len(rounds) == 1:
             # round_steps: the steps the round took (runs written before it was named so: inner_steps)
             taken = rounds[0].get("round_steps", rounds[0].get("inner_steps", rounds[0]["step"]))
@@ -236,38 +305,32 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
         held_out = evals or [{"step": r["step"], "loss": r["eval_loss"]} for r in rounds
                              if r.get("eval_loss") is not None]
         rows += [{**e, "replica": "held-out (global model)"} for e in held_out]
+        rows += [{**e, "replica": "logged loss (process 0)"} for e in logged]
     else:
-        rows = [{"step": e["step"], "loss": e["loss"], "replica": "train loss (all processes)"}
-                for e in trainer_log if e.get("loss") is not None]
+        rows = [{**e, "replica": "train loss (all processes)"} for e in logged]
         rows += [{**e, "replica": "held-out loss"} for e in evals]
     return _frame(sorted(rows, key=lambda row: row["step"]), "step", "loss", "replica")
 
 
-def replica_losses(record: dict) -> list[tuple[int, float]]:
-    """(replica id, mean inner loss) of each replica that trained in the round."""
-    if "members" in record:
-        return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["members"]
-                if m.get("participated") and m.get("steps")]
-    return list(enumerate(record["replica_losses"]))
-
-
 def norm_frame(rounds: list[dict]) -> pd.DataFrame:
-    rows = [{"round": r["round"], "norm": r["pseudo_grad_norm"], "of": "averaged Δ"} for r in rounds]
-    rows += [{"round": r["round"], "norm": n, "of": f"replica {i}"}
+    """Pseudo-gradient norms per sync, at the sync's step (with streaming, one sync per fragment)."""
+    rows = [{"step": r["step"], "norm": r["pseudo_grad_norm"], "of": "averaged Δ"} for r in rounds]
+    rows += [{"step": r["step"], "norm": n, "of": f"replica {i}"}
              for r in rounds for i, n in enumerate(r.get("replica_pseudo_grad_norms", []))]
-    return _frame(rows, "round", "norm", "of")
+    return _frame(rows, "step", "norm", "of")
 
 
 def agreement_frame(rounds: list[dict], summary: dict | None = None) -> pd.DataFrame:
-    """cos(Δ_i, Δ) per replica, at the round it measures (it is reported with the next round's sync; the last
-    round's arrives in the run's summary when it ends)."""
+    """cos(Δ_i, Δ) per replica, at the step of the round it measures (it is reported with the next round's sync;
+    the last round's arrives in the run's summary when it ends)."""
+    steps = {r["round"]: r["step"] for r in rounds}
     measured = [(r["agreement_round"], r["replica_agreement"]) for r in rounds if "replica_agreement" in r]
     last = (summary or {}).get("last_round_agreement")
     if last:
         measured.append((last["round"], last["replica_agreement"]))
-    rows = [{"round": at, "cosine": c, "replica": f"replica {i}"} for at, values in measured
+    rows = [{"step": steps[at], "cosine": c, "replica": f"replica {i}"} for at, values in measured if at in steps
             for i, c in enumerate(values)]
-    return _frame(rows, "round", "cosine", "replica")
+    return _frame(rows, "step", "cosine", "replica")
 
 
 def read_summary(run: Run | None) -> dict:
@@ -276,21 +339,11 @@ def read_summary(run: Run | None) -> dict:
 
 
 def time_frame(rounds: list[dict]) -> pd.DataFrame:
-    rows = [{"round": r["round"], "seconds": r[key], "part": part}
-            for r in rounds for key, part in (("compute_seconds", "compute"), ("sync_seconds", "sync"))]
-    return _frame(rows, "round", "seconds", "part")
-
-
-def round_axis(run: Run | None, rounds: list[dict]) -> list[float]:
-    """x limits of the per-round plots: the whole run (when known), at least 0..MIN_ROUND_AXIS, whole numbers."""
-    total = None
-    if run is not None and max_steps(run):
-        try:
-            total = math.ceil(max_steps(run) / int(recipe_value(run, "inner_steps") or "0"))
-        except (ValueError, ZeroDivisionError):
-            total = None
-    last = rounds[-1]["round"] if rounds else 0
-    return [0, max(total or 0, last, MIN_ROUND_AXIS)]
+    """Per sync: inner compute seconds and the seconds the inner loop was blocked waiting for the sync (an
+    overlapped sync's transfer hides behind compute and blocks only for what is left)."""
+    rows = [{"step": r["step"], "seconds": value, "part": part} for r in rounds for part, value in (
+        ("compute", r["compute_seconds"]), ("blocked", r.get("blocked_seconds", r["sync_seconds"])))]
+    return _frame(rows, "step", "seconds", "part")
 
 
 def bytes_rows(rounds: list[dict]) -> pd.DataFrame:
@@ -302,42 +355,32 @@ def bytes_rows(rounds: list[dict]) -> pd.DataFrame:
         rows += [{"step": r["step"], "MB": diloco, "traffic": "DiLoCo (cumulative)"},
                  {"step": r["step"], "MB": ddp, "traffic": "DDP for the same steps"},
                  {"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this round)"}]
-    return _frame(rows, "step", "MB", "traffic")
+    frame = _frame(rows, "step", "MB", "traffic")
+    return frame[frame["MB"] > 0]  # nothing sent has no place on a log scale
 
 
-def _figure(width: float = 6.0, height: float = 3.2):
-    from matplotlib.figure import Figure  # the object API: no pyplot state shared between the server's threads
-
-    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    return figure
-
-
-def bytes_figure(run: Run | None, rounds: list[dict]):
-    """MB sent per replica vs DDP on a log scale (DiLoCo's line sits orders of magnitude below DDP's)."""
-    figure = _figure()
-    axes = figure.add_subplot()
-    axes.set_title("MB sent per replica vs DDP (log scale)", fontsize=10)
-    frame = bytes_rows(rounds)
-    if run is not None and not rounds and trainer_kind(run) == "ddp":
-        axes.text(0.5, 0.5, "no syncs: the DDP baseline all-reduces\ngradients at every step", ha="center",
-                  va="center", transform=axes.transAxes)
-        axes.set_axis_off()
-        return figure
-    if frame.empty:
-        axes.text(0.5, 0.5, "no sync round yet", ha="center", va="center", transform=axes.transAxes)
-        axes.set_axis_off()
-        return figure
-    styles = {"DDP for the same steps": ("#dc2626", "--"), "DiLoCo (cumulative)": ("#2563eb", "-"),
-              "DiLoCo (this round)": ("#2563eb", ":")}
-    for name, (color, line) in styles.items():
-        part = frame[frame["traffic"] == name]
-        axes.plot(part["step"], part["MB"], line, color=color, marker="o", markersize=3, label=name)
-    axes.set_yscale("log")
-    axes.set_xlabel("step")
-    axes.set_ylabel("MB per replica")
-    axes.grid(True, which="major", alpha=0.3)
-    axes.legend(fontsize=8)
-    return figure
+def live_figures(run: Run | None, rounds: list[dict], trainer_log: list[dict], summary: dict) -> dict:
+    """The Live tab's figures: loss, bytes, pseudo-gradient norms, agreement, compute and blocked time."""
+    total = max_steps(run) if run is not None else None
+    steps = [0, total] if total else None
+    waiting = "waiting for the first sync round"
+    ddp = run is not None and not rounds and trainer_kind(run) == "ddp"
+    return {
+        "loss": series_figure(loss_frame(rounds, trainer_log), "replica", x_range=steps, x_title="step",
+                              y_title="loss", title="Inner loss per replica · held-out loss of the global model",
+                              empty="waiting for the first loss"),
+        "bytes": series_figure(bytes_rows(rounds), "traffic", x_range=steps, x_title="step", log_y=True,
+                               y_title="MB per replica (log)", title="MB sent per replica vs DDP",
+                               empty="no syncs: the DDP baseline all-reduces gradients at every step" if ddp
+                               else waiting),
+        "norm": series_figure(norm_frame(rounds), "of", kind="points", x_range=steps, x_title="step of the sync",
+                              y_title="‖Δ‖", title="Pseudo-gradient norm per sync", empty=waiting),
+        "agreement": series_figure(agreement_frame(rounds, summary), "replica", kind="points", x_range=steps,
+                                   x_title="step of the round", y_title="cosine",
+                                   title="Agreement cos(Δ_replica, Δ_mean)", empty=waiting),
+        "time": series_figure(time_frame(rounds), "part", kind="bars", x_title="step of the sync", y_title="seconds",
+                              title="Compute vs blocked (waiting for a sync)", empty=waiting),
+    }
 
 
 def round_rows(rounds: list[dict]) -> pd.DataFrame:
@@ -345,7 +388,13 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
         value = r.get("compression_ratio")
         return round(value, 1) if value else None
 
-    rows = [[r["round"], r["step"], ",".join(map(str, r.get("fragments", [0]))), round(r["loss"], 4),
+    fragments = max((max(r.get("fragments") or [0]) for r in rounds), default=0) + 1
+
+    def synced(r: dict) -> str:  # which fragments a sync carried: blank without streaming, "all" for a full sync
+        ids = r.get("fragments") or [0]
+        return "" if fragments == 1 else "all" if len(ids) == fragments else ",".join(map(str, ids))
+
+    rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4),
              round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
              round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), r.get("compression", "none"),
              ratio(r), round(r["sync_seconds"], 3), round(r.get("blocked_seconds", r["sync_seconds"]), 3),
@@ -493,24 +542,25 @@ def held_out_curve(run: Run) -> pd.DataFrame:
 
 
 def compare_figure(runs: list[Run]):
-    """Held-out loss against tokens and against MB sent per replica (log scale), one line per run."""
-    figure = _figure(11, 3.6)
-    by_tokens, by_bytes = figure.subplots(1, 2)
+    """Held-out loss against tokens trained and against MB sent per replica (log scale), one colour per run."""
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
+                           subplot_titles=("Held-out loss vs tokens trained", "Held-out loss vs MB sent per replica"))
     for i, run in enumerate(runs):
         curve = held_out_curve(run)
         color, label = PALETTE[i % len(PALETTE)], run.name or run.id
-        by_tokens.plot(curve["tokens"], curve["loss"], "-o", markersize=3, color=color, label=label)
         sent = curve[curve["MB"] > 0]  # nothing sent yet has no place on a log scale
-        by_bytes.plot(sent["MB"], sent["loss"], "-o", markersize=3, color=color, label=label)
-    by_tokens.set(title="Held-out loss vs tokens trained", xlabel="tokens (all processes)", ylabel="held-out loss")
-    by_bytes.set(title="Held-out loss vs MB sent per replica", xlabel="MB sent per replica (log scale)",
-                 ylabel="held-out loss")
-    by_bytes.set_xscale("log")
-    for axes in (by_tokens, by_bytes):
-        axes.grid(True, alpha=0.3)
-        axes.title.set_fontsize(10)
-    if runs:
-        by_tokens.legend(fontsize=8)
+        for column, part, x in ((1, curve, "tokens"), (2, sent, "MB")):
+            figure.add_scatter(x=part[x], y=part["loss"], name=label, legendgroup=label, showlegend=column == 1,
+                               mode="lines+markers", line={"color": color, "width": 2}, marker={"color": color,
+                                                                                               "size": 6},
+                               row=1, col=column)
+    figure.update_layout(template="plotly_white", height=360, margin={"l": 55, "r": 15, "t": 40, "b": 40},
+                         legend={"orientation": "h", "y": -0.22, "font": {"size": 10}})
+    figure.update_xaxes(title_text="tokens trained (all replicas)", tickformat="~s", row=1, col=1)
+    figure.update_xaxes(title_text="MB sent per replica (log)", type="log", row=1, col=2)
+    figure.update_yaxes(title_text="held-out loss", tickformat=".3~g")
     return figure
 
 

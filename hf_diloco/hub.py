@@ -124,9 +124,9 @@ def run_settings(args, run=None, trainer: str | None = None) -> dict:
 
 
 def write_training_curve(output_dir: Path, target: Path) -> Path | None:
-    """Inner loss per round (mean over replicas) and held-out loss, as a PNG; None without rounds. The colours are
-    the app's (`metrics.SERIES_COLORS`)."""
-    from .metrics import SERIES_COLORS
+    """Inner loss of each replica per round and the held-out loss of the global model, as a PNG (None without
+    rounds), in the colours the app draws them with: replica i PALETTE[i], held-out loss black."""
+    from .metrics import PALETTE, SERIES_COLORS, replica_losses
 
     rounds = run_rounds(launch_folder(output_dir))
     if not rounds:
@@ -137,16 +137,22 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rounds], [r["loss"] for r in rounds], marker="o", label="train loss (mean of replicas)",
-            color=SERIES_COLORS["train loss (mean of replicas)"])
+    per_replica: dict[int, list[tuple[int, float]]] = {}
+    for record in rounds:
+        for replica, loss in replica_losses(record):
+            per_replica.setdefault(replica, []).append((record["step"], loss))
+    for replica, points in sorted(per_replica.items()):
+        ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"replica {replica}",
+                color=PALETTE[replica % len(PALETTE)])
     evals = [r for r in rounds if r.get("eval_loss") is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="s", label="held-out loss",
                 color=SERIES_COLORS["held-out loss"])
     ax.set_xlabel("inner step")
     ax.set_ylabel("loss")
-    ax.set_title("DiLoCo training (one point per sync round)")
-    ax.legend()
+    ax.set_title("Inner loss per replica, held-out loss of the global model")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
     fig.savefig(target, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return target
@@ -155,12 +161,16 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
 def run_outcome(folder: str | Path) -> dict:
     """How the run whose model is in `folder` ended: {"ended": "finished" | "stopped" | "failed" | "unfinished",
     "step", "max_steps", "checkpoint"}. Read from the run's own files: `stopped.json` (a stop on request),
-    `progress.json` (its last step and phase) and, for a run started by the app, run.json's status. A folder with
-    none of them (a model saved by a script of one's own) counts as finished."""
+    `progress.json` (its last step and phase; a torchft launch's furthest replica) and, for a run started by the
+    app, run.json's status. A folder with none of them (a model saved by a script of one's own) counts as
+    finished."""
     folder = Path(folder)
     root = launch_folder(folder)
     stopped = _read_json(root / STOPPED_FILE) or _read_json(folder / STOPPED_FILE)
-    progress = _read_json(folder / PROGRESS_FILE)
+    # A torchft launch ended where its furthest replica did: a replica that missed the last round is handed the
+    # final model by a peer, so every replica folder holds the run's end.
+    progress = max((_read_json(f / PROGRESS_FILE) for f in replica_folders(root) or [folder]),
+                   key=lambda p: p.get("step") or 0)
     started = _read_json(root.parent / RUN_FILE)  # runs.start puts output/ inside the run's folder
     step, total = progress.get("step"), progress.get("max_steps")
     if started.get("status") == "failed":

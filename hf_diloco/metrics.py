@@ -25,7 +25,9 @@ SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
 PALETTE = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
 SERIES_COLORS = {"held-out (global model)": "#111827", "held-out loss": "#111827", "averaged Δ": "#111827",
                  "train loss (all processes)": "#2563eb", "train loss (mean of replicas)": "#2563eb",
-                 "compute": "#2563eb", "sync": "#ea580c", "blocked": "#dc2626"}
+                 "compute": "#2563eb", "sync": "#ea580c", "blocked": "#dc2626", "logged loss (process 0)": "#93c5fd",
+                 "DDP for the same steps": "#dc2626", "DiLoCo (cumulative)": "#111827",
+                 "DiLoCo (this round)": "#6b7280"}
 SUMMARY_FILE = "diloco_summary.json"
 
 # The round numbers that go to the trackers Trainer reports to (`report_to`), as diloco/<name> at the round's step.
@@ -104,6 +106,14 @@ def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
             if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
                 merged[record["round"]] = record
     return [merged[n] for n in sorted(merged)]
+
+
+def replica_losses(record: dict) -> list[tuple[int, float]]:
+    """(replica id, mean inner loss) of each replica that trained in the round (a torchft round: its members)."""
+    if "members" in record:
+        return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["members"]
+                if m.get("participated") and m.get("steps")]
+    return list(enumerate(record.get("replica_losses", [])))
 
 
 def outer_rounds(rounds: list[dict]) -> int:

@@ -1,6 +1,7 @@
 """What the app draws from a run folder: log tail, status bar, plot frames (pure functions, no server)."""
 
 import json
+import re
 import sys
 
 from helpers import REPO
@@ -50,7 +51,7 @@ def test_plot_frames_are_long_format_per_replica(tmp_path):
     ddp = traffic[traffic["traffic"] == "DDP for the same steps"]["MB"].tolist()
     assert cumulative == [2.0, 4.0] and ddp == [20.0, 40.0]
     agreement = views.agreement_frame(rounds)
-    assert agreement["round"].tolist() == [1, 1] and agreement["cosine"].tolist() == [0.9, 0.8]
+    assert agreement["step"].tolist() == [10, 10] and agreement["cosine"].tolist() == [0.9, 0.8], "at round 1's step"
     assert views.round_rows(rounds)["round"].tolist() == [2, 1], "newest first"
 
 
@@ -91,15 +92,35 @@ def test_a_ddp_baseline_is_drawn_from_trainer_logs(tmp_path):
     assert frame["loss"].tolist() == [4.0, 3.5, 3.6]
     bar = views.status_html(run)
     assert "step 23/100" in bar and "loss 3.5000" in bar and "no syncs" in bar
-    texts = [t.get_text() for t in views.bytes_figure(run, []).axes[0].texts]
-    assert any("no syncs" in t for t in texts)
+    figures = views.live_figures(run, [], views.read_trainer_log(run), {})
+    assert any("no syncs" in a.text for a in figures["bytes"].layout.annotations)
+    assert [trace.name for trace in figures["loss"].data] == ["held-out loss", "train loss (all processes)"]
 
 
-def test_bytes_are_on_a_log_scale_and_round_axes_hold_whole_rounds(tmp_path):
-    run = make_run(tmp_path, rounds=[round_record(1), round_record(2)])
-    figure = views.bytes_figure(run, views.read_rounds(run))
-    assert figure.axes[0].get_yscale() == "log"
-    assert views.round_axis(run, views.read_rounds(run)) == [0, 10]  # max_steps 100 / H 50 = 2 rounds: at least 10
+def test_live_figures_are_plotly_with_fixed_colours_log_bytes_markers_and_blocked_time(tmp_path):
+    """Every Live figure is a Plotly figure: bytes on a log axis, every series with markers (a one-point series
+    shows), replica i in PALETTE[i] wherever it is drawn, the time bars compute and blocked time, and the loss the
+    Trainer logs between rounds beside the per-round losses."""
+    rounds = [round_record(1), {**round_record(2, agreement=[0.9, 0.8]), "blocked_seconds": 0.03}]
+    run = make_run(tmp_path, rounds=rounds)
+    log = [{"step": 5, "loss": 3.3}, {"step": 10, "loss": 3.0}, {"step": 15, "loss": 2.0}]
+    figures = views.live_figures(run, views.read_rounds(run), log, {})
+    assert figures["bytes"].layout.yaxis.type == "log"
+    for name, figure in figures.items():
+        assert figure.data, name
+        assert all("markers" in trace.mode for trace in figure.data if trace.type == "scatter"), name
+        for trace in figure.data:
+            match = re.search(r"replica (\d+)$", trace.name)
+            if match:
+                assert (trace.line.color if trace.type == "scatter" else trace.marker.color) == \
+                    views.PALETTE[int(match.group(1))], (name, trace.name)
+    logged = next(t for t in figures["loss"].data if t.name == "logged loss (process 0)")
+    assert list(logged.x) == [5, 10, 15] and list(logged.y) == [3.3, 3.0, 2.0]
+    bars = {trace.name: list(trace.y) for trace in figures["time"].data}
+    assert bars == {"compute": [2.0, 2.0], "blocked": [0.1, 0.03]}, "a round without blocked_seconds blocked all"
+    one = views.series_figure(views.norm_frame([round_record(1)]), "of", kind="points", title="", x_title="",
+                              y_title="")
+    assert all(len(trace.x) == 1 and trace.marker.size >= 5 for trace in one.data)
 
 
 def test_status_bar_shows_phase_while_starting_and_a_failed_runs_reason(tmp_path):
@@ -140,7 +161,7 @@ def test_the_agreement_plot_includes_the_last_round_from_the_summary(tmp_path):
     rounds = [round_record(1), round_record(2, agreement=[0.9, 0.8])]
     summary = {"last_round_agreement": {"round": 2, "replica_agreement": [0.7, 0.6]}}
     frame = views.agreement_frame(rounds, summary)
-    assert frame["round"].tolist() == [1, 1, 2, 2] and frame["cosine"].tolist() == [0.9, 0.8, 0.7, 0.6]
+    assert frame["step"].tolist() == [10, 10, 20, 20] and frame["cosine"].tolist() == [0.9, 0.8, 0.7, 0.6]
     run = make_run(tmp_path, rounds=rounds)
     (tmp_path / "output" / "diloco_summary.json").write_text(json.dumps(summary))
     assert views.read_summary(run) == summary
@@ -229,3 +250,27 @@ def test_the_tensorboard_hint_shows_only_when_the_run_wrote_event_files(tmp_path
     (tmp_path / "output" / "runs").mkdir()
     logdir = tmp_path / "output" / "runs"
     assert views.tensorboard_hint(run) == f"TensorBoard for this run: `tensorboard --logdir {logdir}`"
+
+
+def test_streaming_counts_whole_rounds_and_the_round_table_names_the_fragments_synced(tmp_path):
+    """F = 5 fragments over 2 rounds of H = 15 (the syncs a streaming run records: one fragment each, the last sync
+    carrying all five): the status bar says round 2 of its 10 syncs, not round 10; a run without fragments shows no
+    fragment ids at all."""
+    synced = [[0], [1], [2], [3], [4], [0], [1], [2], [3], [0, 1, 2, 3, 4]]
+    rounds = [{**round_record(n + 1), "fragments": ids} for n, ids in enumerate(synced)]
+    run = make_run(tmp_path, rounds=rounds)
+    bar = views.status_html(run)
+    assert "round 2 (10 fragment syncs)" in bar, bar
+    table = views.round_rows(views.read_rounds(run))
+    assert table["fragments"].tolist() == ["all", "3", "2", "1", "0", "4", "3", "2", "1", "0"]
+    assert views.round_rows([round_record(1), round_record(2)])["fragments"].tolist() == ["", ""]
+
+
+def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path):
+    import shlex
+
+    run = make_run(tmp_path, status="stopped", rounds=[round_record(1), round_record(2)])
+    (tmp_path / "output" / "stopped.json").write_text(json.dumps({"step": 20, "checkpoint": "checkpoint-20"}))
+    bar = views.status_html(run)
+    resume = shlex.join([*run.command, "--resume_from_checkpoint", "latest"])
+    assert f"stopped at step 20; checkpoint-20 kept in {run.output_dir}. To resume from it: {resume}" in bar

@@ -67,11 +67,17 @@ def wait_until(check, timeout: float, what: str, every: float = 0.5):
         time.sleep(every)
 
 
-# What the page draws, read from the plots' SVG (vega renders each series of a line plot as one path).
-LINES = """id => [...document.querySelectorAll(`#${id} g.mark-line path`)]
-    .filter(p => (p.getAttribute('d') || '').includes('L')).map(p => p.getAttribute('stroke'))"""
-MARKS = """([id, kind]) => document.querySelectorAll(`#${id} g.mark-${kind} path`).length"""
-X_TICKS = """id => [...document.querySelectorAll(`#${id} g.role-axis-label text`)].map(t => t.textContent)"""
+# What the page draws, read from the plots' SVG (Plotly draws each line trace as one path.js-line, each marker as a
+# path in .points, each bar as a .point in .barlayer); colours come back as #rrggbb.
+LINES = """id => [...document.querySelectorAll(`#${id} .scatterlayer .trace path.js-line`)]
+    .filter(p => (p.getAttribute('d') || '').includes('L'))
+    .map(p => '#' + getComputedStyle(p).stroke.match(/\\d+/g).slice(0, 3)
+        .map(v => Number(v).toString(16).padStart(2, '0')).join(''))"""
+MARKS = """([id, kind]) => document.querySelectorAll(kind === 'bar' ? `#${id} .barlayer .point`
+    : `#${id} .scatterlayer .points path`).length"""
+X_TICKS = """id => [...document.querySelectorAll(`#${id} .xtick text`)].map(t => t.textContent)"""
+DRAWN_BY = """id => { const e = document.querySelector(`#${id}`);
+    return e.querySelector('.js-plotly-plot') && !e.querySelector('img, canvas, .vega-embed') ? 'plotly' : 'other'; }"""
 LOG_AT_BOTTOM = """() => { const b = document.querySelector('#log textarea');
     return [b.scrollHeight > b.clientHeight + 50, b.scrollTop + b.clientHeight >= b.scrollHeight - 30]; }"""
 
@@ -112,14 +118,17 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         wait_until(lambda: rounds_drawn(11) and held_out in page.evaluate(LINES, "loss-plot"), 240,
                    "the held-out loss line", every=0.3)
         lines = page.evaluate(LINES, "loss-plot")
-        assert {"#2563eb", "#ea580c", held_out} <= set(lines), f"replica 0, replica 1 and held-out lines: {lines}"
+        logged = "#93c5fd"  # the loss Trainer logs every logging_steps, between rounds
+        assert {"#2563eb", "#ea580c", held_out, logged} <= set(lines), f"replicas, held-out, logged: {lines}"
         ticks = page.evaluate(X_TICKS, "loss-plot")
         assert len(ticks) < 30, f"a numeric axis, not one tick per value: {ticks}"
-        assert page.evaluate(MARKS, ["norm-plot", "symbol"]) >= 3 * 2, "pseudo-gradient norms drawn as points"
-        assert page.evaluate(MARKS, ["time-plot", "rect"]) >= 2, "compute and sync bars"
-        round_ticks = [t for t in page.evaluate(X_TICKS, "norm-plot") if t.replace(",", "").strip()]
-        assert round_ticks and all("." not in t for t in round_ticks[: len(round_ticks) // 2]), round_ticks
-        assert page.locator("#bytes-plot img").first.evaluate("img => img.naturalWidth") > 100
+        assert page.evaluate(MARKS, ["norm-plot", "point"]) >= 3 * 2, "pseudo-gradient norms drawn as points"
+        assert page.evaluate(MARKS, ["time-plot", "bar"]) >= 2 * 2, "compute and blocked bars per sync"
+        step_ticks = [t for t in page.evaluate(X_TICKS, "norm-plot") if t.replace(",", "").strip()]
+        assert step_ticks and all("." not in t for t in step_ticks), step_ticks
+        assert {"#dc2626", "#111827"} <= set(page.evaluate(LINES, "bytes-plot")), "DDP and DiLoCo bytes drawn"
+        assert {page.evaluate(DRAWN_BY, f"{name}-plot") for name in ("loss", "bytes", "norm", "agreement", "time")} \
+            == {"plotly"}, "every figure on the page is drawn by one library"
         assert any(step % 5 for step in steps), f"progress moves between syncs, not once per round: {steps}"
         wait_until(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 10, "the log to show its newest line")
         page.screenshot(path=str(ARTIFACTS / "app-live.png"), full_page=True)
@@ -354,7 +363,9 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
         page.keyboard.press("Escape")
         page.locator("#compare-table").click()  # close the run list so the figure shows
         wait_until(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
-        assert page.locator("#compare-plot img").first.evaluate("img => img.naturalWidth") > 300
+        wait_until(lambda: {"#2563eb", "#ea580c", "#16a34a"} <= set(page.evaluate(LINES, "compare-plot")), 30,
+                   "a line per run in its own colour")
+        assert page.evaluate(DRAWN_BY, "compare-plot") == "plotly"
         table = page.locator("#compare-table").inner_text()
         assert "ddp" in table and "fedavg-H5" in table and "diloco-H5" in table
         page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
@@ -381,6 +392,7 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
         page.get_by_role("tab", name="Live").click()
         wait_until(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
                    "a line for each replica of the single round")
+        assert page.evaluate(MARKS, ["norm-plot", "point"]) == 3, "one sync: one visible point per series"
         page.get_by_role("tab", name="Push to Hub").click()
         page.get_by_role("button", name="Preview model card").click()
         page.locator("#card h1").wait_for(timeout=30_000)
