@@ -121,12 +121,13 @@ def test_a_run_whose_supervisor_died_reads_as_failed(tmp_path):
     assert [r.id for r in runs.list_runs(tmp_path)] == ["ghost"]
 
 
-def test_runs_module_does_not_import_torch():
-    """The app lists and starts runs through this module; it must stay light."""
+def test_the_app_and_the_modules_it_uses_do_not_import_torch():
+    """The app lists and starts runs (hf_diloco.runs) and pushes (hf_diloco.hub) in its own process; it must stay
+    light."""
     import subprocess
     import sys
 
-    code = "import sys, hf_diloco.runs; print('torch' in sys.modules)"
+    code = "import sys, hf_diloco.runs, hf_diloco.hub, app.server; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.stdout.strip() == "False", result.stderr
 
