@@ -2,6 +2,7 @@
 
     hf-diloco train --config recipes/tiny-pretrain.yaml [--field value ...]   # this process is one replica
     hf-diloco launch recipes/tiny-pretrain.yaml --accelerate-config accelerate_configs/cpu-2proc.yaml [-- --field v]
+    hf-diloco slurm recipes/tiny-pretrain.yaml --accelerate-config accelerate_configs/multi-gpu.yaml --nodes 4
     hf-diloco demo                                                              # 2 CPU replicas, tiny model
 
 Design choices:
@@ -349,6 +350,65 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
 # --- entry point ----------------------------------------------------------------------------------------------------
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """Write the SLURM batch script of a recipe (hf_diloco.slurm) after the checks `launch` makes; `--submit`
+    hands it to sbatch."""
+    from .slurm import SCRIPT_NAME, Job, script
+
+    if args.nodes < 1 or args.replicas < 0 or args.first_replica < 0:
+        raise CLIError("--nodes must be 1 or more, --replicas and --first-replica 0 or more.")
+    run, config = parse_train_args(args.recipe, args.overrides, checking_only=True)
+    values = training.check_accelerate_config(args.accelerate_config, config)
+    per_node = int(values.get("num_processes", 1) or 1) // int(values.get("num_machines", 1) or 1)
+    torchft = config.outer_backend == "torchft"
+    if torchft and not args.replicas:
+        raise CLIError("outer_backend torchft runs one job array task per replica: give --replicas N (this site's).")
+    if not torchft and args.replicas:
+        raise CLIError("--replicas is for outer_backend torchft; a torch-backend run's replicas are its processes "
+                       "(--nodes times the accelerate config's processes per machine).")
+    if torchft and args.nodes != 1:
+        raise CLIError("a torchft replica runs on one node (its replica_group_size processes); scale with --replicas, "
+                       "not --nodes.")
+    if torchft and per_node != config.replica_group_size:
+        raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
+                       f"{config.replica_group_size} process(es), but {args.accelerate_config!r} starts {per_node}; "
+                       f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml.")
+    if not torchft:
+        training.check_accelerate_config(args.accelerate_config, config, processes=args.nodes * per_node,
+                                         machines=args.nodes, rank=0)
+    training.check_arguments(run, config)
+    training.check_output_dir(config)
+    output_dir = Path(config.output_dir).resolve()
+    job = Job(recipe=str(Path(args.recipe).resolve()), accelerate_config=str(Path(args.accelerate_config).resolve()),
+              overrides=args.overrides, output_dir=str(output_dir), job_name=args.job_name or output_dir.name,
+              nodes=args.nodes, processes_per_node=per_node, port=args.port, main_address=args.main_address or "",
+              replicas=args.replicas, first_replica=args.first_replica, total_replicas=args.total_replicas,
+              lighthouse=args.lighthouse or "", min_replicas=config.min_replicas,
+              grace_seconds=config.sync_grace_seconds,
+              sbatch={key.replace("_", "-"): getattr(args, key) for key in SBATCH_OPTIONS if getattr(args, key)})
+    target = Path(args.script) if args.script else output_dir / "slurm" / SCRIPT_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # the job's logs go there
+    target.write_text(script(job))
+    print(f"[hf-diloco slurm] wrote {target}")
+    if not args.submit:
+        print(f"[hf-diloco slurm] submit it with: sbatch {target}")
+        return 0
+    try:
+        result = subprocess.run(["sbatch", "--parsable", str(target)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise CLIError("sbatch is not on PATH; run `hf-diloco slurm --submit` on a SLURM login node, or submit "
+                       f"{target} there.") from None
+    if result.returncode != 0:
+        raise CLIError(f"sbatch refused the job: {first_line(result.stderr.strip() or result.stdout.strip())}.")
+    job_id = result.stdout.strip().split(";")[0]
+    print(f"[hf-diloco slurm] submitted job {job_id}; its log: {output_dir / 'slurm'}/slurm-{job_id}*.log")
+    return 0
+
+
+SBATCH_OPTIONS = ("partition", "time", "account", "gpus_per_node", "cpus_per_task", "mem")
+
+
 def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push
 
@@ -403,6 +463,32 @@ def build_parser() -> argparse.ArgumentParser:
              "on this machine, replica r writing to <output_dir>/replica-r (default: start this one replica)",
     )
     launch.set_defaults(func=cmd_launch)
+
+    slurm = sub.add_parser("slurm", help="write (and with --submit, submit) the SLURM batch script of a recipe")
+    slurm.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-pretrain.yaml")
+    slurm.add_argument("--accelerate-config", required=True,
+                       help="accelerate YAML for one node (its num_processes are each node's processes)")
+    slurm.add_argument("--nodes", type=int, default=1, help="torch backend: nodes of the job (default 1)")
+    slurm.add_argument("--replicas", type=int, default=0,
+                       help="outer_backend torchft: this site's replicas, one job array task each")
+    slurm.add_argument("--first-replica", type=int, default=0,
+                       help="torchft: id of this site's first replica (another site's ids come after; default 0)")
+    slurm.add_argument("--total-replicas", type=int, default=0,
+                       help="torchft: replicas over all sites (default: first replica + replicas)")
+    slurm.add_argument("--lighthouse", help="torchft: URL of a running Lighthouse to join (default: array task 0 "
+                                            "starts one on its node)")
+    slurm.add_argument("--port", type=int, default=29500,
+                       help="rendezvous port of the main node (torch), or the Lighthouse's (torchft); default 29500")
+    slurm.add_argument("--main-address", help="torch: address of the main node (default: the job's first node)")
+    slurm.add_argument("--job-name", help="SLURM job name (default: the output folder's name)")
+    for option, text in (("partition", "partition"), ("time", "time limit, e.g. 24:00:00"), ("account", "account"),
+                         ("gpus_per_node", "GPUs per node"), ("cpus_per_task", "CPUs per node's task"),
+                         ("mem", "memory per node, e.g. 64G")):
+        slurm.add_argument(f"--{option.replace('_', '-')}", dest=option, help=f"#SBATCH --{option.replace('_', '-')}: "
+                                                                              f"{text}")
+    slurm.add_argument("--script", help="where to write the script (default: <output_dir>/slurm/job.sbatch)")
+    slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
+    slurm.set_defaults(func=cmd_slurm)
 
     lighthouse = sub.add_parser(
         "lighthouse", help="start torchft's Lighthouse, which forms the rounds of outer_backend torchft replicas")
@@ -464,7 +550,7 @@ def launch_args_of(args: argparse.Namespace) -> list[str]:
 
 
 # Sub-commands whose extra flags are recipe fields (checked against DiLoCoConfig/RunArguments when parsed).
-TAKES_RECIPE_FIELDS = ("train", "launch")
+TAKES_RECIPE_FIELDS = ("train", "launch", "slurm")
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:

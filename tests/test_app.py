@@ -52,8 +52,9 @@ def test_launch_watch_stop_and_push(tmp_path):
 
         live = wait_for(rounds_shown, 240, "sync rounds in the live view")
         assert "data-status='running'" in live[0]
-        assert {row[2] for row in live[1]["value"]["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
-        assert live[4]["type"] == "plotly", "bytes vs DDP plotted"
+        assert live[1]["type"] == live[4]["type"] == "plotly", "loss and bytes vs DDP plotted with Plotly"
+        loss = json.loads(live[1]["plot"])
+        assert {trace["name"] for trace in loss["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
 
         assert "Stopping" in client.predict(run_id, api_name="/stop")
         wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to stop")

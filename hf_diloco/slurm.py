@@ -1,0 +1,149 @@
+"""`hf-diloco slurm`: the SLURM batch script of a recipe, written (and with `--submit`, submitted) from one place.
+
+torch backend: one job of N nodes. srun starts one `accelerate launch` per node, machine rank = SLURM_NODEID; the
+nodes meet at the job's first node (or `main_address`) on `port`.
+
+torchft backend: one job array per site. Without a Lighthouse URL, array task 0 runs the Lighthouse on its node and
+writes its address into `<output_dir>/slurm/`, a folder the nodes share (clusters share their home and project
+filesystems); tasks 1..R are replicas `first_replica` .. `first_replica + R - 1`, which read that address. Task 0
+stays until the replicas' tasks have ended. A second site submits its own array with `--lighthouse URL` (the first
+site's address, printed in its log) and its own `--first-replica`, so replica ids stay unique.
+
+Design choices:
+- The script is the only shell text hf-diloco writes. Every word that comes from the user is shell-quoted; the
+  shell expands only SLURM's variables and the node's host name. `--submit` runs `sbatch SCRIPT` as an argument list.
+- A run over nodes listens on the network by nature: the rendezvous port on the first node (torch), or the
+  Lighthouse, each replica's torchft ports and its healing server (torchft). The node's host name must resolve to
+  an address the other nodes reach; the README's ports table says which ports to open.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+SCRIPT_NAME = "job.sbatch"
+
+
+@dataclass
+class Job:
+    """What `hf-diloco slurm` was asked for; `sbatch` holds extra `#SBATCH` options (partition, time, ...)."""
+
+    recipe: str
+    accelerate_config: str
+    overrides: list[str]
+    output_dir: str
+    job_name: str = "hf-diloco"
+    nodes: int = 1
+    processes_per_node: int = 1
+    port: int = 29500
+    main_address: str = ""
+    replicas: int = 0  # torchft: this site's replicas (0: the torch backend)
+    first_replica: int = 0
+    total_replicas: int = 0
+    lighthouse: str = ""
+    min_replicas: int = 1
+    grace_seconds: float = 5.0
+    sbatch: dict = field(default_factory=dict)
+    python: str = sys.executable
+
+    @property
+    def folder(self) -> str:
+        """Where the script, the job's logs and the Lighthouse address go."""
+        return f"{self.output_dir}/slurm"
+
+
+def _words(words: list[str]) -> str:
+    return " ".join(shlex.quote(str(word)) for word in words)
+
+
+def _header(job: Job, nodes: int, array: str | None) -> list[str]:
+    log = f"{job.folder}/slurm-%A_%a.log" if array else f"{job.folder}/slurm-%j.log"
+    options = {"job-name": job.job_name, "nodes": nodes, "ntasks-per-node": 1, "output": log, **job.sbatch}
+    if array:
+        options["array"] = array
+    return ["#!/bin/bash", *(f"#SBATCH --{key}={shlex.quote(str(value))}" for key, value in options.items()
+                             if value not in (None, "")), "set -euo pipefail"]
+
+
+def _launch(job: Job) -> list[str]:
+    return [job.python, "-m", "accelerate.commands.launch", "--config_file", job.accelerate_config]
+
+
+def _train(job: Job) -> list[str]:
+    return ["-m", "hf_diloco.cli", "train", "--config", job.recipe, *job.overrides]
+
+
+def torch_script(job: Job) -> str:
+    """One job of `job.nodes` nodes with `job.processes_per_node` processes each."""
+    main = shlex.quote(job.main_address) if job.main_address else \
+        '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+    launch = [*_launch(job), "--num_machines", str(job.nodes),
+              "--num_processes", str(job.nodes * job.processes_per_node), "--main_process_port", str(job.port)]
+    train = [*_train(job), "--output_dir", job.output_dir]
+    # srun runs this on every node: the static words arrive as arguments, the node fills in its rank.
+    per_node = (f'exec "${{@:1:{len(launch)}}}" --machine_rank "$SLURM_NODEID" '
+                f'--main_process_ip "$HF_DILOCO_MAIN_ADDRESS" "${{@:{len(launch) + 1}}}"')
+    return "\n".join([
+        *_header(job, job.nodes, None),
+        f"# hf-diloco slurm: {job.nodes} node(s) x {job.processes_per_node} process(es), one accelerate launch per "
+        f"node; they meet at the main node on port {job.port}.",
+        f"export HF_DILOCO_MAIN_ADDRESS={main}",
+        'echo "[hf-diloco slurm] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, main node $HF_DILOCO_MAIN_ADDRESS"',
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(per_node)} node \\",
+        f"  {_words(launch)} \\",
+        f"  {_words(train)}",
+        "",
+    ])
+
+
+def torchft_script(job: Job) -> str:
+    """A job array: the Lighthouse (task 0, unless `job.lighthouse` names one) and one task per replica."""
+    total = job.total_replicas or job.first_replica + job.replicas
+    url_file = f'{shlex.quote(job.folder + "/lighthouse-")}"$SLURM_ARRAY_JOB_ID".url'  # one per array job
+    own = not job.lighthouse
+    first_task = 1 if own else 0
+    launch = _launch(job)
+    port = ['--main_process_port "$((HF_DILOCO_PORT + REPLICA))"'] if job.processes_per_node > 1 else []
+    lines = [
+        *_header(job, 1, f"{0 if own else first_task}-{job.replicas - 1 + first_task}"),
+        f"# hf-diloco slurm: torchft replicas {job.first_replica}..{job.first_replica + job.replicas - 1} of {total}"
+        + (", array task 0 runs their Lighthouse." if own else f", joining the Lighthouse at {job.lighthouse}."),
+        f"HF_DILOCO_PORT={job.port}",
+    ]
+    if own:
+        lighthouse = [job.python, "-m", "hf_diloco.cli", "lighthouse", "--port", str(job.port),
+                      "--min-replicas", str(job.min_replicas), "--grace-seconds", f"{job.grace_seconds:g}"]
+        lines += [
+            'if [ "$SLURM_ARRAY_TASK_ID" = 0 ]; then',
+            '  HOST="$(hostname)"',
+            f'  {_words(lighthouse)} --host "$HOST" &',
+            "  SERVER=$!",
+            f'  echo "http://$HOST:$HF_DILOCO_PORT" > {url_file}',
+            '  echo "[hf-diloco slurm] Lighthouse on http://$HOST:$HF_DILOCO_PORT"',
+            "  # The Lighthouse stays while any replica task of this array is pending or running.",
+            '  while squeue -h -r -j "$SLURM_ARRAY_JOB_ID" -o %K | grep -qvx 0; do sleep 5; done',
+            '  kill "$SERVER"; exit 0',
+            "fi",
+            f"while [ ! -s {url_file} ]; do sleep 1; done",
+            f'HF_DILOCO_LIGHTHOUSE="$(cat {url_file})"',
+        ]
+    else:
+        lines.append(f"HF_DILOCO_LIGHTHOUSE={shlex.quote(job.lighthouse)}")
+    replica = f"$((SLURM_ARRAY_TASK_ID - {first_task} + {job.first_replica}))"
+    lines += [
+        f"REPLICA={replica}",
+        'echo "[hf-diloco slurm] replica $REPLICA on $(hostname), Lighthouse $HF_DILOCO_LIGHTHOUSE"',
+        f"exec {_words(launch)} {' '.join(port)} \\",
+        f"  {_words(_train(job))} \\",
+        f'  --outer_backend torchft --replica_id "$REPLICA" --num_replicas {total} '
+        f'--lighthouse "$HF_DILOCO_LIGHTHOUSE" \\',
+        f'  --output_dir {shlex.quote(job.output_dir + "/replica-")}"$REPLICA" --replica_address "$(hostname)"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def script(job: Job) -> str:
+    return torchft_script(job) if job.replicas else torch_script(job)
