@@ -379,8 +379,17 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     training.check_arguments(run, config)
     training.check_output_dir(config)
     output_dir = Path(config.output_dir).resolve()
+    # The job may start in another folder: every path it gets is absolute, the output folder given once, at the end.
+    overrides, skip = [], False
+    for word in args.overrides:
+        if skip or word.startswith("--output_dir="):
+            skip = False
+            continue
+        skip = word == "--output_dir"
+        if not skip:
+            overrides.append(word)
     job = Job(recipe=str(Path(args.recipe).resolve()), accelerate_config=str(Path(args.accelerate_config).resolve()),
-              overrides=args.overrides, output_dir=str(output_dir), job_name=args.job_name or output_dir.name,
+              overrides=overrides, output_dir=str(output_dir), job_name=args.job_name or output_dir.name,
               nodes=args.nodes, processes_per_node=per_node, port=args.port, main_address=args.main_address or "",
               replicas=args.replicas, first_replica=args.first_replica, total_replicas=args.total_replicas,
               lighthouse=args.lighthouse or "", min_replicas=config.min_replicas,
