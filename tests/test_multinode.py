@@ -81,3 +81,76 @@ def test_reported_bytes_match_the_veth_counters(two_nodes, tmp_path):
     assert reported > 3 * 1_000_000  # ~1.09 MB a round: the syncs dominate what the counters see
     assert sent[1] == pytest.approx(reported, rel=0.10)
     assert sent[0] == pytest.approx(reported + rounds[0]["startup_bytes"], rel=0.10)
+
+
+def test_a_two_site_torchft_run_over_wireguard_keeps_every_connection_on_the_overlay(tmp_path):
+    """Two sites (namespaces) joined by a link shaped to 20 Mbit/s, a WireGuard overlay over it (wireguard-go), and
+    at each site the README's firewall rule: new TCP connections are dropped unless they come over the overlay.
+    The Lighthouse binds site A's overlay address; each site runs one torchft replica whose replica_address is its
+    overlay address and whose gloo uses the overlay interface. Both replicas take part in every round and end with
+    identical models, the tunnels carried at least the bytes the rounds report, and nothing listens on a link
+    address (only on overlay addresses, loopback, or the wildcard of the two listeners torch and torchft bind so)."""
+    from netns import close_all_but_overlay, wireguard
+
+    try:
+        with two_hosts(rate="20mbit", subnet="10.79.0") as hosts, wireguard(hosts, subnet="10.99.0") as overlay:
+            for host, interface in zip(hosts, overlay.interfaces, strict=True):
+                close_all_but_overlay(host, interface)
+            run_two_sites(hosts, overlay, tmp_path)
+    except NamespaceError as error:
+        pytest.skip(f"the overlay cannot be made here: {error}")
+
+
+def listeners(host) -> set[str]:
+    result = subprocess.run(["ip", "netns", "exec", host.namespace, "ss", "-Hltn"], capture_output=True, text=True)
+    return {line.split()[3] for line in result.stdout.splitlines() if line.strip()}
+
+
+def run_two_sites(hosts, overlay, tmp_path):
+    import time
+
+    from safetensors.torch import load_file
+
+    from hf_diloco.metrics import read_sync_rounds
+
+    port = free_port()
+    lighthouse = subprocess.Popen([*hosts[0].exec_prefix(), sys.executable, "-m", "hf_diloco.cli", "lighthouse",
+                                   "--host", overlay.addresses[0], "--port", str(port), "--min-replicas", "2"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=REPO)
+    replicas = []
+    try:
+        for r, (host, interface) in enumerate(zip(hosts, overlay.interfaces, strict=True)):
+            command = ["ip", "netns", "exec", host.namespace, "env", f"GLOO_SOCKET_IFNAME={interface}",
+                       sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "torchft-replica.yaml"), "-m", "hf_diloco.cli", "train",
+                       "--config", str(REPO / "recipes" / "torchft-3.yaml"), "--max_steps", "20", "--inner_steps",
+                       "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
+                       "--disable_tqdm", "true", "--replica_id", str(r), "--num_replicas", "2",
+                       "--lighthouse", f"http://{overlay.addresses[0]}:{port}",
+                       "--replica_address", overlay.addresses[r], "--output_dir", str(tmp_path / f"replica-{r}")]
+            replicas.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                             env=env(), cwd=REPO))
+        seen = [set(), set()]
+        while any(p.poll() is None for p in replicas):
+            for host, found in zip(hosts, seen, strict=True):
+                found |= listeners(host)
+            time.sleep(0.5)
+        outputs = [p.communicate()[0] for p in replicas]
+    finally:
+        for process in [*replicas, lighthouse]:
+            if process.poll() is None:
+                process.kill()
+    for process, output in zip(replicas, outputs, strict=True):
+        assert process.returncode == 0, output[-4000:]
+    rounds = [read_sync_rounds(tmp_path / f"replica-{r}") for r in (0, 1)]
+    assert [[r["step"] for r in rs] for rs in rounds] == [[10, 20], [10, 20]]
+    assert all(r["participants"] == 2 for rs in rounds for r in rs)
+    first, second = (load_file(tmp_path / f"replica-{r}" / "model.safetensors") for r in (0, 1))
+    assert all((first[k] == second[k]).all() for k in first), "identical replicas"
+    reported = sum(r["bytes_per_replica"] for r in rounds[0])
+    assert min(overlay.transfer(i, host)[1] for i, host in enumerate(hosts)) >= reported, "the rounds went through"
+    assert f"{overlay.addresses[0]}:{port}" in seen[0], f"the Lighthouse on the overlay: {seen[0]}"
+    for host, found in zip(hosts, seen, strict=True):
+        assert not [a for a in found if a.startswith(host.address)], f"a listener on the link address: {found}"
+        narrowed = [a for a in found if a.startswith(tuple(overlay.addresses))]
+        assert narrowed, f"listeners on the overlay address: {found}"
