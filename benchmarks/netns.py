@@ -171,3 +171,63 @@ def wireguard(hosts: list[Host], subnet: str = "10.99.0", port: int = 51820) -> 
         for interface in overlay.interfaces:
             with contextlib.suppress(OSError):
                 os.unlink(f"/var/run/wireguard/{interface}.sock")
+
+
+@dataclass
+class Star:
+    """Hosts joined through a bridge in a hub namespace (a switch): host i reaches the others and the hub over its
+    own link, which can be shaped or cut alone. `hub` is an address on the bridge (for a Lighthouse)."""
+
+    hub: Host
+    hosts: list[Host]
+    hub_links: list[str]  # the hub-side end of each host's link
+
+    def shape(self, index: int, rate_bits_per_second: float | None) -> None:
+        """Limit host `index`'s link in both directions (None: no limit)."""
+        host = self.hosts[index]
+        shape([host, Host(self.hub.namespace, self.hub_links[index], self.hub.address)], rate_bits_per_second)
+
+    def cut(self, index: int, cut: bool) -> None:
+        """Take host `index`'s link down (every packet to and from it is lost) or bring it back."""
+        result = _ip("-n", self.hosts[index].namespace, "link", "set", self.hosts[index].link,
+                     "down" if cut else "up")
+        if result.returncode != 0:
+            raise RuntimeError(f"ip link set {self.hosts[index].link}: {result.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def star(count: int, subnet: str = "10.81.0") -> Iterator[Star]:
+    """`count` namespaces, each linked by a veth pair to a bridge in a hub namespace; addresses `subnet`.1, .2, ...
+    and the hub `subnet`.254. Everything is removed on exit."""
+    if shutil.which("ip") is None:
+        raise NamespaceError("iproute2's `ip` is not installed")
+    tag = str(os.getpid() % 10000)
+    hub = Host(f"hfd{tag}hub", f"br{tag}", f"{subnet}.254")
+    hosts = [Host(f"hfd{tag}s{i}", f"vs{tag}s{i}", f"{subnet}.{i + 1}") for i in range(count)]
+    hub_links = [f"vh{tag}s{i}" for i in range(count)]
+    made = _ip("netns", "add", hub.namespace)
+    if made.returncode != 0:
+        raise NamespaceError(made.stderr.strip() or "ip netns add failed")
+    try:
+        steps = [("-n", hub.namespace, "link", "add", hub.link, "type", "bridge"),
+                 ("-n", hub.namespace, "addr", "add", f"{hub.address}/24", "dev", hub.link),
+                 ("-n", hub.namespace, "link", "set", hub.link, "up"),
+                 ("-n", hub.namespace, "link", "set", "lo", "up")]
+        for host, hub_link in zip(hosts, hub_links, strict=True):
+            steps += [("netns", "add", host.namespace),
+                      ("link", "add", host.link, "type", "veth", "peer", "name", hub_link),
+                      ("link", "set", host.link, "netns", host.namespace),
+                      ("link", "set", hub_link, "netns", hub.namespace),
+                      ("-n", hub.namespace, "link", "set", hub_link, "master", hub.link),
+                      ("-n", hub.namespace, "link", "set", hub_link, "up"),
+                      ("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.link),
+                      ("-n", host.namespace, "link", "set", host.link, "up"),
+                      ("-n", host.namespace, "link", "set", "lo", "up")]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                raise NamespaceError(f"ip {' '.join(step)}: {result.stderr.strip()}")
+        yield Star(hub, hosts, hub_links)
+    finally:
+        for host in [*hosts, hub]:
+            _ip("netns", "del", host.namespace)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["quality", "overhead", "wan", "peers"]  # the timed full set (about 30 minutes)
-# Fault benchmarks, run on their own (`--only goodput recovery`, about 15 minutes): their sections are reported too.
-FAULT_BENCHMARKS = ["goodput", "recovery"]
+# Fault benchmarks, run on their own (`--only goodput recovery chaos`, about 25 minutes; chaos needs root): their
+# sections are reported too.
+FAULT_BENCHMARKS = ["goodput", "recovery", "chaos"]
 
 INTRO = """# Benchmarks
 
@@ -82,6 +83,11 @@ SECTIONS = {
     "recovery": ("What a dead process costs a fixed-world launch", "python benchmarks/recovery.py",
                  "Two replicas under `hf-diloco launch --max-restarts 1` with round checkpoints; replica 1 "
                  "SIGKILLed half-way through a round, interleaved with undisturbed launches."),
+    "chaos": ("Chaos: kills, a cut link and a slow link at three sites", "sudo python benchmarks/chaos.py",
+              "One torchft run of 3 replicas at 3 sites (network namespaces on one switch, the Lighthouse on the "
+              "switch), each site started as a user would (`hf-diloco launch ... --max-restarts 5`); replicas killed "
+              "at random, site 1's link cut for 30 s, site 2's slowed to 1 Mbit/s; against the same run with no "
+              "fault in the same namespaces."),
 }
 
 
