@@ -625,3 +625,43 @@ def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=20)
+
+
+def test_a_default_single_machine_torchft_run_listens_on_nothing_but_loopback_and_two_wildcards(tmp_path):
+    """`hf-diloco launch recipes/torchft-3.yaml --replicas 2`, as the README starts it on one machine, read with
+    psutil while it runs: the launcher (with its Lighthouse) listens on loopback only; no process listens on a
+    specific non-loopback address; the only wildcard listeners are in the replicas' training processes (torchft's
+    manager and torch's TCPStore, which take no bind address; the README's firewall rule covers them)."""
+    import time
+
+    import psutil
+
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
+         "accelerate_configs/torchft-replica.yaml", "--replicas", "2", "--output_dir", str(out), "--max_steps", "30",
+         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
+         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
+        cwd=REPO)
+    seen: dict[str, set[str]] = {}  # "launcher" / "training" / "other" -> addresses listened on
+    try:
+        while launcher.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+                for process in tree:
+                    with contextlib.suppress(psutil.Error):
+                        argv = process.cmdline()
+                        kind = "launcher" if process.pid == launcher.pid else "training" if "train" in argv and \
+                            "accelerate.commands.launch" not in argv else "other"
+                        seen.setdefault(kind, set()).update(
+                            c.laddr.ip for c in process.net_connections(kind="inet")
+                            if c.status == psutil.CONN_LISTEN)
+            time.sleep(0.3)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    loopback, wildcard = {"127.0.0.1", "::1"}, {"0.0.0.0", "::"}
+    assert seen["launcher"] == {"127.0.0.1"}, seen
+    assert seen["training"] <= loopback | wildcard and seen["training"] & wildcard, seen
+    assert seen.get("other", set()) <= loopback, seen
