@@ -64,3 +64,29 @@ def pattern_dataset(n: int = 64, length: int = 16, vocab: int = 64):
 
     blocks = pattern_blocks(n, length, vocab)
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 1.0):
+    """Poll `predicate` until it returns something true, and return that; fail after `timeout` seconds."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def replica_training_pid(output_dir: Path, replica: int) -> int | None:
+    """The pid of a torchft replica's training process (not its accelerate launcher) writing
+    `<output_dir>/replica-<replica>`."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if "hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv \
+                and str(Path(output_dir) / f"replica-{replica}") in argv:
+            return process.pid
+    return None

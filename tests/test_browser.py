@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from app_helpers import TINY_YAML, app_server, knobs
 from gradio_client import Client
-from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid
 
 from hf_diloco import runs
 from hf_diloco.metrics import read_sync_rounds
@@ -243,18 +243,6 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         assert page.locator("#config input").input_value() == "torchft-replica.yaml"
     stopped = [json.loads((Path(run.output_dir) / f"replica-{k}" / runs.STOPPED_FILE).read_text()) for k in (0, 1)]
     assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
-
-
-def replica_training_pid(output_dir: Path, replica: int) -> int | None:
-    """The pid of a torchft replica's training process (not its accelerate launcher)."""
-    import psutil
-
-    for process in psutil.process_iter(["cmdline"]):
-        argv = process.info["cmdline"] or []
-        if "train" in argv and "accelerate.commands.launch" not in argv and \
-                str(output_dir / f"replica-{replica}") in argv:
-            return process.pid
-    return None
 
 
 def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_run_ends_finished(browser, tmp_path):

@@ -8,24 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import REPO, env, free_port
+from helpers import REPO, env, free_port, wait_for
 
 from hf_diloco.metrics import read_sync_rounds
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

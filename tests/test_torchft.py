@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, hf_diloco
+from helpers import (
+    ACCELERATE_CPU_2PROC,
+    ACCELERATE_CPU_4PROC,
+    REPO,
+    accelerate_launch,
+    env,
+    free_port,
+    hf_diloco,
+    replica_training_pid,
+)
 
 from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.torchft_backend import MEMBER_FIELDS
@@ -421,25 +430,13 @@ def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
                                      "(or pip install torchft==0.2.0).")
 
 
-def training_process(output_dir: Path, replica: int) -> int | None:
-    """The pid of replica `replica`'s training process (not its accelerate launcher) of the run in output_dir."""
-    import psutil
-
-    for process in psutil.process_iter(["cmdline"]):
-        argv = process.info["cmdline"] or []
-        if ("hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv
-                and str(Path(output_dir) / f"replica-{replica}") in argv):
-            return process.pid
-    return None
-
-
 def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str) -> str:
     """Run an `hf-diloco launch --replicas` command; once `ready()`, SIGKILL replica 1's training process (one of
     them); the launch must still exit 0. Returns its output."""
     launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
         wait_until(ready, 180, what)
-        os.kill(training_process(out, 1), signal.SIGKILL)
+        os.kill(replica_training_pid(out, 1), signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if launcher.poll() is None:
