@@ -53,13 +53,13 @@ DISTRIBUTED = ("num_machines", "machine_rank", "main_process_ip", "main_process_
 HOW_IT_WORKS = (
     "**How DiLoCo works.** Each *replica* (a copy of the model on its own processes) trains alone for *H* inner "
     "steps with its own optimizer. Then comes a *round*: every replica sends its *pseudo-gradient* (how far its "
-    "weights moved in those H steps), the replicas average them, and an outer optimizer (Nesterov momentum) moves "
-    "the shared weights by that average. Replicas talk once per round instead of once per step, so they send about "
-    "H times fewer bytes than data-parallel training."
+    "weights moved in those H steps), the replicas average them, and an outer optimizer (Nesterov momentum by "
+    "default) moves the shared weights by that average. Replicas talk once per round instead of once per step, so "
+    "they send about H times fewer bytes than data-parallel training."
 )
 GLOSSARY = """
 **Reading these plots**
-- **replica**: one copy of the model and its data shard; replica *i* has the same colour in every plot and in the
+- **replica**: one copy of the model and its data shard; replica *i* has the same colour in every Live plot and in the
   model card.
 - **round** / **sync**: the exchange after *H* inner steps; with streaming fragments each sync carries one
   fragment, and a round is over once every fragment has synced (the status bar counts rounds).
