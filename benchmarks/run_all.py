@@ -22,6 +22,8 @@ BENCHMARKS = ["quality", "overhead", "wan", "peers"]  # the timed full set (abou
 # Fault benchmarks, run on their own (`--only goodput recovery chaos`, about 25 minutes; chaos needs root): their
 # sections are reported too.
 FAULT_BENCHMARKS = ["goodput", "recovery", "chaos"]
+# Replica layouts, run on their own (`--only sharded`, about 10 minutes).
+LAYOUT_BENCHMARKS = ["sharded"]
 
 INTRO = """# Benchmarks
 
@@ -88,6 +90,11 @@ SECTIONS = {
               "switch), each site started as a user would (`hf-diloco launch ... --max-restarts 5`); replicas killed "
               "at random, site 1's link cut for 30 s, site 2's slowed to 1 Mbit/s; against the same run with no "
               "fault in the same namespaces."),
+    "sharded": ("Replicas bigger than one device: FSDP2 inside a replica", "python benchmarks/sharded.py",
+                "Two replicas of two CPU processes each on the peer task, FSDP2 inside each replica "
+                "(`accelerate_configs/cpu-fsdp-2x2.yaml`) against DDP inside (`--replica_group_size 2`), "
+                "interleaved, 3 repeats; bytes per round beside the algorithm's count, and the memory per process "
+                "the dry run prints for the tiny model, `paper-150m-c4` and the 7B preset."),
 }
 
 
@@ -109,7 +116,7 @@ def write_report() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="*", choices=BENCHMARKS + FAULT_BENCHMARKS,
+    parser.add_argument("--only", nargs="*", choices=BENCHMARKS + FAULT_BENCHMARKS + LAYOUT_BENCHMARKS,
                         help="run these only (the report uses all results)")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from results/ only")
     args = parser.parse_args()

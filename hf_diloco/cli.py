@@ -187,8 +187,8 @@ def print_plan(plan: dict[str, str]) -> None:
 def cmd_launch(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.recipe, args.overrides, checking_only=args.dry_run)  # fail before starting
     launch_args = launch_args_of(args)
-    training.check_accelerate_config(args.accelerate_config, config, processes=args.num_processes,
-                                     machines=args.num_machines, rank=args.machine_rank)
+    values = training.check_accelerate_config(args.accelerate_config, config, processes=args.num_processes,
+                                              machines=args.num_machines, rank=args.machine_rank)
     training.check_arguments(run, config)
     training.resolve_checkpoint(config)
     if not run.dry_run:
@@ -202,7 +202,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                        "replica count from the accelerate config).")
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port, launch_args)
     print(" ".join(command), flush=True)
-    if args.dry_run:
+    if args.dry_run:  # the plan for the accelerate config's layout: replicas, memory per process, bytes per round
+        layout = values["hf_diloco_layout"]
+        print_plan(training.dry_run_plan(run, config, processes=layout["processes"], group=layout["group"],
+                                         sharded=layout["sharded"] or config.sharded_replica))
         return 0
     from .launch import run_with_restarts
 

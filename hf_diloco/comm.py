@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -112,6 +113,65 @@ def round_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | N
     return (m - 1) * codec.encoded_bytes(shard) + (m - 1) * (codec.encoded_bytes(shard) + 4 * stats)
 
 
+class ShardLayout:
+    """Which values of one bucket each of a replica's g members syncs: parameter after parameter, the rows FSDP2
+    gives that member (ceil(rows/g) to each in turn, so the last members get fewer or none), padded with zeros to
+    ceil(rows/g) rows. Member j of every replica syncs part j. A replica with DDP inside and one sharded by FSDP2
+    thus send the same values in the same order, and every codec quantizes them alike.
+
+    >>> layout = ShardLayout([torch.Size([3, 2]), torch.Size([1])], group_size=2)
+    >>> full = torch.arange(7.0)                   # rows [0 1] [2 3] [4 5] of the first parameter, then [6]
+    >>> layout.part(full, 0).tolist(), layout.part(full, 1).tolist()
+    ([0.0, 1.0, 2.0, 3.0, 6.0], [4.0, 5.0, 0.0, 0.0, 0.0])
+    >>> layout.assemble(torch.stack([layout.part(full, 0), layout.part(full, 1)])).tolist() == full.tolist()
+    True
+    >>> layout.unpad(layout.pad(torch.tensor([4.0, 5.0]), 1), 1).tolist()    # member 1's own shards, unpadded
+    [4.0, 5.0]
+    """
+
+    def __init__(self, shapes: list[torch.Size], group_size: int):
+        self.group_size = group_size
+        self.params = []  # (rows, values per row, rows per member)
+        for shape in shapes:
+            rows = shape[0] if len(shape) else 1
+            width = math.prod(shape[1:]) if len(shape) > 1 else 1
+            self.params.append((rows, width, -(-rows // group_size)))
+        self.part_numel = sum(per * width for _, width, per in self.params)
+
+    def _spans(self, member: int):
+        """(offset in the full bucket, offset in the local shards, offset in the part, values held, values padded)
+        of each parameter, for `member`."""
+        full = local = part = 0
+        for rows, width, per in self.params:
+            start = min(rows, member * per)
+            held = (min(rows, start + per) - start) * width
+            yield full + start * width, local, part, held, per * width
+            full, local, part = full + rows * width, local + held, part + per * width
+
+    def part(self, full: torch.Tensor, member: int) -> torch.Tensor:
+        out = full.new_zeros(self.part_numel)
+        for at_full, _, at_part, held, _ in self._spans(member):
+            out[at_part : at_part + held] = full[at_full : at_full + held]
+        return out
+
+    def pad(self, local: torch.Tensor, member: int) -> torch.Tensor:
+        out = local.new_zeros(self.part_numel)
+        for _, at_local, at_part, held, _ in self._spans(member):
+            out[at_part : at_part + held] = local[at_local : at_local + held]
+        return out
+
+    def unpad(self, part: torch.Tensor, member: int) -> torch.Tensor:
+        return torch.cat([part[at_part : at_part + held] for _, _, at_part, held, _ in self._spans(member)])
+
+    def assemble(self, parts: torch.Tensor) -> torch.Tensor:
+        total = sum(rows * width for rows, width, _ in self.params)
+        out = parts.new_empty(total)
+        for member in range(self.group_size):
+            for at_full, _, at_part, held, _ in self._spans(member):
+                out[at_full : at_full + held] = parts[member, at_part : at_part + held]
+        return out
+
+
 class ReplicaComm:
     """The replicas of a run and the collectives between them (the `torch` backend: a fixed group).
 
@@ -124,12 +184,19 @@ class ReplicaComm:
     # A backend that votes on every round (torchft) holds the averaged pseudo-gradient until the vote and applies
     # it only if every participant's collectives succeeded; a fixed group either completes a round or fails.
     votes = False
+    # The full shapes of each bucket's parameters, by bucket key: with g > 1 each member syncs the rows FSDP2 would
+    # give it (ShardLayout). Without them (a caller that syncs bare vectors) member j syncs the j-th 1/g slice.
+    bucket_shapes: dict[str, list[torch.Size]] | None = None
 
     def vote(self) -> bool:
         return True
 
-    def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None):
+    def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
+                 sharded: bool = False):
         self.distributed = dist.is_available() and dist.is_initialized()
+        # Sharded replicas (FSDP2): member j holds shard j of every parameter, so what it syncs is its own shard,
+        # whole, with member j of every other replica, and nothing is gathered back inside the replica.
+        self.sharded = sharded and group_size > 1
         world = dist.get_world_size() if self.distributed else 1
         rank = dist.get_rank() if self.distributed else 0
         if world % group_size:
@@ -262,25 +329,30 @@ class ReplicaComm:
         """
         if not self.distributed or self.num_replicas * self.group_size == 1:
             return SyncCost(0, 0, 0, 0)
+        # Sharded replicas: member j of every replica holds shard j, so the check and the broadcast run among
+        # them (from replica 0's member j); whole replicas: among every process, from global rank 0.
+        group, source, world = ((self.slice_group, self.member, self.num_replicas) if self.sharded
+                                else (None, 0, self.num_replicas * self.group_size))
+        if world == 1:
+            return SyncCost(0, 0, 0, 0)
         digest = hashlib.sha256()
         for tensor in tensors:
             digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
         words = [int.from_bytes(digest.digest()[i : i + 4], "big") for i in range(0, 32, 4)]  # 8 x 32 bits: no overflow
         check = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=self.device)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        world = self.num_replicas * self.group_size
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
         cost = SyncCost(check.numel() * 8, ring_all_reduce_bytes(check.numel() * 8, world), 0, 1)
         if bool((check[:8] == -check[8:]).all()):  # max == min for every word: every process holds the same bits
             return cost
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
-            dist.broadcast(flat, src=0)
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in same_dtype])
+            dist.broadcast(flat, src=source, group=group)
             offset = 0
             with torch.no_grad():
-                for t in group:
+                for t in same_dtype:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
             payload = flat.numel() * flat.element_size()
@@ -291,7 +363,7 @@ class ReplicaComm:
         """What this process would send to sum `numel` values (+ k stats) with an fp32 all-reduce."""
         if not self.active:
             return 0
-        values = -(-numel // self.group_size) + self.num_replicas * with_stats
+        values = (numel if self.sharded else -(-numel // self.group_size)) + self.num_replicas * with_stats
         return ring_all_reduce_bytes(4 * values, self.num_replicas)
 
     def sum_replicas(
@@ -326,9 +398,16 @@ class ReplicaComm:
         """
         codec = None if codec is None or codec.name == "none" else codec
         g, m = self.group_size, self.num_replicas
-        pad = -delta.numel() % g  # slices must have equal sizes for the all-gather inside the replica
-        flat = torch.cat([delta, delta.new_zeros(pad)]) if pad else delta
-        chunk = flat.view(g, -1)[self.member]
+        shapes = (self.bucket_shapes or {}).get(key) if g > 1 else None
+        layout = ShardLayout(shapes, g) if shapes is not None else None
+        if self.sharded:
+            chunk = delta if layout is None else layout.pad(delta, self.member)
+        elif layout is not None:
+            chunk = layout.part(delta, self.member)
+        else:
+            pad = -delta.numel() % g  # slices must have equal sizes for the all-gather inside the replica
+            flat = torch.cat([delta, delta.new_zeros(pad)]) if pad else delta
+            chunk = flat.view(g, -1)[self.member]
         if codec is None:
             total, rows, cost = self._sum_fp32(chunk, stats)
         elif isinstance(codec, SparseCodec):
@@ -337,6 +416,9 @@ class ReplicaComm:
             total, rows, cost = self._sum_dense(chunk, codec, feedback, key, stats)
         if g == 1:
             return total[: delta.numel()], None if rows is None else rows.reshape(1, m, -1).cpu(), cost
+        if self.sharded:  # the shard's sum is this process's to keep; only the statistics go round the replica
+            total = total if layout is None else layout.unpad(total, self.member)
+            return total, None if rows is None else self._gather_rows(rows, cost), cost
         # Inside the replica: every member contributes its summed slice (fp32, fast links) and its stats rows.
         k = 0 if rows is None else rows.numel() // m
         piece = total if rows is None else torch.cat([total, rows.reshape(-1).to(total.device)])
@@ -346,8 +428,36 @@ class ReplicaComm:
         cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * gathered.element_size(), g)
         pieces = gathered.view(g, -1)
         n = chunk.numel()
-        result = pieces[:, :n].reshape(-1)[: delta.numel()].clone()
+        result = (pieces[:, :n].reshape(-1)[: delta.numel()].clone() if layout is None
+                  else layout.assemble(pieces[:, :n]))
         return result, None if rows is None else pieces[:, n:].reshape(g, m, k).cpu(), cost
+
+    def _gather_rows(self, rows: torch.Tensor, cost: SyncCost) -> torch.Tensor:
+        """[g, M, k]: the statistics rows of every member of this replica (an all-gather inside it, k·M values)."""
+        piece = rows.reshape(-1).to(self.device, torch.float32)
+        gathered = torch.empty(self.group_size * piece.numel(), dtype=piece.dtype, device=piece.device)
+        gather_into(gathered, piece, group=self.gather_group)
+        cost.collectives += 1
+        cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * 4, self.group_size)
+        return gathered.view(self.group_size, self.num_replicas, -1).cpu()
+
+    def replica_total(self, values: list[float]) -> list[float]:
+        """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
+        products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""
+        if not self.sharded or self.replica_group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.replica_group)
+        return tensor.tolist()
+
+    def replica_all(self, flag: bool) -> bool:
+        """True when `flag` holds on every member of this replica (sharded replicas: each member checks its own
+        shards, and the replica sits a round out as a whole). Otherwise `flag`."""
+        if not self.sharded or self.gather_group is None:
+            return flag
+        tensor = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        dist.all_reduce(tensor, group=self.gather_group)
+        return bool(tensor.item() == 0)
 
     # --- the collectives across replicas (member j of every replica), in place on their output ---
 

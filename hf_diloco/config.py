@@ -99,8 +99,11 @@ class DiLoCoConfig(TrainingArguments):
     replica_group_size: int = field(
         default=1,
         metadata={"help": "Processes per replica. 1: every process is a replica. g > 1: each g consecutive processes "
-                          "form one replica that trains with DDP inside it (e.g. one machine's GPUs), and DiLoCo "
-                          "runs across replicas; each member syncs only a 1/g slice across replicas."},
+                          "form one replica (e.g. one machine's GPUs) that trains with DDP inside it, or shards the "
+                          "model over them with FSDP2 when FSDP is on (fsdp: true, "
+                          "or an accelerate config with distributed_type FSDP); DiLoCo runs across replicas and each "
+                          "member syncs only its 1/g slice or shard. Default with an accelerate parallelism_config: "
+                          "its dp_shard_size."},
     )
     data_sharding: str = field(
         default="iid",
@@ -318,7 +321,7 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(f"max_bad_rounds must be a whole number of at least 1, got {self.max_bad_rounds!r}.")
         self._validate_compression()
         self._validate_streaming()
-        self._refuse_sharded_replicas()
+        self._check_sharded_replicas()
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must not be negative, got {self.learning_rate!r}.")
 
@@ -369,16 +372,61 @@ class DiLoCoConfig(TrainingArguments):
         if not 0 <= self.fragment_alpha < 1:
             raise ConfigError(f"fragment_alpha must be in [0, 1), got {self.fragment_alpha!r}.")
 
-    def _refuse_sharded_replicas(self) -> None:
-        """FSDP or DeepSpeed would shard one model over all processes, i.e. over the replicas: wrong DiLoCo."""
-        env = {name: os.environ.get(f"ACCELERATE_USE_{name.upper()}", "").lower() in ("1", "true")
-               for name in ("fsdp", "deepspeed")}
-        if self.fsdp or env["fsdp"] or self.deepspeed or env["deepspeed"]:
-            kind = "FSDP" if self.fsdp or env["fsdp"] else "DeepSpeed"
+    @property
+    def sharded_replica(self) -> bool:
+        """True when each replica shards its model over its processes with FSDP2 instead of DDP inside it."""
+        return bool(self.fsdp) or _env_flag("ACCELERATE_USE_FSDP")
+
+    def _check_sharded_replicas(self) -> None:
+        """FSDP2 shards the model inside each replica only (DiLoCo replaces its replicate dimension); FSDP1 and
+        DeepSpeed cannot do that here, so they are refused in one sentence each."""
+        if isinstance(self.fsdp, str) and self.fsdp.lower() in ("true", "false", "yes", "no", "1", "0", ""):
+            self.fsdp = self.fsdp.lower() in ("true", "yes", "1")  # `--fsdp true` on the command line
+        if self.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED"):
             raise ConfigError(
-                f"{kind} would shard one model across the DiLoCo replicas; turn it off and use replica_group_size > "
-                f"1 for DDP inside each replica (FSDP or DeepSpeed inside a replica is not supported yet)."
+                "DeepSpeed ZeRO would shard one model across the DiLoCo replicas and hf-diloco cannot confine it to "
+                "each replica; use FSDP2 inside each replica instead (fsdp: true with replica_group_size > 1, or "
+                "accelerate_configs/cpu-fsdp-2x2.yaml)."
             )
+        layout = env_parallelism()
+        if layout["tp"] > 1:
+            raise ConfigError(
+                f"tensor parallel (tp_size={layout['tp']}) inside a replica is not supported yet; shard each replica "
+                f"with FSDP2 alone (dp_shard_size = processes per replica)."
+            )
+        if layout["shard"] > 1:
+            if self.replica_group_size == 1:
+                self.replica_group_size = layout["shard"]
+            elif self.replica_group_size != layout["shard"]:
+                raise ConfigError(
+                    f"replica_group_size={self.replica_group_size} differs from the accelerate parallelism_config's "
+                    f"dp_shard_size={layout['shard']}, the processes each replica shards its model over; set one "
+                    f"of them, or both alike."
+                )
+        if not self.sharded_replica:
+            return
+        options = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
+        version = options.get("version", 2) if self.fsdp else os.environ.get("FSDP_VERSION", "1")
+        if str(version) != "2":
+            raise ConfigError(
+                "FSDP inside a DiLoCo replica needs FSDP2: set fsdp_version: 2 in the accelerate config (or leave "
+                "fsdp_config's version at its default, 2)."
+            )
+        if self.replica_group_size < 2:
+            raise ConfigError(
+                "FSDP runs inside each DiLoCo replica, and a replica of one process has nothing to shard over: set "
+                "replica_group_size to the processes of each replica (2 or more), or turn FSDP off."
+            )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true")
+
+
+def env_parallelism() -> dict[str, int]:
+    """The layout an accelerate config's parallelism_config hands the processes through the environment (1: unset)."""
+    sizes = {"replicate": "DP_REPLICATE_SIZE", "shard": "DP_SHARD_SIZE", "tp": "TP_SIZE", "cp": "CP_SIZE"}
+    return {key: int(os.environ.get(f"PARALLELISM_CONFIG_{name}") or 1) for key, name in sizes.items()}
 
 
 @dataclass

@@ -24,6 +24,8 @@ PRESETS: dict[str, dict] = {
     "llama-20m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8),
     # ≈ 155M parameters with the byte tokenizer: the size of the DiLoCo paper's smallest model, for GPU clusters.
     "llama-150m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16),
+    # ≈ 6.5B parameters: Llama-2-7B's layers with the byte vocabulary; for replicas sharded over a node's GPUs.
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
 }
 
 

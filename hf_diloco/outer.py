@@ -48,6 +48,16 @@ from .codecs import Codec, ErrorFeedback
 from .comm import ReplicaComm, SyncCost
 
 
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This process's part of `param`: the local shard of a DTensor (FSDP2), sharing its storage, else `param`."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        with torch.no_grad():
+            return param.to_local()
+    return param
+
+
 def build_outer_optimizer(
     params: list[nn.Parameter], name: str, lr: float, momentum: float, nesterov: bool
 ) -> torch.optim.Optimizer:
@@ -156,9 +166,15 @@ class OuterLoop:
         bucket_numel: int = 64 * 2**20,
         fragments: list[list[int]] | None = None,
     ):
-        self.params = list(params)
-        if not self.params:
+        params = list(params)
+        if not params:
             raise ValueError("the model has no trainable parameters to synchronise")
+        # A sharded replica (FSDP2) hands in DTensor parameters: this process syncs and keeps its own shard of
+        # each, so θ_global and the outer optimizer state cost it 1/g of the model. Buckets are cut by the full
+        # sizes, so every member of a replica cuts the same buckets and sends its statistics at the same ones.
+        self.full_numels = [p.numel() for p in params]
+        self.full_shapes = [p.shape for p in params]
+        self.params = [local_shard(p) for p in params]
         state_device = torch.device("cpu") if offload else self.params[0].device
         self.global_params = [
             nn.Parameter(p.detach().to(device=state_device, dtype=torch.float32, copy=True)) for p in self.params
@@ -170,13 +186,22 @@ class OuterLoop:
         self.fragment_buckets: list[list[int]] = []
         for members in fragments:
             first = len(self.buckets)
-            for group in partition_into_buckets([self.params[i].numel() for i in members], bucket_numel):
+            for group in partition_into_buckets([self.full_numels[i] for i in members], bucket_numel):
                 self.buckets.append([members[j] for j in group])
             self.fragment_buckets.append(list(range(first, len(self.buckets))))
 
     @property
     def numel(self) -> int:
-        """Number of synced values (trainable parameters)."""
+        """Number of synced values (trainable parameters; with a sharded replica, of the whole model)."""
+        return sum(self.full_numels)
+
+    def bucket_shapes(self) -> dict[str, list[torch.Size]]:
+        """The full shapes of each bucket's parameters, by the key the round syncs the bucket under."""
+        return {str(index): [self.full_shapes[i] for i in bucket] for index, bucket in enumerate(self.buckets)}
+
+    @property
+    def local_numel(self) -> int:
+        """Number of values this process syncs (its shards, or every parameter)."""
         return sum(p.numel() for p in self.params)
 
     def bucket_numel(self, bucket: list[int]) -> int:
@@ -361,7 +386,7 @@ def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, code
     buckets are held until the vote and applied only if the round commits. Every process must call this with the
     same buckets.
     """
-    if not is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]):
+    if not comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index])):
         weight = 0.0
     if comm.votes:
         return land(outer, exchange(comm, buckets, snapshot(outer, comm, buckets), codec=codec,
@@ -396,7 +421,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor], 
     a round that did not is never applied, whatever part of it arrived.
     """
     result = RoundResult()
-    if not is_finite(deltas):
+    if not comm.replica_all(is_finite(deltas)):
         weight = 0.0
     # A round that may be rolled back must not leave its trace in the residuals: the replica sends the same
     # progress again in its next round.

@@ -65,11 +65,12 @@ class RoundStats:
 def round_record(*, stats: RoundStats, result, step: int, round_number: int, fragments: list[int],
                  cumulative_bytes: int, sync_seconds: float, blocked: float, outer_lr: float, inner_lr: float,
                  num_replicas: int, group_size: int, ddp_payload: int, compression: str,
-                 synced_parameters: int) -> dict:
+                 synced_parameters: int, sharded: bool = False) -> dict:
     """The record of one round, as `<output_dir>/sync_rounds.jsonl` holds it (the contract in DESIGN.md §4).
 
     A replica's loss is over all its members' micro-batches, its tokens are its members' sum, its compute time its
-    slowest member's; members share one pseudo-gradient.
+    slowest member's; members share one pseudo-gradient, which a sharded replica's members hold a shard each of
+    (its norm² is the sum of theirs).
     """
     cost = result.cost
     steps = stats.steps.sum(0)
@@ -85,7 +86,8 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
         "loss": sum(replica_losses) / len(replica_losses),
         "replica_losses": replica_losses,
         "pseudo_grad_norm": math.sqrt(result.average_norm_sq),
-        "replica_pseudo_grad_norms": stats.pseudo_grad_norm_sq[0].clamp(min=0).sqrt().tolist(),
+        "replica_pseudo_grad_norms": (stats.pseudo_grad_norm_sq.sum(0) if sharded else stats.pseudo_grad_norm_sq[0]
+                                      ).clamp(min=0).sqrt().tolist(),
         "bytes_per_replica": cost.bytes_sent,
         "cumulative_bytes_per_replica": cumulative_bytes,
         "intra_replica_bytes": cost.intra_replica_bytes,

@@ -31,7 +31,18 @@ from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .errors import RunError, first_line
 from .metrics import RoundWriter, read_sync_rounds, reported_metrics, write_summary
-from .outer import Exchange, OuterLoop, RoundResult, assign_fragments, exchange, is_finite, land, outer_round, snapshot
+from .outer import (
+    Exchange,
+    OuterLoop,
+    RoundResult,
+    assign_fragments,
+    exchange,
+    is_finite,
+    land,
+    local_shard,
+    outer_round,
+    snapshot,
+)
 from .records import ReplicaStats, RoundLog, RoundStats, round_record, summary
 from .schedule import Schedule, choose_inner_steps
 
@@ -173,7 +184,7 @@ class OuterLoopCallback(TrainerCallback):
             # The replicas must start from identical parameters: checked by digest before the first inner step,
             # and rank 0's broadcast only where they differ. Reported with the first round (`startup_bytes`).
             # (torchft: the same check rides in the first round's membership table, TorchftRounds._start_identical.)
-            self.startup_bytes = self.trainer.comm.start_identical(params).bytes_sent
+            self.startup_bytes = self.trainer.comm.start_identical([local_shard(p) for p in params]).bytes_sent
         try:
             fragments = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
         except ValueError as error:
@@ -195,6 +206,7 @@ class OuterLoopCallback(TrainerCallback):
         else:
             self.backend = FixedGroup(self.trainer.comm, self.schedule)
         self.comm = self.backend.comm
+        self.comm.bucket_shapes = self.outer.bucket_shapes()
         if args.error_feedback:
             self.feedback = ErrorFeedback(args.error_feedback_decay,
                                           "cpu" if args.offload_outer_state else self.comm.device)
@@ -407,6 +419,9 @@ class OuterLoopCallback(TrainerCallback):
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this round
         # kept the replica waiting is known after it: both are sent with the NEXT round's statistics, so they cost
         # no collective of their own.
+        if self.comm.sharded:  # each member measured its own shards: the replica's norms are their sums
+            result.local_norm_sq, result.average_norm_sq, result.dot = self.comm.replica_total(
+                [result.local_norm_sq, result.average_norm_sq, result.dot])
         self.previous_agreement = result.agreement
         self.previous_blocked = blocked
         result.cost.bytes_sent += start.extra_bytes
@@ -416,11 +431,12 @@ class OuterLoopCallback(TrainerCallback):
             stats=stats, result=result, step=state.global_step, round_number=self.schedule.round_at(launched_at),
             fragments=start.fragments, cumulative_bytes=self.cumulative_bytes, sync_seconds=sync_seconds,
             blocked=blocked, outer_lr=outer_lr, inner_lr=self.trainer._get_learning_rate(),
-            num_replicas=self.comm.num_replicas, group_size=self.comm.group_size,
-            ddp_payload=sum(p.numel() * p.element_size() for p in self.outer.params),
+            num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
+            ddp_payload=sum(n * p.element_size() for n, p in zip(self.outer.full_numels, self.outer.params,
+                                                                  strict=True)),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
-            synced_parameters=sum(self.outer.bucket_numel(self.outer.buckets[b])
-                                  for f in start.fragments for b in self.outer.fragment_buckets[f]))
+            synced_parameters=sum(self.outer.full_numels[i] for f in start.fragments
+                                  for b in self.outer.fragment_buckets[f] for i in self.outer.buckets[b]))
         if launched_at != state.global_step:
             record["launch_step"] = launched_at
         self.fragment_syncs += 1

@@ -153,7 +153,7 @@ class TorchftComm(ReplicaComm):
         # for group rank j), then the slices are all-gathered inside the replica, as on the torch backend.
         self.group_size, self.member, self.timeout_seconds = replica.group_size, replica.member, replica.timeout_seconds
         self.replica_group, self.gather_group, self.slice_group = replica.replica_group, replica.gather_group, None
-        self.device = replica.device
+        self.device, self.sharded = replica.device, replica.sharded
         self.distributed = False  # no torch.distributed between replicas: the rendezvous store helpers are off
         self.num_replicas, self.replica_index = 1, 0
         self.manager, self.pg = manager, pg

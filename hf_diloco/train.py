@@ -17,6 +17,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -138,24 +139,42 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
     rank = rank if rank is not None else int(values.get("machine_rank", 0) or 0)
     source = f"accelerate config {path!r}" + (" with the launch flags" if any(v is not None for v in given.values())
                                                else "")
-    if processes % config.replica_group_size:
+    kind = str(values.get("distributed_type", "NO")).upper()
+    group = config.replica_group_size
+    if kind == "DEEPSPEED":
         raise ConfigError(
-            f"{source} starts {processes} processes, which replica_group_size={config.replica_group_size} does not "
-            f"divide."
+            f"accelerate config {path!r} uses DeepSpeed, whose ZeRO would shard one model across the replicas; use "
+            f"distributed_type FSDP with fsdp_version 2, which hf-diloco keeps inside each replica (see "
+            f"accelerate_configs/cpu-fsdp-2x2.yaml)."
         )
+    if kind == "FSDP":
+        if str((values.get("fsdp_config") or {}).get("fsdp_version", 1)) != "2":
+            raise ConfigError(f"accelerate config {path!r} uses FSDP version 1; set fsdp_config: {{fsdp_version: 2}}, "
+                              f"the FSDP hf-diloco shards each replica with.")
+        layout = values.get("parallelism_config") or {}
+        shard = int(layout.get("parallelism_config_dp_shard_size", 0) or 0)
+        if int(layout.get("parallelism_config_tp_size", 1) or 1) > 1:
+            raise ConfigError(f"accelerate config {path!r} asks for tensor parallel, which hf-diloco does not run "
+                              f"inside a replica yet; shard each replica with FSDP2 alone.")
+        if shard and group not in (1, shard):
+            raise ConfigError(f"accelerate config {path!r} shards each replica over dp_shard_size={shard} "
+                              f"processes but replica_group_size is {group}; set one of them, or both alike.")
+        group = shard or group
+        if group < 2:
+            raise ConfigError(f"accelerate config {path!r} uses FSDP, which hf-diloco runs inside each replica: set "
+                              f"parallelism_config_dp_shard_size (or replica_group_size) to the processes of a "
+                              f"replica, 2 or more.")
+    if processes % group:
+        raise ConfigError(
+            f"{source} starts {processes} processes, which replica_group_size={group} does not divide."
+        )
+    values["hf_diloco_layout"] = {"processes": processes, "group": group, "sharded": kind == "FSDP"}
     if processes % machines:
         raise ConfigError(f"{source} spreads {processes} processes over {machines} machines, which does not divide "
                           f"evenly; use a multiple of {machines} processes.")
     if rank >= machines:
         raise ConfigError(f"{source} gives this machine rank {rank}, but there are only {machines} machine(s); ranks "
                           f"count from 0.")
-    kind = str(values.get("distributed_type", "NO")).upper()
-    if kind in ("FSDP", "DEEPSPEED"):
-        raise ConfigError(
-            f"accelerate config {path!r} uses {kind}, which would shard one model across replicas; use "
-            f"MULTI_GPU, with replica_group_size > 1 for DDP inside each replica (FSDP inside a replica is not "
-            f"supported yet)."
-        )
     return values
 
 
@@ -189,17 +208,26 @@ def add_lora(model, run: RunArguments):
 # --- dry run ---------------------------------------------------------------------------------------------------------
 
 
-def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
-    """What a run would do, computed from the model alone: sizes and the bytes of a round; nothing is trained."""
+def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None = None,
+                 group: int | None = None, sharded: bool | None = None) -> dict[str, str]:
+    """What a run would do, computed from the model alone: sizes, memory per process and the bytes of a round;
+    nothing is trained. `processes`, `group` and `sharded` give the layout of an accelerate config (`launch
+    --dry-run`); by default it is this launch's. A preset model is built on the meta device: no memory, any size."""
+    import torch
+
     from .codecs import CODECS, make_codec
     from .comm import ring_all_reduce_bytes, round_bytes
     from .metrics import format_bytes
+    from .models import PRESETS
 
     check_arguments(run, config)
-    model, _ = build_model(run)
-    group = config.replica_group_size
+    with torch.device("meta") if run.model_name_or_path in PRESETS and run.lora_r == 0 else contextlib.nullcontext():
+        model, _ = build_model(run)
+    group = group or config.replica_group_size
+    sharded = config.sharded_replica if sharded is None else sharded
     on_torchft = config.outer_backend == "torchft"
-    replicas = config.num_replicas if on_torchft else int(os.environ.get("WORLD_SIZE", "1")) // group
+    world = processes or int(os.environ.get("WORLD_SIZE", "1"))
+    replicas = config.num_replicas if on_torchft else max(1, world // group)
     shown = replicas if replicas > 1 else 8  # alone, show the paper's M = 8 as the example
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -215,8 +243,11 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
-        "replicas in this launch": f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
-        else f"{replicas} of {group} process(es) each",
+        "replicas in this launch": (f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
+                                    else f"{replicas} of {group} process(es) each")
+        + (f", each sharded over its {group} processes by FSDP2" if sharded else
+           ", DDP inside each" if group > 1 else ""),
+        "memory per process": memory_per_process(model, config, group if sharded else 1),
         "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
         else str(config.inner_steps),
@@ -254,6 +285,29 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig) -> dict[str, str]:
 
 DDP_PLAN_KEYS = ("trainer", "model", "data", "replicas in this launch", "inner optimizer",
                  "tokens per inner step per process")
+
+# Inner optimizer state per parameter value, in values of the parameter's dtype, by TrainingArguments.optim.
+OPTIMIZER_STATES = {"adam": 2, "lion": 1, "sgd": 0}
+
+
+def memory_per_process(model, config: DiLoCoConfig, shards: int) -> str:
+    """The bytes of the tensors one process holds for training, with `shards` processes sharing each (FSDP2 over
+    a replica; 1: every process holds all): parameters, gradients, inner optimizer state (AdamW: two moments), and
+    the outer state (θ_global in fp32 plus the outer optimizer's fp32 buffers). Activations are not counted."""
+    from .metrics import format_bytes
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) / shards
+    gradients = sum(p.numel() * p.element_size() for p in trainable) / shards
+    optim = str(getattr(config.optim, "value", config.optim))
+    states = next((count for name, count in OPTIMIZER_STATES.items() if name in optim), None)
+    outer_buffers = 2 if config.outer_optimizer == "adamw" else int(config.outer_momentum > 0)
+    outer = sum(p.numel() for p in trainable) * 4 * (1 + outer_buffers) / shards
+    inner = "not estimated for " + optim if states is None else format_bytes(states * gradients)
+    total = parameters + gradients + outer + (states or 0) * gradients
+    return (f"{format_bytes(total)}: parameters {format_bytes(parameters)}, gradients {format_bytes(gradients)}, "
+            f"inner optimizer {inner}, outer state {format_bytes(outer)}"
+            + (f" (1/{shards} of each, FSDP2)" if shards > 1 else "") + "; activations not counted")
 
 
 def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:

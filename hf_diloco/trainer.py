@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
+from accelerate import ParallelismConfig
 from transformers import Trainer
 
 from . import checkpoints
@@ -59,6 +61,70 @@ def _replica_local_loss_logging():
         trainer_module.nested_gather = original
 
 
+class ReplicaSharding(ParallelismConfig):
+    """Accelerate's parallelism configuration for sharded replicas: FSDP2 over each replica's `dp_shard` processes
+    only. Accelerate's HSDP would also all-reduce every step's gradients over `dp_replicate`, the replicas; DiLoCo
+    replaces that dimension's per-step all-reduce with its outer syncs, so FSDP's mesh leaves it out."""
+
+    @property
+    def fsdp_dim_names(self):
+        return ["dp_shard_cp"]
+
+
+def replica_sharding(args: DiLoCoConfig) -> ReplicaSharding:
+    """The mesh of a launch of sharded replicas: replicas × replica_group_size processes (torchft: one replica)."""
+    group = args.replica_group_size  # 2 or more: DiLoCoConfig refuses FSDP over a replica of one process
+    replicas = 1 if args.outer_backend == "torchft" else max(1, args.world_size // group)
+    return ReplicaSharding(dp_replicate_size=replicas, dp_shard_size=group)
+
+
+def _local_shards(value):
+    """`value` (a state dict) with every DTensor replaced by this process's local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, dict):
+        return {key: _local_shards(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local_shards(item) for item in value)
+    return value
+
+
+@torch.no_grad()
+def _as_parameter_shards(optimizer: torch.optim.Optimizer) -> None:
+    """After loading local shards into an optimizer over DTensor parameters (a sharded replica's): make each
+    parameter-shaped state tensor a DTensor laid out like its parameter again."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.to_local().shape \
+                        and value.dim() > 0:
+                    state[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                                    run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _fsdp2_over_gloo(accelerator, sharding: ReplicaSharding, args: DiLoCoConfig) -> None:
+    """Sharded replicas on CPU processes: accelerate 1.15 enables FSDP only on accelerators (its CPU state is
+    MULTI_CPU), although FSDP2 itself runs over gloo. Give the accelerator's state the FSDP2 plugin (from the
+    training arguments, or from the accelerate config's environment), the parallelism config and its CPU device
+    mesh, so that Trainer and accelerate prepare, save and load the model exactly as they do on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
+    # The accelerator's state copies the process state's type whenever it is made again: set both.
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.parallelism_config = sharding
+    state.device_mesh = sharding.get_device_mesh("cpu")
+
+
 class DiLoCoTrainer(Trainer):
     """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
 
@@ -76,10 +142,12 @@ class DiLoCoTrainer(Trainer):
             args = DiLoCoConfig(output_dir="trainer_output")
         if not isinstance(args, DiLoCoConfig):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
+        if args.sharded_replica:
+            args.parallelism_config = replica_sharding(args)
         super().__init__(model, args, *pargs, **kwargs)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
         self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0,
-                                timeout_seconds=args.sync_timeout)
+                                timeout_seconds=args.sync_timeout, sharded=args.sharded_replica)
         if args.outer_backend == "torchft" and self.comm.num_replicas != 1:
             processes = self.comm.num_replicas * self.comm.group_size
             raise ConfigError(f"outer_backend torchft starts one launch per replica, so the {processes} processes of "
@@ -91,7 +159,18 @@ class DiLoCoTrainer(Trainer):
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
+        sharding = self.args.parallelism_config if self.args.sharded_replica else None
+        on_cpu = sharding is not None and self.args.device.type == "cpu"
+        if on_cpu:  # accelerate takes a parallelism config on accelerators only; it is handed over below
+            self.args.parallelism_config = None
+            from_env = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)  # (an accelerate config's)
         super().create_accelerator_and_postprocess()
+        if on_cpu:
+            self.args.parallelism_config = sharding
+            if from_env is not None:
+                os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = from_env
+            _fsdp2_over_gloo(self.accelerator, sharding, self.args)
+            self.is_fsdp_enabled = True
         prepare_model = self.accelerator.prepare_model
 
         def prepare_replica(model, device_placement=None, evaluation_mode=False):
@@ -155,7 +234,9 @@ class DiLoCoTrainer(Trainer):
         index, count = self.data_shard
 
         def sharded(*args, **kwargs):
-            return prepare(*args, **{**kwargs, "num_processes": count, "process_index": index})
+            # No device mesh: with one it would recount the processes from the launch's own mesh (one replica).
+            return prepare(*args, **{**kwargs, "num_processes": count, "process_index": index,
+                                     "torch_device_mesh": None})
 
         accelerator_module.prepare_data_loader = sharded
         try:
@@ -245,16 +326,40 @@ class DiLoCoTrainer(Trainer):
     def _replica_dir(self, checkpoint: str) -> Path:
         return checkpoints.part_dir(checkpoint, self.args.process_index)
 
+    def _replica_dir_of(self, checkpoint: str, rank: int) -> Path:
+        return checkpoints.part_dir(checkpoint, rank)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Sharded replicas: every process reads the checkpoint's consolidated weights and keeps its shards (the
+        round's θ_global and the replica's own parameters are then restored from the DiLoCo state on top)."""
+        if not self.args.sharded_replica:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        files = sorted(Path(resume_from_checkpoint).glob("model*.safetensors"))
+        if not files:
+            raise ConfigError(f"checkpoint {resume_from_checkpoint} holds no model.safetensors to resume from.")
+        weights = {name: tensor for file in files for name, tensor in load_file(file).items()}
+        set_model_state_dict(model if model is not None else self.model_wrapped, weights,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         replica_dir = self._replica_dir(output_dir)
         replica_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), replica_dir / "optimizer.pt")
+        # A sharded replica's optimizer holds DTensors: each process writes its own shards as plain tensors.
+        torch.save(_local_shards(self.optimizer.state_dict()), replica_dir / "optimizer.pt")
         torch.save(self.lr_scheduler.state_dict(), replica_dir / "scheduler.pt")
         replica_state = self.diloco.replica_state()
         if replica_state:
             torch.save(replica_state, replica_dir / REPLICA_STATE_FILE)
-        if self.args.should_save and self.diloco.outer is not None:
-            torch.save(self.diloco.outer.state_dict(), Path(output_dir) / OUTER_STATE_FILE)
+        if self.diloco.outer is not None:
+            # θ_global and the outer optimizer: one copy. Sharded replicas: replica 0's member j writes shard j
+            # beside its part, which member j of every replica reads on resume.
+            if self.comm.sharded and self.comm.replica_index == 0:
+                torch.save(self.diloco.outer.state_dict(), replica_dir / OUTER_STATE_FILE)
+            elif not self.comm.sharded and self.args.should_save:
+                torch.save(self.diloco.outer.state_dict(), Path(output_dir) / OUTER_STATE_FILE)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -264,6 +369,7 @@ class DiLoCoTrainer(Trainer):
             # Loaded to CPU; the optimizer moves its state next to the parameters.
             state = torch.load(replica_dir / "optimizer.pt", map_location="cpu", weights_only=True)
             self.optimizer.load_state_dict(state)
+            _as_parameter_shards(self.optimizer)
             self.lr_scheduler.load_state_dict(torch.load(replica_dir / "scheduler.pt", weights_only=True))
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.
@@ -274,6 +380,7 @@ class DiLoCoTrainer(Trainer):
             self.diloco.reached_before_resume = int(json.loads(progress.read_text())["step"])
         replica_file = replica_dir / REPLICA_STATE_FILE
         self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
-        outer_file = Path(checkpoint) / OUTER_STATE_FILE
+        outer_file = (self._replica_dir_of(checkpoint, self.comm.member) if self.comm.sharded
+                      else Path(checkpoint)) / OUTER_STATE_FILE
         self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
 

@@ -239,8 +239,9 @@ def test_the_app_refuses_to_be_reachable_without_a_password():
 
 @pytest.mark.parametrize("how", ["flag", "accelerate"])
 def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, how):
-    """Sharding one model over all processes would shard it over the replicas: refused in DiLoCoConfig itself, so
-    the documented `accelerate launch --config_file X -m hf_diloco.cli train` path (which sets ACCELERATE_USE_FSDP
+    """FSDP runs inside each replica, so one without processes to shard over, FSDP version 1 and DeepSpeed (whose
+    ZeRO would shard one model over the replicas) are refused in DiLoCoConfig itself: the documented
+    `accelerate launch --config_file X -m hf_diloco.cli train` path (which sets ACCELERATE_USE_FSDP, FSDP_VERSION
     or ACCELERATE_USE_DEEPSPEED) and the --fsdp/--deepspeed flags are caught as well as `hf-diloco launch`."""
     import os
     import subprocess
@@ -248,11 +249,12 @@ def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, ho
 
     from helpers import env
 
-    cases = [(["--fsdp", "full_shard"], {}, "FSDP would shard one model across the DiLoCo replicas"),
-             (["--deepspeed", str(tmp_path / "ds.json")], {}, "DeepSpeed would shard one model")]
+    cases = [(["--fsdp", "true"], {}, "a replica of one process has nothing to shard over"),
+             (["--deepspeed", str(tmp_path / "ds.json")], {}, "DeepSpeed ZeRO would shard one model")]
     if how == "accelerate":
-        cases = [([], {"ACCELERATE_USE_FSDP": "true"}, "FSDP would shard"),
-                 ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed would shard")]
+        cases = [([], {"ACCELERATE_USE_FSDP": "true"}, "needs FSDP2"),
+                 ([], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "nothing to shard over"),
+                 ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed ZeRO would shard")]
     for flags, extra_env, words in cases:
         command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" /
                    "tiny-pretrain.yaml"), "--output_dir", str(tmp_path / "out"), *flags]

@@ -54,12 +54,13 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
                                                                       plan["model"]))
     assert (trainable < total / 10) if values.get("lora_r", 0) > 0 else trainable == total
     # Ring all-reduce with M = 8 (a torchft recipe: its num_replicas) sends 2 * 7/8 of the fp32 pseudo-gradient
-    # per process per round; a codec sends
+    # (of its 1/g share, in a replica of g processes) per process per round; a codec sends
     # what its own entry in the per-codec row says.
     by_codec = {name: as_bytes(amount) for name, amount in
                 (entry.split(" ", 1) for entry in plan["per round by codec"].split(", "))}
     m = values.get("num_replicas", 8) if values.get("outer_backend") == "torchft" else 8
-    assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m, rel=0.01)
+    group = values.get("replica_group_size", 1)  # each member of a replica sends its 1/g slice or shard
+    assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m / group, rel=0.01)
     sent = as_bytes(plan[f"sent across replicas per process per round, M={m}"])
     assert sent == by_codec[values.get("compression", "none")]
 
@@ -134,11 +135,39 @@ def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
     assert changed, "merging the trained adapters changes the attention weights"
 
 
-def test_launch_refuses_an_fsdp_config(tmp_path):
-    fsdp = tmp_path / "fsdp.yaml"
-    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\n")
-    result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config", str(fsdp), "--dry-run")
-    assert result.returncode == 2 and "replica_group_size" in result.stderr and "Traceback" not in result.stderr
+def test_launch_refuses_the_sharded_layouts_it_cannot_keep_inside_a_replica(tmp_path):
+    """FSDP1, DeepSpeed and FSDP2 with no processes to shard over: one sentence each, no traceback."""
+    cases = {"fsdp1": ("distributed_type: FSDP\nnum_processes: 2\n", "fsdp_version: 2"),
+             "deepspeed": ("distributed_type: DEEPSPEED\nnum_processes: 2\n", "FSDP"),
+             "unsharded": ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config: {fsdp_version: 2}\n",
+                           "dp_shard_size")}
+    for name, (text, hint) in cases.items():
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(text)
+        result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config", str(config),
+                           "--dry-run")
+        assert result.returncode == 2 and hint in result.stderr and "Traceback" not in result.stderr, (name,
+                                                                                                       result.stderr)
+
+
+def test_launch_dry_run_prints_the_memory_per_process_of_the_config_s_layout():
+    """The shipped FSDP2 configs against DDP inside the replica: each process holds 1/g of parameters, gradients,
+    AdamW's state and the outer state (the 7B preset is built on the meta device, so this runs anywhere)."""
+    def memory(config: str, *extra: str) -> list[float]:
+        result = hf_diloco("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
+                           str(REPO / "accelerate_configs" / config), "--dry-run", "--", *extra)
+        assert result.returncode == 0, result.stderr[-2000:]
+        row = read_plan(result.stdout)["memory per process"]
+        return [as_bytes(amount) for amount in re.findall(r"[\d.]+ [kMG]?B", row)]
+
+    sharded = memory("fsdp-nodes.yaml", "--model_name_or_path", "llama-7b")
+    whole = memory("hybrid.yaml", "--model_name_or_path", "llama-7b", "--replica_group_size", "8")
+    assert len(sharded) == len(whole) == 5  # total, parameters, gradients, inner optimizer, outer state
+    assert whole[1] == pytest.approx(6_477_332_480 * 4, rel=1e-3)  # fp32 parameters, all of them
+    for part, full in zip(sharded, whole, strict=True):
+        assert part == pytest.approx(full / 8, rel=1e-3)
+    tiny = memory("cpu-fsdp-2x2.yaml", "--model_name_or_path", "tiny-llama")
+    assert tiny[1] == pytest.approx(1_082_880 * 4 / 2, rel=1e-2)
 
 
 def test_launch_checks_replica_group_size_divides_the_processes():

@@ -61,11 +61,28 @@ def bytes_written() -> int:
     return psutil.Process().io_counters().write_chars  # /proc/self/io wchar
 
 
+def local(tensor):
+    """This process's part of a tensor: the local shard of a DTensor (sharded replicas), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(local(p).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def held_bytes() -> dict:
+    """Bytes of the tensors this process holds for training: parameters, inner optimizer state, outer state."""
+    def size(tensors):
+        return sum(local(t).numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    outer = trainer.diloco.outer
+    moments = [v for state in trainer.optimizer.state.values() for v in state.values()]
+    outer_moments = [v for state in outer.optimizer.state.values() for v in state.values()]
+    return {"parameters": size(trainer.model.parameters()), "inner_optimizer": size(moments),
+            "outer": size(outer.global_params) + size(outer_moments)}
 
 
 class Probe(TrainerCallback):
@@ -129,7 +146,14 @@ trainer.train()
 rank = dist.get_rank()
 world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
-                                                  "wire_bytes": sync_wire_bytes, "world_size": world}))
+                                                  "wire_bytes": sync_wire_bytes, "world_size": world,
+                                                  "held_bytes": held_bytes()}))
+if config.sharded_replica:  # the whole model, gathered from the shards of replica 0 (a collective: every rank)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    final = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+else:
+    final = trainer.model.state_dict()
 if rank == 0:
-    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
+    torch.save({k: v.detach().clone() for k, v in final.items()}, out / "final.pt")
 dist.destroy_process_group()

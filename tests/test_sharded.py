@@ -1,0 +1,142 @@
+"""Replicas bigger than one device: each replica shards its model over its processes with FSDP2, and DiLoCo runs
+across replicas shard by shard. Real 4-process launches (2 replicas x 2 processes, gloo) of
+tests/scripts/replica_run.py, each against the same replicas with DDP inside."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, wait_for
+from safetensors.torch import load_file
+
+from hf_diloco.metrics import read_sync_rounds
+
+SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
+# Paper outer settings, H = 3 and 10 steps: rounds end at steps 3, 6, 9 and 10.
+SETTINGS = dict(replica_group_size=2, inner_steps=3, max_steps=10, outer_lr=0.7, outer_momentum=0.9,
+                outer_nesterov=True)
+
+
+def launch(tmp_path, **settings) -> list[dict]:
+    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **SETTINGS, **settings})],
+                               config=ACCELERATE_CPU_4PROC)
+    assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+ROUNDS = {
+    "fp32": {},
+    "int8": {"compression": "int8"},
+    # Streaming: 2 fragments (one every 2 steps), each overlapped with 1 inner step, int4 with error feedback.
+    "stream int4+EF": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
+                       "inner_steps": 4},
+}
+
+
+@pytest.fixture(scope="module", params=list(ROUNDS))
+def layouts(request, tmp_path_factory):
+    """The same 2 x 2 run twice, with fp32 syncs, int8, or streamed int4 with error feedback: FSDP2 inside each
+    replica, and DDP inside."""
+    runs = {}
+    for layout, extra in (("fsdp", {"fsdp": True}), ("ddp", {})):
+        tmp = tmp_path_factory.mktemp(f"{layout}-{request.param.split()[0]}")
+        runs[layout] = (tmp, launch(tmp, **ROUNDS[request.param], **extra))
+    return request.param, runs
+
+
+def test_sharded_replicas_end_where_ddp_inside_ends(layouts):
+    """Four rounds or more, with fp32 syncs, int8, and streamed int4 with error feedback on the shards: the same
+    model within 1e-5, whether a replica's two processes shard it or each hold all of it (in both layouts every
+    member syncs the rows FSDP2 gives it, so a codec quantizes the same values)."""
+    _, runs = layouts
+    sharded = torch.load(runs["fsdp"][0] / "final.pt")
+    whole = torch.load(runs["ddp"][0] / "final.pt")
+    assert set(whole) <= set(sharded)
+    worst = max((sharded[k] - whole[k]).abs().max().item() for k in whole)
+    assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
+
+
+def test_the_same_shard_is_identical_in_every_replica_after_every_sync(layouts):
+    """Member j of each replica holds shard j: after each sync that covers the whole model it is bit-identical
+    across replicas (with fragments: after the last step's, which syncs them all), and the two members of a replica
+    hold different shards."""
+    rounds, runs = layouts
+    ranks = runs["fsdp"][1]
+    streamed = "num_fragments" in ROUNDS[rounds]
+    # Streamed: a fragment is launched every 2 steps from step 2 and lands 1 step later; the last step syncs all.
+    assert [step for step, _ in ranks[0]["digests"]] == (list(range(2, 11)) if streamed else [3, 6, 9, 10])
+    whole = slice(-1, None) if streamed else slice(None)
+    assert ranks[0]["digests"][whole] == ranks[2]["digests"][whole]
+    assert ranks[1]["digests"][whole] == ranks[3]["digests"][whole]
+    assert ranks[0]["digests"][-1][1] != ranks[1]["digests"][-1][1]
+
+
+def test_each_process_holds_about_half_of_what_ddp_inside_holds(layouts):
+    """Parameters + AdamW's state + θ_global and outer momentum, in bytes per process: at most 0.55 of DDP
+    inside the replica for g = 2 (shards are cut by rows, so an odd row count costs a little over a half)."""
+    _, runs = layouts
+    for rank in range(4):
+        sharded, whole = runs["fsdp"][1][rank]["held_bytes"], runs["ddp"][1][rank]["held_bytes"]
+        for part in whole:
+            assert 0 < sharded[part] <= 0.55 * whole[part], (rank, part, sharded, whole)
+
+
+def test_only_the_shards_cross_replicas(layouts):
+    """Each process sends its shard to the other replica: the bytes across replicas per round equal DDP's
+    1/g slice (within the shards' row padding), and inside the replica only the round's statistics move."""
+    _, runs = layouts
+    rounds = {layout: [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+              for layout, (tmp, _) in runs.items()}
+    for sharded, whole in zip(rounds["fsdp"], rounds["ddp"], strict=True):
+        assert sharded["synced_parameters"] == whole["synced_parameters"]
+        assert abs(sharded["bytes_per_replica"] - whole["bytes_per_replica"]) <= 0.01 * whole["bytes_per_replica"]
+        assert sharded["intra_replica_bytes"] < 1000 < whole["intra_replica_bytes"]
+        assert sharded["pseudo_grad_norm"] == pytest.approx(whole["pseudo_grad_norm"], rel=1e-4)
+
+
+def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_an_uninterrupted_one_ends(tmp_path):
+    """`hf-diloco launch recipes/fsdp-replicas.yaml --accelerate-config cpu-fsdp-2x2.yaml --max-restarts 1`: SIGKILL
+    one of the four processes in the middle of a round; the restarted launch reads every process's shards of the
+    newest round checkpoint (AdamW's moments, θ_global and the outer momentum) and ends with the model of a run
+    that was never killed, within 1e-5."""
+    out, clean = tmp_path / "run", tmp_path / "clean"
+    short = ["--max_steps", "60", "--inner_steps", "10", "--block_size", "64", "--per_device_train_batch_size", "2",
+             "--eval_strategy", "no", "--eval_on_start", "false", "--logging_steps", "1000", "--disable_tqdm", "true",
+             "--report_to", "none"]
+
+    def launch_sharded(output_dir, *extra):
+        command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(REPO / "recipes" / "fsdp-replicas.yaml"),
+                   "--accelerate-config", str(REPO / "accelerate_configs" / "cpu-fsdp-2x2.yaml"),
+                   "--port", str(free_port()), *extra, "--", "--output_dir", str(output_dir), *short]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                                cwd=REPO, start_new_session=True)
+
+    def finish(process):
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, f"{stdout[-2000:]}\n{stderr[-4000:]}"
+
+    run = launch_sharded(out, "--max-restarts", "1")
+
+    def mid_round() -> bool:
+        try:
+            step = json.loads((out / "progress.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return step > 20 and step % 10 >= 3
+
+    wait_for(mid_round, timeout=400, what="step 23 or later, mid-round", every=0.2)
+    workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
+    os.kill(max(int(pid) for pid in workers.stdout.split()), signal.SIGKILL)
+    finish(run)
+    rounds = read_sync_rounds(out)
+    assert [r["step"] for r in rounds] == list(range(10, 61, 10))
+    assert sum("resumed_from" in r for r in rounds) == 1
+    finish(launch_sharded(clean))
+    killed, uninterrupted = load_file(out / "model.safetensors"), load_file(clean / "model.safetensors")
+    assert killed.keys() == uninterrupted.keys()
+    worst = max((killed[k] - uninterrupted[k]).abs().max().item() for k in killed)
+    assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
