@@ -91,7 +91,7 @@ TRAINING_KEYS = frozenset({
     "eval_strategy", "eval_steps", "eval_on_start", "save_strategy", "save_steps", "save_total_limit",
     "logging_steps", "logging_first_step", "log_level", "disable_tqdm", "bf16", "fp16", "tf32", "use_cpu",
     "dataloader_num_workers", "dataloader_drop_last", "train_sampling_strategy", "resume_from_checkpoint",
-    "output_dir", "report_to",
+    "output_dir", "report_to", "fsdp", "fsdp_config",  # FSDP2 inside each replica (Models bigger than one device)
 })
 # Keys that may appear with some values only: the app sets the output folder, resumes only inside it, and reports
 # only to files on this machine (TensorBoard), never to an online tracker.

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common import (
     REPO,
+    RESULTS,
     Processes,
     RunFailed,
     free_port,
@@ -51,7 +52,9 @@ def run_layout(output_dir: Path, layout: str, common: list[str]) -> dict:
     launch, extra = LAYOUTS[layout]
     command = train_command(PROCESSES, ["--output_dir", str(output_dir), *common, *extra],
                             launch=[*launch, "--main_process_port", str(free_port())])
-    Processes([command]).wait()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:  # every process's output, kept whole
+        Processes([command], on_line=log.write).wait()
     return read_run(output_dir)
 
 
@@ -72,12 +75,13 @@ def main() -> None:
     if args.repeats < 3:
         sys.exit("--repeats must be at least 3: a median and a spread need three runs.")
     started = time.time()
-    steps, inner = (40, 20) if args.quick else (200, 50)
+    steps, inner = (40, 20) if args.quick else (100, 50)
     common = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "no", "--eval_on_start",
               "false", "--save_strategy", "no", "--save_every_rounds", "0", "--logging_steps", str(steps),
               "--report_to", "none"]
     runs = []
     with tempfile.TemporaryDirectory() as tmp_name:
+        logs = Path(tmp_name)
         try:
             for repeat in range(args.repeats):
                 for layout in LAYOUTS:
@@ -91,7 +95,11 @@ def main() -> None:
                                  "synced_parameters": rounds[0]["synced_parameters"],
                                  "peak_rss_mb": result["metrics"].get("peak_rss_mb")})
         except RunFailed as error:
-            sys.exit(str(error))
+            kept = RESULTS / "sharded-failed-runs"
+            kept.mkdir(parents=True, exist_ok=True)
+            for log in logs.glob("*.log"):
+                (kept / log.name).write_text(log.read_text())
+            sys.exit(f"{error}\n(the runs' whole output is kept in {kept})")
     numel = runs[0]["synced_parameters"]
     bound = 2 * (REPLICAS - 1) / REPLICAS * 4 * numel / GROUP  # fp32 ring all-reduce of a process's 1/g share
     summary, rows = {}, []

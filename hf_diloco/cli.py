@@ -201,12 +201,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise CLIError("--replicas starts torchft replicas; set outer_backend: torchft (the torch backend takes its "
                        "replica count from the accelerate config).")
     command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port, launch_args)
-    print(" ".join(command), flush=True)
-    if args.dry_run:  # the plan for the accelerate config's layout: replicas, memory per process, bytes per round
-        layout = values["hf_diloco_layout"]
+    if args.dry_run:  # the plan for the accelerate config's layout (replicas, memory per process, bytes per
+        layout = values["hf_diloco_layout"]  # round), then the command, last, as it would run
         print_plan(training.dry_run_plan(run, config, processes=layout["processes"], group=layout["group"],
                                          sharded=layout["sharded"] or config.sharded_replica))
+        print(" ".join(command), flush=True)
         return 0
+    print(" ".join(command), flush=True)
     from .launch import run_with_restarts
 
     return run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)

@@ -50,6 +50,7 @@ DILOCO_ROWS = (
     ("outer_momentum", "outer momentum", 0.9),
     ("outer_nesterov", "Nesterov", True),
     ("replica_group_size", "processes per replica", 1),
+    ("sharded_replica", "each replica sharded over its processes by FSDP2", False),
     ("data_sharding", "data sharding", "iid"),
     ("compression", "pseudo-gradient compression", "none"),
     ("error_feedback", "error feedback", False),

@@ -17,7 +17,6 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -208,21 +207,40 @@ def add_lora(model, run: RunArguments):
 # --- dry run ---------------------------------------------------------------------------------------------------------
 
 
+def shape_only_model(run: RunArguments):
+    """The model a dry run measures: a preset or a local model folder (from its config.json alone) is built on the
+    meta device, with no memory and no weights read, whatever its size; LoRA and Hub models are built as usual."""
+    import torch
+
+    from .models import PRESETS
+
+    path = os.path.expanduser(run.model_name_or_path)
+    if run.lora_r == 0 and run.model_name_or_path in PRESETS:
+        with torch.device("meta"):
+            return build_model(run)[0]
+    if run.lora_r == 0 and os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(path)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"could not read model {run.model_name_or_path!r}: {first_line(error)}.") from None
+    return build_model(run)[0]
+
+
 def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None = None,
                  group: int | None = None, sharded: bool | None = None) -> dict[str, str]:
     """What a run would do, computed from the model alone: sizes, memory per process and the bytes of a round;
     nothing is trained. `processes`, `group` and `sharded` give the layout of an accelerate config (`launch
-    --dry-run`); by default it is this launch's. A preset model is built on the meta device: no memory, any size."""
-    import torch
-
+    --dry-run`); by default it is this launch's."""
     from .codecs import CODECS, make_codec
     from .comm import ring_all_reduce_bytes, round_bytes
     from .metrics import format_bytes
-    from .models import PRESETS
 
     check_arguments(run, config)
-    with torch.device("meta") if run.model_name_or_path in PRESETS and run.lora_r == 0 else contextlib.nullcontext():
-        model, _ = build_model(run)
+    model = shape_only_model(run)
     group = group or config.replica_group_size
     sharded = config.sharded_replica if sharded is None else sharded
     on_torchft = config.outer_backend == "torchft"

@@ -139,6 +139,36 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
         assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
 
 
+def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
+    """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas: Preview and Start run one
+    launch of 2 x 2 processes (replicas x the recipe's replica_group_size), each replica sharded by FSDP2; the run
+    finishes, Live shows its rounds with the mean loss of both replicas, and the card says how it was trained."""
+    runs_dir = tmp_path / "runs"
+    recipe = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32") \
+        .replace("eval_strategy: steps", "eval_strategy: \"no\"").replace("eval_on_start: true", "eval_on_start: false")
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        form = ["", "fsdp-replicas.yaml", recipe, "cpu-fsdp-2x2.yaml", *knobs(replicas=2, inner_steps=10, max_steps=20)]
+        command, message = client.predict(*form, api_name="/preview")
+        assert "Form is valid" in message, message
+        assert "accelerate_configs/cpu-fsdp-2x2.yaml" in command and " --num_processes 4 " in command, command
+        message, selected, started = client.predict(*form, api_name="/start")
+        assert message.startswith("Started") and started == command
+        run_id = selected["value"] if isinstance(selected, dict) else selected
+        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to end")
+        run = runs.load(runs_dir / run_id)
+        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
+        recorded = read_sync_rounds(Path(run.output_dir))
+        assert [(r["round"], r["num_replicas"], r["replica_group_size"]) for r in recorded] == [(1, 2, 2), (2, 2, 2)]
+        live = client.predict(run_id, api_name="/refresh")
+        rounds = table(live[6])
+        assert [row[:2] for row in rounds["data"]] == [[2, 20], [1, 10]]
+        assert [row[3] for row in rounds["data"]] == [round(r["loss"], 4) for r in reversed(recorded)]
+        assert "step 20/20" in live[0]
+        card = client.predict(run_id, "alice/sharded", api_name="/card")[0]
+        assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
+
+
 BAD_FORMS = {
     "no recipe": (["", "cpu-2proc.yaml", knobs()], "choose a recipe"),
     "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)], "H (inner steps) must be at least 1"),

@@ -140,3 +140,15 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
     assert killed.keys() == uninterrupted.keys()
     worst = max((killed[k] - uninterrupted[k]).abs().max().item() for k in killed)
     assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
+    # The final save is an ordinary consolidated model: it loads whole, and the card says how it was trained.
+    from transformers import AutoModelForCausalLM
+
+    from hf_diloco import hub
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(p, killed[name]) for name, p in model.state_dict().items() if name in killed)
+    assert sum(p.numel() for p in model.parameters()) == 1_082_880
+    card = hub.model_card(out)
+    assert "| processes per replica (`replica_group_size`) | 2 | 1 |" in card
+    assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
+    assert "2 replicas trained independently" in card
