@@ -105,7 +105,7 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
             f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
         )
-    values, overrides = _auto_inner_steps(values, overrides)
+    values, overrides = _auto_fields(values, overrides)
     # Floats go back to text so that argparse converts them with the field's own type, like a flag.
     parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
     namespace, rest = parser.parse_known_args(overrides)
@@ -122,22 +122,26 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
         raise CLIError(first_line(error) + ".") from None
 
 
-def _auto_inner_steps(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:
-    """`inner_steps: auto` (recipe) and `--inner_steps auto` (flag, any spelling) as the fields they stand for:
-    auto_inner_steps true and the measuring rounds' H."""
-    from .config import AUTO_START
+def _auto_fields(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:
+    """`inner_steps: auto` / `sync_delay: auto` (recipe) and `--inner_steps auto` / `--sync_delay auto` (flag, any
+    spelling) as the fields they stand for: auto_inner_steps or auto_sync_delay true, and the measuring rounds'
+    value."""
+    from .config import AUTO_DELAY_START, AUTO_START
 
-    auto = ["--auto_inner_steps", "true"]
-    if values.get("inner_steps") == "auto":
-        values = {**values, "inner_steps": AUTO_START, "auto_inner_steps": True}
+    autos = {"inner_steps": (AUTO_START, "auto_inner_steps"), "sync_delay": (AUTO_DELAY_START, "auto_sync_delay")}
+    for name, (start, switch) in autos.items():
+        if values.get(name) == "auto":
+            values = {**values, name: start, switch: True}
     flags, rest = [], list(overrides)
     while rest:
         item = rest.pop(0)
-        if item in ("--inner_steps=auto", "--inner-steps=auto") or (
-                item in ("--inner_steps", "--inner-steps") and rest[:1] == ["auto"]):
-            if "=" not in item:
-                rest.pop(0)
-            flags += ["--inner_steps", str(AUTO_START), *auto]
+        for name, (start, switch) in autos.items():
+            spellings = (f"--{name}", f"--{name.replace('_', '-')}")
+            if item in tuple(f"{s}=auto" for s in spellings) or (item in spellings and rest[:1] == ["auto"]):
+                if "=" not in item:
+                    rest.pop(0)
+                flags += [f"--{name}", str(start), f"--{switch}", "true"]
+                break
         else:
             flags.append(item)
     return values, flags

@@ -45,6 +45,7 @@ def _launched_on_cpu_only() -> bool:
 
 
 AUTO_START = 20  # H of the measuring rounds of `inner_steps: auto`
+AUTO_DELAY_START = 1  # τ of every fragment until its first exchange is measured (`sync_delay: auto`)
 
 
 @dataclass
@@ -165,7 +166,17 @@ class DiLoCoConfig(TrainingArguments):
     sync_delay: int = field(
         default=0,
         metadata={"help": "tau: inner steps a sync runs in the background before its outer step is applied (0: "
-                          "blocking). Must be below inner_steps/num_fragments; the paper finds tau < 5 robust."},
+                          "blocking). Must be below inner_steps/num_fragments; the paper finds tau < 5 robust. "
+                          f"'auto' (in a recipe, a flag or from Python): start at tau = {AUTO_DELAY_START} and choose "
+                          "each fragment's tau from its measured exchanges (auto_sync_delay)."},
+    )
+    auto_sync_delay: bool = field(
+        default=False,
+        metadata={"help": "Choose each fragment's tau from measurements: after every round, the fragment that synced "
+                          "in the round before takes the fewest inner steps (1 to inner_steps/num_fragments - 1) "
+                          "whose compute time covers its exchange, the longest any replica measured (the numbers "
+                          "ride with the round's statistics, so every replica chooses alike); the round record "
+                          "gives each choice and the numbers behind it. sync_delay: auto sets it."},
     )
     fragment_alpha: float = field(
         default=0.0,
@@ -350,6 +361,11 @@ class DiLoCoConfig(TrainingArguments):
             )
 
     def _validate_streaming(self) -> None:
+        if self.sync_delay == "auto":
+            self.sync_delay, self.auto_sync_delay = AUTO_DELAY_START, True
+        if self.auto_sync_delay and self.sync_delay < 1:
+            raise ConfigError("auto_sync_delay chooses how many inner steps each sync overlaps, so it starts from "
+                              f"sync_delay {AUTO_DELAY_START} or more; set sync_delay: auto.")
         fragments, delay = self.num_fragments, self.sync_delay
         if not isinstance(fragments, int) or fragments < 1:
             raise ConfigError(f"num_fragments must be a whole number of at least 1, got {fragments!r}.")

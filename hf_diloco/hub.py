@@ -56,6 +56,7 @@ DILOCO_ROWS = (
     ("error_feedback", "error feedback", False),
     ("num_fragments", "streaming fragments", 1),
     ("sync_delay", "sync overlapped with inner steps (τ)", 0),
+    ("auto_sync_delay", "τ chosen per fragment from its measured exchanges", False),
     ("fragment_alpha", "mixing when a sync lands (α)", 0.0),
 )
 

@@ -37,6 +37,7 @@ class ReplicaStats:
     stop_requested: float = 0.0
     previous_agreement: float = float("nan")
     previous_blocked_seconds: float = 0.0
+    previous_exchange_seconds: float = 0.0  # how long this replica's previous exchange took (sync_delay auto)
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([float(x) for x in astuple(self)], dtype=torch.float64)

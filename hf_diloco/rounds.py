@@ -44,7 +44,7 @@ from .outer import (
     snapshot,
 )
 from .records import ReplicaStats, RoundLog, RoundStats, round_record, summary
-from .schedule import Schedule, choose_inner_steps
+from .schedule import Schedule, choose_inner_steps, choose_sync_delay
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class InFlight:
     lands_at: int
     outer_lr: float
     launch_seconds: float  # time the inner loop spent starting it (taking the pseudo-gradient snapshot)
+    measured: list[int]  # the fragments whose last exchange this round's statistics carry (sync_delay auto)
 
 
 class Overlap:
@@ -65,15 +66,15 @@ class Overlap:
     and lands τ steps later (or at the last step). Its collectives run on process groups of their own (see
     comm.ReplicaComm), so they never interleave with the training thread's."""
 
-    def __init__(self, delay: int):
-        self.delay = delay
+    def __init__(self):
         self.executor: ThreadPoolExecutor | None = None
         self.in_flight: InFlight | None = None
 
-    def launch(self, work, step: int, outer_lr: float, launch_seconds: float) -> None:
+    def launch(self, work, step: int, delay: int, outer_lr: float, launch_seconds: float,
+               measured: list[int]) -> None:
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-        self.in_flight = InFlight(self.executor.submit(work), step, step + self.delay, outer_lr, launch_seconds)
+        self.in_flight = InFlight(self.executor.submit(work), step, step + delay, outer_lr, launch_seconds, measured)
 
     def lands(self, step: int, max_steps: int) -> bool:
         """Whether the exchange in flight is due to land at `step`."""
@@ -117,7 +118,9 @@ class OuterLoopCallback(TrainerCallback):
         self.stop_requested = False
         self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
-        self.overlap = Overlap(self.args.sync_delay)
+        self.overlap = Overlap()
+        self.sync_delays: dict[int, int] = {}  # τ of each fragment chosen by sync_delay auto (else sync_delay)
+        self.exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds
         self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
         self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
         self.schedule = Schedule(self.args.inner_steps, self.args.num_fragments)
@@ -306,13 +309,15 @@ class OuterLoopCallback(TrainerCallback):
         self.last_round_tokens = self.round_tokens
         outer_lr = self.outer.lr()
         stats = self._round_stats()
+        measured = self.exchanged[0]  # the fragments whose exchange time these statistics carry
         self.comm.arrive(step)
         if self.args.sync_delay > 0 and step < max_steps and not joining:
             fragments = self.backend.expected_fragments(step, max_steps)
             buckets = [b for f in fragments for b in self.outer.fragment_buckets[f]]
             deltas = snapshot(self.outer, self.comm, buckets)
+            delay = max(self.sync_delays.get(f, self.args.sync_delay) for f in fragments)
             self.overlap.launch(lambda: self._background_round(step, max_steps, local, fragments, deltas, stats),
-                                step, outer_lr, time.perf_counter() - launched)
+                                step, delay, outer_lr, time.perf_counter() - launched, measured)
             self._reset_round()
             return False
         start = self._guarded(lambda: self.backend.start(step, max_steps, local, joining=joining))
@@ -334,8 +339,9 @@ class OuterLoopCallback(TrainerCallback):
                                                    feedback=self.feedback, stats=stats, weight=start.weight))
         done = time.perf_counter()
         self._reset_round()
+        self.exchanged = (start.fragments, done - exchanged)
         return start.stop_requested | self._complete(state, result, start, step, outer_lr, done - exchanged,
-                                                     done - launched)
+                                                     done - launched, measured)
 
     def _local_round(self) -> dict:
         """This replica's numbers for the backend's start (torchft: its row of the membership table)."""
@@ -390,15 +396,17 @@ class OuterLoopCallback(TrainerCallback):
         result = land(self.outer, landed, self.args.fragment_alpha, healthy=landed.result.committed and
                       self._healthy(landed.result))
         blocked = flight.launch_seconds + time.perf_counter() - waited
+        self.exchanged = (start.fragments, exchange_seconds)
         return start.stop_requested | self._complete(state, result, start, flight.launched_at, flight.outer_lr,
-                                                     exchange_seconds, blocked)
+                                                     exchange_seconds, blocked, flight.measured)
 
     def _round_stats(self):
         """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
         mine = ReplicaStats(loss_sum=self.round_loss.item(), steps=self.round_steps, tokens=self.round_tokens,
                             compute_seconds=self.round_compute, stop_requested=float(self.stop_requested),
                             previous_agreement=self.previous_agreement,
-                            previous_blocked_seconds=self.previous_blocked)
+                            previous_blocked_seconds=self.previous_blocked,
+                            previous_exchange_seconds=self.exchanged[1])
 
         def stats(local_norm_sq: float) -> torch.Tensor:
             mine.pseudo_grad_norm_sq = local_norm_sq
@@ -410,7 +418,7 @@ class OuterLoopCallback(TrainerCallback):
         return result.weights is None or result.weights[self.comm.replica_index] > 0
 
     def _complete(self, state, result: RoundResult, start: RoundStart, launched_at, outer_lr, sync_seconds,
-                  blocked) -> bool:
+                  blocked, measured: list[int] = ()) -> bool:
         # This replica's own parameters were not finite (it sat the round out with weight 0): it takes θ_global.
         if not start.finite or (result.committed and start.weight > 0 and not self._healthy(result)):
             self._reset_replica(state.global_step)
@@ -440,6 +448,8 @@ class OuterLoopCallback(TrainerCallback):
         if launched_at != state.global_step:
             record["launch_step"] = launched_at
         self.fragment_syncs += 1
+        if self.args.auto_sync_delay and stats is not None and measured and state.global_step < state.max_steps:
+            record["sync_delay_auto"] = self._choose_sync_delay(stats, list(measured))
         if self.args.auto_inner_steps and self.auto_choice is None and stats is not None and \
                 self.fragment_syncs >= 2 * self.args.num_fragments and state.global_step < state.max_steps:
             record["inner_steps_auto"] = self._choose_inner_steps(stats, launched_at, state.max_steps)
@@ -481,6 +491,16 @@ class OuterLoopCallback(TrainerCallback):
                 step_seconds, sync_seconds, chosen, 100 * overhead, self.args.num_fragments, chosen, launched_at)
         return self.auto_choice
 
+    def _choose_sync_delay(self, stats: RoundStats, fragments: list[int]) -> dict:
+        """sync_delay auto for `fragments` (those of the exchange before this round), from this round's statistics,
+        which every replica received alike: see schedule.choose_sync_delay. The fragments' next syncs use it."""
+        exchange = float(stats.previous_exchange_seconds.max())
+        step_seconds = float((stats.compute_seconds / stats.steps.clamp(min=1)).max())
+        chosen = choose_sync_delay(exchange, step_seconds, most=self.schedule.sync_every - 1)
+        for fragment in fragments:
+            self.sync_delays[fragment] = chosen
+        return {"fragments": fragments, "exchange_seconds": exchange, "step_seconds": step_seconds, "chosen": chosen}
+
     @torch.no_grad()
     def _reset_replica(self, step: int) -> None:
         """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
@@ -511,6 +531,8 @@ class OuterLoopCallback(TrainerCallback):
         """What only this replica knows: its error-feedback residuals and, when replicas may differ after a
         round (several fragments, or α > 0), its own trainable parameters."""
         state: dict = {}
+        if self.sync_delays:  # each fragment's τ that sync_delay auto chose, with what it was chosen from
+            state["sync_delays"] = {"delays": dict(self.sync_delays), "exchanged": list(self.exchanged)}
         if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
             state["schedule"] = {"origin_step": self.schedule.origin_step, "origin_round": self.schedule.origin_round,
                                  "inner_steps": self.args.inner_steps, "choice": self.auto_choice}
@@ -532,6 +554,10 @@ class OuterLoopCallback(TrainerCallback):
     @torch.no_grad()
     def _load_replica_state(self) -> None:
         state, self.saved_replica_state = self.saved_replica_state or {}, None
+        if "sync_delays" in state:
+            self.sync_delays = {int(f): int(d) for f, d in state["sync_delays"]["delays"].items()}
+            fragments, seconds = state["sync_delays"]["exchanged"]
+            self.exchanged = (list(fragments), float(seconds))
         if self.feedback is not None and "error_feedback" in state:
             self.feedback.load_state_dict(state["error_feedback"])
         for param, saved in zip(self.outer.params, state.get("params", []), strict=False):
@@ -594,7 +620,8 @@ class OuterLoopCallback(TrainerCallback):
                              "inner_steps": self.args.inner_steps,
                              "synced_parameters": self.outer.numel if self.outer else 0,
                              "compression": self.args.compression + ("+ef" if self.args.error_feedback else ""),
-                             "num_fragments": self.args.num_fragments, "sync_delay": self.args.sync_delay})
+                             "num_fragments": self.args.num_fragments, "sync_delay": self.args.sync_delay,
+                             "auto_sync_delay": self.args.auto_sync_delay})
         if last_agreement is not None and self.history and all(math.isfinite(x) for x in last_agreement):
             totals["last_round_agreement"] = {"round": self.history[-1]["round"], "replica_agreement": last_agreement}
         write_summary(args.output_dir, totals)

@@ -77,3 +77,21 @@ def choose_inner_steps(step_seconds: float, sync_seconds: float, *, num_fragment
     fragments = num_fragments
     wanted = fragments * sync_seconds / (max_sync_overhead * step_seconds) if step_seconds > 0 else fragments
     return max(fragments * (sync_delay + 1), fragments * math.ceil(wanted / fragments))
+
+
+def choose_sync_delay(exchange_seconds: float, step_seconds: float, *, most: int) -> int:
+    """sync_delay auto: the fewest inner steps (at least 1, at most `most` = H/F − 1, so a fragment's sync lands
+    before the next is due) whose compute time covers a fragment's exchange:
+
+        τ = ceil(t_exchange / t_step), clamped to [1, H/F − 1]
+
+    with t_exchange the longest any replica's last exchange of that fragment took and t_step the slowest
+    replica's seconds per inner step.
+
+    >>> choose_sync_delay(0.25, 0.1, most=9)      # 2.5 steps of compute cover the transfer: 3
+    3
+    >>> choose_sync_delay(0.01, 0.1, most=9), choose_sync_delay(5.0, 0.1, most=9)
+    (1, 9)
+    """
+    wanted = math.ceil(exchange_seconds / step_seconds - 1e-9) if step_seconds > 0 else most
+    return max(1, min(most, wanted))

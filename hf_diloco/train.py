@@ -279,8 +279,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         f"compression {config.compression} ({by_codec['none'] / per_round:.1f}x fewer bytes than fp32)",
         "per round by codec": ", ".join(f"{name} {format_bytes(sent)}" for name, sent in by_codec.items()),
         "streaming": f"{config.num_fragments} fragment(s), one sync every {config.inner_steps // config.num_fragments}"
-        f" steps of about {format_bytes(per_round / config.num_fragments)}, overlapped with {config.sync_delay} "
-        f"inner step(s)",
+        f" steps of about {format_bytes(per_round / config.num_fragments)}, overlapped with "
+        f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s)",
         f"DDP for the same {config.inner_steps} steps": format_bytes(
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),

@@ -5,6 +5,7 @@ Each test starts tests/scripts/replica_run.py as two processes and reads back wh
 
 import copy
 import json
+import math
 import sys
 
 import pytest
@@ -306,6 +307,31 @@ def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike
     later = [r["step"] for r in rounds[2:]]
     assert later == [*range(4 + h, 40, h), 40][: len(later)] and later[-1] == 40
     assert ranks[0]["digests"] == ranks[1]["digests"]
+
+
+def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_takes(tmp_path):
+    """sync_delay auto with 2 fragments (one sync every 10 steps, H = 20) over a link made slower (each all-reduce
+    waits 0.3 s): every round, the fragment that synced before takes τ = the fewest steps (1 to 9) whose compute
+    covers its exchange, recomputed here from the numbers the record gives; each later sync of that fragment lands
+    τ steps after its launch, and both replicas land at the same steps (they chose alike)."""
+    ranks = launch_replicas(tmp_path, inner_steps=20, num_fragments=2, sync_delay="auto", max_steps=60,
+                            slow_sync_seconds=0.3)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    delays = {}  # fragment -> τ in effect
+    for record in rounds:
+        (fragment,) = record["fragments"] if record["step"] < 60 else (None,)
+        if fragment is not None:
+            assert record["step"] - record["launch_step"] == delays.get(fragment, 1), record
+        choice = record.get("sync_delay_auto")
+        if choice is None:
+            continue
+        wanted = math.ceil(choice["exchange_seconds"] / choice["step_seconds"] - 1e-9)
+        assert choice["chosen"] == max(1, min(9, wanted)), choice
+        assert choice["exchange_seconds"] >= 0.3, "the measured exchange includes the slower link"
+        delays.update({f: choice["chosen"] for f in choice["fragments"]})
+    assert set(delays) == {0, 1} and max(delays.values()) > 1, delays
+    assert [s for s, _ in ranks[0]["digests"]] == [s for s, _ in ranks[1]["digests"]]
+    assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 
 def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(tmp_path):

@@ -5,7 +5,8 @@ torch.distributed collective it made, tagged with the inner step it happened in 
 of its parameters after every sync, and the bytes it wrote to its sockets during every sync (from the kernel's
 count of bytes written, /proc/self/io `wchar`); rank 0's final parameters go to `final.pt`. The setting
 `stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does); `seed_by_rank: true`
-builds each process's model from its own seed (replicas that do not start alike).
+builds each process's model from its own seed (replicas that do not start alike); `slow_sync_seconds: s` makes
+every all-reduce across replicas wait s seconds first (a slower link).
 """
 
 import hashlib
@@ -27,6 +28,7 @@ settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
 stop_at_step = settings.pop("stop_at_step", None)
 seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
+slow_sync_seconds = settings.pop("slow_sync_seconds", 0)  # every all-reduce between replicas takes this much longer
 
 # --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
 # inside a replica of several processes run in C++ and are not seen here ---
@@ -116,6 +118,16 @@ config = DiLoCoConfig(
 model = tiny_llama(seed=int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
 trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(),
                         data_collator=default_data_collator, callbacks=[Probe()])
+if slow_sync_seconds:  # a slower link: each all-reduce across replicas waits before it runs
+    import time
+
+    all_reduce = trainer.comm._all_reduce
+
+    def slow_all_reduce(buffer):
+        time.sleep(slow_sync_seconds)
+        all_reduce(buffer)
+
+    trainer.comm._all_reduce = slow_all_reduce
 original_sync = trainer.diloco._sync
 sync_digests = []
 
