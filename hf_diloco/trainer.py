@@ -326,9 +326,6 @@ class DiLoCoTrainer(Trainer):
     def _replica_dir(self, checkpoint: str) -> Path:
         return checkpoints.part_dir(checkpoint, self.args.process_index)
 
-    def _replica_dir_of(self, checkpoint: str, rank: int) -> Path:
-        return checkpoints.part_dir(checkpoint, rank)
-
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Sharded replicas: every process reads the checkpoint's consolidated weights and keeps its shards (the
         round's θ_global and the replica's own parameters are then restored from the DiLoCo state on top)."""
@@ -380,7 +377,7 @@ class DiLoCoTrainer(Trainer):
             self.diloco.reached_before_resume = int(json.loads(progress.read_text())["step"])
         replica_file = replica_dir / REPLICA_STATE_FILE
         self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
-        outer_file = (self._replica_dir_of(checkpoint, self.comm.member) if self.comm.sharded
+        outer_file = (checkpoints.part_dir(checkpoint, self.comm.member) if self.comm.sharded
                       else Path(checkpoint)) / OUTER_STATE_FILE
         self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
 
