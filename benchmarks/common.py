@@ -54,6 +54,11 @@ VARIANTS: dict[str, list[str]] = {
     # H % F == 0, so the paper's F = 4 becomes 5 here), each overlapped with 2 inner steps, int4 + error feedback.
     "stream F=5 tau=2 int4+EF": ["--num_fragments", "5", "--sync_delay", "2", "--compression", "int4",
                                  "--error_feedback", "true"],
+    # The same with τ chosen per fragment from its measured exchanges, and the end staggered (final_sync auto).
+    "stream F=5 tau=auto int4+EF": ["--num_fragments", "5", "--sync_delay", "auto", "--compression", "int4",
+                                    "--error_feedback", "true"],
+    "stream F=5 tau=auto sparse+EF": ["--num_fragments", "5", "--sync_delay", "auto", "--compression", "sparse",
+                                      "--error_feedback", "true"],
     # The same rounds on the torchft backend (a Lighthouse on the first host, one replica launch per host).
     "torchft fp32": ["--outer_backend", "torchft"],
     "torchft stream F=5 tau=2 int4+EF": ["--outer_backend", "torchft", "--num_fragments", "5", "--sync_delay", "2",
@@ -64,10 +69,11 @@ VARIANTS: dict[str, list[str]] = {
 # --- variants ----------------------------------------------------------------------------------------------------
 
 
-def add_variant_arguments(parser: argparse.ArgumentParser, default: list[str]) -> None:
+def add_variant_arguments(parser: argparse.ArgumentParser, default: list[str] | None) -> None:
+    """--variants and --variant; a default of None leaves the choice to the benchmark (it says so in its help)."""
     parser.add_argument("--variants", nargs="+", default=default, metavar="NAME",
                         help=f"named variants from common.VARIANTS (known: {', '.join(VARIANTS)}; default: "
-                             f"{' '.join(default)})")
+                             f"{' '.join(default) if default else 'the task' + chr(39) + 's own list'})")
     parser.add_argument("--variant", action="append", default=[], metavar="'NAME=--field value ...'",
                         help="an extra variant given inline, e.g. 'int8=--compression int8' (repeatable)")
 
@@ -101,10 +107,10 @@ def check_overrides(overrides: list[str], what: str) -> None:
 
 
 def overlaps_compute(overrides: list[str]) -> bool:
-    """Whether the variant's sync runs in the background of later inner steps (`--sync_delay` above 0)."""
+    """Whether the variant's sync runs in the background of later inner steps (`--sync_delay` above 0, or auto)."""
     for i, flag in enumerate(overrides):
         value = flag.partition("=")[2] if "=" in flag else (overrides[i + 1] if i + 1 < len(overrides) else "0")
-        if flag.split("=")[0] == "--sync_delay" and float(value) > 0:
+        if flag.split("=")[0] == "--sync_delay" and (value == "auto" or float(value) > 0):
             return True
     return False
 

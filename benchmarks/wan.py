@@ -151,7 +151,7 @@ def best_utilisation(compute_seconds: float, sent: list[int], rate: float | None
     """(minimum wire seconds, best utilisation the link allows) for a run that sent `sent` bytes per host.
 
     Blocking: compute and wire time add up. Overlapped: the wire time of the overlapped rounds can hide behind
-    compute, but the rounds that block (the final one, with every fragment) add theirs.
+    compute, but the rounds that block (the final one with every fragment, unless the end is staggered) add theirs.
     """
     if rate is None:
         return 0.0, 1.0
@@ -271,6 +271,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every run, interleaved (at least 3)")
     parser.add_argument("--links", nargs="+", choices=list(LINKS),
                         help="measure these links only (with --quick: at the quick steps, default 10mbit)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="every link at N steps (default: 100, and 50 at 1 Mbit/s); longer runs weigh the "
+                             "start-up and the last round as a long run does")
+    parser.add_argument("--inner-steps", type=int, default=50, metavar="H", help="H with --steps (default 50)")
     add_variant_arguments(parser, default=["fp32"])
     parser.add_argument("--results", default="wan", metavar="NAME",
                         help="write results/NAME.md, .json and .png (default wan; e.g. wan-torchft for a variant run)")
@@ -281,6 +285,8 @@ def main() -> None:
     variants = selected_variants(args)
     if args.quick:  # the quick group's steps and H at the links asked for (default: 10 Mbit/s only)
         groups = [Group(tuple(args.links or QUICK.links), QUICK.steps, QUICK.inner_steps)]
+    elif args.steps:
+        groups = [Group(tuple(args.links or LINKS), args.steps, args.inner_steps)]
     else:
         groups = [Group(tuple(k for k in g.links if k in (args.links or LINKS)), g.steps, g.inner_steps)
                   for g in FULL]
@@ -303,7 +309,7 @@ def main() -> None:
              "repeat (same namespaces, syncs off, unshaped). Best the link allows: baseline loop time ÷ (baseline "
              "loop time + bytes on the veth · 8 ÷ rate) for blocking syncs; for overlapped ones (sync_delay > 0) "
              "baseline loop time ÷ (max(baseline loop time, wire time of the overlapped rounds) + wire time of the "
-             "rounds that block, the final all-fragment round).")
+             "rounds that block: the final all-fragment round of a blocking end, none with a staggered one).")
     save(args.results, text, {"method": __doc__.split("\n\n")[1], "groups": [g.__dict__ for g in groups],
                        "repeats": args.repeats, "variants": variants, "rows": rows, "runs": runs},
          plot(rows), quick=args.quick, seconds=time.time() - started)

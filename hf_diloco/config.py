@@ -24,6 +24,7 @@ from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the con
 FRAGMENT_PATTERNS = ("strided", "sequential")
 
 OUTER_OPTIMIZERS = ("sgd", "adamw")
+FINAL_SYNCS = ("auto", "staggered", "blocking")
 DATA_SHARDINGS = ("iid", "non_iid")
 
 
@@ -177,6 +178,19 @@ class DiLoCoConfig(TrainingArguments):
                           "whose compute time covers its exchange, the longest any replica measured (the numbers "
                           "ride with the round's statistics, so every replica chooses alike); the round record "
                           "gives each choice and the numbers behind it. sync_delay: auto sets it."},
+    )
+    final_sync: str = field(
+        default="auto",
+        metadata={"help": "How the run's end makes the final model global. 'staggered': each fragment's last sync "
+                          "overlaps like the others, launched so that it lands as the next is launched and the last "
+                          "lands at the last step (nothing waits at the end; what a fragment trains after its last "
+                          "launch, at most the sum of the fragments' tau in steps, is left out of the final model). "
+                          "'blocking': every fragment syncs at the last step and the replicas wait for the whole "
+                          "model's exchange. 'auto': staggered when syncs overlap (sync_delay > 0) on the torch "
+                          "backend, else blocking. On torchft the end is always blocking: its rounds are due by "
+                          "each replica's own progress, not at fixed steps, so there is no fixed window to stagger "
+                          "the last syncs in.",
+                  "choices": list(FINAL_SYNCS)},
     )
     fragment_alpha: float = field(
         default=0.0,
@@ -387,6 +401,21 @@ class DiLoCoConfig(TrainingArguments):
             )
         if not 0 <= self.fragment_alpha < 1:
             raise ConfigError(f"fragment_alpha must be in [0, 1), got {self.fragment_alpha!r}.")
+        if self.final_sync not in FINAL_SYNCS:
+            raise ConfigError(f"final_sync must be one of {', '.join(FINAL_SYNCS)}, got {self.final_sync!r}.")
+        if self.final_sync == "staggered" and delay < 1:
+            raise ConfigError("final_sync staggered overlaps each fragment's last sync with inner steps, so it needs "
+                              "sync_delay 1 or more (or auto).")
+        if self.final_sync == "staggered" and self.outer_backend == "torchft":
+            raise ConfigError("final_sync staggered needs outer_backend torch: torchft rounds are due by each "
+                              "replica's own progress, not at fixed steps, so its last round syncs every fragment.")
+
+    @property
+    def staggered_end(self) -> bool:
+        """Whether each fragment's last sync overlaps inner steps (see final_sync)."""
+        if self.final_sync == "auto":
+            return self.sync_delay > 0 and self.outer_backend == "torch"
+        return self.final_sync == "staggered"
 
     @property
     def sharded_replica(self) -> bool:

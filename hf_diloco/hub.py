@@ -57,6 +57,7 @@ DILOCO_ROWS = (
     ("num_fragments", "streaming fragments", 1),
     ("sync_delay", "sync overlapped with inner steps (τ)", 0),
     ("auto_sync_delay", "τ chosen per fragment from its measured exchanges", False),
+    ("staggered_end", "last syncs staggered, so the end waits for no exchange", False),
     ("fragment_alpha", "mixing when a sync lands (α)", 0.0),
 )
 

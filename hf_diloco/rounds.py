@@ -44,7 +44,7 @@ from .outer import (
     snapshot,
 )
 from .records import ReplicaStats, RoundLog, RoundStats, round_record, summary
-from .schedule import Schedule, choose_inner_steps, choose_sync_delay
+from .schedule import FinalWindow, Schedule, choose_inner_steps, choose_sync_delay
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class OuterLoopCallback(TrainerCallback):
             self._load_schedule()
             self._load_replica_state()
             self.saved_outer_state = None
+        self._stagger_end(state.global_step, state.max_steps, warn=True)
         self.log.total_rounds = self.schedule.total_rounds(state.max_steps)
         self.cumulative_bytes = 0
         self.train_started = time.time()
@@ -298,6 +299,9 @@ class OuterLoopCallback(TrainerCallback):
             stop |= self._land(state)
         if self.backend.due(step, state.max_steps):
             stop |= self._round(state)
+        if step >= state.max_steps and self.schedule.end is not None:
+            # The staggered end: every fragment's last sync has landed; the final model is θ_global.
+            self.outer.copy_global_to_replica()
         return stop
 
     def _round(self, state, joining: bool = False) -> bool:
@@ -315,7 +319,7 @@ class OuterLoopCallback(TrainerCallback):
             fragments = self.backend.expected_fragments(step, max_steps)
             buckets = [b for f in fragments for b in self.outer.fragment_buckets[f]]
             deltas = snapshot(self.outer, self.comm, buckets)
-            delay = max(self.sync_delays.get(f, self.args.sync_delay) for f in fragments)
+            delay = self.schedule.final_delay(step) or max(self._delay(f) for f in fragments)
             self.overlap.launch(lambda: self._background_round(step, max_steps, local, fragments, deltas, stats),
                                 step, delay, outer_lr, time.perf_counter() - launched, measured)
             self._reset_round()
@@ -453,6 +457,8 @@ class OuterLoopCallback(TrainerCallback):
         if self.args.auto_inner_steps and self.auto_choice is None and stats is not None and \
                 self.fragment_syncs >= 2 * self.args.num_fragments and state.global_step < state.max_steps:
             record["inner_steps_auto"] = self._choose_inner_steps(stats, launched_at, state.max_steps)
+        if "sync_delay_auto" in record or "inner_steps_auto" in record:
+            self._stagger_end(state.global_step, state.max_steps)
         self._finish(state, start, result, record)
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
@@ -468,6 +474,23 @@ class OuterLoopCallback(TrainerCallback):
             record["startup_bytes"] = self.startup_bytes
             self.startup_bytes = None
         self.log.queue(record)
+
+    def _delay(self, fragment: int) -> int:
+        """τ of `fragment`'s next sync: sync_delay, or what sync_delay auto chose for it."""
+        return self.sync_delays.get(fragment, self.args.sync_delay)
+
+    def _stagger_end(self, step: int, max_steps: int, warn: bool = False) -> None:
+        """final_sync staggered: place the final window for the fragments' current τ (schedule.Schedule.stagger_end).
+        Placed anew when an auto choice changes τ or H, until the last H steps begin: from then on it stays, so
+        every fragment's last sync happens once, at the step every replica agreed on."""
+        if not self.args.staggered_end or (self.schedule.end is not None and step >= max_steps - self.sync_every *
+                                           self.args.num_fragments):
+            return
+        if not self.schedule.stagger_end(max_steps, [self._delay(f) for f in range(self.args.num_fragments)]):
+            if warn and self.trainer.is_world_process_zero():
+                logger.warning("DiLoCo: the run is too short for a staggered end (final_sync); every fragment "
+                               "syncs at the last step.")
+        self.log.total_rounds = self.schedule.total_rounds(max_steps)
 
     def _choose_inner_steps(self, stats: RoundStats, launched_at: int, max_steps: int) -> dict:
         """inner_steps auto, from what the first rounds measured, the same on every replica (every number comes
@@ -533,6 +556,9 @@ class OuterLoopCallback(TrainerCallback):
         state: dict = {}
         if self.sync_delays:  # each fragment's τ that sync_delay auto chose, with what it was chosen from
             state["sync_delays"] = {"delays": dict(self.sync_delays), "exchanged": list(self.exchanged)}
+        if self.schedule.end is not None:  # the staggered end as placed, which stays once the last H steps begin
+            state["final_window"] = {"launches": {str(k): list(v) for k, v in self.schedule.end.launches.items()},
+                                     "last_regular": self.schedule.end.last_regular}
         if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
             state["schedule"] = {"origin_step": self.schedule.origin_step, "origin_round": self.schedule.origin_round,
                                  "inner_steps": self.args.inner_steps, "choice": self.auto_choice}
@@ -558,6 +584,10 @@ class OuterLoopCallback(TrainerCallback):
             self.sync_delays = {int(f): int(d) for f, d in state["sync_delays"]["delays"].items()}
             fragments, seconds = state["sync_delays"]["exchanged"]
             self.exchanged = (list(fragments), float(seconds))
+        if "final_window" in state and self.args.staggered_end:
+            window = state["final_window"]
+            self.schedule.end = FinalWindow(launches={int(k): tuple(v) for k, v in window["launches"].items()},
+                                            last_regular=int(window["last_regular"]))
         if self.feedback is not None and "error_feedback" in state:
             self.feedback.load_state_dict(state["error_feedback"])
         for param, saved in zip(self.outer.params, state.get("params", []), strict=False):

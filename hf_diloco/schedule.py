@@ -2,8 +2,19 @@
 
 Streaming DiLoCo (arXiv 2501.18512) staggers F fragments: fragment f syncs at the steps s with
 s mod H = (f + 1)·H/F mod H, so one fragment syncs every H/F steps and each fragment every H steps. F = 1 is plain
-DiLoCo (every H steps). Every fragment syncs at the last step, so the final model is the global one. A round is one
-fragment's sync, counted from 1.
+DiLoCo (every H steps). A round is one fragment's sync, counted from 1.
+
+The end of a run makes the final model the global one, in one of two ways:
+- blocking (the default without overlap): every fragment syncs at the last step, and the replicas wait for the
+  whole model's exchange;
+- staggered (`final_sync: staggered`, the default when syncs overlap inner steps): each fragment's last sync is
+  launched so that it lands as the next one is launched, the last one landing at the last step,
+
+      e_last = max_steps − τ_last,   e_f = e_next − τ_f,   so the window starts at W = max_steps − Σ_f τ_f,
+
+  and no regular round is launched that would still be in flight at W. Nothing waits at the end beyond what every
+  overlapped round waits; what a fragment trains after its last sync is launched (at most Σ τ steps) is left out
+  of the final model, which takes θ_global for every fragment.
 """
 
 from __future__ import annotations
@@ -29,14 +40,21 @@ class Schedule:
     num_fragments: int = 1
     origin_step: int = 0
     origin_round: int = 0
+    end: FinalWindow | None = None  # the staggered end, once `stagger_end` placed it
 
     @property
     def sync_every(self) -> int:
         return self.inner_steps // self.num_fragments
 
     def due_fragments(self, step: int, max_steps: int) -> list[int]:
-        """Fragments whose round ends at `step`: every fragment at the last step."""
-        if step >= max_steps:
+        """Fragments whose round is launched at `step`: every fragment at the last step, or with a staggered end
+        one fragment at each of the final window's launch steps and none at the last step."""
+        if self.end is not None:
+            if step in self.end.launches:
+                return [self.end.launches[step][0]]
+            if step > self.end.last_regular:
+                return []
+        elif step >= max_steps:
             return list(range(self.num_fragments))
         since = step - self.origin_step
         if since <= 0 or since % self.sync_every:
@@ -45,15 +63,63 @@ class Schedule:
 
     def round_at(self, step: int) -> int:
         """The number of the round launched at `step`, counted from 1."""
+        if self.end is not None and step in self.end.launches:
+            return self.end.launches[step][1]
         return self.origin_round + math.ceil((step - self.origin_step) / self.sync_every)
 
     def total_rounds(self, max_steps: int) -> int | None:
+        if self.end is not None:
+            return max(number for _, number, _ in self.end.launches.values())
         return self.round_at(max_steps) if max_steps > 0 else None
 
     def restart_at(self, step: int, inner_steps: int) -> None:
         """A new H from `step` on (the round launched at `step` keeps its number)."""
         self.origin_round, self.origin_step = self.round_at(step), step
         self.inner_steps = inner_steps
+
+    def final_delay(self, step: int) -> int | None:
+        """τ of the final-window round launched at `step` (it lands as the next is launched), else None."""
+        if self.end is None or step not in self.end.launches:
+            return None
+        return self.end.launches[step][2]
+
+    def stagger_end(self, max_steps: int, delays: list[int]) -> bool:
+        """Place the staggered end for the fragments' τ `delays` (see the module's docstring). Returns False, and
+        leaves the blocking end, where the window would not fit after the schedule's origin.
+
+        >>> s = Schedule(inner_steps=6, num_fragments=3)       # one fragment every 2 steps, τ = 1 each
+        >>> s.stagger_end(13, [1, 1, 1])
+        True
+        >>> [(step, s.due_fragments(step, 13)) for step in range(1, 14) if s.due_fragments(step, 13)]
+        [(2, [0]), (4, [1]), (6, [2]), (8, [0]), (10, [1]), (11, [2]), (12, [0])]
+        >>> s.round_at(10), s.round_at(11), s.round_at(12), s.total_rounds(13), s.final_delay(12)
+        (5, 6, 7, 7, 1)
+        """
+        self.end = None
+        window = max_steps - sum(delays)
+        if min(delays) < 1 or window <= self.origin_step:
+            return False
+        # The regular rounds kept are those that land by the window's start; the window goes on in their order.
+        last_regular = self.origin_step
+        step = self.origin_step + self.sync_every
+        while step < window and step + delays[(self.round_at(step) - 1) % self.num_fragments] <= window:
+            last_regular, step = step, step + self.sync_every
+        kept = self.round_at(last_regular) if last_regular > self.origin_step else self.origin_round
+        launches, at = {}, window
+        for j in range(self.num_fragments):
+            fragment = (kept + j) % self.num_fragments
+            launches[at] = (fragment, kept + 1 + j, delays[fragment])
+            at += delays[fragment]
+        self.end = FinalWindow(launches=launches, last_regular=last_regular)
+        return True
+
+
+@dataclass
+class FinalWindow:
+    """A staggered end: launch step -> (fragment, round number, τ), and the last regular round's launch step."""
+
+    launches: dict[int, tuple[int, int, int]]
+    last_regular: int
 
 
 def choose_inner_steps(step_seconds: float, sync_seconds: float, *, num_fragments: int, sync_delay: int,

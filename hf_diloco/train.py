@@ -280,7 +280,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         "per round by codec": ", ".join(f"{name} {format_bytes(sent)}" for name, sent in by_codec.items()),
         "streaming": f"{config.num_fragments} fragment(s), one sync every {config.inner_steps // config.num_fragments}"
         f" steps of about {format_bytes(per_round / config.num_fragments)}, overlapped with "
-        f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s)",
+        f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s); the end "
+        + ("staggered (each fragment's last sync overlapped)" if config.staggered_end
+           else "blocking (every fragment syncs at the last step)"),
         f"DDP for the same {config.inner_steps} steps": format_bytes(
             config.inner_steps * ring_all_reduce_bytes(trainable * 4, shown * group)
         ),

@@ -127,17 +127,42 @@ def test_several_buckets_give_the_same_bits_as_one(tmp_path):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path):
-    """F = 3 (non-layer parameters, layer 0, layer 1), H = 6: one fragment every 2 steps, all at the last step,
-    overlapped by one step and mixed with α = 0.5; the last step leaves every process with the same model."""
-    ranks = launch(tmp_path, inner_steps=6, max_steps=13, num_fragments=3, sync_delay=1, fragment_alpha=0.5)
+@pytest.mark.parametrize(("final_sync", "end"), [
+    ("auto", [(10, 11, [1]), (11, 12, [2]), (12, 13, [0])]),
+    ("blocking", [(10, 11, [1]), (12, 13, [2]), (13, 13, [0, 1, 2])]),
+])
+def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path, final_sync, end):
+    """F = 3 (non-layer parameters, layer 0, layer 1), H = 6: one fragment every 2 steps, overlapped by one step
+    and mixed with α = 0.5. The end: staggered (auto, as syncs overlap) launches each fragment's last sync one step
+    after the one before, from step 13 − 3 · τ = 10, so the last lands at step 13; blocking syncs every fragment at
+    the last step. Either way every process ends with the same model."""
+    ranks = launch(tmp_path, inner_steps=6, max_steps=13, num_fragments=3, sync_delay=1, fragment_alpha=0.5,
+                   final_sync=final_sync)
     rounds = read_sync_rounds(tmp_path / "run")
     schedule = [(r.get("launch_step", r["step"]), r["step"], r["fragments"]) for r in rounds]
-    assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), (10, 11, [1]), (12, 13, [2]),
-                        (13, 13, [0, 1, 2])]
-    sizes = {tuple(r["fragments"]): r["synced_parameters"] for r in rounds}
-    assert sizes[(0,)] + sizes[(1,)] + sizes[(2,)] == sizes[(0, 1, 2)]
+    assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), *end]
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    if final_sync == "blocking":
+        sizes = {tuple(r["fragments"]): r["synced_parameters"] for r in rounds}
+        assert sizes[(0,)] + sizes[(1,)] + sizes[(2,)] == sizes[(0, 1, 2)]
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
+
+
+@pytest.mark.parametrize("final_sync", ["staggered", "blocking"])
+def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(tmp_path, final_sync):
+    """A slow link (0.6 s per sync), slow steps (0.4 s), τ = 2, H = 6, 12 steps. Staggered: the last sync is
+    launched at step 10 and trains on through steps 11 and 12, so the last round keeps the loop waiting for under
+    half its exchange. Blocking: the last round is launched at step 12 and the loop waits for all of it."""
+    launch(tmp_path, script=OVERLAP_RUN, sync_delay=2, comm_sleep=0.6, step_sleep=0.4, final_sync=final_sync)
+    rounds = read_sync_rounds(tmp_path / "run")
+    last = rounds[-1]
+    assert last["step"] == 12
+    if final_sync == "staggered":
+        assert last["launch_step"] == 10
+        assert last["blocked_seconds"] < 0.5 * last["sync_seconds"]
+    else:
+        assert "launch_step" not in last
+        assert last["blocked_seconds"] >= last["sync_seconds"] >= 0.6
 
 
 @pytest.mark.parametrize("sync_delay", [0, 2])
@@ -199,6 +224,9 @@ def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bi
     (dict(inner_steps=50, num_fragments=5, sync_delay=10), "sync_delay=10 must be below inner_steps/num_fragments=10"),
     (dict(inner_steps=10, sync_delay=-1), "sync_delay"),
     (dict(inner_steps=10, fragment_alpha=1.5), "fragment_alpha"),
+    (dict(inner_steps=10, final_sync="staggered"), "needs sync_delay 1 or more"),
+    (dict(inner_steps=10, sync_delay=1, final_sync="staggered", outer_backend="torchft"), "needs outer_backend torch"),
+    (dict(inner_steps=10, final_sync="later"), "final_sync must be one of auto, staggered, blocking"),
 ])
 def test_streaming_settings_that_cannot_work_are_refused_in_one_sentence(settings, words, tmp_path):
     from hf_diloco import DiLoCoConfig

@@ -142,3 +142,4 @@ def test_card_of_a_slow_link_run_lists_its_codec_and_streaming_settings(tmp_path
     assert "| error feedback (`error_feedback`) | True | False |" in card
     assert "| streaming fragments (`num_fragments`) | 5 | 1 |" in card
     assert "| sync overlapped with inner steps (τ) (`sync_delay`) | 2 | 0 |" in card
+    assert "| last syncs staggered, so the end waits for no exchange (`staggered_end`) | True | False |" in card

@@ -63,6 +63,10 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
     assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m / group, rel=0.01)
     sent = as_bytes(plan[f"sent across replicas per process per round, M={m}"])
     assert sent == by_codec[values.get("compression", "none")]
+    # The end: staggered where syncs overlap inner steps on the torch backend (final_sync auto), else blocking.
+    staggered = values.get("sync_delay", 0) not in (0, "0") and values.get("outer_backend", "torch") == "torch"
+    assert plan["streaming"].endswith("the end staggered (each fragment's last sync overlapped)" if staggered
+                                      else "the end blocking (every fragment syncs at the last step)")
 
 
 def as_bytes(text: str) -> float:

@@ -112,7 +112,9 @@ def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12,
     reference = tmp_path / "torch"
     reference.mkdir()
     common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings, "group": group, **extra}
-    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **common})],
+    # torchft's last round syncs every fragment (final_sync auto is blocking there): the torch run ends alike.
+    blocking = {**common, "round": {**round_settings, "final_sync": "blocking"}}
+    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **blocking})],
                                config=ACCELERATE_CPU_4PROC if group == 2 else ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, result.stderr[-4000:]
     ft_dir = tmp_path / "torchft"

@@ -1,6 +1,7 @@
 """A 2-replica run whose sync is deliberately slow, to see whether the inner loop waits for it.
 
-Argument: a JSON object {"out": folder, "sync_delay": τ, "comm_sleep": seconds, "step_sleep": seconds}. Every
+Argument: a JSON object {"out": folder, "sync_delay": τ, "comm_sleep": seconds, "step_sleep": seconds} and
+optionally "final_sync". Every
 call of ReplicaComm.sum_replicas sleeps `comm_sleep` first (a slow link), every inner step sleeps `step_sleep`
 (a slow model). Each rank writes `rank<r>.json`: the (start, end) of every sum_replicas call and the end time of
 every step, all from one perf_counter clock.
@@ -46,7 +47,8 @@ class SlowSteps(TrainerCallback):
 
 config = DiLoCoConfig(
     output_dir=str(out / "run"), per_device_train_batch_size=2, learning_rate=3e-3, lr_scheduler_type="constant",
-    max_steps=12, inner_steps=6, sync_delay=settings["sync_delay"], save_strategy="no", eval_strategy="no",
+    max_steps=12, inner_steps=6, sync_delay=settings["sync_delay"], final_sync=settings.get("final_sync", "auto"),
+    save_strategy="no", eval_strategy="no",
     report_to="none", disable_tqdm=True, seed=0,
 )
 # SlowSteps goes first so that its sleep is part of the step the DiLoCo callback times.
