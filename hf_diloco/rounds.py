@@ -297,7 +297,9 @@ class OuterLoopCallback(TrainerCallback):
         step, stop = state.global_step, False
         if self.overlap.lands(step, state.max_steps):
             stop |= self._land(state)
-        if self.backend.due(step, state.max_steps):
+        # A stop learned from the round that landed ends training here: no new round is launched to be left in
+        # flight (in a staggered end one lands as the next is launched).
+        if self.backend.due(step, state.max_steps) and not (stop and step < state.max_steps):
             stop |= self._round(state)
         if step >= state.max_steps and self.schedule.end is not None:
             # The staggered end: every fragment's last sync has landed; the final model is θ_global.
