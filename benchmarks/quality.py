@@ -28,8 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (RESULTS, RunFailed, add_variant_arguments, markdown_table, pyplot, run_concurrently, save,
-                    selected_variants)
+from common import (
+    RESULTS,
+    RunFailed,
+    add_variant_arguments,
+    markdown_table,
+    pyplot,
+    run_concurrently,
+    save,
+    selected_variants,
+)
 
 # task -> (steps, H, steps with --quick, H with --quick, result name, default variants)
 TASKS = {
@@ -195,7 +203,7 @@ def sweep_plot(raw: list[dict], steps: int, inner: int):
                                                                            (None, "fp32"))]
         for momentum in sorted({p["outer_momentum"] for p in points}):
             line = sorted((p["outer_lr"], p["eval_loss"]) for p in points if p["outer_momentum"] == momentum)
-            axis.plot(*zip(*line), marker="o", label=f"outer momentum {momentum}")
+            axis.plot([x for x, _ in line], [y for _, y in line], marker="o", label=f"outer momentum {momentum}")
         if reference in rows_by_name:
             axis.axhline(rows_by_name[reference]["eval_loss"], color="#888", linestyle="--", label=reference)
         axis.set_xlabel("outer lr")

@@ -34,7 +34,7 @@ def test_a_staggered_end_lands_every_fragment_once_and_the_last_at_the_last_step
     schedule = Schedule(inner_steps=every * fragments, num_fragments=fragments)
     assert schedule.stagger_end(max_steps, delays)
     rounds = launched_rounds(schedule, max_steps, delays)
-    for (step, _, tau, _), (following, _, _, _) in zip(rounds, rounds[1:]):
+    for (step, _, tau, _), (following, _, _, _) in zip(rounds, rounds[1:], strict=False):
         assert step + tau <= following, "a round is launched before the one before it landed"
     last_step, _, last_tau, _ = rounds[-1]
     assert last_step + last_tau == max_steps
