@@ -6,7 +6,9 @@ recipe and flags; the peers run inside the same `transformers.Trainer` inner loo
 so model, batches, loss, optimizer, schedule and clipping are identical and only the cross-replica algorithm
 differs. With the paper's outer settings (Nesterov SGD, lr 0.7, momentum 0.9), DiLoCoTrainer and torchft's DiLoCo
 compute the same thing: the benchmark hashes both final models and says whether they match. Tokens/s come from
-Trainer's loop wall time for every row; one run each (a ranking, not a ratio target).
+Trainer's loop wall time for every row; the implementations run interleaved (ours, torchft, ours, torchft, ...),
+`--repeats` times (3 by default), and the table gives the median and [min, max], and each repeat's ratio to
+torchft's run of the same repeat.
 Needs torchft: pip install -e '.[bench]' (torchft==0.2.0).
 
     python benchmarks/peers.py [--quick] [--localsgd]
@@ -33,10 +35,13 @@ from common import (
     pyplot,
     run_training,
     save,
+    show,
     skip,
+    spread,
 )
 
 PEERS = REPO / "benchmarks" / "peers"
+OURS, TORCHFT = "hf-diloco DiLoCoTrainer", "torchft DiLoCo 0.2.0"
 
 
 def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") -> dict:
@@ -54,7 +59,9 @@ def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="60 steps, H = 20 (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="60 steps, H = 20, one repeat (under 3 minutes)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats of every implementation (default 3; 1 "
+                                                     "with --quick)")
     parser.add_argument("--localsgd", action=argparse.BooleanOptionalAction,
                         help="also run accelerate's LocalSGD (default: with --quick only; in full mode its 400 steps "
                              "would push the full set past 30 minutes)")
@@ -70,39 +77,50 @@ def main() -> None:
     overrides = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
                  str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0",
                  "--logging_steps", str(steps)]
-    results = {}
+    repeats = args.repeats or (1 if args.quick else 3)
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
         try:
-            print("hf-diloco DiLoCoTrainer ...", flush=True)
-            ours = run_training(tmp / "ours", 2, overrides)
-            results["hf-diloco DiLoCoTrainer"] = {"tokens_per_second": loop_tokens_per_second(ours, 2),
+            for repeat in range(repeats):
+                tmp = Path(tmp_name) / f"repeat{repeat}"
+                print(f"repeat {repeat + 1}/{repeats}: hf-diloco DiLoCoTrainer ...", flush=True)
+                ours = run_training(tmp / "ours", 2, overrides)
+                runs.setdefault(OURS, []).append({"tokens_per_second": loop_tokens_per_second(ours, 2),
                                                   "eval_loss": ours["metrics"]["eval_loss"],
-                                                  "parameter_hash": parameter_hash(tmp / "ours")}
-            print("torchft DiLoCo 0.2.0 ...", flush=True)
-            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-            try:
-                results["torchft DiLoCo 0.2.0"] = run_peer("torchft", tmp / "torchft", overrides,
-                                                           lighthouse.address())
-            finally:
-                lighthouse.shutdown()
-            if localsgd:
-                print("accelerate LocalSGD ...", flush=True)
-                results["accelerate LocalSGD"] = run_peer("localsgd", tmp / "localsgd",
-                                                          [*overrides, "--ddp_broadcast_buffers", "false"])
+                                                  "parameter_hash": parameter_hash(tmp / "ours")})
+                print(f"repeat {repeat + 1}/{repeats}: torchft DiLoCo 0.2.0 ...", flush=True)
+                lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+                try:
+                    runs.setdefault(TORCHFT, []).append(run_peer("torchft", tmp / "torchft", overrides,
+                                                                 lighthouse.address()))
+                finally:
+                    lighthouse.shutdown()
+                if localsgd:
+                    print(f"repeat {repeat + 1}/{repeats}: accelerate LocalSGD ...", flush=True)
+                    runs.setdefault("accelerate LocalSGD", []).append(run_peer(
+                        "localsgd", tmp / "localsgd", [*overrides, "--ddp_broadcast_buffers", "false"]))
         except RunFailed as error:
             sys.exit(str(error))
-    ours_hash, torchft_hash = (results[k]["parameter_hash"] for k in ("hf-diloco DiLoCoTrainer",
-                                                                       "torchft DiLoCo 0.2.0"))
+    results = {name: {"tokens_per_second": spread([r["tokens_per_second"] for r in rs]),
+                      "vs_torchft": spread([r["tokens_per_second"] / t["tokens_per_second"]
+                                            for r, t in zip(rs, runs[TORCHFT], strict=True)]),
+                      "eval_loss": rs[-1]["eval_loss"], "parameter_hash": rs[-1]["parameter_hash"],
+                      "same_every_repeat": len({r["parameter_hash"] for r in rs}) == 1, "runs": rs}
+               for name, rs in runs.items()}
+    ours_hash, torchft_hash = (results[k]["parameter_hash"] for k in (OURS, TORCHFT))
     identical = ours_hash == torchft_hash
-    rows = [[name, f"{r['tokens_per_second']:,.0f}", f"{r['eval_loss']:.4f}", f"`{r['parameter_hash'][:16]}`"]
+    rows = [[name, show(r["tokens_per_second"]), show(r["vs_torchft"], "{:.1%}"), f"{r['eval_loss']:.4f}",
+             f"`{r['parameter_hash'][:16]}`" + ("" if r["same_every_repeat"] else " (differs between repeats)")]
             for name, r in results.items()]
     table = markdown_table([f"implementation (2 CPU replicas, H = {inner}, {steps} steps)", "tokens/s",
-                            "final eval loss", "parameter SHA-256 (first 16)"], rows)
+                            "vs torchft, same repeat", "final eval loss", "parameter SHA-256 (first 16)"], rows)
+    table += (f"\n\n{repeats} repeat(s), interleaved; median [min, max]. Tokens/s: both replicas' tokens ÷ "
+              f"Trainer's loop wall time.")
     verdict = "the same parameters, bit for bit" if identical else "DIFFERENT parameters"
     table += (f"\n\nIdentity: DiLoCoTrainer and torchft's DiLoCo end with {verdict} "
               f"({ours_hash} vs {torchft_hash}).")
-    save("peers", table, {"steps": steps, "inner_steps": inner, "overrides": overrides, "runs": results,
+    save("peers", table, {"steps": steps, "inner_steps": inner, "repeats": repeats, "overrides": overrides,
+                          "runs": results,
                           "identical_to_torchft": identical}, plot(results), quick=args.quick,
          seconds=time.time() - started)
 
@@ -111,10 +129,12 @@ def plot(results: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, numbers in results.items():
-        ax.scatter(numbers["tokens_per_second"], numbers["eval_loss"], s=60)
-        ax.annotate(name, (numbers["tokens_per_second"], numbers["eval_loss"]), xytext=(5, 3),
-                    textcoords="offset points", fontsize=8)
-    ax.set_xlabel("tokens/s (both replicas, loop wall time)")
+        tps = numbers["tokens_per_second"]
+        ax.errorbar(tps["median"], numbers["eval_loss"], xerr=[[tps["median"] - tps["min"]],
+                                                              [tps["max"] - tps["median"]]], fmt="o", capsize=3)
+        ax.annotate(name, (tps["median"], numbers["eval_loss"]), xytext=(5, 3), textcoords="offset points",
+                    fontsize=8)
+    ax.set_xlabel("tokens/s (both replicas, loop wall time; median, [min, max])")
     ax.set_ylabel("final held-out loss")
     ax.set_title("Peers on the same task (lower right is better)")
     return fig

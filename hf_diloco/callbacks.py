@@ -2,7 +2,7 @@
 
 - `SteadyClock`: steady tokens/s for run_metrics.json.
 - `RunRecorder` (main process only, no collective): `progress.json` with the current step and phase, rewritten at
-  most twice a second, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so a baseline
+  most once a second, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so a baseline
   `Trainer` run (no sync rounds) is watchable and progress moves between syncs.
 - `StopOnRequest`: a stop file in the output folder (what the app's Stop writes) or SIGUSR1 stops the run after the
   current round (DiLoCo: the request rides the round's sync, so every replica stops after the same step) or after
@@ -56,7 +56,7 @@ class RunRecorder(TrainerCallback):
     `extra` goes into progress.json as is (e.g. the bytes a DDP step sends, for comparing runs).
     """
 
-    def __init__(self, output_dir: str, extra: dict | None = None, min_interval: float = 0.5):
+    def __init__(self, output_dir: str, extra: dict | None = None, min_interval: float = 1.0):
         self.folder = Path(output_dir)
         self.extra = extra or {}
         self.min_interval = min_interval

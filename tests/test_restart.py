@@ -153,7 +153,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
     rounds = read_sync_rounds(out)
     assert [r["step"] for r in rounds] == list(range(10, 121, 10))
     resumed = [r for r in rounds if "resumed_from" in r]
-    # At most the round in flight. progress.json, from which steps_lost is counted, is written at most twice a
+    # At most the round in flight. progress.json, from which steps_lost is counted, is written at most once a
     # second, so a kill just after a round boundary can record 0.
     assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10, resumed
 
