@@ -482,13 +482,16 @@ class OuterLoopCallback(TrainerCallback):
         return self.sync_delays.get(fragment, self.args.sync_delay)
 
     def _stagger_end(self, step: int, max_steps: int, warn: bool = False) -> None:
-        """final_sync staggered: place the final window for the fragments' current τ (schedule.Schedule.stagger_end).
-        Placed anew when an auto choice changes τ or H, until the last H steps begin: from then on it stays, so
-        every fragment's last sync happens once, at the step every replica agreed on."""
-        if not self.args.staggered_end or (self.schedule.end is not None and step >= max_steps - self.sync_every *
-                                           self.args.num_fragments):
+        """final_sync staggered: place the final window for the fragments' current τ and H
+        (schedule.Schedule.stagger_end), after the exchange in flight lands. Placed anew when an auto choice changes
+        τ or H, until the window begins: from then on it stays, so every fragment's last sync happens once, at the
+        step every replica agreed on. Where it no longer fits, the end is blocking."""
+        if not self.args.staggered_end:
             return
-        if not self.schedule.stagger_end(max_steps, [self._delay(f) for f in range(self.args.num_fragments)]):
+        flight = self.overlap.in_flight
+        busy_until = max(step, flight.lands_at if flight is not None else step)
+        delays = [self._delay(f) for f in range(self.args.num_fragments)]
+        if not self.schedule.stagger_end(max_steps, delays, busy_until=busy_until):
             if warn and self.trainer.is_world_process_zero():
                 logger.warning("DiLoCo: the run is too short for a staggered end (final_sync); every fragment "
                                "syncs at the last step.")

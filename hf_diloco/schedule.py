@@ -83,9 +83,11 @@ class Schedule:
             return None
         return self.end.launches[step][2]
 
-    def stagger_end(self, max_steps: int, delays: list[int]) -> bool:
-        """Place the staggered end for the fragments' τ `delays` (see the module's docstring). Returns False, and
-        leaves the blocking end, where the window would not fit after the schedule's origin.
+    def stagger_end(self, max_steps: int, delays: list[int], busy_until: int = 0) -> bool:
+        """Place the staggered end for the fragments' τ `delays` (see the module's docstring), after step
+        `busy_until` (where the exchange in flight lands). A window that has begun by then stays as it is. Returns
+        False, and leaves the blocking end, where the window would not fit after the schedule's origin and
+        `busy_until`.
 
         >>> s = Schedule(inner_steps=6, num_fragments=3)       # one fragment every 2 steps, τ = 1 each
         >>> s.stagger_end(13, [1, 1, 1])
@@ -94,10 +96,16 @@ class Schedule:
         [(2, [0]), (4, [1]), (6, [2]), (8, [0]), (10, [1]), (11, [2]), (12, [0])]
         >>> s.round_at(10), s.round_at(11), s.round_at(12), s.total_rounds(13), s.final_delay(12)
         (5, 6, 7, 7, 1)
+        >>> s.stagger_end(13, [2, 2, 2], busy_until=10)          # begun: it stays
+        True
+        >>> sorted(s.end.launches)
+        [10, 11, 12]
         """
+        if self.end is not None and busy_until >= min(self.end.launches):
+            return True
         self.end = None
         window = max_steps - sum(delays)
-        if min(delays) < 1 or window <= self.origin_step:
+        if min(delays) < 1 or window <= self.origin_step or window < busy_until:
             return False
         # The regular rounds kept are those that land by the window's start; the window goes on in their order.
         last_regular = self.origin_step

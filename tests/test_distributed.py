@@ -334,6 +334,24 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 
+def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identical_replicas(tmp_path):
+    """Both autos at once over the slower link, 2 fragments, H starting at 4: H is chosen after two syncs of each
+    fragment; every τ chosen after that lies within the new H (1 to H/F − 1); the end is staggered (the last round
+    was launched before the last step and lands at it), and the replicas end identical."""
+    ranks = launch_replicas(tmp_path, inner_steps=4, auto_inner_steps=True, max_sync_overhead=0.9, num_fragments=2,
+                            sync_delay="auto", max_steps=240, slow_sync_seconds=0.3)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
+    h = chosen_at["inner_steps_auto"]["chosen"]
+    later = [r["sync_delay_auto"]["chosen"] for r in rounds if "sync_delay_auto" in r and r["round"] >
+             chosen_at["round"]]
+    assert later and all(1 <= tau <= max(1, h // 2 - 1) for tau in later), (h, later)
+    last = rounds[-1]
+    assert last["step"] == 240 and last["launch_step"] < 240 and len(last["fragments"]) == 1, last
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
+
+
 def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(tmp_path):
     """Rank 0 alone asks to stop after step 3 (H = 5): the request rides the round's sync, so both replicas stop
     after step 5 with a checkpoint, not at max_steps 12."""
