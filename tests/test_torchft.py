@@ -184,6 +184,35 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
         assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * len(MEMBER_FIELDS) * 8
 
 
+def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
+    """sync_delay auto on torchft over a slower link (each all-reduce waits 0.2 s, a step 0.05 s): the exchange times
+    ride with the round's statistics as on the torch backend, so both replicas record the same τ (above 1) for the
+    same fragment at the same round, every later sync of that fragment lands
+    τ steps after its launch, and the replicas end identical. torchft's end is blocking: the last round syncs every
+    fragment."""
+    settings = {"replicas": 2, "min_replicas": 2, "max_steps": 48, "inner_steps": 12, "step_sleep": 0.05,
+                "slow_sync_seconds": 0.2, "round": {"num_fragments": 2, "sync_delay": "auto"}}
+    with lighthouse(min_replicas=2, grace=5) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "lighthouse": address, **settings}, logs[r])
+                    for r in range(2)]
+        finish(replicas, logs)
+    records = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(2)]
+    choices = [[(r["round"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
+                if "sync_delay_auto" in r] for rounds in records]
+    assert choices[0] and choices[0] == choices[1], choices
+    assert max(tau for *_, tau in choices[0]) > 1, choices
+    delays = {}
+    for record in records[0]:
+        if len(record["fragments"]) == 1:
+            assert record["step"] - record["launch_step"] == delays.get(record["fragments"][0], 1), record
+        delays.update({f: record["sync_delay_auto"]["chosen"] for f in record.get("sync_delay_auto", {}).get(
+            "fragments", [])})
+    assert records[0][-1]["step"] == 48 and records[0][-1]["fragments"] == [0, 1]
+    first, second = (torch.load(tmp_path / f"params{r}.pt") for r in range(2))
+    assert max_difference(first, second) == 0.0
+
+
 @pytest.mark.parametrize("round_settings", [
     {},
     {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},

@@ -12,7 +12,8 @@ file `path` exists (at most 300 s); "announce": path writes that file when this 
 hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes
 its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
 "die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
-a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
+a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed. "slow_sync_seconds": every cross-replica
+all-reduce of the round's buckets first sleeps this long (a slow link).
 """
 
 import json
@@ -45,6 +46,16 @@ if settings.get("die_in_all_gather"):
         return all_gather(self, gathered, payload)
 
     TorchftComm._all_gather = dying_all_gather
+if settings.get("slow_sync_seconds"):
+    from hf_diloco.torchft_backend import TorchftComm
+
+    fast_all_reduce = TorchftComm._all_reduce
+
+    def slow_all_reduce(self, buffer):
+        time.sleep(settings["slow_sync_seconds"])
+        return fast_all_reduce(self, buffer)
+
+    TorchftComm._all_reduce = slow_all_reduce
 out = Path(settings["out"])
 replica = settings.get("replica", 0)
 backend = settings.get("backend", "torchft")
