@@ -12,8 +12,8 @@ file `path` exists (at most 300 s); "announce": path writes that file when this 
 hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes
 its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
 "die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
-a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed. "slow_sync_seconds": every
-cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
+a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
+"slow_sync_seconds": every cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
 """
 
 import json
