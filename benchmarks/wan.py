@@ -97,6 +97,8 @@ class Measured:
     veth_tx_bytes_process: list[int]  # per host, from launch to exit
     sync_seconds: float
     blocking_bytes: int  # bytes of the rounds that held the inner loop (all, unless overlapped; then the last)
+    blocked_seconds: list[float]  # per round, how long it kept the inner loop waiting (the last round last)
+    sync_delays: dict[str, int]  # the τ each fragment ended with under sync_delay auto (empty otherwise)
 
 
 def two_host_run(hosts, out: Path, overrides: list[str]) -> Measured:
@@ -147,6 +149,9 @@ def two_host_run(hosts, out: Path, overrides: list[str]) -> Measured:
         # An overlapped round's record names the step it was launched at; the others (every round of a blocking
         # variant, the final all-fragment round of a streaming one) kept the inner loop waiting for their bytes.
         blocking_bytes=sum(r["bytes_per_replica"] for r in result.get("rounds", []) if "launch_step" not in r),
+        blocked_seconds=[round(r["blocked_seconds"], 4) for r in result.get("rounds", [])],
+        sync_delays={str(f): r["sync_delay_auto"]["chosen"] for r in result.get("rounds", [])
+                     if "sync_delay_auto" in r for f in r["sync_delay_auto"]["fragments"]},
     )
 
 
