@@ -120,6 +120,7 @@ class OuterLoopCallback(TrainerCallback):
         self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next sync
         self.overlap = Overlap()
         self.sync_delays: dict[int, int] = {}  # τ of each fragment chosen by sync_delay auto (else sync_delay)
+        self.measured_fragments: set[int] = set()  # fragments whose τ came from their own measured exchange
         self.exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds
         self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
         self.completed_rounds = 0  # rounds completed by this process since it started (for save_every_rounds)
@@ -521,13 +522,33 @@ class OuterLoopCallback(TrainerCallback):
 
     def _choose_sync_delay(self, stats: RoundStats, fragments: list[int]) -> dict:
         """sync_delay auto for `fragments` (those of the exchange before this round), from this round's statistics,
-        which every replica received alike: see schedule.choose_sync_delay. The fragments' next syncs use it."""
+        which every replica received alike: see schedule.choose_sync_delay. The fragments' next syncs use it.
+        A fragment not measured yet takes the τ that the same exchange, scaled by its size, would need, so that on
+        a slow link only the first fragment's first sync waits for its transfer."""
         exchange = float(stats.previous_exchange_seconds.max())
         step_seconds = float((stats.compute_seconds / stats.steps.clamp(min=1)).max())
-        chosen = choose_sync_delay(exchange, step_seconds, most=self.schedule.sync_every - 1)
+        most = self.schedule.sync_every - 1
+        chosen = choose_sync_delay(exchange, step_seconds, most=most)
         for fragment in fragments:
             self.sync_delays[fragment] = chosen
-        return {"fragments": fragments, "exchange_seconds": exchange, "step_seconds": step_seconds, "chosen": chosen}
+        self.measured_fragments.update(fragments)
+        measured_size = sum(self._fragment_size(f) for f in fragments)
+        estimated = {}
+        for fragment in range(self.args.num_fragments):
+            if fragment not in self.measured_fragments and measured_size > 0:
+                scaled = exchange * self._fragment_size(fragment) / measured_size
+                self.sync_delays[fragment] = estimated[str(fragment)] = choose_sync_delay(scaled, step_seconds,
+                                                                                          most=most)
+        choice = {"fragments": fragments, "exchange_seconds": exchange, "step_seconds": step_seconds,
+                  "chosen": chosen}
+        if estimated:
+            choice["estimated"] = estimated
+        return choice
+
+    def _fragment_size(self, fragment: int) -> int:
+        """Values the fragment syncs (full parameter sizes, the same on every process)."""
+        return sum(self.outer.full_numels[i] for b in self.outer.fragment_buckets[fragment]
+                   for i in self.outer.buckets[b])
 
     @torch.no_grad()
     def _reset_replica(self, step: int) -> None:
@@ -560,7 +581,8 @@ class OuterLoopCallback(TrainerCallback):
         round (several fragments, or α > 0), its own trainable parameters."""
         state: dict = {}
         if self.sync_delays:  # each fragment's τ that sync_delay auto chose, with what it was chosen from
-            state["sync_delays"] = {"delays": dict(self.sync_delays), "exchanged": list(self.exchanged)}
+            state["sync_delays"] = {"delays": dict(self.sync_delays), "exchanged": list(self.exchanged),
+                                    "measured": sorted(self.measured_fragments)}
         if self.schedule.end is not None:  # the staggered end as placed, which stays once the last H steps begin
             state["final_window"] = {"launches": {str(k): list(v) for k, v in self.schedule.end.launches.items()},
                                      "last_regular": self.schedule.end.last_regular}
@@ -589,6 +611,7 @@ class OuterLoopCallback(TrainerCallback):
             self.sync_delays = {int(f): int(d) for f, d in state["sync_delays"]["delays"].items()}
             fragments, seconds = state["sync_delays"]["exchanged"]
             self.exchanged = (list(fragments), float(seconds))
+            self.measured_fragments = set(state["sync_delays"].get("measured", self.sync_delays))
         if "final_window" in state and self.args.staggered_end:
             window = state["final_window"]
             self.schedule.end = FinalWindow(launches={int(k): tuple(v) for k, v in window["launches"].items()},

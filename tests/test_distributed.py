@@ -310,17 +310,19 @@ def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike
 
 
 def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_takes(tmp_path):
-    """sync_delay auto with 2 fragments (one sync every 10 steps, H = 20) over a link made slower (each all-reduce
+    """sync_delay auto with 3 fragments (one sync every 10 steps, H = 30) over a link made slower (each all-reduce
     waits 0.3 s): every round, the fragment that synced before takes τ = the fewest steps (1 to 9) whose compute
-    covers its exchange, recomputed here from the numbers the record gives; each later sync of that fragment lands
-    τ steps after its launch, and both replicas land at the same steps (they chose alike)."""
-    ranks = launch_replicas(tmp_path, inner_steps=20, num_fragments=2, sync_delay="auto", max_steps=60,
+    covers its exchange, recomputed here from the numbers the record gives, and a fragment not measured yet takes
+    the τ of that exchange scaled by its size; each later sync lands τ steps after its launch (the final window
+    keeps the τ it was placed with), so fragment 2's first sync already overlaps more than one step; both replicas
+    land at the same steps (they chose alike)."""
+    ranks = launch_replicas(tmp_path, inner_steps=30, num_fragments=3, sync_delay="auto", max_steps=90,
                             slow_sync_seconds=0.3)
     rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     delays = {}  # fragment -> τ in effect
-    for record in rounds:
-        (fragment,) = record["fragments"] if record["step"] < 60 else (None,)
-        if fragment is not None:
+    for number, record in enumerate(rounds):
+        (fragment,) = record["fragments"]
+        if number < len(rounds) - 3:  # before the final window
             assert record["step"] - record["launch_step"] == delays.get(fragment, 1), record
         choice = record.get("sync_delay_auto")
         if choice is None:
@@ -329,7 +331,10 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
         assert choice["chosen"] == max(1, min(9, wanted)), choice
         assert choice["exchange_seconds"] >= 0.3, "the measured exchange includes the slower link"
         delays.update({f: choice["chosen"] for f in choice["fragments"]})
-    assert set(delays) == {0, 1} and max(delays.values()) > 1, delays
+        delays.update({int(f): tau for f, tau in choice.get("estimated", {}).items()})
+    first_of_2 = next(r for r in rounds if r["fragments"] == [2])
+    assert first_of_2["step"] - first_of_2["launch_step"] > 1, "fragment 2 began with an estimate"
+    assert set(delays) == {0, 1, 2} and max(delays.values()) > 1, delays
     assert [s for s, _ in ranks[0]["digests"]] == [s for s, _ in ranks[1]["digests"]]
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 

@@ -206,8 +206,9 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     for record in records[0]:
         if len(record["fragments"]) == 1:
             assert record["step"] - record["launch_step"] == delays.get(record["fragments"][0], 1), record
-        delays.update({f: record["sync_delay_auto"]["chosen"] for f in record.get("sync_delay_auto", {}).get(
-            "fragments", [])})
+        choice = record.get("sync_delay_auto", {})
+        delays.update({f: choice["chosen"] for f in choice.get("fragments", [])})
+        delays.update({int(f): tau for f, tau in choice.get("estimated", {}).items()})
     assert records[0][-1]["step"] == 48 and records[0][-1]["fragments"] == [0, 1]
     first, second = (torch.load(tmp_path / f"params{r}.pt") for r in range(2))
     assert max_difference(first, second) == 0.0
