@@ -175,7 +175,8 @@ class DiLoCoConfig(TrainingArguments):
         default=False,
         metadata={"help": "Choose each fragment's tau from measurements: after every round, the fragment that synced "
                           "in the round before takes the fewest inner steps (1 to inner_steps/num_fragments - 1) "
-                          "whose compute time covers its exchange, the longest any replica measured (the numbers "
+                          "whose compute time covers its exchange, the longest any replica measured, and a fragment "
+                          "not measured yet what that exchange scaled by its size would need (the numbers "
                           "ride with the round's statistics, so every replica chooses alike); the round record "
                           "gives each choice and the numbers behind it. sync_delay: auto sets it."},
     )
