@@ -46,9 +46,10 @@ TASKS = {
                     ["fp32", "int8", "int4+EF", "SparseLoCo", "stream F=5 tau=2 int4+EF"]),
 }
 # Outer SGD settings of the sweep, (lr, momentum) per M (Nesterov where momentum > 0). M = 1: lr 0.4 / 0.7 / 1.0 ×
-# momentum 0 / 0.9. M = 2 takes both cores a run, so it sweeps lr along momentum 0.9 and adds FedAvg (1.0, 0).
+# momentum 0 / 0.9, and lr 0.1 at 0.9 (lr / (1 − momentum) = 1, plain training's step). M = 2 takes both cores a
+# run, so it sweeps lr along momentum 0.9 and adds FedAvg (1.0, 0).
 # The recipe's 0.7 / 0.9 is a row of the main table and is read from there.
-SWEEP = {1: [(0.4, 0.0), (0.7, 0.0), (1.0, 0.0), (0.4, 0.9), (1.0, 0.9)],
+SWEEP = {1: [(0.4, 0.0), (0.7, 0.0), (1.0, 0.0), (0.1, 0.9), (0.4, 0.9), (1.0, 0.9)],
          2: [(0.4, 0.9), (1.0, 0.9), (1.0, 0.0)]}
 # Codec targets, judged on the many-rounds task: variant -> largest loss above fp32 DiLoCo M = 2.
 CODEC_TARGETS = {"int8": 0.005, "int4+EF": 0.01, "SparseLoCo": 0.02}
@@ -90,8 +91,9 @@ def main() -> None:
     parser.add_argument("--task", choices=list(TASKS), default="short",
                         help="short: 400 steps, H = 50 (8 rounds); many-rounds: 1,200 steps, H = 15 (80 rounds)")
     parser.add_argument("--sweep", action="store_true",
-                        help="run the outer lr × momentum sweep (M = 1: lr 0.4, 0.7, 1.0 × momentum 0, 0.9; "
-                             "M = 2: lr 0.4, 0.7, 1.0 at momentum 0.9, and 1.0 at 0) instead of the codec rows")
+                        help="run the outer lr × momentum sweep (M = 1: lr 0.4, 0.7, 1.0 × momentum 0, 0.9, and "
+                             "0.1 at 0.9; M = 2: lr 0.4, 0.7, 1.0 at momentum 0.9, and 1.0 at 0) instead of the "
+                             "codec rows")
     parser.add_argument("--quick", action="store_true", help="a tenth of the steps (under 3 minutes for short)")
     add_variant_arguments(parser, default=None)
     args = parser.parse_args()
