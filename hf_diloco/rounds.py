@@ -486,7 +486,8 @@ class OuterLoopCallback(TrainerCallback):
         """final_sync staggered: place the final window for the fragments' current τ and H
         (schedule.Schedule.stagger_end), after the exchange in flight lands. Placed anew when an auto choice changes
         τ or H, until the window begins: from then on it stays, so every fragment's last sync happens once, at the
-        step every replica agreed on. Where it no longer fits, the end is blocking."""
+        step every replica agreed on. Where τ grew past what is left of the run, the window's syncs get shorter τ
+        (they wait for the rest of their exchange); only a run too short for the first placement ends blocking."""
         if not self.args.staggered_end:
             return
         flight = self.overlap.in_flight

@@ -85,9 +85,11 @@ class Schedule:
 
     def stagger_end(self, max_steps: int, delays: list[int], busy_until: int = 0) -> bool:
         """Place the staggered end for the fragments' τ `delays` (see the module's docstring), after step
-        `busy_until` (where the exchange in flight lands). A window that has begun by then stays as it is. Returns
-        False, and leaves the blocking end, where the window would not fit after the schedule's origin and
-        `busy_until`.
+        `busy_until` (where the exchange in flight lands; every round launched before it is kept). A window that
+        has begun by then stays as it is. Where Σ τ no longer fits between `busy_until` and the last step (τ grew
+        after the window was first placed), the window starts at `busy_until` and its syncs get shorter τ, the
+        longest shortened first: they wait for the rest of their exchange, the end is still staggered. Returns
+        False, and leaves the blocking end, where the window does not fit (a first placement never shortens τ).
 
         >>> s = Schedule(inner_steps=6, num_fragments=3)       # one fragment every 2 steps, τ = 1 each
         >>> s.stagger_end(13, [1, 1, 1])
@@ -100,17 +102,25 @@ class Schedule:
         True
         >>> sorted(s.end.launches)
         [10, 11, 12]
+        >>> s = Schedule(inner_steps=20, num_fragments=2)      # τ grew to 9 by step 21: 18 steps don't fit in 14
+        >>> s.stagger_end(35, [1, 1]), s.stagger_end(35, [9, 9], busy_until=21), s.end.launches
+        (True, True, {21: (0, 3, 7), 28: (1, 4, 7)})
         """
         if self.end is not None and busy_until >= min(self.end.launches):
             return True
-        self.end = None
+        placed, self.end = self.end is not None, None
+        delays = list(delays)
+        while placed and sum(delays) > max_steps - max(busy_until, self.origin_step + 1) and max(delays) > 1:
+            delays[delays.index(max(delays))] -= 1
         window = max_steps - sum(delays)
         if min(delays) < 1 or window <= self.origin_step or window < busy_until:
             return False
-        # The regular rounds kept are those that land by the window's start; the window goes on in their order.
+        # The regular rounds kept are those launched before the exchange in flight lands and those that land by
+        # the window's start; the window goes on in their order.
         last_regular = self.origin_step
         step = self.origin_step + self.sync_every
-        while step < window and step + delays[(self.round_at(step) - 1) % self.num_fragments] <= window:
+        while step < window and (step < busy_until or
+                                 step + delays[(self.round_at(step) - 1) % self.num_fragments] <= window):
             last_regular, step = step, step + self.sync_every
         kept = self.round_at(last_regular) if last_regular > self.origin_step else self.origin_round
         launches, at = {}, window

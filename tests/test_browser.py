@@ -157,7 +157,14 @@ def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unkno
 
         def refused(words: str) -> None:
             page.click("#preview")
-            message.get_by_text(words).wait_for(timeout=60_000)
+            try:
+                message.get_by_text(words).wait_for(timeout=60_000)
+            except Exception:
+                print("MESSAGE:", repr(message.inner_text()), "COMMAND:", page.locator("#command").inner_text()[:300])
+                for k in ("inner_steps", "max_steps"):
+                    print(k, page.locator(f"#knob-{k} input, #knob-{k} textarea").first.input_value())
+                page.screenshot(path="/tmp/refused-fail.png", full_page=True)
+                raise
             assert "Cannot start" in message.inner_text(), message.inner_text()
 
         fill(page, "knob-inner_steps", "1000000000")
