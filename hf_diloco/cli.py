@@ -208,7 +208,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:  # the plan for the accelerate config's layout (replicas, memory per process, bytes per
         layout = values["hf_diloco_layout"]  # round), then the command, last, as it would run
         print_plan(training.dry_run_plan(run, config, processes=layout["processes"], group=layout["group"],
-                                         sharded=layout["sharded"] or config.sharded_replica))
+                                         sharded=layout["sharded"] or config.sharded_replica,
+                                         tp=max(layout["tp"], config.tp_size)))
         print(" ".join(command), flush=True)
         return 0
     print(" ".join(command), flush=True)

@@ -105,7 +105,14 @@ class DiLoCoConfig(TrainingArguments):
                           "model over them with FSDP2 when FSDP is on (fsdp: true, "
                           "or an accelerate config with distributed_type FSDP); DiLoCo runs across replicas and each "
                           "member syncs only its 1/g slice or shard. Default with an accelerate parallelism_config: "
-                          "its dp_shard_size."},
+                          "its dp_shard_size (or its tp_size)."},
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={"help": "Tensor parallel inside each replica: its tp_size processes split every attention and MLP "
+                          "layer's weights (the model's own tensor-parallel plan, applied by transformers), and each "
+                          "syncs its own pieces with the same-rank process of every other replica. Sets "
+                          "replica_group_size. Default with an accelerate parallelism_config: its tp_size."},
     )
     data_sharding: str = field(
         default="iid",
@@ -419,6 +426,32 @@ class DiLoCoConfig(TrainingArguments):
         return self.final_sync == "staggered"
 
     @property
+    def tensor_parallel(self) -> bool:
+        """True when each replica splits its layers over its processes with tensor parallel (tp_size > 1)."""
+        return self.tp_size > 1
+
+    def _check_tensor_parallel(self, from_env: int) -> None:
+        """Set tp_size (and replica_group_size) from an accelerate parallelism_config's tp_size, or refuse a layout
+        tensor parallel cannot run in, in one sentence."""
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be 1 or more, got {self.tp_size}.")
+        if from_env > 1 and self.tp_size not in (1, from_env):
+            raise ConfigError(f"tp_size={self.tp_size} differs from the accelerate parallelism_config's tp_size="
+                              f"{from_env}; set one of them, or both alike.")
+        self.tp_size = max(self.tp_size, from_env)
+        if self.tp_size == 1:
+            return
+        if self.sharded_replica:
+            raise ConfigError("FSDP2 and tensor parallel in one replica are not supported together yet: a replica "
+                              "either shards its model with FSDP2 (fsdp) or splits its layers with tensor parallel "
+                              "(tp_size), so turn one of them off.")
+        if self.replica_group_size == 1:
+            self.replica_group_size = self.tp_size
+        elif self.replica_group_size != self.tp_size:
+            raise ConfigError(f"replica_group_size={self.replica_group_size} differs from tp_size={self.tp_size}: a "
+                              f"tensor-parallel replica is its tp_size processes; set one of them, or both alike.")
+
+    @property
     def sharded_replica(self) -> bool:
         """True when each replica shards its model over its processes with FSDP2 instead of DDP inside it."""
         return bool(self.fsdp) or _env_flag("ACCELERATE_USE_FSDP")
@@ -435,11 +468,7 @@ class DiLoCoConfig(TrainingArguments):
                 "accelerate_configs/cpu-fsdp-2x2.yaml)."
             )
         layout = env_parallelism()
-        if layout["tp"] > 1:
-            raise ConfigError(
-                f"tensor parallel (tp_size={layout['tp']}) inside a replica is not supported yet; shard each replica "
-                f"with FSDP2 alone (dp_shard_size = processes per replica)."
-            )
+        self._check_tensor_parallel(layout["tp"])
         if layout["shard"] > 1:
             if self.replica_group_size == 1:
                 self.replica_group_size = layout["shard"]

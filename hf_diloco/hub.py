@@ -51,6 +51,7 @@ DILOCO_ROWS = (
     ("outer_nesterov", "Nesterov", True),
     ("replica_group_size", "processes per replica", 1),
     ("sharded_replica", "each replica sharded over its processes by FSDP2", False),
+    ("tp_size", "processes each layer is split over by tensor parallel", 1),
     ("data_sharding", "data sharding", "iid"),
     ("compression", "pseudo-gradient compression", "none"),
     ("error_feedback", "error feedback", False),

@@ -175,6 +175,7 @@ class OuterLoop:
         self.full_numels = [p.numel() for p in params]
         self.full_shapes = [p.shape for p in params]
         self.params = [local_shard(p) for p in params]
+        self.laid_out = params  # as handed in: DTensors (FSDP2, tensor parallel) say how they are laid out
         state_device = torch.device("cpu") if offload else self.params[0].device
         self.global_params = [
             nn.Parameter(p.detach().to(device=state_device, dtype=torch.float32, copy=True)) for p in self.params
@@ -198,6 +199,25 @@ class OuterLoop:
     def bucket_shapes(self) -> dict[str, list[torch.Size]]:
         """The full shapes of each bucket's parameters, by the key the round syncs the bucket under."""
         return {str(index): [self.full_shapes[i] for i in bucket] for index, bucket in enumerate(self.buckets)}
+
+    def whole_spans(self) -> dict[str, list[tuple[int, int]]]:
+        """(offset, length) in each bucket's flat local values of the parameters this process holds whole (with
+        tensor parallel: the norms and a tied embedding, which every process of the replica holds alike), by the
+        key the round syncs the bucket under. Buckets with none are left out."""
+        from torch.distributed.tensor import DTensor
+
+        spans = {}
+        for index, bucket in enumerate(self.buckets):
+            offset, whole = 0, []
+            for i in bucket:
+                n = self.params[i].numel()
+                param = self.laid_out[i]
+                if not isinstance(param, DTensor) or all(p.is_replicate() for p in param.placements):
+                    whole.append((offset, n))
+                offset += n
+            if whole:
+                spans[str(index)] = whole
+        return spans
 
     @property
     def local_numel(self) -> int:
@@ -345,6 +365,21 @@ def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> 
     return None
 
 
+def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor) -> float:
+    """a · b over what this process counts of bucket `index`: everything, except that with tensor parallel the
+    values every process of the replica holds whole count on its first process only, so that the replica's sum
+    over its members (ReplicaComm.replica_total) counts them once."""
+    def dot(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(x)) ** 2 if x is y else float(torch.dot(x, y))
+
+    total = dot(a, b)
+    if comm.sharded and comm.member > 0 and comm.whole_spans:
+        for at, n in comm.whole_spans.get(str(index), ()):
+            piece = a[at : at + n]
+            total -= dot(piece, piece if b is a else b[at : at + n])
+    return total
+
+
 def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, weight: float,
                     codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None) -> torch.Tensor:
     """Δ for one bucket: Σ_i w_i Δ_i / Σ_i w_i over the replicas, with this bucket's norms, agreement terms and
@@ -357,7 +392,7 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
     else:
         sent = torch.zeros_like(delta_i)
     # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
-    result.local_norm_sq += float(torch.linalg.vector_norm(sent)) ** 2
+    result.local_norm_sq += _counted_dot(comm, index, sent, sent)
     values = None if riding is None else riding(result.local_norm_sq)
     total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if weight > 0 else None,
                                           key=str(index), stats=values)
@@ -368,8 +403,8 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
             result.stats = rows
     total_weight = result.total_weight
     delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
-    result.average_norm_sq += float(torch.linalg.vector_norm(delta)) ** 2
-    result.dot += float(torch.dot(sent, delta))
+    result.average_norm_sq += _counted_dot(comm, index, delta, delta)
+    result.dot += _counted_dot(comm, index, sent, delta)
     result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
     return delta
 

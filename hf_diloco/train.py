@@ -146,15 +146,17 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
             f"distributed_type FSDP with fsdp_version 2, which hf-diloco keeps inside each replica (see "
             f"accelerate_configs/cpu-fsdp-2x2.yaml)."
         )
+    layout = values.get("parallelism_config") or {}
+    tp = int(layout.get("parallelism_config_tp_size", 1) or 1)
     if kind == "FSDP":
         if str((values.get("fsdp_config") or {}).get("fsdp_version", 1)) != "2":
             raise ConfigError(f"accelerate config {path!r} uses FSDP version 1; set fsdp_config: {{fsdp_version: 2}}, "
                               f"the FSDP hf-diloco shards each replica with.")
-        layout = values.get("parallelism_config") or {}
         shard = int(layout.get("parallelism_config_dp_shard_size", 0) or 0)
-        if int(layout.get("parallelism_config_tp_size", 1) or 1) > 1:
-            raise ConfigError(f"accelerate config {path!r} asks for tensor parallel, which hf-diloco does not run "
-                              f"inside a replica yet; shard each replica with FSDP2 alone.")
+        if tp > 1:
+            raise ConfigError(f"accelerate config {path!r} asks for FSDP2 and tensor parallel in one replica, which "
+                              f"hf-diloco does not run together yet; use one of them (tensor parallel alone: "
+                              f"accelerate_configs/cpu-tp-2x2.yaml).")
         if shard and group not in (1, shard):
             raise ConfigError(f"accelerate config {path!r} shards each replica over dp_shard_size={shard} "
                               f"processes but replica_group_size is {group}; set one of them, or both alike.")
@@ -163,11 +165,17 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
             raise ConfigError(f"accelerate config {path!r} uses FSDP, which hf-diloco runs inside each replica: set "
                               f"parallelism_config_dp_shard_size (or replica_group_size) to the processes of a "
                               f"replica, 2 or more.")
+    elif tp > 1 or config.tensor_parallel:
+        tp = max(tp, config.tp_size)
+        if group not in (1, tp):
+            raise ConfigError(f"accelerate config {path!r} splits each replica's layers over tp_size={tp} processes "
+                              f"but replica_group_size is {group}; set one of them, or both alike.")
+        group = tp
     if processes % group:
         raise ConfigError(
             f"{source} starts {processes} processes, which replica_group_size={group} does not divide."
         )
-    values["hf_diloco_layout"] = {"processes": processes, "group": group, "sharded": kind == "FSDP"}
+    values["hf_diloco_layout"] = {"processes": processes, "group": group, "sharded": kind == "FSDP", "tp": tp}
     if processes % machines:
         raise ConfigError(f"{source} spreads {processes} processes over {machines} machines, which does not divide "
                           f"evenly; use a multiple of {machines} processes.")
@@ -231,9 +239,9 @@ def shape_only_model(run: RunArguments):
 
 
 def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None = None,
-                 group: int | None = None, sharded: bool | None = None) -> dict[str, str]:
+                 group: int | None = None, sharded: bool | None = None, tp: int | None = None) -> dict[str, str]:
     """What a run would do, computed from the model alone: sizes, memory per process and the bytes of a round;
-    nothing is trained. `processes`, `group` and `sharded` give the layout of an accelerate config (`launch
+    nothing is trained. `processes`, `group`, `sharded` and `tp` give the layout of an accelerate config (`launch
     --dry-run`); by default it is this launch's."""
     from .codecs import CODECS, make_codec
     from .comm import ring_all_reduce_bytes, round_bytes
@@ -243,6 +251,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     model = shape_only_model(run)
     group = group or config.replica_group_size
     sharded = config.sharded_replica if sharded is None else sharded
+    tp = config.tp_size if tp is None else tp
+    share = parameter_shares(model, group if sharded else 1, tp)
     on_torchft = config.outer_backend == "torchft"
     world = processes or int(os.environ.get("WORLD_SIZE", "1"))
     replicas = config.num_replicas if on_torchft else max(1, world // group)
@@ -251,8 +261,13 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     total = sum(p.numel() for p in model.parameters())
     codecs = {name: make_codec(name, chunk=config.compression_chunk, sparse_k=config.sparse_k,
                                sparse_chunk=config.sparse_chunk, sparse_bits=config.sparse_bits) for name in CODECS}
-    # Each member of a replica syncs a 1/g slice; the statistics riding along are left out (a few bytes).
-    by_codec = {name: round_bytes(trainable, shown, group, codec) for name, codec in codecs.items()}
+    # Each member of a replica syncs a 1/g slice (tensor parallel: the pieces it holds, norms and a tied embedding
+    # whole); the statistics riding along are left out (a few bytes).
+    if tp > 1:
+        held = round(sum(p.numel() * share[name] for name, p in model.named_parameters() if p.requires_grad))
+        by_codec = {name: round_bytes(held, shown, 1, codec) for name, codec in codecs.items()}
+    else:
+        by_codec = {name: round_bytes(trainable, shown, group, codec) for name, codec in codecs.items()}
     per_round = by_codec[config.compression]
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
@@ -264,8 +279,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         "replicas in this launch": (f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
                                     else f"{replicas} of {group} process(es) each")
         + (f", each sharded over its {group} processes by FSDP2" if sharded else
+           f", each split over its {tp} processes by tensor parallel" if tp > 1 else
            ", DDP inside each" if group > 1 else ""),
-        "memory per process": memory_per_process(model, config, group if sharded else 1),
+        "memory per process": memory_per_process(model, config, group if sharded else 1, share),
         "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
         else str(config.inner_steps),
@@ -310,24 +326,41 @@ DDP_PLAN_KEYS = ("trainer", "model", "data", "replicas in this launch", "inner o
 OPTIMIZER_STATES = {"adam": 2, "lion": 1, "sgd": 0}
 
 
-def memory_per_process(model, config: DiLoCoConfig, shards: int) -> str:
-    """The bytes of the tensors one process holds for training, with `shards` processes sharing each (FSDP2 over
-    a replica; 1: every process holds all): parameters, gradients, inner optimizer state (AdamW: two moments), and
-    the outer state (θ_global in fp32 plus the outer optimizer's fp32 buffers). Activations are not counted."""
+def parameter_shares(model, shards: int = 1, tp: int = 1) -> dict[str, float]:
+    """The share of each parameter one process holds: 1/shards of every one (FSDP2 over a replica), with tensor
+    parallel 1/tp of those the model's tensor-parallel plan splits and the whole of the rest, else all of it."""
+    split = set()
+    if tp > 1:
+        from .trainer import checked_tensor_parallel_plan
+
+        split = set(checked_tensor_parallel_plan(model, tp))
+    return {name: 1 / shards if shards > 1 else 1 / tp if name in split else 1.0
+            for name, _ in model.named_parameters()}
+
+
+def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str, float] | None = None) -> str:
+    """The bytes of the tensors one process holds for training, each parameter's `share` of them (see
+    parameter_shares; by default 1/shards of each, FSDP2 over a replica, or all): parameters, gradients, inner
+    optimizer state (AdamW: two moments), and the outer state (θ_global in fp32 plus the outer optimizer's fp32
+    buffers). Activations are not counted."""
     from .metrics import format_bytes
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) / shards
-    gradients = sum(p.numel() * p.element_size() for p in trainable) / shards
+    share = share or parameter_shares(model, shards)
+    named = list(model.named_parameters())
+    parameters = sum(p.numel() * p.element_size() * share[n] for n, p in named)
+    gradients = sum(p.numel() * p.element_size() * share[n] for n, p in named if p.requires_grad)
     optim = str(getattr(config.optim, "value", config.optim))
     states = next((count for name, count in OPTIMIZER_STATES.items() if name in optim), None)
     outer_buffers = 2 if config.outer_optimizer == "adamw" else int(config.outer_momentum > 0)
-    outer = sum(p.numel() for p in trainable) * 4 * (1 + outer_buffers) / shards
+    outer = sum(p.numel() * share[n] for n, p in named if p.requires_grad) * 4 * (1 + outer_buffers)
+    split = 1 < shards or any(value < 1 for value in share.values())
     inner = "not estimated for " + optim if states is None else format_bytes(states * gradients)
     total = parameters + gradients + outer + (states or 0) * gradients
     return (f"{format_bytes(total)}: parameters {format_bytes(parameters)}, gradients {format_bytes(gradients)}, "
             f"inner optimizer {inner}, outer state {format_bytes(outer)}"
-            + (f" (1/{shards} of each, FSDP2)" if shards > 1 else "") + "; activations not counted")
+            + (f" (1/{shards} of each, FSDP2)" if shards > 1 else
+               " (tensor parallel: the split layers' share, norms and tied embeddings whole)" if split else "")
+            + "; activations not counted")
 
 
 def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:

@@ -125,6 +125,49 @@ def _fsdp2_over_gloo(accelerator, sharding: ReplicaSharding, args: DiLoCoConfig)
     state.device_mesh = sharding.get_device_mesh("cpu")
 
 
+def tensor_parallel_plan(model) -> dict[str, str]:
+    """The model's own tensor-parallel plan (transformers' `tp_plan`, one entry per module and parameter), less the
+    rules on tied weights: a tied input embedding and LM head stay whole on every process of the replica (their
+    vocabulary-sharded styles cannot share one weight). Empty where the model has no plan."""
+    plan = model._expand_parallel_plan(model.tp_plan or {}) if hasattr(model, "_expand_parallel_plan") else {}
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    tied = {name for names in names_of.values() if len(names) > 1 for name in names}
+    tied |= {name.rpartition(".")[0] for name in tied}
+    return {name: style for name, style in plan.items() if name not in tied}
+
+
+def checked_tensor_parallel_plan(model, tp_size: int) -> dict[str, str]:
+    """tensor_parallel_plan(model), or one sentence on why `model` cannot be split over `tp_size` processes."""
+    plan = tensor_parallel_plan(model)
+    if not plan:
+        raise ConfigError(f"tp_size={tp_size}: {type(model).__name__} has no tensor-parallel plan in transformers, so "
+                          f"its layers cannot be split; use FSDP2 inside the replica instead.")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads and heads % tp_size:
+            raise ConfigError(f"tp_size={tp_size} does not divide the model's {name}={heads}: tensor parallel gives "
+                              f"each process whole attention heads.")
+    return plan
+
+
+def apply_tensor_parallel(model, args: DiLoCoConfig):
+    """Split `model`'s layers over this replica's tp_size processes with transformers' tensor parallel
+    (transformers.distributed.tensor_parallel), on a device mesh whose `tp` dimension is the replica's processes:
+    column-sharded q/k/v, gate and up projections, row-sharded o and down projections; every other parameter
+    (norms, a tied embedding) stays whole on each process. No collective crosses replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan = checked_tensor_parallel_plan(model, args.tp_size)
+    replicas = 1 if args.outer_backend == "torchft" else args.world_size // args.tp_size
+    device = args.device
+    mesh = init_device_mesh(device.type, (replicas, args.tp_size), mesh_dim_names=("replica", "tp"))
+    return apply_tensor_parallelism(model.to(device), mesh["tp"], plan)
+
+
 class DiLoCoTrainer(Trainer):
     """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
 
@@ -144,10 +187,15 @@ class DiLoCoTrainer(Trainer):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         if args.sharded_replica:
             args.parallelism_config = replica_sharding(args)
+        if args.tensor_parallel and model is not None:
+            model = apply_tensor_parallel(model, args)
         super().__init__(model, args, *pargs, **kwargs)
-        # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0).
+        # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0). A
+        # tensor-parallel replica syncs like a sharded one: each process its own pieces, with the same-rank process
+        # of every other replica.
         self.comm = ReplicaComm(args.replica_group_size, background=args.sync_delay > 0,
-                                timeout_seconds=args.sync_timeout, sharded=args.sharded_replica)
+                                timeout_seconds=args.sync_timeout,
+                                sharded=args.sharded_replica or args.tensor_parallel)
         if args.outer_backend == "torchft" and self.comm.num_replicas != 1:
             processes = self.comm.num_replicas * self.comm.group_size
             raise ConfigError(f"outer_backend torchft starts one launch per replica, so the {processes} processes of "
@@ -161,14 +209,18 @@ class DiLoCoTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         sharding = self.args.parallelism_config if self.args.sharded_replica else None
         on_cpu = sharding is not None and self.args.device.type == "cpu"
-        if on_cpu:  # accelerate takes a parallelism config on accelerators only; it is handed over below
+        # Accelerate takes a parallelism config on accelerators only (FSDP2 on CPU: handed over below); tensor
+        # parallel is applied by DiLoCoTrainer inside each replica, so accelerate sees none (an accelerate
+        # config's would make it build a mesh over every process).
+        hide = on_cpu or self.args.tensor_parallel
+        if hide:
             self.args.parallelism_config = None
-            from_env = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)  # (an accelerate config's)
+            from_env = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
         super().create_accelerator_and_postprocess()
+        if hide and from_env is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = from_env
         if on_cpu:
             self.args.parallelism_config = sharding
-            if from_env is not None:
-                os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = from_env
             _fsdp2_over_gloo(self.accelerator, sharding, self.args)
             self.is_fsdp_enabled = True
         prepare_model = self.accelerator.prepare_model
@@ -177,7 +229,7 @@ class DiLoCoTrainer(Trainer):
             # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP wrapper over
             # all processes, so no gradient all-reduce across replicas and no buffer broadcast on every step.
             model = prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-            if self.comm.replica_group is not None and not evaluation_mode:
+            if self.comm.replica_group is not None and not evaluation_mode and not self.args.tensor_parallel:
                 # A replica of several processes: DDP inside the replica only.
                 device_ids = [torch.cuda.current_device()] if self.args.device.type == "cuda" else None
                 model = torch.nn.parallel.DistributedDataParallel(
@@ -191,7 +243,12 @@ class DiLoCoTrainer(Trainer):
     def data_shard(self) -> tuple[int, int]:
         """(this process's shard, number of shards): its place in the launch, or with torchft (one launch per
         replica of g processes) member j of replica_id r takes shard r·g + j of num_replicas·g, the shard the same
-        process has in a torch launch of num_replicas·g processes."""
+        process has in a torch launch of num_replicas·g processes. Tensor parallel: the processes of a replica
+        compute on the same batches, so replica r takes shard r of the replicas."""
+        if self.args.tensor_parallel:
+            if self.args.outer_backend == "torchft":
+                return self.args.replica_id, self.args.num_replicas
+            return self.args.process_index // self.args.tp_size, self.args.world_size // self.args.tp_size
         if self.args.outer_backend == "torchft":
             g = self.args.replica_group_size
             return self.args.replica_id * g + self.args.process_index, self.args.num_replicas * g
@@ -213,8 +270,8 @@ class DiLoCoTrainer(Trainer):
                 "data_sharding non_iid cuts the corpus into one contiguous slice per replica, which a streamed "
                 "dataset does not have; set streaming: false or data_sharding: iid."
             )
-        if self.args.outer_backend == "torchft":
-            loader = self._one_shard_of_several()
+        if self.args.outer_backend == "torchft" or self.args.tensor_parallel:
+            loader = self._one_shard_of_several(super().get_train_dataloader)
         else:
             loader = super().get_train_dataloader()
         # A ReplicaSliceSampler already picks this replica's examples; Accelerate's batch sharding on top would
@@ -225,9 +282,16 @@ class DiLoCoTrainer(Trainer):
             shard.num_processes, shard.process_index = 1, 0
         return loader
 
-    def _one_shard_of_several(self):
-        """torchft: one launch per replica, so Accelerate sees one process; shard the batches as it would for
-        num_replicas processes (replica r takes batches r, r + M, ...), exactly as the torch backend does."""
+    def get_eval_dataloader(self, eval_dataset=None):
+        if self.args.tensor_parallel:  # the processes of a replica evaluate the same batches together
+            return self._one_shard_of_several(lambda: super(DiLoCoTrainer, self).get_eval_dataloader(eval_dataset))
+        return super().get_eval_dataloader(eval_dataset)
+
+    def _one_shard_of_several(self, make_loader):
+        """The loader `make_loader` builds, cut into `data_shard`'s shards instead of one per process. torchft: one
+        launch per replica, so Accelerate sees one process; shard the batches as it would for num_replicas
+        processes (replica r takes batches r, r + M, ...), exactly as the torch backend does. Tensor parallel: the
+        tp_size processes of a replica take the same shard."""
         import accelerate.accelerator as accelerator_module
 
         prepare = accelerator_module.prepare_data_loader
@@ -240,7 +304,7 @@ class DiLoCoTrainer(Trainer):
 
         accelerator_module.prepare_data_loader = sharded
         try:
-            return super().get_train_dataloader()
+            return make_loader()
         finally:
             accelerator_module.prepare_data_loader = prepare
 
@@ -326,10 +390,23 @@ class DiLoCoTrainer(Trainer):
     def _replica_dir(self, checkpoint: str) -> Path:
         return checkpoints.part_dir(checkpoint, self.args.process_index)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Tensor parallel: every process gathers its replica's full weights (a collective inside the replica only),
+        then the saving process writes an ordinary consolidated model."""
+        if self.args.tensor_parallel and state_dict is None:
+            from torch.distributed.tensor import DTensor
+
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            state_dict = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+                          for name, value in model.state_dict().items()}
+            if not self.args.should_save:
+                return
+        return super()._save(output_dir, state_dict)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Sharded replicas: every process reads the checkpoint's consolidated weights and keeps its shards (the
         round's θ_global and the replica's own parameters are then restored from the DiLoCo state on top)."""
-        if not self.args.sharded_replica:
+        if not (self.args.sharded_replica or self.args.tensor_parallel):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 import yaml
 from helpers import REPO, accelerate_launch, hf_diloco
 from safetensors.torch import load_file
@@ -60,6 +61,13 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
                 (entry.split(" ", 1) for entry in plan["per round by codec"].split(", "))}
     m = values.get("num_replicas", 8) if values.get("outer_backend") == "torchft" else 8
     group = values.get("replica_group_size", 1)  # each member of a replica sends its 1/g slice or shard
+    if values.get("tp_size", 1) > 1:  # tensor parallel: the pieces of the attention and MLP projections it holds,
+        from hf_diloco.models import build_preset, byte_tokenizer  # and the norms and tied embedding whole
+
+        model = build_preset(values["model_name_or_path"], byte_tokenizer(), values["block_size"])
+        split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight"))
+        assert 0 < split < trainable
+        trainable, group = trainable - split + split / values["tp_size"], 1
     assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m / group, rel=0.01)
     sent = as_bytes(plan[f"sent across replicas per process per round, M={m}"])
     assert sent == by_codec[values.get("compression", "none")]
@@ -172,6 +180,30 @@ def test_launch_dry_run_prints_the_memory_per_process_of_the_config_s_layout():
         assert part == pytest.approx(full / 8, rel=1e-3)
     tiny = memory("cpu-fsdp-2x2.yaml", "--model_name_or_path", "tiny-llama")
     assert tiny[1] == pytest.approx(1_082_880 * 4 / 2, rel=1e-2)
+
+
+def test_launch_dry_run_of_the_tensor_parallel_configs_prints_their_memory_and_bytes_per_process():
+    """accelerate_configs/tp-nodes.yaml (2 nodes x 8 GPUs, each layer split over a node's GPUs) with the 7B preset,
+    and cpu-tp-2x2.yaml with tiny-llama: each process holds 1/tp of every attention and MLP projection and the
+    rest whole (counted here from the preset's parameter names), for parameters and for the bytes it syncs."""
+    from hf_diloco.models import build_preset, byte_tokenizer
+
+    for config, model_name, tp in (("tp-nodes.yaml", "llama-7b", 8), ("cpu-tp-2x2.yaml", "tiny-llama", 2)):
+        result = hf_diloco("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
+                           str(REPO / "accelerate_configs" / config), "--dry-run", "--", "--model_name_or_path",
+                           model_name)
+        assert result.returncode == 0, result.stderr[-2000:]
+        plan = read_plan(result.stdout)
+        assert f"2 of {tp} process(es) each, each split over its {tp} processes by tensor parallel" in \
+            plan["replicas in this launch"]
+        with torch.device("meta"):
+            model = build_preset(model_name, byte_tokenizer())
+        split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight"))
+        held = split / tp + sum(p.numel() for p in model.parameters()) - split
+        parameters = [as_bytes(x) for x in re.findall(r"parameters ([\d.]+ [kMG]?B)", plan["memory per process"])]
+        assert parameters == [pytest.approx(held * 4, rel=1e-2)], plan["memory per process"]
+        sent = as_bytes(plan["sent across replicas per process per round, M=2"])
+        assert sent == pytest.approx(held * 4, rel=1e-2)  # fp32 ring all-reduce over 2 replicas: its bytes once
 
 
 def test_launch_checks_replica_group_size_divides_the_processes():

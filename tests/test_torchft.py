@@ -501,21 +501,21 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
 
 
-@pytest.mark.parametrize("inside", ["ddp", "fsdp"])
+@pytest.mark.parametrize("inside", ["ddp", "fsdp", "tp"])
 def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(tmp_path, inside):
     """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-replica-2proc.yaml --replicas 2
-    --replica_group_size 2`: two replicas of two processes (DDP inside, or each sharded by FSDP2), each launch on
-    its own rendezvous port. One member of replica 1 is SIGKILLed: its launch ends, replica 0 goes on alone
-    (min_replicas 1), the launcher starts replica 1 again, both of its processes heal from their counterparts in
-    replica 0 (with FSDP2: each its own shard of θ_global and of the outer momentum), and both replicas end with the
-    same model."""
+    --replica_group_size 2`: two replicas of two processes (DDP inside, each sharded by FSDP2, or each split by
+    tensor parallel), each launch on its own rendezvous port. One member of replica 1 is SIGKILLed: its launch
+    ends, replica 0 goes on alone (min_replicas 1), the launcher starts replica 1 again, both of its processes heal
+    from their counterparts in replica 0 (sharded or split: each its own piece of θ_global and of the outer
+    momentum), and both replicas end with the same model."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica-2proc.yaml", "--replicas", "2", "--replica_group_size", "2",
                "--min_replicas", "1", "--max-restarts", "1", "--output_dir", str(out), "--max_steps", "400",
                "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
                "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3",
-               *(["--fsdp", "true"] if inside == "fsdp" else [])]
+               *{"ddp": [], "fsdp": ["--fsdp", "true"], "tp": ["--tp_size", "2"]}[inside]]
     # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once both
     # have taken part in a round.
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",

@@ -160,7 +160,7 @@ world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
                                                   "wire_bytes": sync_wire_bytes, "world_size": world,
                                                   "held_bytes": held_bytes()}))
-if config.sharded_replica:  # the whole model, gathered from the shards of replica 0 (a collective: every rank)
+if config.sharded_replica or config.tensor_parallel:  # the whole model, gathered from replica 0 (every rank)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     final = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
