@@ -1,13 +1,17 @@
-"""Replicas bigger than one device: 2 replicas x 2 processes, FSDP2 inside each replica against DDP inside.
+"""Replicas bigger than one device: 2 replicas x 2 processes, FSDP2 or tensor parallel inside each replica against
+DDP inside.
 
 The peer task (recipes/tiny-pretrain.yaml, DESIGN.md §6) on 4 CPU processes (gloo over loopback, one thread
-each), interleaved and repeated: each repeat runs the DDP-inside layout (`--replica_group_size 2`), then the FSDP2
-layout (`accelerate_configs/cpu-fsdp-2x2.yaml`). Reported per layout:
+each), interleaved and repeated: each repeat runs the DDP-inside layout (`--replica_group_size 2`), the FSDP2
+layout (`accelerate_configs/cpu-fsdp-2x2.yaml`) and the tensor-parallel layout (`cpu-tp-2x2.yaml`). Reported per
+layout:
 - tokens/s of all four processes (tokens ÷ Trainer's loop wall time), median [min, max] of the repeats, and the
-  ratio FSDP2 ÷ DDP of each repeat;
+  ratio to DDP inside of each repeat. With DDP or FSDP2 inside, each process trains on its own batches; with
+  tensor parallel the two processes of a replica compute on the same batch, so four processes train two batches a
+  step;
 - bytes each process sends across replicas per round, and inside its replica per round, from the round records,
-  beside the algorithm's count (ring all-reduce: 2 (M − 1)/M × 4 bytes × the values a process syncs); a record
-  above or below it is a bug;
+  beside the algorithm's count (ring all-reduce: 2 (M − 1)/M × 4 bytes × the values a process syncs: 1/g of the
+  model, or with tensor parallel half of each projection and the rest whole); a record above or below it is a bug;
 - peak resident memory per process (the largest of the four), and the memory per process the dry run prints
   for the tiny model, for `paper-150m-c4` and for the 7B preset on `fsdp-nodes.yaml` against `hybrid.yaml`.
 
@@ -41,10 +45,14 @@ from common import (
 )
 
 FSDP_CONFIG = REPO / "accelerate_configs" / "cpu-fsdp-2x2.yaml"
+TP_CONFIG = REPO / "accelerate_configs" / "cpu-tp-2x2.yaml"
 LAYOUTS = {
     "DDP inside": (["--multi_gpu", "--num_processes", "4", "--num_machines", "1"], ["--replica_group_size", "2"]),
     "FSDP2 inside": (["--config_file", str(FSDP_CONFIG)], []),
+    "tensor parallel inside": (["--config_file", str(TP_CONFIG)], []),
 }
+# Batches trained per step by the four processes: one each, or one per replica with tensor parallel.
+BATCHES = {"DDP inside": 4, "FSDP2 inside": 4, "tensor parallel inside": 2}
 PROCESSES, REPLICAS, GROUP = 4, 2, 2
 
 
@@ -56,6 +64,16 @@ def run_layout(output_dir: Path, layout: str, common: list[str]) -> dict:
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:  # every process's output, kept whole
         Processes([command], on_line=log.write).wait()
     return read_run(output_dir)
+
+
+def tensor_parallel_values(tp: int) -> float:
+    """Values a tensor-parallel process of the peer model syncs: 1/tp of each attention and MLP projection (counted
+    by name here) and every other parameter whole."""
+    from hf_diloco.models import build_preset, byte_tokenizer
+
+    model = build_preset("tiny-llama", byte_tokenizer())
+    split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight"))
+    return split / tp + sum(p.numel() for p in model.parameters()) - split
 
 
 def dry_run_memory(recipe: str, config: str, *extra: str) -> str:
@@ -89,7 +107,7 @@ def main() -> None:
                     result = run_layout(Path(tmp_name) / f"r{repeat}-{layout.split()[0]}", layout, common)
                     rounds = result["rounds"]
                     runs.append({"repeat": repeat, "layout": layout,
-                                 "tokens_per_second": loop_tokens_per_second(result, PROCESSES),
+                                 "tokens_per_second": loop_tokens_per_second(result, BATCHES[layout]),
                                  "bytes_per_round": max(r["bytes_per_replica"] for r in rounds),
                                  "intra_replica_bytes": max(r["intra_replica_bytes"] for r in rounds),
                                  "synced_parameters": rounds[0]["synced_parameters"],
@@ -101,11 +119,13 @@ def main() -> None:
                 (kept / log.name).write_text(log.read_text())
             sys.exit(f"{error}\n(the runs' whole output is kept in {kept})")
     numel = runs[0]["synced_parameters"]
-    bound = 2 * (REPLICAS - 1) / REPLICAS * 4 * numel / GROUP  # fp32 ring all-reduce of a process's 1/g share
+    ring = 2 * (REPLICAS - 1) / REPLICAS * 4  # bytes an fp32 ring all-reduce sends per value a process syncs
+    bounds = {layout: ring * numel / GROUP for layout in LAYOUTS}
+    bounds["tensor parallel inside"] = ring * tensor_parallel_values(GROUP)
     summary, rows = {}, []
     for layout in LAYOUTS:
         mine = [r for r in runs if r["layout"] == layout]
-        sent = max(r["bytes_per_round"] for r in mine)
+        sent, bound = max(r["bytes_per_round"] for r in mine), bounds[layout]
         # The statistics riding with the sync add a few dozen values; FSDP2's row padding a few rows.
         if not 0.99 * bound <= sent <= 1.01 * bound:
             sys.exit(f"{layout}: {sent} bytes per round, but the algorithm sends {bound:.0f}: a miscount.")
@@ -113,19 +133,20 @@ def main() -> None:
                            "bytes_per_round": sent, "intra_replica_bytes": max(r["intra_replica_bytes"] for r in mine),
                            "peak_rss_mb": spread([r["peak_rss_mb"] for r in mine if r["peak_rss_mb"] is not None]
                                                  or [float("nan")])}
-    ratio = spread([f["tokens_per_second"] / d["tokens_per_second"] for f, d in zip(
-        [r for r in runs if r["layout"] == "FSDP2 inside"], [r for r in runs if r["layout"] == "DDP inside"],
-        strict=True)])
+    ratio = {layout: spread([f["tokens_per_second"] / d["tokens_per_second"] for f, d in zip(
+        [r for r in runs if r["layout"] == layout], [r for r in runs if r["layout"] == "DDP inside"], strict=True)])
+        for layout in LAYOUTS}
     for layout, s in summary.items():
         rows.append([f"2 x 2, {layout}", show(s["tokens_per_second"]),
-                     show(ratio, "{:.1%}") if layout.startswith("FSDP") else "100%",
-                     f"{s['bytes_per_round'] / 1e6:.3f} MB", f"{bound / 1e6:.3f} MB",
+                     show(ratio[layout], "{:.1%}") if layout != "DDP inside" else "100%",
+                     f"{s['bytes_per_round'] / 1e6:.3f} MB", f"{bounds[layout] / 1e6:.3f} MB",
                      f"{s['intra_replica_bytes'] / 1e6:.6f} MB", show(s["peak_rss_mb"], "{:.0f}")])
     table = markdown_table(["layout (peer task, 4 CPU processes)", "tokens/s", "vs DDP inside",
                             "sent across replicas per process per round", "algorithm's count (fp32 ring)",
                             "sent inside the replica per round", "peak RSS MB (largest process)"], rows)
     table += (f"\n\n{steps} steps, H = {inner}, {args.repeats} repeats interleaved; median [min, max]; the ratio "
-              f"divides each FSDP2 run by the DDP run of the same repeat.")
+              f"divides each run by the DDP-inside run of the same repeat. Tensor parallel: the four processes "
+              f"train one batch per replica each step, two in all.")
     print("dry runs of the memory per process ...", flush=True)
     memory = {
         "tiny-llama, 2 x 2, DDP inside": dry_run_memory("tiny-pretrain.yaml", "cpu-4proc.yaml",
@@ -139,24 +160,27 @@ def main() -> None:
                                                                  "llama-7b"),
         "llama-7b, 2 nodes x 8 GPUs, FSDP2": dry_run_memory("paper-150m-c4.yaml", "fsdp-nodes.yaml",
                                                             "--model_name_or_path", "llama-7b"),
+        "tiny-llama, 2 x 2, tensor parallel": dry_run_memory("tp-replicas.yaml", "cpu-tp-2x2.yaml"),
+        "llama-7b, 2 nodes x 8 GPUs, tensor parallel": dry_run_memory("paper-150m-c4.yaml", "tp-nodes.yaml",
+                                                                      "--model_name_or_path", "llama-7b"),
     }
     table += "\n\n" + markdown_table(["model, layout", "memory per process (dry run; activations not counted)"],
                                      [[name, row] for name, row in memory.items()])
-    save("sharded", table, {"steps": steps, "inner_steps": inner, "repeats": args.repeats, "bound_bytes": bound,
+    save("sharded", table, {"steps": steps, "inner_steps": inner, "repeats": args.repeats, "bound_bytes": bounds,
                             "summary": summary, "ratio": ratio, "memory": memory, "runs": runs},
          plot(summary), quick=args.quick, seconds=time.time() - started)
 
 
 def plot(summary: dict):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     labels = list(summary)
     spreads = [summary[name]["tokens_per_second"] for name in labels]
     medians = [s["median"] for s in spreads]
     errors = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
-    ax.bar(labels, medians, yerr=errors, capsize=4, color=["#888", "#1f77b4"])
+    ax.bar(labels, medians, yerr=errors, capsize=4, color=["#888", "#1f77b4", "#ff7f0e"][: len(labels)])
     ax.set_ylabel("tokens/s, 4 processes (median, [min, max])")
-    ax.set_title("2 replicas x 2 processes: FSDP2 against DDP inside")
+    ax.set_title("2 replicas x 2 processes: FSDP2 and tensor parallel against DDP inside")
     return fig
 
 
