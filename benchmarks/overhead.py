@@ -50,6 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="40 steps, H = 20 (under 3 minutes)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats, interleaved (at least 3)")
+    parser.add_argument("--steps", type=int, help="inner steps per run (default 50, H = 50; with --quick 40, H = "
+                                                  "20); more steps weigh start-up and the first sync as a long run "
+                                                  "does")
     add_variant_arguments(parser, default=["fp32"])
     args = parser.parse_args()
     if args.repeats < 3:
@@ -57,6 +60,7 @@ def main() -> None:
     started = time.time()
     variants = selected_variants(args)
     steps, inner = (40, 20) if args.quick else (50, 50)
+    steps = args.steps or steps
     common = ["--max_steps", str(steps), "--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy",
               "no", "--save_every_rounds", "0", "--logging_steps", str(steps)]
     runs = []

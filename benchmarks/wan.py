@@ -98,6 +98,7 @@ class Measured:
     sync_seconds: float
     blocking_bytes: int  # bytes of the rounds that held the inner loop (all, unless overlapped; then the last)
     blocked_seconds: list[float]  # per round, how long it kept the inner loop waiting (the last round last)
+    compute_seconds: list[float]  # per round, the slowest replica's inner-step seconds since the round before
     sync_delays: dict[str, int]  # the τ each fragment ended with under sync_delay auto (empty otherwise)
 
 
@@ -150,6 +151,7 @@ def two_host_run(hosts, out: Path, overrides: list[str]) -> Measured:
         # variant, the final all-fragment round of a streaming one) kept the inner loop waiting for their bytes.
         blocking_bytes=sum(r["bytes_per_replica"] for r in result.get("rounds", []) if "launch_step" not in r),
         blocked_seconds=[round(r["blocked_seconds"], 4) for r in result.get("rounds", [])],
+        compute_seconds=[round(r["compute_seconds"], 4) for r in result.get("rounds", [])],
         sync_delays={str(f): r["sync_delay_auto"]["chosen"] for r in result.get("rounds", [])
                      if "sync_delay_auto" in r for f in r["sync_delay_auto"]["fragments"]},
     )
@@ -171,6 +173,24 @@ def best_utilisation(compute_seconds: float, sent: list[int], rate: float | None
     else:
         floor = compute_seconds + wire
     return wire, compute_seconds / floor
+
+
+def fragments_of(overrides: list[str]) -> int:
+    for i, flag in enumerate(overrides):
+        if flag.split("=")[0] == "--num_fragments":
+            return int(flag.partition("=")[2] or overrides[i + 1])
+    return 1
+
+
+def steady_state(run: dict) -> float | None:
+    """The share of the loop a run's replicas computed rather than waited, over its rounds after the first 2F
+    (while τ auto measures each fragment's exchange) and before the last: Σ compute ÷ Σ (compute + blocked), from
+    the round records. None where fewer than two rounds remain."""
+    start = 2 * fragments_of(run["overrides"])
+    compute, blocked = run.get("compute_seconds", [])[start:-1], run.get("blocked_seconds", [])[start:-1]
+    if len(compute) < 2 or sum(compute) <= 0:
+        return None
+    return sum(compute) / (sum(compute) + sum(blocked))
 
 
 def measure(groups: list[Group], variants: dict[str, list[str]], repeats: int, tmp: Path) -> list[dict]:
@@ -224,6 +244,8 @@ def judge(runs: list[dict], repeats: int) -> list[dict]:
             "tokens_per_second": spread([r["tokens_per_second"] for r in synced]),
             "baseline_tokens_per_second": base_tps,
             "utilisation": spread([r["utilisation"] for r in synced]),
+            "steady_state": spread(steady) if (steady := [x for r in synced
+                                                           if (x := steady_state(r)) is not None]) else None,
             "best_utilisation": spread([r["best_utilisation"] for r in synced]),
             "wire_seconds_min": spread([r["wire_seconds_min"] for r in synced]),
             "loop_seconds": spread([r["loop_seconds"] for r in synced]),
@@ -243,10 +265,13 @@ def table(rows: list[dict]) -> str:
                    f"unreliable: baseline spread {row['noise']:.0%}" if row["noise"] > NOISE_TRUSTED else "ok")
         lines.append([LABELS[row["link"]], row["variant"], f"{row['steps']} (H = {row['inner_steps']})",
                       show(row["tokens_per_second"]), show(row["baseline_tokens_per_second"]),
-                      show(row["utilisation"], "{:.1%}"), f"{row['best_utilisation']['median']:.1%}",
+                      show(row["utilisation"], "{:.1%}"),
+                      show(row["steady_state"], "{:.1%}") if row.get("steady_state") else "-",
+                      f"{row['best_utilisation']['median']:.1%}",
                       f"{row['wire_seconds_min']['median']:.1f}", f"{sent:.1f}", verdict])
     return markdown_table(["link", "variant", "steps", "tokens/s", "baseline tokens/s (no sync)",
-                           "utilisation", "best the link allows", "wire s ≥", "MB on veth (max host, loop)",
+                           "utilisation", "steady state (rounds after the first 2F)", "best the link allows",
+                           "wire s ≥", "MB on veth (max host, loop)",
                            "check"], lines)
 
 
@@ -320,7 +345,10 @@ def main() -> None:
              "repeat (same namespaces, syncs off, unshaped). Best the link allows: baseline loop time ÷ (baseline "
              "loop time + bytes on the veth · 8 ÷ rate) for blocking syncs; for overlapped ones (sync_delay > 0) "
              "baseline loop time ÷ (max(baseline loop time, wire time of the overlapped rounds) + wire time of the "
-             "rounds that block: the final all-fragment round of a blocking end, none with a staggered one).")
+             "rounds that block: the final all-fragment round of a blocking end, none with a staggered one). Steady "
+             "state: from the main replica's round records, the rounds after the first 2F (while τ auto measures "
+             "each fragment) and before the last, Σ compute ÷ Σ (compute + seconds a round kept the loop waiting): "
+             "what a long run's rounds get, without start-up.")
     save(args.results, text, {"method": __doc__.split("\n\n")[1], "groups": [g.__dict__ for g in groups],
                        "repeats": args.repeats, "variants": variants, "rows": rows, "runs": runs},
          plot(rows), quick=args.quick, seconds=time.time() - started)

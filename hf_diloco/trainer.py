@@ -187,7 +187,10 @@ class DiLoCoTrainer(Trainer):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         if args.sharded_replica:
             args.parallelism_config = replica_sharding(args)
-        if args.tensor_parallel and model is not None:
+        if args.tensor_parallel:
+            if model is None:
+                raise ConfigError("tensor parallel (tp_size > 1) splits the model DiLoCoTrainer is given, so pass "
+                                  "model=...; a model_init is not supported with it.")
             model = apply_tensor_parallel(model, args)
         super().__init__(model, args, *pargs, **kwargs)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0). A

@@ -11,7 +11,7 @@ import torch
 from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, tiny_llama
 from safetensors.torch import load_file
 
-from hf_diloco import DiLoCoConfig
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer
 from hf_diloco.config import ConfigError
 from hf_diloco.trainer import checked_tensor_parallel_plan
 
@@ -108,14 +108,16 @@ def test_streamed_int4_with_error_feedback_runs_on_the_pieces(streamed):
 
 
 def test_tensor_parallel_refusals_say_why_in_one_sentence():
-    """FSDP2 with tensor parallel in one replica, a replica_group_size other than tp_size, and a tp_size that does
-    not divide the attention heads."""
+    """FSDP2 with tensor parallel in one replica, a replica_group_size other than tp_size, a tp_size that does not
+    divide the attention heads, and a model_init instead of a model; the plan splits the projections only."""
     with pytest.raises(ConfigError, match="FSDP2 and tensor parallel in one replica"):
         DiLoCoConfig(output_dir="unused", tp_size=2, fsdp=True, replica_group_size=2)
     with pytest.raises(ConfigError, match="replica_group_size=4 differs from tp_size=2"):
         DiLoCoConfig(output_dir="unused", tp_size=2, replica_group_size=4)
     with pytest.raises(ConfigError, match="tp_size=3 does not divide the model's num_attention_heads=2"):
         checked_tensor_parallel_plan(tiny_llama(), 3)
+    with pytest.raises(ConfigError, match="a model_init is not supported with it"):
+        DiLoCoTrainer(args=DiLoCoConfig(output_dir="unused", tp_size=2), model_init=tiny_llama)
     plan = checked_tensor_parallel_plan(tiny_llama(), 2)
     assert plan["model.layers.0.self_attn.q_proj.weight"] == "colwise"
     assert plan["model.layers.0.mlp.down_proj.weight"] == "rowwise"
