@@ -7,7 +7,8 @@ Each repeat runs the pair and then every variant; a variant's ratio is its token
 repeat; the table gives the median and [min, max]. Tokens/s: tokens ÷ Trainer's loop wall time for every run (the
 pair's two processes are added up). Time per sync is the library's own `sync_seconds` per round.
 
-    python benchmarks/overhead.py [--quick] [--repeats N] [--variants fp32 ...] [--variant 'name=--field v ...']
+    python benchmarks/overhead.py [--quick] [--repeats N] [--steps N] [--variants fp32 ...]
+        [--variant 'name=--field v ...']
 """
 
 from __future__ import annotations

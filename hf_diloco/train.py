@@ -353,7 +353,7 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
     states = next((count for name, count in OPTIMIZER_STATES.items() if name in optim), None)
     outer_buffers = 2 if config.outer_optimizer == "adamw" else int(config.outer_momentum > 0)
     outer = sum(p.numel() * share[n] for n, p in named if p.requires_grad) * 4 * (1 + outer_buffers)
-    split = 1 < shards or any(value < 1 for value in share.values())
+    split = any(value < 1 for value in share.values())
     inner = "not estimated for " + optim if states is None else format_bytes(states * gradients)
     total = parameters + gradients + outer + (states or 0) * gradients
     return (f"{format_bytes(total)}: parameters {format_bytes(parameters)}, gradients {format_bytes(gradients)}, "

@@ -322,9 +322,10 @@ class DiLoCoTrainer(Trainer):
 
     def store_flos(self) -> None:
         # Trainer sums the floating point operations of all processes with an all-gather at every log. Replicas
-        # run the same number of steps on batches of the same shape, so this replica's count times the number
-        # of replicas is the total, with no collective.
-        self.state.total_flos += self.current_flos * self.args.world_size
+        # run the same number of steps on batches of the same shape, so this process's count times the number of
+        # processes with batches of their own is the total, with no collective. Tensor parallel: the processes of
+        # a replica compute one batch together, and each counts the whole model's operations for it.
+        self.state.total_flos += self.current_flos * (self.args.world_size // self.args.tp_size)
         self.current_flos = 0
 
     def train(self, *args, **kwargs):

@@ -148,11 +148,15 @@ def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
 
 
 def test_launch_refuses_the_sharded_layouts_it_cannot_keep_inside_a_replica(tmp_path):
-    """FSDP1, DeepSpeed and FSDP2 with no processes to shard over: one sentence each, no traceback."""
+    """FSDP1, DeepSpeed, FSDP2 with no processes to shard over, and FSDP2 with tensor parallel in one replica: one
+    sentence each, no traceback."""
     cases = {"fsdp1": ("distributed_type: FSDP\nnum_processes: 2\n", "fsdp_version: 2"),
              "deepspeed": ("distributed_type: DEEPSPEED\nnum_processes: 2\n", "FSDP"),
              "unsharded": ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config: {fsdp_version: 2}\n",
-                           "dp_shard_size")}
+                           "dp_shard_size"),
+             "fsdp+tp": ("distributed_type: FSDP\nnum_processes: 4\nfsdp_config: {fsdp_version: 2}\n"
+                         "parallelism_config: {parallelism_config_dp_shard_size: 2, parallelism_config_tp_size: 2}\n",
+                         "FSDP2 and tensor parallel in one replica")}
     for name, (text, hint) in cases.items():
         config = tmp_path / f"{name}.yaml"
         config.write_text(text)

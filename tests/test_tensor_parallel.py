@@ -52,14 +52,16 @@ def streamed(tmp_path_factory):
 def test_tensor_parallel_replicas_end_where_replicas_of_one_process_end(fp32_layouts):
     """fp32 syncs over four rounds: the same model as replicas of one process on the same data, within 1e-3, and
     the same round statistics (loss, pseudo-gradient norms, counted once for the values both processes hold)
-    within 1e-4. Not bit for bit: a row-split projection sums its halves on two processes, so a float sum rounds
-    differently (about 1e-7), and AdamW's per-value normalisation lets that move a weight whose gradient is near
-    zero by a fraction of the learning rate (3e-3); a piece synced with the wrong counterpart, or not averaged,
-    moves weights by 1e-2 and more."""
+    within 1e-4, and the same total floating point operations. Not bit for bit: a row-split projection sums its
+    halves on two processes, so a float sum rounds differently (about 1e-7), and AdamW's per-value normalisation
+    lets that move a weight whose gradient is near zero by a fraction of the learning rate (3e-3); a piece synced
+    with the wrong counterpart, or not averaged, moves weights by 1e-2 and more."""
     split, whole = torch.load(fp32_layouts["tp"][0] / "final.pt"), torch.load(fp32_layouts["plain"][0] / "final.pt")
     assert set(split) == set(whole)
     worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
     assert worst < 1e-3, f"largest parameter difference {worst:.2e}"
+    # The same batches trained: the floating point operations Trainer reports add up alike.
+    assert fp32_layouts["tp"][1][0]["total_flos"] == pytest.approx(fp32_layouts["plain"][1][0]["total_flos"], rel=1e-6)
     for a, b in zip(rounds_of(fp32_layouts["tp"][0]), rounds_of(fp32_layouts["plain"][0]), strict=True):
         assert a["synced_parameters"] == b["synced_parameters"]
         for key in ("pseudo_grad_norm", "loss"):

@@ -159,7 +159,8 @@ rank = dist.get_rank()
 world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
                                                   "wire_bytes": sync_wire_bytes, "world_size": world,
-                                                  "held_bytes": held_bytes()}))
+                                                  "held_bytes": held_bytes(),
+                                                  "total_flos": trainer.state.total_flos}))
 if config.sharded_replica or config.tensor_parallel:  # the whole model, gathered from replica 0 (every rank)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
