@@ -13,7 +13,9 @@ layout:
   beside the algorithm's count (ring all-reduce: 2 (M − 1)/M × 4 bytes × the values a process syncs: 1/g of the
   model, or with tensor parallel half of each projection and the rest whole); a record above or below it is a bug;
 - peak resident memory per process (the largest of the four), and the memory per process the dry run prints
-  for the tiny model, for `paper-150m-c4` and for the 7B preset on `fsdp-nodes.yaml` against `hybrid.yaml`.
+  for the tiny model, for `paper-150m-c4` and for the 7B preset on `fsdp-nodes.yaml` against `hybrid.yaml`, and
+  on the tensor-parallel configs (`tp-nodes.yaml`; with FSDP2 beside it, `fsdp-tp-nodes.yaml` and
+  `cpu-fsdp-tp-2x4.yaml`, whose 8 processes are not timed here: on 2 cores they measure oversubscription).
 
     python benchmarks/sharded.py [--quick] [--repeats N]
 """
@@ -163,6 +165,10 @@ def main() -> None:
         "tiny-llama, 2 x 2, tensor parallel": dry_run_memory("tp-replicas.yaml", "cpu-tp-2x2.yaml"),
         "llama-7b, 2 nodes x 8 GPUs, tensor parallel": dry_run_memory("paper-150m-c4.yaml", "tp-nodes.yaml",
                                                                       "--model_name_or_path", "llama-7b"),
+        "tiny-llama, 2 x (2 x 2), tensor parallel + FSDP2": dry_run_memory("fsdp-tp-replicas.yaml",
+                                                                           "cpu-fsdp-tp-2x4.yaml"),
+        "llama-7b, 2 nodes x 8 GPUs, tensor parallel 4 + FSDP2 2": dry_run_memory(
+            "paper-150m-c4.yaml", "fsdp-tp-nodes.yaml", "--model_name_or_path", "llama-7b"),
     }
     table += "\n\n" + markdown_table(["model, layout", "memory per process (dry run; activations not counted)"],
                                      [[name, row] for name, row in memory.items()])

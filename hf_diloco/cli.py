@@ -229,9 +229,10 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
                        f"({' '.join(launch_args_of(args)[::2])}) do not apply; leave them out.")
     values = training.check_accelerate_config(args.accelerate_config, config)
     processes = int(values.get("num_processes", 1) or 1)
-    if processes != config.replica_group_size:
+    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
+    if processes != group:
         raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
-                       f"{config.replica_group_size} process(es), but {args.accelerate_config!r} starts {processes}; "
+                       f"{group} process(es), but {args.accelerate_config!r} starts {processes}; "
                        f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml "
                        f"with replica_group_size 2.")
     if not args.replicas:
@@ -378,9 +379,10 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if torchft and args.nodes != 1:
         raise CLIError("a torchft replica runs on one node (its replica_group_size processes); scale with --replicas, "
                        "not --nodes.")
-    if torchft and per_node != config.replica_group_size:
+    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
+    if torchft and per_node != group:
         raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
-                       f"{config.replica_group_size} process(es), but {args.accelerate_config!r} starts {per_node}; "
+                       f"{group} process(es), but {args.accelerate_config!r} starts {per_node}; "
                        f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml.")
     if not torchft:
         training.check_accelerate_config(args.accelerate_config, config, processes=args.nodes * per_node,

@@ -187,9 +187,9 @@ class ReplicaComm:
     # The full shapes of each bucket's parameters, by bucket key: with g > 1 each member syncs the rows FSDP2 would
     # give it (ShardLayout). Without them (a caller that syncs bare vectors) member j syncs the j-th 1/g slice.
     bucket_shapes: dict[str, list[torch.Size]] | None = None
-    # Tensor parallel: the (offset, length) of the values each bucket's members all hold whole (OuterLoop.whole_spans),
-    # counted once in a replica's norms.
-    whole_spans: dict[str, list[tuple[int, int]]] | None = None
+    # Tensor parallel: the (offset, length) of the values in each bucket that another member of the replica holds too
+    # and counts instead of this one (OuterLoop.repeated_spans), so that a replica's norms count them once.
+    repeated_spans: dict[str, list[tuple[int, int]]] | None = None
 
     def vote(self) -> bool:
         return True

@@ -105,14 +105,16 @@ class DiLoCoConfig(TrainingArguments):
                           "model over them with FSDP2 when FSDP is on (fsdp: true, "
                           "or an accelerate config with distributed_type FSDP); DiLoCo runs across replicas and each "
                           "member syncs only its 1/g slice or shard. Default with an accelerate parallelism_config: "
-                          "its dp_shard_size (or its tp_size)."},
+                          "its dp_shard_size × tp_size."},
     )
     tp_size: int = field(
         default=1,
         metadata={"help": "Tensor parallel inside each replica: its tp_size processes split every attention and MLP "
                           "layer's weights (the model's own tensor-parallel plan, applied by transformers), and each "
                           "syncs its own pieces with the same-rank process of every other replica. Sets "
-                          "replica_group_size. Default with an accelerate parallelism_config: its tp_size."},
+                          "replica_group_size; with FSDP, replica_group_size / tp_size processes shard each piece "
+                          "(FSDP2 + tensor parallel in one replica). Default with an accelerate parallelism_config: "
+                          "its tp_size."},
     )
     data_sharding: str = field(
         default="iid",
@@ -439,12 +441,8 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(f"tp_size={self.tp_size} differs from the accelerate parallelism_config's tp_size="
                               f"{from_env}; set one of them, or both alike.")
         self.tp_size = max(self.tp_size, from_env)
-        if self.tp_size == 1:
+        if self.tp_size == 1 or self.sharded_replica:  # FSDP2 + tensor parallel: see _check_sharded_replicas
             return
-        if self.sharded_replica:
-            raise ConfigError("FSDP2 and tensor parallel in one replica are not supported together yet: a replica "
-                              "either shards its model with FSDP2 (fsdp) or splits its layers with tensor parallel "
-                              "(tp_size), so turn one of them off.")
         if self.replica_group_size == 1:
             self.replica_group_size = self.tp_size
         elif self.replica_group_size != self.tp_size:
@@ -470,13 +468,20 @@ class DiLoCoConfig(TrainingArguments):
         layout = env_parallelism()
         self._check_tensor_parallel(layout["tp"])
         if layout["shard"] > 1:
+            if self.tensor_parallel and not self.sharded_replica:
+                raise ConfigError(
+                    f"the accelerate parallelism_config shards each replica over dp_shard_size={layout['shard']} "
+                    f"processes beside tp_size={self.tp_size}, which needs FSDP: set distributed_type FSDP with "
+                    f"fsdp_version 2 (see accelerate_configs/cpu-fsdp-tp-2x4.yaml)."
+                )
+            group = layout["shard"] * self.tp_size
             if self.replica_group_size == 1:
-                self.replica_group_size = layout["shard"]
-            elif self.replica_group_size != layout["shard"]:
+                self.replica_group_size = group
+            elif self.replica_group_size != group:
                 raise ConfigError(
                     f"replica_group_size={self.replica_group_size} differs from the accelerate parallelism_config's "
-                    f"dp_shard_size={layout['shard']}, the processes each replica shards its model over; set one "
-                    f"of them, or both alike."
+                    f"dp_shard_size={layout['shard']}" + (f" × tp_size={self.tp_size}" if self.tensor_parallel else "")
+                    + f" = {group}, the processes of each replica; set one of them, or both alike."
                 )
         if not self.sharded_replica:
             return
@@ -492,6 +497,18 @@ class DiLoCoConfig(TrainingArguments):
                 "FSDP runs inside each DiLoCo replica, and a replica of one process has nothing to shard over: set "
                 "replica_group_size to the processes of each replica (2 or more), or turn FSDP off."
             )
+        if self.tensor_parallel and (self.replica_group_size % self.tp_size or self.dp_shard_size < 2):
+            raise ConfigError(
+                f"FSDP2 with tensor parallel shards each replica over replica_group_size / tp_size processes, so "
+                f"replica_group_size must be tp_size={self.tp_size} times 2 or more (e.g. {2 * self.tp_size}), got "
+                f"{self.replica_group_size}."
+            )
+
+    @property
+    def dp_shard_size(self) -> int:
+        """The processes of a replica FSDP2 shards each value over: replica_group_size / tp_size with FSDP (the rest
+        of the replica is its tensor-parallel dimension), 1 without."""
+        return self.replica_group_size // self.tp_size if self.sharded_replica else 1
 
 
 def _env_flag(name: str) -> bool:

@@ -200,23 +200,33 @@ class OuterLoop:
         """The full shapes of each bucket's parameters, by the key the round syncs the bucket under."""
         return {str(index): [self.full_shapes[i] for i in bucket] for index, bucket in enumerate(self.buckets)}
 
-    def whole_spans(self) -> dict[str, list[tuple[int, int]]]:
-        """(offset, length) in each bucket's flat local values of the parameters this process holds whole (with
-        tensor parallel: the norms and a tied embedding, which every process of the replica holds alike), by the
-        key the round syncs the bucket under. Buckets with none are left out."""
+    def repeated_spans(self, tp_rank: int) -> dict[str, list[tuple[int, int]]]:
+        """(offset, length) in each bucket's flat local values of the parameters whose values another process of
+        the replica holds too and counts instead of this one, by the key the round syncs the bucket under; buckets
+        with none are left out. With tensor parallel (this process is `tp_rank` of its piece-set), a value laid out
+        on no `tp` mesh dimension (the norms and a tied embedding, whole or sharded by FSDP2 alone) is held alike
+        by every process of the piece-set and counts on tp_rank 0; a value replicated along a mesh dimension
+        counts on the process at coordinate 0 of it."""
         from torch.distributed.tensor import DTensor
+
+        def counted_here(param) -> bool:
+            if not isinstance(param, DTensor):
+                return tp_rank == 0
+            mesh = param.device_mesh
+            if "tp" not in (mesh.mesh_dim_names or ()) and tp_rank != 0:
+                return False
+            return all(mesh.get_local_rank(dim) == 0 for dim, p in enumerate(param.placements) if p.is_replicate())
 
         spans = {}
         for index, bucket in enumerate(self.buckets):
-            offset, whole = 0, []
+            offset, repeated = 0, []
             for i in bucket:
                 n = self.params[i].numel()
-                param = self.laid_out[i]
-                if not isinstance(param, DTensor) or all(p.is_replicate() for p in param.placements):
-                    whole.append((offset, n))
+                if not counted_here(self.laid_out[i]):
+                    repeated.append((offset, n))
                 offset += n
-            if whole:
-                spans[str(index)] = whole
+            if repeated:
+                spans[str(index)] = repeated
         return spans
 
     @property
@@ -367,14 +377,14 @@ def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> 
 
 def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor) -> float:
     """a · b over what this process counts of bucket `index`: everything, except that with tensor parallel the
-    values every process of the replica holds whole count on its first process only, so that the replica's sum
-    over its members (ReplicaComm.replica_total) counts them once."""
+    values several processes of the replica hold alike count on one of them only (comm.repeated_spans), so that the
+    replica's sum over its members (ReplicaComm.replica_total) counts them once."""
     def dot(x: torch.Tensor, y: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(x)) ** 2 if x is y else float(torch.dot(x, y))
 
     total = dot(a, b)
-    if comm.sharded and comm.member > 0 and comm.whole_spans:
-        for at, n in comm.whole_spans.get(str(index), ()):
+    if comm.sharded and comm.repeated_spans:
+        for at, n in comm.repeated_spans.get(str(index), ()):
             piece = a[at : at + n]
             total -= dot(piece, piece if b is a else b[at : at + n])
     return total

@@ -212,7 +212,8 @@ class OuterLoopCallback(TrainerCallback):
         self.comm = self.backend.comm
         # FSDP2's row cuts tell each member which values it syncs; a tensor-parallel member syncs what it holds.
         self.comm.bucket_shapes = None if args.tensor_parallel else self.outer.bucket_shapes()
-        self.comm.whole_spans = self.outer.whole_spans() if args.tensor_parallel else None
+        self.comm.repeated_spans = self.outer.repeated_spans(self.comm.member % args.tp_size) if args.tensor_parallel \
+            else None
         if args.error_feedback:
             self.feedback = ErrorFeedback(args.error_feedback_decay,
                                           "cpu" if args.offload_outer_state else self.comm.device)

@@ -148,23 +148,22 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
         )
     layout = values.get("parallelism_config") or {}
     tp = int(layout.get("parallelism_config_tp_size", 1) or 1)
-    if kind == "FSDP":
-        if str((values.get("fsdp_config") or {}).get("fsdp_version", 1)) != "2":
+    if kind == "FSDP" or config.sharded_replica:
+        if kind == "FSDP" and str((values.get("fsdp_config") or {}).get("fsdp_version", 1)) != "2":
             raise ConfigError(f"accelerate config {path!r} uses FSDP version 1; set fsdp_config: {{fsdp_version: 2}}, "
                               f"the FSDP hf-diloco shards each replica with.")
         shard = int(layout.get("parallelism_config_dp_shard_size", 0) or 0)
-        if tp > 1:
-            raise ConfigError(f"accelerate config {path!r} asks for FSDP2 and tensor parallel in one replica, which "
-                              f"hf-diloco does not run together yet; use one of them (tensor parallel alone: "
-                              f"accelerate_configs/cpu-tp-2x2.yaml).")
-        if shard and group not in (1, shard):
+        tp = max(tp, config.tp_size)
+        if shard and group not in (1, shard * tp):
             raise ConfigError(f"accelerate config {path!r} shards each replica over dp_shard_size={shard} "
-                              f"processes but replica_group_size is {group}; set one of them, or both alike.")
-        group = shard or group
-        if group < 2:
+                              + (f"× tp_size={tp} " if tp > 1 else "")
+                              + f"processes but replica_group_size is {group}; set one of them, or both alike.")
+        group = shard * tp if shard else group
+        if group < 2 * tp or group % tp:
             raise ConfigError(f"accelerate config {path!r} uses FSDP, which hf-diloco runs inside each replica: set "
-                              f"parallelism_config_dp_shard_size (or replica_group_size) to the processes of a "
-                              f"replica, 2 or more.")
+                              f"parallelism_config_dp_shard_size to the processes each value is sharded over, 2 or "
+                              f"more" + (f" per tensor-parallel piece (a replica is then dp_shard_size × tp_size={tp} "
+                                         f"processes)." if tp > 1 else "."))
     elif tp > 1 or config.tensor_parallel:
         tp = max(tp, config.tp_size)
         if group not in (1, tp):
@@ -175,7 +174,8 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
         raise ConfigError(
             f"{source} starts {processes} processes, which replica_group_size={group} does not divide."
         )
-    values["hf_diloco_layout"] = {"processes": processes, "group": group, "sharded": kind == "FSDP", "tp": tp}
+    values["hf_diloco_layout"] = {"processes": processes, "group": group,
+                                  "sharded": kind == "FSDP" or config.sharded_replica, "tp": tp}
     if processes % machines:
         raise ConfigError(f"{source} spreads {processes} processes over {machines} machines, which does not divide "
                           f"evenly; use a multiple of {machines} processes.")
@@ -252,7 +252,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     group = group or config.replica_group_size
     sharded = config.sharded_replica if sharded is None else sharded
     tp = config.tp_size if tp is None else tp
-    share = parameter_shares(model, group if sharded else 1, tp)
+    share = parameter_shares(model, group // tp if sharded else 1, tp)
     on_torchft = config.outer_backend == "torchft"
     world = processes or int(os.environ.get("WORLD_SIZE", "1"))
     replicas = config.num_replicas if on_torchft else max(1, world // group)
@@ -278,10 +278,12 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
         "replicas in this launch": (f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
                                     else f"{replicas} of {group} process(es) each")
-        + (f", each sharded over its {group} processes by FSDP2" if sharded else
+        + (f", each split over {tp} processes by tensor parallel and each piece sharded over {group // tp} by FSDP2"
+           if sharded and tp > 1 else
+           f", each sharded over its {group} processes by FSDP2" if sharded else
            f", each split over its {tp} processes by tensor parallel" if tp > 1 else
            ", DDP inside each" if group > 1 else ""),
-        "memory per process": memory_per_process(model, config, group if sharded else 1, share),
+        "memory per process": memory_per_process(model, config, group // tp if sharded else 1, share),
         "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
         else str(config.inner_steps),
@@ -327,15 +329,14 @@ OPTIMIZER_STATES = {"adam": 2, "lion": 1, "sgd": 0}
 
 
 def parameter_shares(model, shards: int = 1, tp: int = 1) -> dict[str, float]:
-    """The share of each parameter one process holds: 1/shards of every one (FSDP2 over a replica), with tensor
-    parallel 1/tp of those the model's tensor-parallel plan splits and the whole of the rest, else all of it."""
+    """The share of each parameter one process holds: with tensor parallel 1/tp of those the model's tensor-parallel
+    plan splits and the whole of the rest, and of that 1/shards (FSDP2 over `shards` processes of the replica)."""
     split = set()
     if tp > 1:
         from .trainer import checked_tensor_parallel_plan
 
         split = set(checked_tensor_parallel_plan(model, tp))
-    return {name: 1 / shards if shards > 1 else 1 / tp if name in split else 1.0
-            for name, _ in model.named_parameters()}
+    return {name: (1 / tp if name in split else 1.0) / shards for name, _ in model.named_parameters()}
 
 
 def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str, float] | None = None) -> str:
@@ -358,7 +359,9 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
     total = parameters + gradients + outer + (states or 0) * gradients
     return (f"{format_bytes(total)}: parameters {format_bytes(parameters)}, gradients {format_bytes(gradients)}, "
             f"inner optimizer {inner}, outer state {format_bytes(outer)}"
-            + (f" (1/{shards} of each, FSDP2)" if shards > 1 else
+            + (f" (tensor parallel: the split layers' share, norms and tied embeddings whole; 1/{shards} of that, "
+               f"FSDP2)" if split and shards > 1 else
+               f" (1/{shards} of each, FSDP2)" if shards > 1 else
                " (tensor parallel: the split layers' share, norms and tied embeddings whole)" if split else "")
             + "; activations not counted")
 

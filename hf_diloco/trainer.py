@@ -64,18 +64,31 @@ def _replica_local_loss_logging():
 class ReplicaSharding(ParallelismConfig):
     """Accelerate's parallelism configuration for sharded replicas: FSDP2 over each replica's `dp_shard` processes
     only. Accelerate's HSDP would also all-reduce every step's gradients over `dp_replicate`, the replicas; DiLoCo
-    replaces that dimension's per-step all-reduce with its outer syncs, so FSDP's mesh leaves it out."""
+    replaces that dimension's per-step all-reduce with its outer syncs, so FSDP's mesh leaves it out.
+
+    With tensor parallel beside FSDP2 the mesh keeps its `tp` dimension, but accelerate's own tensor-parallel
+    preparation stays off: DiLoCoTrainer splits the layers on this mesh before accelerate sees the model (accelerate
+    1.15's preparation also imports a class transformers 5.23 no longer has), and FSDP2 then shards each piece."""
 
     @property
     def fsdp_dim_names(self):
         return ["dp_shard_cp"]
 
+    @property
+    def tp_enabled(self):
+        return False
+
+    @property
+    def non_dp_dim_names(self):
+        return ["tp"] if self.tp_size > 1 else []
+
 
 def replica_sharding(args: DiLoCoConfig) -> ReplicaSharding:
-    """The mesh of a launch of sharded replicas: replicas × replica_group_size processes (torchft: one replica)."""
-    group = args.replica_group_size  # 2 or more: DiLoCoConfig refuses FSDP over a replica of one process
+    """The mesh of a launch of sharded replicas: replicas × dp_shard × tp processes (torchft: one replica), where
+    dp_shard × tp = replica_group_size (tp = 1 without tensor parallel)."""
+    group = args.replica_group_size  # DiLoCoConfig refuses FSDP over fewer than 2 processes per tp piece
     replicas = 1 if args.outer_backend == "torchft" else max(1, args.world_size // group)
-    return ReplicaSharding(dp_replicate_size=replicas, dp_shard_size=group)
+    return ReplicaSharding(dp_replicate_size=replicas, dp_shard_size=args.dp_shard_size, tp_size=args.tp_size)
 
 
 def _local_shards(value):
@@ -154,17 +167,22 @@ def checked_tensor_parallel_plan(model, tp_size: int) -> dict[str, str]:
 
 
 def apply_tensor_parallel(model, args: DiLoCoConfig):
-    """Split `model`'s layers over this replica's tp_size processes with transformers' tensor parallel
-    (transformers.distributed.tensor_parallel), on a device mesh whose `tp` dimension is the replica's processes:
+    """Split `model`'s layers over tp_size processes of its replica with transformers' tensor parallel
+    (transformers.distributed.tensor_parallel), on a device mesh whose `tp` dimension is inside the replica:
     column-sharded q/k/v, gate and up projections, row-sharded o and down projections; every other parameter
-    (norms, a tied embedding) stays whole on each process. No collective crosses replicas."""
+    (norms, a tied embedding) stays whole on each process. No collective crosses replicas. With FSDP2 in the same
+    replica, the mesh is the one accelerate shards over (replicas × dp_shard × tp), so that FSDP2 then shards each
+    piece over `dp_shard`; accelerate makes the parameters the plan leaves whole replicated pieces first."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     plan = checked_tensor_parallel_plan(model, args.tp_size)
-    replicas = 1 if args.outer_backend == "torchft" else args.world_size // args.tp_size
     device = args.device
-    mesh = init_device_mesh(device.type, (replicas, args.tp_size), mesh_dim_names=("replica", "tp"))
+    if args.sharded_replica:
+        mesh = args.parallelism_config.get_device_mesh(device.type)
+    else:
+        replicas = 1 if args.outer_backend == "torchft" else args.world_size // args.tp_size
+        mesh = init_device_mesh(device.type, (replicas, args.tp_size), mesh_dim_names=("replica", "tp"))
     return apply_tensor_parallelism(model.to(device), mesh["tp"], plan)
 
 
@@ -215,7 +233,7 @@ class DiLoCoTrainer(Trainer):
         # Accelerate takes a parallelism config on accelerators only (FSDP2 on CPU: handed over below); tensor
         # parallel is applied by DiLoCoTrainer inside each replica, so accelerate sees none (an accelerate
         # config's would make it build a mesh over every process).
-        hide = on_cpu or self.args.tensor_parallel
+        hide = on_cpu or (self.args.tensor_parallel and sharding is None)
         if hide:
             self.args.parallelism_config = None
             from_env = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
@@ -247,15 +265,13 @@ class DiLoCoTrainer(Trainer):
         """(this process's shard, number of shards): its place in the launch, or with torchft (one launch per
         replica of g processes) member j of replica_id r takes shard r·g + j of num_replicas·g, the shard the same
         process has in a torch launch of num_replicas·g processes. Tensor parallel: the processes of a replica
-        compute on the same batches, so replica r takes shard r of the replicas."""
-        if self.args.tensor_parallel:
-            if self.args.outer_backend == "torchft":
-                return self.args.replica_id, self.args.num_replicas
-            return self.args.process_index // self.args.tp_size, self.args.world_size // self.args.tp_size
+        compute on the same batches: the tp_size processes of one piece-set take one shard (replica r of a tensor-
+        parallel replica takes shard r of the replicas; with FSDP2 beside it, shard r·dp_shard + d)."""
+        tp = self.args.tp_size
         if self.args.outer_backend == "torchft":
-            g = self.args.replica_group_size
-            return self.args.replica_id * g + self.args.process_index, self.args.num_replicas * g
-        return self.args.process_index, self.args.world_size
+            g = self.args.replica_group_size // tp
+            return self.args.replica_id * g + self.args.process_index // tp, self.args.num_replicas * g
+        return self.args.process_index // tp, self.args.world_size // tp
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -319,6 +335,16 @@ class DiLoCoTrainer(Trainer):
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         with _replica_local_loss_logging():
             return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def get_tp_size(self) -> int:
+        """1: Trainer divides each batch's token count by this for processes that share a batch, which only an
+        all-gathered count (average_tokens_across_devices, off in DiLoCoConfig) over-counts. A tensor-parallel
+        replica's processes each compute the whole loss of their batch, which must not be scaled."""
+        return 1
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Sequences per inner step over all replicas: the processes of one tensor-parallel piece-set share a batch."""
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // args.tp_size)
 
     def store_flos(self) -> None:
         # Trainer sums the floating point operations of all processes with an all-gather at every log. Replicas

@@ -67,7 +67,8 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
         model = build_preset(values["model_name_or_path"], byte_tokenizer(), values["block_size"])
         split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight"))
         assert 0 < split < trainable
-        trainable, group = trainable - split + split / values["tp_size"], 1
+        # With FSDP2 beside it, each piece and whole value is sharded over replica_group_size / tp_size processes.
+        trainable, group = trainable - split + split / values["tp_size"], max(1, group // values["tp_size"])
     assert by_codec["none"] == pytest.approx(trainable * 4 * 2 * (m - 1) / m / group, rel=0.01)
     sent = as_bytes(plan[f"sent across replicas per process per round, M={m}"])
     assert sent == by_codec[values.get("compression", "none")]
@@ -148,15 +149,14 @@ def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
 
 
 def test_launch_refuses_the_sharded_layouts_it_cannot_keep_inside_a_replica(tmp_path):
-    """FSDP1, DeepSpeed, FSDP2 with no processes to shard over, and FSDP2 with tensor parallel in one replica: one
-    sentence each, no traceback."""
+    """FSDP1, DeepSpeed, FSDP2 with no processes to shard over, and FSDP2 with tensor parallel and no processes to
+    shard a piece over: one sentence each, no traceback."""
     cases = {"fsdp1": ("distributed_type: FSDP\nnum_processes: 2\n", "fsdp_version: 2"),
              "deepspeed": ("distributed_type: DEEPSPEED\nnum_processes: 2\n", "FSDP"),
              "unsharded": ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config: {fsdp_version: 2}\n",
                            "dp_shard_size"),
              "fsdp+tp": ("distributed_type: FSDP\nnum_processes: 4\nfsdp_config: {fsdp_version: 2}\n"
-                         "parallelism_config: {parallelism_config_dp_shard_size: 2, parallelism_config_tp_size: 2}\n",
-                         "FSDP2 and tensor parallel in one replica")}
+                         "parallelism_config: {parallelism_config_tp_size: 2}\n", "per tensor-parallel piece")}
     for name, (text, hint) in cases.items():
         config = tmp_path / f"{name}.yaml"
         config.write_text(text)
@@ -187,23 +187,28 @@ def test_launch_dry_run_prints_the_memory_per_process_of_the_config_s_layout():
 
 
 def test_launch_dry_run_of_the_tensor_parallel_configs_prints_their_memory_and_bytes_per_process():
-    """accelerate_configs/tp-nodes.yaml (2 nodes x 8 GPUs, each layer split over a node's GPUs) with the 7B preset,
-    and cpu-tp-2x2.yaml with tiny-llama: each process holds 1/tp of every attention and MLP projection and the
-    rest whole (counted here from the preset's parameter names), for parameters and for the bytes it syncs."""
+    """accelerate_configs/tp-nodes.yaml (2 nodes x 8 GPUs, each layer split over a node's GPUs) and
+    fsdp-tp-nodes.yaml (split over 4, each piece sharded over 2 by FSDP2) with the 7B preset, cpu-tp-2x2.yaml and
+    cpu-fsdp-tp-2x4.yaml with tiny-llama: each process holds 1/tp of every attention and MLP projection and the
+    rest whole, and 1/dp_shard of that (counted here from the preset's parameter names), for parameters and for
+    the bytes it syncs."""
     from hf_diloco.models import build_preset, byte_tokenizer
 
-    for config, model_name, tp in (("tp-nodes.yaml", "llama-7b", 8), ("cpu-tp-2x2.yaml", "tiny-llama", 2)):
+    cases = (("tp-nodes.yaml", "llama-7b", 8, 1), ("cpu-tp-2x2.yaml", "tiny-llama", 2, 1),
+             ("fsdp-tp-nodes.yaml", "llama-7b", 4, 2), ("cpu-fsdp-tp-2x4.yaml", "tiny-llama", 2, 2))
+    for config, model_name, tp, shards in cases:
         result = hf_diloco("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
                            str(REPO / "accelerate_configs" / config), "--dry-run", "--", "--model_name_or_path",
                            model_name)
         assert result.returncode == 0, result.stderr[-2000:]
         plan = read_plan(result.stdout)
-        assert f"2 of {tp} process(es) each, each split over its {tp} processes by tensor parallel" in \
-            plan["replicas in this launch"]
+        assert (f"2 of {tp} process(es) each, each split over its {tp} processes by tensor parallel" if shards == 1
+                else f"2 of {tp * shards} process(es) each, each split over {tp} processes by tensor parallel and "
+                     f"each piece sharded over {shards} by FSDP2") in plan["replicas in this launch"]
         with torch.device("meta"):
             model = build_preset(model_name, byte_tokenizer())
         split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight"))
-        held = split / tp + sum(p.numel() for p in model.parameters()) - split
+        held = (split / tp + sum(p.numel() for p in model.parameters()) - split) / shards
         parameters = [as_bytes(x) for x in re.findall(r"parameters ([\d.]+ [kMG]?B)", plan["memory per process"])]
         assert parameters == [pytest.approx(held * 4, rel=1e-2)], plan["memory per process"]
         sent = as_bytes(plan["sent across replicas per process per round, M=2"])

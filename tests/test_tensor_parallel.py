@@ -110,10 +110,12 @@ def test_streamed_int4_with_error_feedback_runs_on_the_pieces(streamed):
 
 
 def test_tensor_parallel_refusals_say_why_in_one_sentence():
-    """FSDP2 with tensor parallel in one replica, a replica_group_size other than tp_size, a tp_size that does not
-    divide the attention heads, and a model_init instead of a model; the plan splits the projections only."""
-    with pytest.raises(ConfigError, match="FSDP2 and tensor parallel in one replica"):
+    """FSDP2 with tensor parallel and no processes left to shard a piece over, a replica_group_size other than
+    tp_size, a tp_size that does not divide the attention heads, and a model_init instead of a model; the plan
+    splits the projections only."""
+    with pytest.raises(ConfigError, match="replica_group_size must be tp_size=2 times 2 or more"):
         DiLoCoConfig(output_dir="unused", tp_size=2, fsdp=True, replica_group_size=2)
+    assert DiLoCoConfig(output_dir="unused", tp_size=2, fsdp=True, replica_group_size=4).dp_shard_size == 2
     with pytest.raises(ConfigError, match="replica_group_size=4 differs from tp_size=2"):
         DiLoCoConfig(output_dir="unused", tp_size=2, replica_group_size=4)
     with pytest.raises(ConfigError, match="tp_size=3 does not divide the model's num_attention_heads=2"):
@@ -126,18 +128,22 @@ def test_tensor_parallel_refusals_say_why_in_one_sentence():
     assert not any("embed_tokens" in name or "lm_head" in name for name in plan), "tied: kept whole"
 
 
-def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_model(tmp_path):
-    """`hf-diloco launch recipes/tp-replicas.yaml --accelerate-config accelerate_configs/cpu-tp-2x2.yaml`: 20 steps
-    with a round checkpoint every 10; a second launch resumed from checkpoint-10 ends with the same model (each
-    process reads its own AdamW pieces, and θ_global and the outer momentum of its rank), and the final save is an
-    ordinary consolidated model that loads whole."""
+@pytest.mark.parametrize("layout", ["tp", "fsdp+tp"])
+def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_model(tmp_path, layout):
+    """`hf-diloco launch recipes/tp-replicas.yaml --accelerate-config accelerate_configs/cpu-tp-2x2.yaml`, and
+    `recipes/fsdp-tp-replicas.yaml` with `cpu-fsdp-tp-2x4.yaml` (each piece sharded by FSDP2 too): 20 steps with a
+    round checkpoint every 10; a second launch resumed from checkpoint-10 ends with the same model (each process
+    reads its own AdamW pieces, and θ_global and the outer momentum of its rank), and the final save is an ordinary
+    consolidated model that loads whole."""
+    recipe, config = {"tp": ("tp-replicas.yaml", "cpu-tp-2x2.yaml"),
+                      "fsdp+tp": ("fsdp-tp-replicas.yaml", "cpu-fsdp-tp-2x4.yaml")}[layout]
     short = ["--max_steps", "20", "--inner_steps", "10", "--block_size", "64", "--per_device_train_batch_size", "2",
              "--eval_strategy", "no", "--eval_on_start", "false", "--logging_steps", "1000", "--disable_tqdm", "true",
              "--report_to", "none"]
 
     def launch_tp(output_dir, *extra):
-        command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(REPO / "recipes" / "tp-replicas.yaml"),
-                   "--accelerate-config", str(REPO / "accelerate_configs" / "cpu-tp-2x2.yaml"),
+        command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(REPO / "recipes" / recipe),
+                   "--accelerate-config", str(REPO / "accelerate_configs" / config),
                    "--port", str(free_port()), "--", "--output_dir", str(output_dir), *short, *extra]
         result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO, timeout=600)
         assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -159,6 +165,11 @@ def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_mode
     assert all(torch.equal(p, a[name]) for name, p in model.state_dict().items() if name in a)
     from hf_diloco import hub
 
-    assert "| processes each layer is split over by tensor parallel (`tp_size`) | 2 | 1 |" in hub.model_card(full)
+    card = hub.model_card(full)
+    assert "| processes each layer is split over by tensor parallel (`tp_size`) | 2 | 1 |" in card
+    assert ("| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card) == \
+        (layout == "fsdp+tp")
     sent = [json.loads(line)["bytes_per_replica"] for line in (full / "sync_rounds.jsonl").read_text().splitlines()]
-    assert sent and all(2.1e6 < x < 2.4e6 for x in sent), "each process sends its pieces: about half of 4.33 MB"
+    # Each process sends its pieces: about half of 4.33 MB with tensor parallel, a quarter with FSDP2 beside it.
+    low, high = (2.1e6, 2.4e6) if layout == "tp" else (1.05e6, 1.2e6)
+    assert sent and all(low < x < high for x in sent), sent

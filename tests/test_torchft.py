@@ -448,6 +448,15 @@ def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path
     assert two.returncode != 0
     assert ("hf-diloco: error: outer_backend torchft starts one launch per replica, so the 2 processes of this launch "
             "are one replica: set replica_group_size 2 (or launch one process per replica).") in two.stderr
+    # `launch --replicas`: each replica's launch starts the accelerate config's processes, which must be one replica
+    # (replica_group_size, or the config's dp_shard_size x tp_size); checked before anything starts.
+    for config, group, hint in (("torchft-replica-2proc.yaml", "1", "starts 2"),
+                                ("torchft-fsdp-tp-replica.yaml", "2", "dp_shard_size=2 × tp_size=2")):
+        refused = hf_diloco("launch", "recipes/torchft-3.yaml", "--accelerate-config", f"accelerate_configs/{config}",
+                            "--replicas", "2", "--replica_group_size", group, "--output_dir", str(tmp_path / config))
+        assert refused.returncode == 2 and hint in refused.stderr and "Traceback" not in refused.stderr, \
+            refused.stderr
+        assert not (tmp_path / config).exists()
 
 
 def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
@@ -501,21 +510,32 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
 
 
-@pytest.mark.parametrize("inside", ["ddp", "fsdp", "tp"])
-def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(tmp_path, inside):
+# Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run
+# (a replica of 4 processes on 2 cores trains 4 times slower: fewer steps keep the test as long as the others).
+REPLICA_LAYOUTS = {
+    "ddp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2"], 400),
+    "fsdp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--fsdp", "true"], 400),
+    "tp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--tp_size", "2"], 400),
+    "fsdp+tp": ("torchft-fsdp-tp-replica.yaml", [], 120),
+}
+
+
+@pytest.mark.parametrize("inside", list(REPLICA_LAYOUTS))
+def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_killed(tmp_path, inside):
     """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-replica-2proc.yaml --replicas 2
     --replica_group_size 2`: two replicas of two processes (DDP inside, each sharded by FSDP2, or each split by
-    tensor parallel), each launch on its own rendezvous port. One member of replica 1 is SIGKILLed: its launch
-    ends, replica 0 goes on alone (min_replicas 1), the launcher starts replica 1 again, both of its processes heal
+    tensor parallel), and two replicas of four (torchft-fsdp-tp-replica.yaml: split by tensor parallel, each piece
+    sharded by FSDP2), each launch on its own rendezvous port. One member of replica 1 is SIGKILLed: its launch
+    ends, replica 0 goes on alone (min_replicas 1), the launcher starts replica 1 again, all of its processes heal
     from their counterparts in replica 0 (sharded or split: each its own piece of θ_global and of the outer
     momentum), and both replicas end with the same model."""
     out = tmp_path / "run"
+    config, layout, steps = REPLICA_LAYOUTS[inside]
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
-               "accelerate_configs/torchft-replica-2proc.yaml", "--replicas", "2", "--replica_group_size", "2",
-               "--min_replicas", "1", "--max-restarts", "1", "--output_dir", str(out), "--max_steps", "400",
+               f"accelerate_configs/{config}", "--replicas", "2", *layout,
+               "--min_replicas", "1", "--max-restarts", "1", "--output_dir", str(out), "--max_steps", str(steps),
                "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
-               "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3",
-               *{"ddp": [], "fsdp": ["--fsdp", "true"], "tp": ["--tp_size", "2"]}[inside]]
+               "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3"]
     # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once both
     # have taken part in a round.
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
@@ -527,7 +547,7 @@ def test_launch_replicas_of_two_processes_restarts_one_whose_member_was_killed(t
     joins = [line for line in text.splitlines() if line.startswith("[diloco] replica 1 joined at round")]
     assert len(joins) == 2 and "healed from a live peer" in joins[1], joins
     rounds = read_sync_rounds(out / "replica-0")
-    assert rounds[-1]["round"] == 40
+    assert rounds[-1]["round"] == steps // 10
     together = [r["round"] for r in rounds if r["participants"] == 2]
     assert together and any(r["participants"] == 1 and r["round"] > together[0] for r in rounds), \
         "a round went on without the killed replica"
