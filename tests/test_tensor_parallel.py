@@ -109,6 +109,22 @@ def test_streamed_int4_with_error_feedback_runs_on_the_pieces(streamed):
     assert rounds[-1]["loss"] < rounds[0]["loss"]
 
 
+def test_an_accelerate_layout_of_shards_and_pieces_sets_the_replica_or_is_refused(monkeypatch):
+    """What a launched process reads from an accelerate config's parallelism_config: dp_shard 2 × tp 2 under FSDP is
+    a replica of 4 with FSDP2 over 2; a replica_group_size that disagrees, or dp_shard beside tp without FSDP, is
+    refused in one sentence."""
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    with pytest.raises(ConfigError, match="needs FSDP: set distributed_type FSDP"):
+        DiLoCoConfig(output_dir="unused")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    config = DiLoCoConfig(output_dir="unused")
+    assert (config.replica_group_size, config.tp_size, config.dp_shard_size) == (4, 2, 2)
+    with pytest.raises(ConfigError, match="dp_shard_size=2 × tp_size=2 = 4, the processes of each replica"):
+        DiLoCoConfig(output_dir="unused", replica_group_size=2)
+
+
 def test_tensor_parallel_refusals_say_why_in_one_sentence():
     """FSDP2 with tensor parallel and no processes left to shard a piece over, a replica_group_size other than
     tp_size, a tp_size that does not divide the attention heads, and a model_init instead of a model; the plan
