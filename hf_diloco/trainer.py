@@ -172,7 +172,7 @@ def apply_tensor_parallel(model, args: DiLoCoConfig):
     column-sharded q/k/v, gate and up projections, row-sharded o and down projections; every other parameter
     (norms, a tied embedding) stays whole on each process. No collective crosses replicas. With FSDP2 in the same
     replica, the mesh is the one accelerate shards over (replicas × dp_shard × tp), so that FSDP2 then shards each
-    piece over `dp_shard`; accelerate makes the parameters the plan leaves whole replicated pieces first."""
+    piece over `dp_shard`, and the parameters the plan leaves whole (plain tensors) over `dp_shard` alone."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
