@@ -88,13 +88,34 @@ def _texts_to_blocks(texts: list[str], tokenizer, block_size: int) -> dict:
 def tokenize_into_blocks(dataset: Dataset, tokenizer, block_size: int, text_column: str = "text") -> Dataset:
     """Token blocks of exactly `block_size` ids, with `labels` equal to `input_ids`.
 
-    The whole corpus is one map batch, so block boundaries do not depend on a batch size.
+    The whole corpus is one map batch, so block boundaries do not depend on a batch size. The blocks are tokenized
+    once per machine: a corpus read from files is cached by datasets itself, and one held in memory (the built-in
+    corpus) is kept in datasets' cache folder under a name made from its texts, the tokenizer, the block size and
+    the code that cuts the blocks, so every later process (each replica of every run) maps that file instead of
+    tokenizing again. `datasets.disable_caching()` turns both off.
     """
     return dataset.map(
         lambda batch: _texts_to_blocks(batch[text_column], tokenizer, block_size),
         batched=True, batch_size=None, remove_columns=dataset.column_names,
         desc=f"Tokenizing into {block_size}-token blocks",
+        cache_file_name=blocks_cache_file(dataset, tokenizer, block_size, text_column),
     )
+
+
+def blocks_cache_file(dataset: Dataset, tokenizer, block_size: int, text_column: str) -> str | None:
+    """Where the blocks of an in-memory corpus are cached (`<datasets cache>/hf_diloco/blocks-<key>.arrow`), or
+    None where datasets caches by itself (a corpus read from files) or caching is off. The key covers everything
+    the blocks depend on; datasets writes the file under a temporary name and renames it, so processes that
+    tokenize at the same moment never read a partial file."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    if dataset.cache_files or not datasets.is_caching_enabled():
+        return None
+    key = Hasher.hash([dataset[text_column], tokenizer, block_size, _texts_to_blocks])
+    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, "hf_diloco")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"blocks-{key}.arrow")
 
 
 def split_held_out(blocks: Dataset, eval_fraction: float) -> tuple[Dataset, Dataset | None]:

@@ -30,6 +30,47 @@ def test_blocks_are_exact_length_and_preserve_the_byte_stream():
     assert blocks["labels"] == blocks["input_ids"]
 
 
+def test_an_in_memory_corpus_is_tokenized_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    """The built-in corpus's blocks are written to `<datasets cache>/hf_diloco/` on first use and mapped from there
+    afterwards (the tokenizer is not called again); other texts, another block size or another tokenizer get a file
+    of their own, and
+    the cached blocks equal blocks tokenized with caching off."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    corpus, tokenizer = builtin_corpus(), byte_tokenizer()
+    first = tokenize_into_blocks(corpus, tokenizer, block_size=64)
+    files = sorted((tmp_path / "hf_diloco").glob("blocks-*.arrow"))
+    assert len(files) == 1 and first.cache_files[0]["filename"] == str(files[0])
+
+    calls = []
+    tokenize = type(tokenizer).__call__
+    with monkeypatch.context() as patch:
+        patch.setattr(type(tokenizer), "__call__", lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+        again = tokenize_into_blocks(corpus, tokenizer, block_size=64)
+        assert calls == [] and again.cache_files[0]["filename"] == str(files[0])
+        tokenize_into_blocks(builtin_corpus().select(range(10)), tokenizer, block_size=64)
+        assert calls == [1], "another corpus is tokenized"
+        text_file = tmp_path / "corpus.txt"
+        text_file.write_text("\n".join(builtin_corpus()["text"][:10]))
+        from_file = [tokenize_into_blocks(load_text_dataset(str(text_file)), tokenizer, 64) for _ in range(2)]
+        assert calls == [1, 1], "a corpus read from files: datasets' own cache, once"
+        assert from_file[0].cache_files == from_file[1].cache_files != []
+
+    tokenize_into_blocks(corpus, tokenizer, block_size=32)
+    other = byte_tokenizer()
+    other.eos_token = other.pad_token  # another end-of-text id: other blocks
+    tokenize_into_blocks(corpus, other, block_size=64)
+    assert len(list((tmp_path / "hf_diloco").glob("blocks-*.arrow"))) == 4
+
+    datasets.disable_caching()
+    try:
+        fresh = tokenize_into_blocks(corpus, tokenizer, block_size=64)
+    finally:
+        datasets.enable_caching()
+    assert fresh.cache_files == [] and fresh["input_ids"] == again["input_ids"]
+
+
 def test_held_out_split_is_the_last_blocks():
     from datasets import Dataset
 
