@@ -1,14 +1,12 @@
 """The peer task run by hf-diloco's DiLoCoTrainer, torchft's DiLoCo (0.2.0) and accelerate's LocalSGD, and whether
-DiLoCoTrainer and torchft end with the same parameters.
-
-Every implementation runs under the same `accelerate launch` (2 processes, one replica each, gloo) with the same
-recipe and flags; the peers run inside the same `transformers.Trainer` inner loop (benchmarks/peers/in_trainer.py),
-so model, batches, loss, optimizer, schedule and clipping are identical and only the cross-replica algorithm
-differs. With the paper's outer settings (Nesterov SGD, lr 0.7, momentum 0.9), DiLoCoTrainer and torchft's DiLoCo
-compute the same thing: the benchmark hashes both final models and says whether they match. Tokens/s come from
-Trainer's loop wall time for every row; the implementations run interleaved (ours, torchft, ours, torchft, ...),
-`--repeats` times (3 by default), and the table gives the median and [min, max], and each repeat's ratio to
-torchft's run of the same repeat.
+DiLoCoTrainer and torchft end with the same parameters. Every implementation runs under the same `accelerate launch`
+(2 processes, one replica each, gloo) with the same recipe and flags; the peers run inside the same
+`transformers.Trainer` inner loop (benchmarks/peers/in_trainer.py), so model, batches, loss, optimizer, schedule and
+clipping are identical and only the cross-replica algorithm differs. With the paper's outer settings (Nesterov SGD,
+lr 0.7, momentum 0.9), DiLoCoTrainer and torchft's DiLoCo compute the same thing: the benchmark hashes both final
+models and says whether they match. Tokens/s come from Trainer's loop wall time for every row; the implementations
+run interleaved in counterbalanced order (ours, torchft; torchft, ours; ...), `--repeats` times (4 by default), and
+the table gives the median and [min, max], and each repeat's ratio to torchft's run of the same repeat.
 Needs torchft: pip install -e '.[bench]' (torchft==0.2.0).
 
     python benchmarks/peers.py [--quick] [--localsgd]
@@ -57,11 +55,29 @@ def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") 
             "parameter_hash": parameter_hash(out)}
 
 
+def run_ours(out: Path, overrides: list[str]) -> dict:
+    """DiLoCoTrainer through `hf-diloco train`, under the same launcher and flags as the peers."""
+    result = run_training(out, 2, overrides)
+    return {"tokens_per_second": loop_tokens_per_second(result, 2), "eval_loss": result["metrics"]["eval_loss"],
+            "parameter_hash": parameter_hash(out)}
+
+
+def run_torchft(out: Path, overrides: list[str]) -> dict:
+    """torchft's DiLoCo, with a Lighthouse of its own in this process for the run's two replicas."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        return run_peer("torchft", out, overrides, lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="60 steps, H = 20, one repeat (under 3 minutes)")
-    parser.add_argument("--repeats", type=int, help="interleaved repeats of every implementation (default 3; 1 "
-                                                     "with --quick)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats of every implementation, in counterbalanced "
+                                                     "order (default 4; 1 with --quick)")
     parser.add_argument("--localsgd", action=argparse.BooleanOptionalAction,
                         help="also run accelerate's LocalSGD (default: with --quick only; in full mode its 400 steps "
                              "would push the full set past 30 minutes)")
@@ -70,31 +86,27 @@ def main() -> None:
     started = time.time()
     os.environ.setdefault("RUST_LOG", "warn")  # the in-process Lighthouse logs every quorum at info level
     try:
-        from torchft._torchft import LighthouseServer
+        import torchft._torchft  # noqa: F401
     except ImportError:
         skip("peers", "torchft is not installed (pip install -e '.[bench]' installs torchft==0.2.0).")
     steps, inner = (60, 20) if args.quick else (400, 50)
     overrides = ["--max_steps", str(steps), "--inner_steps", str(inner), "--eval_strategy", "steps", "--eval_steps",
                  str(steps), "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0",
                  "--logging_steps", str(steps)]
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 4)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         try:
             for repeat in range(repeats):
                 tmp = Path(tmp_name) / f"repeat{repeat}"
-                print(f"repeat {repeat + 1}/{repeats}: hf-diloco DiLoCoTrainer ...", flush=True)
-                ours = run_training(tmp / "ours", 2, overrides)
-                runs.setdefault(OURS, []).append({"tokens_per_second": loop_tokens_per_second(ours, 2),
-                                                  "eval_loss": ours["metrics"]["eval_loss"],
-                                                  "parameter_hash": parameter_hash(tmp / "ours")})
-                print(f"repeat {repeat + 1}/{repeats}: torchft DiLoCo 0.2.0 ...", flush=True)
-                lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-                try:
-                    runs.setdefault(TORCHFT, []).append(run_peer("torchft", tmp / "torchft", overrides,
-                                                                 lighthouse.address()))
-                finally:
-                    lighthouse.shutdown()
+                # Counterbalanced order (ours, torchft; torchft, ours; ...): a machine that slows down or speeds up
+                # during a repeat weighs on both implementations alike instead of always on the one that runs first.
+                order = [OURS, TORCHFT] if repeat % 2 == 0 else [TORCHFT, OURS]
+                for name in order:
+                    print(f"repeat {repeat + 1}/{repeats}: {name} ...", flush=True)
+                    runs.setdefault(name, []).append(
+                        run_ours(tmp / "ours", overrides) if name == OURS else run_torchft(tmp / "torchft",
+                                                                                            overrides))
                 if localsgd:
                     print(f"repeat {repeat + 1}/{repeats}: accelerate LocalSGD ...", flush=True)
                     runs.setdefault("accelerate LocalSGD", []).append(run_peer(
@@ -114,8 +126,8 @@ def main() -> None:
             for name, r in results.items()]
     table = markdown_table([f"implementation (2 CPU replicas, H = {inner}, {steps} steps)", "tokens/s",
                             "vs torchft, same repeat", "final eval loss", "parameter SHA-256 (first 16)"], rows)
-    table += (f"\n\n{repeats} repeat(s), interleaved; median [min, max]. Tokens/s: both replicas' tokens ÷ "
-              f"Trainer's loop wall time.")
+    table += (f"\n\n{repeats} repeat(s), interleaved in counterbalanced order (ours first in odd repeats, torchft "
+              f"first in even ones); median [min, max]. Tokens/s: both replicas' tokens ÷ Trainer's loop wall time.")
     verdict = "the same parameters, bit for bit" if identical else "DIFFERENT parameters"
     table += (f"\n\nIdentity: DiLoCoTrainer and torchft's DiLoCo end with {verdict} "
               f"({ours_hash} vs {torchft_hash}).")
