@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
 from safetensors.torch import load_file
@@ -59,33 +60,45 @@ def assert_same_model(a: Path, b: Path) -> None:
         assert torch.allclose(first[name], second[name], atol=1e-5), f"{name} differs by more than 1e-5"
 
 
-def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run the interrupted ones must end as: 120 steps, H = 10, never stopped."""
+    clean = tmp_path_factory.mktemp("uninterrupted") / "clean"
+    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 120, 10)]))
+    return clean
+
+
+def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path, uninterrupted):
     """SIGKILL to every process while checkpoint-20 is half written: `checkpoint-20` is there without its marker
     (not complete), checkpoint-10 is complete; `auto` removes checkpoint-20 with a notice, resumes from
     checkpoint-10, and ends with the model of a run that was never interrupted (1e-5)."""
     out, saving = tmp_path / "run", tmp_path / "saving"
-    run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 40, 10)])
+    run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 120, 10)])
     wait_for(saving.exists)
+    # torchelastic starts each worker in a session of its own: the launcher's group, then every worker.
+    workers = subprocess.run(["pgrep", "-f", f"{SLOW_SAVE} .*{out}"], capture_output=True, text=True).stdout.split()
     os.killpg(run.pid, signal.SIGKILL)
+    for pid in workers:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     run.communicate()
     names = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
     assert names == ["checkpoint-10", "checkpoint-20"]
     assert checkpoints.is_complete(out / "checkpoint-10") and not checkpoints.is_complete(out / "checkpoint-20")
     assert not (out / "checkpoint-20" / checkpoints.MARKER_FILE).exists()
 
-    resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 40, 10), "--resume_from_checkpoint", "auto"]))
+    resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 120, 10), "--resume_from_checkpoint", "auto"]))
     assert "removing checkpoint-20: an incomplete checkpoint" in resumed
     assert f"resuming from {out / 'checkpoint-10'}" in resumed
     rounds = read_sync_rounds(out)
-    assert [r["step"] for r in rounds] == [10, 20, 30, 40]
+    assert [r["step"] for r in rounds] == list(range(10, 121, 10))
     assert rounds[1]["resumed_from"] == str(out / "checkpoint-10")
     assert 0 <= rounds[1]["steps_lost"] <= 10
-    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-30", "checkpoint-40"]
-    assert checkpoints.is_complete(out / "checkpoint-30") and checkpoints.is_complete(out / "checkpoint-40")
-
-    clean = tmp_path / "clean"
-    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 40, 10)]))
-    assert_same_model(out, clean)
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-110", "checkpoint-120"]
+    assert checkpoints.is_complete(out / "checkpoint-110") and checkpoints.is_complete(out / "checkpoint-120")
+    assert_same_model(out, uninterrupted)
 
 
 def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp_path, monkeypatch):
@@ -126,7 +139,7 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-20"]
 
 
-def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
+def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, uninterrupted):
     """`hf-diloco launch --max-restarts 1`: SIGKILL one replica in the middle of a round; the launcher starts
     both processes again, they find the newest complete checkpoint without any flag, lose the steps of the round
     in flight and no more, and end with an uninterrupted run's model."""
@@ -157,9 +170,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path):
     # second, so a kill just after a round boundary can record 0.
     assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10, resumed
 
-    clean = tmp_path / "clean"
-    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 120, 10)]))
-    assert_same_model(out, clean)
+    assert_same_model(out, uninterrupted)
     assert json.loads((out / "diloco_summary.json").read_text())["steps"] == 120
 
 
