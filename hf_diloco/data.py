@@ -92,7 +92,8 @@ def tokenize_into_blocks(dataset: Dataset, tokenizer, block_size: int, text_colu
     once per machine: a corpus read from files is cached by datasets itself, and one held in memory (the built-in
     corpus) is kept in datasets' cache folder under a name made from its texts, the tokenizer, the block size and
     the code that cuts the blocks, so every later process (each replica of every run) maps that file instead of
-    tokenizing again. `datasets.disable_caching()` turns both off.
+    tokenizing again. `datasets.disable_caching()` turns both off; a cache folder that cannot be written leaves the
+    blocks in memory.
     """
     return dataset.map(
         lambda batch: _texts_to_blocks(batch[text_column], tokenizer, block_size),
@@ -114,7 +115,12 @@ def blocks_cache_file(dataset: Dataset, tokenizer, block_size: int, text_column:
         return None
     key = Hasher.hash([dataset[text_column], tokenizer, block_size, _texts_to_blocks])
     folder = os.path.join(datasets.config.HF_DATASETS_CACHE, "hf_diloco")
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            return None
+    except OSError:  # a cache folder that cannot be written: tokenize in memory, as without a cache
+        return None
     return os.path.join(folder, f"blocks-{key}.arrow")
 
 

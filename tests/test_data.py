@@ -33,8 +33,8 @@ def test_blocks_are_exact_length_and_preserve_the_byte_stream():
 def test_an_in_memory_corpus_is_tokenized_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
     """The built-in corpus's blocks are written to `<datasets cache>/hf_diloco/` on first use and mapped from there
     afterwards (the tokenizer is not called again); other texts, another block size or another tokenizer get a file
-    of their own, and
-    the cached blocks equal blocks tokenized with caching off."""
+    of their own; the cached blocks equal blocks tokenized with caching off; and a cache folder that cannot be
+    written leaves the blocks in memory."""
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
@@ -69,6 +69,11 @@ def test_an_in_memory_corpus_is_tokenized_once_and_read_back_from_the_cache(tmp_
     finally:
         datasets.enable_caching()
     assert fresh.cache_files == [] and fresh["input_ids"] == again["input_ids"]
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "a-file"))  # no folder can go there
+    unwritable = tokenize_into_blocks(corpus, tokenizer, block_size=64)
+    assert unwritable.cache_files == [] and unwritable["input_ids"] == again["input_ids"]
 
 
 def test_held_out_split_is_the_last_blocks():
