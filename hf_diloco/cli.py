@@ -606,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
         _destroy_process_group()
 
 
+_TORN_DOWN: list[bool] = []  # set once this process has destroyed a process group at its end
+
+
 def _destroy_process_group() -> None:
     if "torch" not in sys.modules:
         return
@@ -613,7 +616,24 @@ def _destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _TORN_DOWN.append(True)
+
+
+def _exit(code: int) -> None:
+    """End the process with `code`. A process of a launch whose work is done (everything saved, its process groups
+    destroyed) leaves without the interpreter's teardown: gloo and FSDP2 keep C++ threads whose destruction at
+    interpreter exit can abort a process that finished its run (SIGABRT, "terminate called without an active
+    exception"), and its launcher would then report a finished run as failed. Output is flushed first."""
+    code = 0 if code is None else code
+    if not _TORN_DOWN:
+        sys.exit(code)
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
