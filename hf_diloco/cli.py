@@ -606,17 +606,18 @@ def main(argv: list[str] | None = None) -> int:
         _destroy_process_group()
 
 
-_TORN_DOWN: list[bool] = []  # set once this process has destroyed a process group at its end
+_groups_destroyed = False  # this process destroyed its process groups at its end (a launched worker)
 
 
 def _destroy_process_group() -> None:
+    global _groups_destroyed
     if "torch" not in sys.modules:
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        _TORN_DOWN.append(True)
+        _groups_destroyed = True
 
 
 def _exit(code: int) -> None:
@@ -625,7 +626,7 @@ def _exit(code: int) -> None:
     interpreter exit can abort a process that finished its run (SIGABRT, "terminate called without an active
     exception"), and its launcher would then report a finished run as failed. Output is flushed first."""
     code = 0 if code is None else code
-    if not _TORN_DOWN:
+    if not _groups_destroyed:
         sys.exit(code)
     import logging
 

@@ -105,9 +105,9 @@ def tokenize_into_blocks(dataset: Dataset, tokenizer, block_size: int, text_colu
 
 def blocks_cache_file(dataset: Dataset, tokenizer, block_size: int, text_column: str) -> str | None:
     """Where the blocks of an in-memory corpus are cached (`<datasets cache>/hf_diloco/blocks-<key>.arrow`), or
-    None where datasets caches by itself (a corpus read from files) or caching is off. The key covers everything
-    the blocks depend on; datasets writes the file under a temporary name and renames it, so processes that
-    tokenize at the same moment never read a partial file."""
+    None where datasets caches by itself (a corpus read from files), caching is off or the folder cannot be
+    written. The key covers everything the blocks depend on; datasets writes the file under a temporary name and
+    renames it, so processes that tokenize at the same moment never read a partial file."""
     import datasets
     from datasets.fingerprint import Hasher
 
