@@ -333,7 +333,7 @@ def parameter_shares(model, shards: int = 1, tp: int = 1) -> dict[str, float]:
     plan splits and the whole of the rest, and of that 1/shards (FSDP2 over `shards` processes of the replica)."""
     split = set()
     if tp > 1:
-        from .trainer import checked_tensor_parallel_plan
+        from .parallel import checked_tensor_parallel_plan
 
         split = set(checked_tensor_parallel_plan(model, tp))
     return {name: (1 / tp if name in split else 1.0) / shards for name, _ in model.named_parameters()}

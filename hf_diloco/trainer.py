@@ -17,6 +17,8 @@ Design choices:
 - Checkpoints are Trainer's (`checkpoint-<step>`), plus each replica's own inner optimizer and scheduler state
   (`process-<rank>/`) and the outer state (`diloco_outer.pt`: θ_global in fp32 and the outer optimizer); a marker
   written last says one is whole (hf_diloco.checkpoints).
+- A replica of several processes (DDP, FSDP2, tensor parallel inside it) is laid out by hf_diloco.parallel; every
+  patch of a transformers or accelerate API that this needs is in hf_diloco.compat.
 """
 
 from __future__ import annotations
@@ -24,14 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
-from accelerate import ParallelismConfig
 from transformers import Trainer
 
-from . import checkpoints
+from . import checkpoints, compat, parallel
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
@@ -42,149 +42,6 @@ logger = logging.getLogger(__name__)
 
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_STATE_FILE = "diloco_replica.pt"
-
-
-@contextlib.contextmanager
-def _replica_local_loss_logging():
-    """Make Trainer log this replica's own training loss instead of all-gathering it from every process.
-
-    Trainer's logging calls the module-level `nested_gather`; swapping it for the identity while Trainer logs
-    removes a collective per logging step. Nothing else in Trainer uses that name.
-    """
-    import transformers.trainer as trainer_module
-
-    original = trainer_module.nested_gather
-    trainer_module.nested_gather = lambda tensors, parallel_mode, name=None: tensors
-    try:
-        yield
-    finally:
-        trainer_module.nested_gather = original
-
-
-class ReplicaSharding(ParallelismConfig):
-    """Accelerate's parallelism configuration for sharded replicas: FSDP2 over each replica's `dp_shard` processes
-    only. Accelerate's HSDP would also all-reduce every step's gradients over `dp_replicate`, the replicas; DiLoCo
-    replaces that dimension's per-step all-reduce with its outer syncs, so FSDP's mesh leaves it out.
-
-    With tensor parallel beside FSDP2 the mesh keeps its `tp` dimension, but accelerate's own tensor-parallel
-    preparation stays off: DiLoCoTrainer splits the layers on this mesh before accelerate sees the model (accelerate
-    1.15's preparation also imports a class transformers 5.23 no longer has), and FSDP2 then shards each piece."""
-
-    @property
-    def fsdp_dim_names(self):
-        return ["dp_shard_cp"]
-
-    @property
-    def tp_enabled(self):
-        return False
-
-    @property
-    def non_dp_dim_names(self):
-        return ["tp"] if self.tp_size > 1 else []
-
-
-def replica_sharding(args: DiLoCoConfig) -> ReplicaSharding:
-    """The mesh of a launch of sharded replicas: replicas × dp_shard × tp processes (torchft: one replica), where
-    dp_shard × tp = replica_group_size (tp = 1 without tensor parallel)."""
-    group = args.replica_group_size  # DiLoCoConfig refuses FSDP over fewer than 2 processes per tp piece
-    replicas = 1 if args.outer_backend == "torchft" else max(1, args.world_size // group)
-    return ReplicaSharding(dp_replicate_size=replicas, dp_shard_size=args.dp_shard_size, tp_size=args.tp_size)
-
-
-def _local_shards(value):
-    """`value` (a state dict) with every DTensor replaced by this process's local shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.to_local().detach().clone()
-    if isinstance(value, dict):
-        return {key: _local_shards(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_local_shards(item) for item in value)
-    return value
-
-
-@torch.no_grad()
-def _as_parameter_shards(optimizer: torch.optim.Optimizer) -> None:
-    """After loading local shards into an optimizer over DTensor parameters (a sharded replica's): make each
-    parameter-shaped state tensor a DTensor laid out like its parameter again."""
-    from torch.distributed.tensor import DTensor
-
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not isinstance(param, DTensor):
-                continue
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
-                if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.to_local().shape \
-                        and value.dim() > 0:
-                    state[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                                    run_check=False, shape=param.shape, stride=param.stride())
-
-
-def _fsdp2_over_gloo(accelerator, sharding: ReplicaSharding, args: DiLoCoConfig) -> None:
-    """Sharded replicas on CPU processes: accelerate 1.15 enables FSDP only on accelerators (its CPU state is
-    MULTI_CPU), although FSDP2 itself runs over gloo. Give the accelerator's state the FSDP2 plugin (from the
-    training arguments, or from the accelerate config's environment), the parallelism config and its CPU device
-    mesh, so that Trainer and accelerate prepare, save and load the model exactly as they do on GPUs."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    state = accelerator.state
-    state.fsdp_plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
-    # The accelerator's state copies the process state's type whenever it is made again: set both.
-    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.parallelism_config = sharding
-    state.device_mesh = sharding.get_device_mesh("cpu")
-
-
-def tensor_parallel_plan(model) -> dict[str, str]:
-    """The model's own tensor-parallel plan (transformers' `tp_plan`, one entry per module and parameter), less the
-    rules on tied weights: a tied input embedding and LM head stay whole on every process of the replica (their
-    vocabulary-sharded styles cannot share one weight). Empty where the model has no plan."""
-    plan = model._expand_parallel_plan(model.tp_plan or {}) if hasattr(model, "_expand_parallel_plan") else {}
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
-    tied = {name for names in names_of.values() if len(names) > 1 for name in names}
-    tied |= {name.rpartition(".")[0] for name in tied}
-    return {name: style for name, style in plan.items() if name not in tied}
-
-
-def checked_tensor_parallel_plan(model, tp_size: int) -> dict[str, str]:
-    """tensor_parallel_plan(model), or one sentence on why `model` cannot be split over `tp_size` processes."""
-    plan = tensor_parallel_plan(model)
-    if not plan:
-        raise ConfigError(f"tp_size={tp_size}: {type(model).__name__} has no tensor-parallel plan in transformers, so "
-                          f"its layers cannot be split; use FSDP2 inside the replica instead.")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, name, None)
-        if heads and heads % tp_size:
-            raise ConfigError(f"tp_size={tp_size} does not divide the model's {name}={heads}: tensor parallel gives "
-                              f"each process whole attention heads.")
-    return plan
-
-
-def apply_tensor_parallel(model, args: DiLoCoConfig):
-    """Split `model`'s layers over tp_size processes of its replica with transformers' tensor parallel
-    (transformers.distributed.tensor_parallel), on a device mesh whose `tp` dimension is inside the replica:
-    column-sharded q/k/v, gate and up projections, row-sharded o and down projections; every other parameter
-    (norms, a tied embedding) stays whole on each process. No collective crosses replicas. With FSDP2 in the same
-    replica, the mesh is the one accelerate shards over (replicas × dp_shard × tp), so that FSDP2 then shards each
-    piece over `dp_shard`, and the parameters the plan leaves whole (plain tensors) over `dp_shard` alone."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-    plan = checked_tensor_parallel_plan(model, args.tp_size)
-    device = args.device
-    if args.sharded_replica:
-        mesh = args.parallelism_config.get_device_mesh(device.type)
-    else:
-        replicas = 1 if args.outer_backend == "torchft" else args.world_size // args.tp_size
-        mesh = init_device_mesh(device.type, (replicas, args.tp_size), mesh_dim_names=("replica", "tp"))
-    return apply_tensor_parallelism(model.to(device), mesh["tp"], plan)
-
 
 class DiLoCoTrainer(Trainer):
     """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
@@ -204,12 +61,12 @@ class DiLoCoTrainer(Trainer):
         if not isinstance(args, DiLoCoConfig):
             raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
         if args.sharded_replica:
-            args.parallelism_config = replica_sharding(args)
+            args.parallelism_config = parallel.replica_sharding(args)
         if args.tensor_parallel:
             if model is None:
                 raise ConfigError("tensor parallel (tp_size > 1) splits the model DiLoCoTrainer is given, so pass "
                                   "model=...; a model_init is not supported with it.")
-            model = apply_tensor_parallel(model, args)
+            model = parallel.apply_tensor_parallel(model, args)
         super().__init__(model, args, *pargs, **kwargs)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0). A
         # tensor-parallel replica syncs like a sharded one: each process its own pieces, with the same-rank process
@@ -234,31 +91,18 @@ class DiLoCoTrainer(Trainer):
         # parallel is applied by DiLoCoTrainer inside each replica, so accelerate sees none (an accelerate
         # config's would make it build a mesh over every process).
         hide = on_cpu or (self.args.tensor_parallel and sharding is None)
-        if hide:
-            self.args.parallelism_config = None
-            from_env = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-        super().create_accelerator_and_postprocess()
-        if hide and from_env is not None:
-            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = from_env
+        with compat.parallelism_config_hidden(self.args) if hide else contextlib.nullcontext():
+            super().create_accelerator_and_postprocess()
         if on_cpu:
-            self.args.parallelism_config = sharding
-            _fsdp2_over_gloo(self.accelerator, sharding, self.args)
-            self.is_fsdp_enabled = True
-        prepare_model = self.accelerator.prepare_model
+            compat.fsdp2_over_gloo(self, sharding)
+        compat.prepare_models_without_ddp(self.accelerator, self._inside_replica)
 
-        def prepare_replica(model, device_placement=None, evaluation_mode=False):
-            # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP wrapper over
-            # all processes, so no gradient all-reduce across replicas and no buffer broadcast on every step.
-            model = prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-            if self.comm.replica_group is not None and not evaluation_mode and not self.args.tensor_parallel:
-                # A replica of several processes: DDP inside the replica only.
-                device_ids = [torch.cuda.current_device()] if self.args.device.type == "cuda" else None
-                model = torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=device_ids, process_group=self.comm.replica_group, broadcast_buffers=False
-                )
+    def _inside_replica(self, model):
+        """A model prepared for training: DDP over the replica's own processes where a replica has several and
+        neither tensor parallel nor FSDP2 splits it (FSDP2 preparation does not come here); else as it is."""
+        if self.comm.replica_group is None or self.args.tensor_parallel:
             return model
-
-        self.accelerator.prepare_model = prepare_replica
+        return parallel.ddp_inside_replica(model, self.comm.replica_group, self.args.device)
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -293,12 +137,10 @@ class DiLoCoTrainer(Trainer):
             loader = self._one_shard_of_several(super().get_train_dataloader)
         else:
             loader = super().get_train_dataloader()
-        # A ReplicaSliceSampler already picks this replica's examples; Accelerate's batch sharding on top would
-        # keep only every M-th of its batches, so that wrapper is made a pass-through.
+        # A ReplicaSliceSampler already picks this replica's examples: accelerate's batch sharding passes them on.
         shard = getattr(loader, "batch_sampler", None)
-        inner = getattr(getattr(shard, "batch_sampler", None), "sampler", None)
-        if isinstance(inner, ReplicaSliceSampler):
-            shard.num_processes, shard.process_index = 1, 0
+        if isinstance(getattr(getattr(shard, "batch_sampler", None), "sampler", None), ReplicaSliceSampler):
+            compat.pass_through_batch_sharding(loader)
         return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -311,21 +153,8 @@ class DiLoCoTrainer(Trainer):
         launch per replica, so Accelerate sees one process; shard the batches as it would for num_replicas
         processes (replica r takes batches r, r + M, ...), exactly as the torch backend does. Tensor parallel: the
         tp_size processes of a replica take the same shard."""
-        import accelerate.accelerator as accelerator_module
-
-        prepare = accelerator_module.prepare_data_loader
-        index, count = self.data_shard
-
-        def sharded(*args, **kwargs):
-            # No device mesh: with one it would recount the processes from the launch's own mesh (one replica).
-            return prepare(*args, **{**kwargs, "num_processes": count, "process_index": index,
-                                     "torch_device_mesh": None})
-
-        accelerator_module.prepare_data_loader = sharded
-        try:
+        with compat.data_loader_shard(*self.data_shard):
             return make_loader()
-        finally:
-            accelerator_module.prepare_data_loader = prepare
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -333,14 +162,12 @@ class DiLoCoTrainer(Trainer):
         return loss
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
-        with _replica_local_loss_logging():
+        with compat.replica_local_loss_logging():
             return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def get_tp_size(self) -> int:
-        """1: Trainer divides each batch's token count by this for processes that share a batch, which only an
-        all-gathered count (average_tokens_across_devices, off in DiLoCoConfig) over-counts. A tensor-parallel
-        replica's processes each compute the whole loss of their batch, which must not be scaled."""
-        return 1
+        """1, whatever the replica's tensor-parallel size (see compat.trainer_tp_size)."""
+        return compat.trainer_tp_size()
 
     def get_total_train_batch_size(self, args) -> int:
         """Sequences per inner step over all replicas: the processes of one tensor-parallel piece-set share a batch."""
@@ -399,17 +226,10 @@ class DiLoCoTrainer(Trainer):
         if self.args.should_save:
             checkpoints.begin(folder)
         self.comm.wait_for_parts(f"{folder.name}/begun", self.args.sync_timeout)
-        # Trainer 5.23 rotates at the end of its _save_checkpoint by calling trainer_utils.rotate_checkpoints, a
-        # module function rather than a method to override (4.x had Trainer._rotate_checkpoints). It would run
-        # before the marker exists, count the folder being saved, order folders by mtime and delete with rmtree.
-        # Until Trainer offers a rotation hook, it sees no limit while it saves, and checkpoints.rotate runs once
-        # the checkpoint is whole. tests/test_checkpoints.py checks that Trainer still rotates there and that
-        # this keeps it from doing so.
-        limit, self.args.save_total_limit = self.args.save_total_limit, None
-        try:
+        # Trainer would rotate before the marker exists (see compat.trainer_rotation_off); checkpoints.rotate runs
+        # once the checkpoint is whole.
+        with compat.trainer_rotation_off(self.args) as limit:
             super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
         checkpoints.finish_part(self._replica_dir(str(folder)))
         self.comm.wait_for_parts(folder.name, self.args.sync_timeout)
         if self.args.should_save:
@@ -424,11 +244,7 @@ class DiLoCoTrainer(Trainer):
         """Tensor parallel: every process gathers its replica's full weights (a collective inside the replica only),
         then the saving process writes an ordinary consolidated model."""
         if self.args.tensor_parallel and state_dict is None:
-            from torch.distributed.tensor import DTensor
-
-            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-            state_dict = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-                          for name, value in model.state_dict().items()}
+            state_dict = parallel.full_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
             if not self.args.should_save:
                 return
         return super()._save(output_dir, state_dict)
@@ -438,21 +254,13 @@ class DiLoCoTrainer(Trainer):
         round's θ_global and the replica's own parameters are then restored from the DiLoCo state on top)."""
         if not (self.args.sharded_replica or self.args.tensor_parallel):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        files = sorted(Path(resume_from_checkpoint).glob("model*.safetensors"))
-        if not files:
-            raise ConfigError(f"checkpoint {resume_from_checkpoint} holds no model.safetensors to resume from.")
-        weights = {name: tensor for file in files for name, tensor in load_file(file).items()}
-        set_model_state_dict(model if model is not None else self.model_wrapped, weights,
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+        parallel.load_full_weights(model if model is not None else self.model_wrapped, resume_from_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         replica_dir = self._replica_dir(output_dir)
         replica_dir.mkdir(parents=True, exist_ok=True)
         # A sharded replica's optimizer holds DTensors: each process writes its own shards as plain tensors.
-        torch.save(_local_shards(self.optimizer.state_dict()), replica_dir / "optimizer.pt")
+        torch.save(parallel.local_shards(self.optimizer.state_dict()), replica_dir / "optimizer.pt")
         torch.save(self.lr_scheduler.state_dict(), replica_dir / "scheduler.pt")
         replica_state = self.diloco.replica_state()
         if replica_state:
@@ -473,7 +281,7 @@ class DiLoCoTrainer(Trainer):
             # Loaded to CPU; the optimizer moves its state next to the parameters.
             state = torch.load(replica_dir / "optimizer.pt", map_location="cpu", weights_only=True)
             self.optimizer.load_state_dict(state)
-            _as_parameter_shards(self.optimizer)
+            parallel.as_parameter_shards(self.optimizer)
             self.lr_scheduler.load_state_dict(torch.load(replica_dir / "scheduler.pt", weights_only=True))
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.

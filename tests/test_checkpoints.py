@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import REPO, accelerate_launch, pattern_dataset, tiny_llama
 from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import default_data_collator
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer, checkpoints
 from hf_diloco.metrics import read_sync_rounds
@@ -147,31 +147,27 @@ def trainer_run(trainer_cls, args_cls, run_dir: Path, **settings):
                 data_collator=default_data_collator).train()
 
 
-def test_trainer_still_rotates_inside_save_checkpoint_and_ours_runs_instead(tmp_path):
-    """The one remaining workaround: Trainer 5.23 rotates at the end of `_save_checkpoint` with a module function
-    (no method to override), counting folders that are not complete. The first half checks that upstream still
-    does (when it fails, Trainer changed and DiLoCoTrainer's hiding of save_total_limit can go); the second that
-    DiLoCoTrainer keeps Trainer from rotating and rotates by complete checkpoints itself."""
+def test_trainer_rotates_by_complete_checkpoints_only(tmp_path):
+    """Trainer would rotate inside `_save_checkpoint`, before the marker, counting unfinished folders (tests/
+    test_compat.py checks that it still does); DiLoCoTrainer keeps it from rotating there and rotates by complete
+    checkpoints once the new one is whole: the unfinished checkpoint-2 neither counts nor costs the complete
+    checkpoint-1 its place. Checkpoint folders keep Trainer's names."""
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     assert checkpoints.CHECKPOINT_PREFIX == f"{PREFIX_CHECKPOINT_DIR}-"
     assert checkpoints.TRAINER_STATE_FILE == TRAINER_STATE_NAME
 
-    plain = tmp_path / "plain"
-    complete(plain, 1)
-    written(plain, 2)
-    trainer_run(Trainer, TrainingArguments, plain)
-    assert sorted(p.name for p in plain.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"], \
-        "Trainer counted the unfinished checkpoint-2 and removed the complete checkpoint-1"
-
-    ours = tmp_path / "diloco"
-    complete(ours, 1)
-    written(ours, 2)
-    trainer_run(DiLoCoTrainer, DiLoCoConfig, ours, inner_steps=5)
-    assert sorted(p.name for p in ours.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-5"]
-    assert checkpoints.is_complete(ours / "checkpoint-5")
-    assert [p.name for p in checkpoints.complete_checkpoints(ours)] == ["checkpoint-1", "checkpoint-5"]
+    complete(tmp_path, 1)
+    written(tmp_path, 2)
+    args = DiLoCoConfig(output_dir=str(tmp_path), max_steps=5, inner_steps=5, save_strategy="steps", save_steps=5,
+                        save_total_limit=2, per_device_train_batch_size=4, report_to="none", disable_tqdm=True,
+                        use_cpu=True)
+    DiLoCoTrainer(model=tiny_llama(), args=args, train_dataset=pattern_dataset(),
+                  data_collator=default_data_collator).train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-5"]
+    assert checkpoints.is_complete(tmp_path / "checkpoint-5")
+    assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-5"]
 
 
 @pytest.fixture

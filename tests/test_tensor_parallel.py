@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer
 from hf_diloco.config import ConfigError
-from hf_diloco.trainer import checked_tensor_parallel_plan
+from hf_diloco.parallel import checked_tensor_parallel_plan
 
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 # Paper outer settings, H = 3 and 10 steps: rounds end at steps 3, 6, 9 and 10.
