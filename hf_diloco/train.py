@@ -7,7 +7,8 @@ Design choices:
 - One function, `train`, does what a run is: check the output folder and the checkpoint to resume from, build the
   model (plus LoRA adapters), load and cut the data, pick the trainer (`DiLoCoTrainer`, or plain `Trainer` for the
   `trainer: ddp` baseline), train, save the model (and the merged model), write run_config.json and
-  run_metrics.json, with progress recorded for the app and a graceful stop on request or signal from the start.
+  run_metrics.json, with progress recorded for the app and a graceful stop on request or signal from the start
+  (DiLoCoTrainer's own while it trains: hf_diloco.trainer).
   The CLI only parses arguments and prints.
 - Checks that need no model or data (`check_arguments`, `check_output_dir`, `resolve_checkpoint`,
   `check_accelerate_config`) run before anything is built, so bad input costs nothing and overwrites nothing.
@@ -17,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -378,14 +380,13 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
 
     Every run records its progress for the app (`RunRecorder`: progress.json from the start, phases "loading
     model and data", "waiting for replicas", "training", "finished"; trainer_log.jsonl) and stops on request
-    (`StopOnRequest`: `<output_dir>/stop.request`, and with `stop_signals`, called from the main thread, SIGUSR1,
-    SIGTERM and SIGINT). `callbacks` are added to the trainer. Returns the trainer.
+    (`<output_dir>/stop.request`, and with `stop_signals`, called from the main thread, SIGUSR1, SIGTERM and
+    SIGINT): DiLoCo at the end of a round, as every DiLoCoTrainer does; the `trainer: ddp` baseline after the
+    current step (`StopOnRequest`). A request made while the model and data load is honoured at the start.
+    `callbacks` are added to the trainer. Returns the trainer.
     """
-    from transformers import Trainer, default_data_collator
-
-    from .callbacks import RunRecorder, SteadyClock, StopOnRequest
-    from .data import build_datasets
-    from .trainer import DiLoCoTrainer
+    from .callbacks import RunRecorder, StopOnRequest
+    from .trainer import graceful_stop_signals
 
     check_arguments(run, config)
     checkpoint = resolve_checkpoint(config)
@@ -393,8 +394,18 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
     recorder, stopper = RunRecorder(config.output_dir), StopOnRequest(config.output_dir)
     if config.process_index == 0:
         recorder.phase("loading model and data")
-    if stop_signals:
-        catch_stop_signals(stopper)
+    with graceful_stop_signals(stopper.request) if stop_signals else contextlib.nullcontext():
+        return _train(run, config, checkpoint, recorder, stopper, callbacks, stop_signals)
+
+
+def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, recorder, stopper, callbacks: Sequence,
+           stop_signals: bool):
+    from transformers import Trainer, default_data_collator
+
+    from .callbacks import SteadyClock
+    from .data import build_datasets
+    from .trainer import DiLoCoTrainer
+
     if not config.should_log:
         import datasets
 
@@ -406,18 +417,16 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
         )
     clock = SteadyClock()
-    trainer = (DiLoCoTrainer if run.trainer == "diloco" else Trainer)(
-        model=model,
-        args=config,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=default_data_collator,
-        callbacks=[clock, recorder, stopper, *callbacks],
-    )
-    if isinstance(trainer, DiLoCoTrainer):
-        # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
-        stopper.attach(trainer.diloco.request_stop, lambda: trainer.diloco.stopped_at)
+    common = dict(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                  processing_class=tokenizer, data_collator=default_data_collator)
+    if run.trainer == "diloco":
+        # Its own stop handling, at a round boundary for all replicas together; a request made while loading is
+        # handed on.
+        trainer = DiLoCoTrainer(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
+        if stopper.requested:
+            trainer.request_stop()
+    else:
+        trainer = Trainer(**common, callbacks=[clock, recorder, stopper, *callbacks])
     if trainer.is_world_process_zero():
         write_run_config(config.output_dir, run, config)
     output = trainer.train(resume_from_checkpoint=checkpoint)
@@ -429,40 +438,6 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
             model.merge_and_unload().save_pretrained(merged)
             tokenizer.save_pretrained(merged)
     return trainer
-
-
-# A second SIGTERM/SIGINT this many seconds or more after the first ends the process at once; sooner, it is the
-# same request arriving twice (a scheduler signals every process of a job, and the launcher passes its copy on).
-REPEAT_STOPS_AFTER = 5.0
-
-
-def catch_stop_signals(stopper) -> None:
-    """SIGUSR1, and SIGTERM/SIGINT (what SLURM and other schedulers send before a preemption, and Ctrl-C), ask
-    `stopper` for a stop: the run finishes its round, saves a checkpoint and exits 0. The same signal again, from
-    `REPEAT_STOPS_AFTER` seconds on, ends the process at once. Only the main thread can install handlers;
-    elsewhere this does nothing (the stop file still works)."""
-    import signal
-    import threading
-    import time
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    first: dict[int, float] = {}
-
-    def graceful(signum, _frame) -> None:
-        if signum in first and signum != signal.SIGUSR1:
-            if time.monotonic() - first[signum] >= REPEAT_STOPS_AFTER:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            return
-        first[signum] = time.monotonic()
-        stopper.request()
-        if signum != signal.SIGUSR1:
-            print(f"[diloco] {signal.Signals(signum).name}: stopping at the end of this round with a checkpoint "
-                  f"(send it again to stop at once)", flush=True)
-
-    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, graceful)
 
 
 def write_run_config(output_dir: str, run: RunArguments, config: DiLoCoConfig) -> None:

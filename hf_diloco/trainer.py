@@ -17,6 +17,8 @@ Design choices:
 - Checkpoints are Trainer's (`checkpoint-<step>`), plus each replica's own inner optimizer and scheduler state
   (`process-<rank>/`) and the outer state (`diloco_outer.pt`: θ_global in fp32 and the outer optimizer); a marker
   written last says one is whole (hf_diloco.checkpoints).
+- A stop is graceful wherever the trainer is used from: SIGTERM, SIGINT, SIGUSR1 (during `train()`) and the stop
+  file (`<output_dir>/stop.request`) end training at a round boundary, all replicas together, with a checkpoint.
 - A replica of several processes (DDP, FSDP2, tensor parallel inside it) is laid out by hf_diloco.parallel; every
   patch of a transformers or accelerate API that this needs is in hf_diloco.compat.
 """
@@ -26,12 +28,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from transformers import Trainer
 
 from . import checkpoints, compat, parallel
+from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
@@ -43,10 +51,50 @@ logger = logging.getLogger(__name__)
 OUTER_STATE_FILE = "diloco_outer.pt"
 REPLICA_STATE_FILE = "diloco_replica.pt"
 
+# A second SIGTERM/SIGINT this many seconds or more after the first ends the process at once; sooner, it is the
+# same request arriving twice (a scheduler signals every process of a job, and the launcher passes its copy on).
+REPEAT_STOPS_AFTER = 5.0
+
+
+@contextlib.contextmanager
+def graceful_stop_signals(request: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGUSR1, and SIGTERM/SIGINT (what SLURM and other schedulers send before a preemption, and
+    Ctrl-C), call `request` for a graceful stop: the run finishes its round, saves a checkpoint and ends. The same
+    SIGTERM/SIGINT again, from `REPEAT_STOPS_AFTER` seconds on, ends the process at once. The handlers that were
+    there before come back after the block. Only the main thread can install handlers; elsewhere this does nothing
+    (the stop file still works)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    first: dict[int, float] = {}
+
+    def graceful(signum, _frame) -> None:
+        if signum in first and signum != signal.SIGUSR1:
+            if time.monotonic() - first[signum] >= REPEAT_STOPS_AFTER:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        first[signum] = time.monotonic()
+        request()
+        if signum != signal.SIGUSR1:
+            print(f"[diloco] {signal.Signals(signum).name}: stopping at the end of this round with a checkpoint "
+                  f"(send it again to stop at once)", flush=True)
+
+    previous = {signum: signal.signal(signum, graceful) for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: installed by C code, which Python cannot put back
+                signal.signal(signum, handler)
+
+
 class DiLoCoTrainer(Trainer):
     """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
 
-    Takes exactly what `Trainer` takes; `args` must be a `DiLoCoConfig`.
+    Takes what `Trainer` takes; `args` must be a `DiLoCoConfig`. During `train()`, SIGTERM, SIGINT and SIGUSR1
+    (unless `stop_signals=False`) and the file `<output_dir>/stop.request` stop training at the end of the round,
+    every replica at the same step, with a checkpoint (see `request_stop`).
 
     Example (a runnable version is in the README's "Python" section)::
 
@@ -55,7 +103,7 @@ class DiLoCoTrainer(Trainer):
         trainer.train()
     """
 
-    def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, **kwargs):
+    def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, stop_signals: bool = True, **kwargs):
         if args is None:
             args = DiLoCoConfig(output_dir="trainer_output")
         if not isinstance(args, DiLoCoConfig):
@@ -79,8 +127,14 @@ class DiLoCoTrainer(Trainer):
             raise ConfigError(f"outer_backend torchft starts one launch per replica, so the {processes} processes of "
                               f"this launch are one replica: set replica_group_size {processes} (or launch one "
                               f"process per replica).")
+        self.stop_signals = stop_signals
+        # Before the outer loop's callback, so that a stop file found at a round's last step rides that round.
+        self.stopper = StopOnRequest(args.output_dir)
+        self.add_callback(self.stopper)
         self.diloco = OuterLoopCallback(self)
         self.add_callback(self.diloco)
+        # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
+        self.stopper.attach(self.diloco.request_stop, lambda: self.diloco.stopped_at)
 
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
 
@@ -184,7 +238,8 @@ class DiLoCoTrainer(Trainer):
     def train(self, *args, **kwargs):
         """Trainer.train, after recording the run's settings in `<output_dir>/run_config.json` (main process) unless
         `hf-diloco train` already wrote a fuller one: `hf-diloco push` and the app describe any run folder, however
-        it was trained."""
+        it was trained. While it runs, stop signals ask for a graceful stop (unless `stop_signals=False`); the
+        handlers from before come back after."""
         if self.is_world_process_zero():
             from .hub import RUN_CONFIG_FILE, trainer_settings
 
@@ -192,7 +247,13 @@ class DiLoCoTrainer(Trainer):
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(trainer_settings(self), indent=2, default=str) + "\n")
-        return super().train(*args, **kwargs)
+        with graceful_stop_signals(self.request_stop) if self.stop_signals else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
+
+    def request_stop(self) -> None:
+        """Stop training at the end of the current round, with a checkpoint; every replica stops after the same
+        step. What SIGTERM and the stop file do; safe to call from a signal handler or another thread."""
+        self.stopper.request()
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
