@@ -1,7 +1,8 @@
 """Who takes part in a round: the backends.
 
-A round (hf_diloco.outer: pseudo-gradient, codec with error feedback, fragments, overlap, outer step) is the same
-code whatever the backend. A backend supplies only the membership around it and the collectives under it:
+A round (hf_diloco.rounds: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
+step) is the same code whatever the backend. A backend answers who takes part, and supplies the collectives under
+the round (its `comm`):
 
     torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every round
               with weight 1, fragments follow the step schedule, and a round is a barrier (a replica that never
@@ -10,11 +11,20 @@ code whatever the backend. A backend supplies only the membership around it and 
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
 
-Both answer the same questions for the trainer's callback: is a round `due` at this step, which fragments it is
-`expected` to sync (an overlapped round snapshots them before it starts), `start` it (who, with what weight, which
-fragments: `local` holds this replica's numbers, read before the inner loop moved on) and `finish` it (what the
-record says about membership, what a replica keeps after a rollback). `start` may run in the background thread
-of an overlapped round; it then touches only the outer state, never the replica's parameters.
+Every backend has the same methods, and none reads or writes the Trainer's or the callback's state:
+
+    due(step, max_steps, progress)     is a round due now (`progress`: this replica's steps since its last launch)
+    expected_fragments(step, ...)      the fragments an overlapped round snapshots before it starts
+    start(step, max_steps, local, joining, overlapped) -> RoundStart
+                                       who takes part, with what weight, which fragments (`local`: this replica's
+                                       numbers); the joining round before the first inner step makes the replicas'
+                                       parameters identical. May run in an overlapped round's background thread.
+    finish(start, result, record, tokens, step) -> (record, restart)
+                                       after the vote: the record's membership fields, and whether this replica
+                                       starts again from θ_global
+    joined(start, step), run_over(), linger(step, max_steps), shutdown()
+    replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
+                                       the checkpoint)
 """
 
 from __future__ import annotations
@@ -43,16 +53,29 @@ class RoundStart:
     quorum_seconds: float = 0.0  # time spent forming the quorum (blocked time)
     extra_bytes: int = 0  # bytes of the membership exchange, beside the round's own
     error: str | None = None  # why the quorum failed, when it did
+    startup_bytes: int | None = None  # a joining round: bytes sent to make every replica's parameters identical
 
 
 class FixedGroup:
     """The `torch` backend: every process of the launch, every round."""
 
-    def __init__(self, comm: ReplicaComm, schedule: Schedule):
-        self.comm = comm
-        self.schedule = schedule
+    continues_record = False  # a resumed launch retrains the rounds after its checkpoint: they leave the record
 
-    def due(self, step: int, max_steps: int) -> bool:
+    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool):
+        self.comm = comm
+        self.outer = outer
+        self.schedule = schedule
+        self.resumed = resumed
+
+    @property
+    def replica(self) -> int:
+        return self.comm.replica_index
+
+    @property
+    def num_replicas(self) -> int:
+        return self.comm.num_replicas
+
+    def due(self, step: int, max_steps: int, progress=None) -> bool:
         return bool(self.schedule.due_fragments(step, max_steps))
 
     def expected_fragments(self, step: int, max_steps: int) -> list[int]:
@@ -60,10 +83,38 @@ class FixedGroup:
 
     def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
               overlapped: bool = False) -> RoundStart:
-        return RoundStart(fragments=self.schedule.due_fragments(step, max_steps))
+        if not joining:
+            return RoundStart(fragments=self.schedule.due_fragments(step, max_steps))
+        if self.resumed:  # every replica loaded the same checkpoint
+            return RoundStart(empty=True, joining=True)
+        # The replicas must start from identical parameters: checked by digest before the first inner step, and
+        # rank 0's sent only where they differ (comm.ReplicaComm.start_identical); θ_global is then taken again.
+        cost = self.comm.start_identical(self.outer.params)
+        self.outer.take_replica()
+        return RoundStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 
-    def finish(self, start: RoundStart, result, record: dict) -> dict:
-        return record
+    def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+        return record, False
+
+    def joined(self, start: RoundStart, step: int) -> None:
+        pass
+
+    def run_over(self) -> bool:
+        return False
+
+    def linger(self, step: int, max_steps: int) -> list[int]:
+        return []
 
     def shutdown(self) -> None:
         pass
+
+
+def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *, resumed: bool,
+                 continue_at_step):
+    """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
+    if args.outer_backend == "torchft":
+        from .torchft_backend import TorchftRounds
+
+        return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
+                             continue_at_step=continue_at_step)
+    return FixedGroup(comm, outer, schedule, resumed)

@@ -8,10 +8,12 @@
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
         each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
 
-`outer_round` is that loop body, line for line. Streaming DiLoCo (arXiv 2501.18512) runs it for one fragment of
-the model at a time, and with an overlap of τ inner steps splits it in two: `exchange` (the first three lines,
-which may run in the background) and `apply` (the last two, after the τ steps), where the copy back mixes
-θ_i ← α·θ_i + (1 − α)·θ_global.
+Every round is that loop body in two halves: `exchange` (the first three lines: Δ_i, its codec, the average) and
+`land` (the last two: the outer step and the copy back). `outer_round` runs them at once, as the paper does.
+Streaming DiLoCo (arXiv 2501.18512) runs a round for one fragment of the model at a time, and with an overlap of τ
+inner steps lands it τ steps after the exchange started (which then runs in the background), where the copy back
+mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.rounds decides when each half runs; these lines are the same for
+every round of every backend.
 
 Backends (hf_diloco.backends) change who takes part, not these lines: the mean is a weighted one,
 Δ = Σ_i w_i Δ_i / Σ_i w_i, with w_i = 1 on a fixed group (the plain mean, bit for bit) and torchft's token and
@@ -29,7 +31,7 @@ Design choices:
   parameters only, and torch optimizers skip parameters without a gradient, so stepping bucket by bucket is the
   same arithmetic as one step over all of them. torch's Nesterov SGD computes v ← μ v + Δ; θ ← θ − lr (Δ + μ v),
   the formulation DiLoCo uses.
-- Every replica runs the identical outer step on the identical averaged Δ, so after `apply` (with α = 0) all
+- Every replica runs the identical outer step on the identical averaged Δ, so after `land` (with α = 0) all
   replicas hold bit-identical parameters in the synced buckets without a broadcast.
 - Only the parameters handed in are synced: for a PEFT model these are the trainable adapter weights.
 """
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -278,6 +280,12 @@ class OuterLoop:
         for bucket in self.buckets:
             self.copy_to_replica(bucket)
 
+    @torch.no_grad()
+    def take_replica(self) -> None:
+        """θ_global ← θ_i (fp32), as at construction: after the replicas' start was made identical."""
+        for param, global_param in zip(self.params, self.global_params, strict=True):
+            global_param.copy_(param)
+
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
@@ -344,10 +352,11 @@ class RoundResult:
 
 @dataclass
 class Exchange:
-    """The first half of a round: the buckets' averaged Δ, waiting to be applied."""
+    """The first half of a round: (bucket, averaged Δ) pairs waiting to be applied, as a list once they have all
+    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking round without a vote)."""
 
     buckets: list[int]
-    deltas: list[torch.Tensor]
+    averaged: list[tuple[int, torch.Tensor]] | Iterator[tuple[int, torch.Tensor]]
     result: RoundResult
 
 
@@ -422,33 +431,19 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
                 alpha: float = 0.0) -> RoundResult:
-    """One blocking outer round over `buckets` (all of them, or one fragment's), one bucket at a time.
+    """One blocking outer round over `buckets` (all of them, or one fragment's): the two halves at once.
 
     `weight` is this replica's share in the average (1 on the torch backend; torchft's token and staleness
     weights, relative to the largest). A replica whose parameters hold a NaN or an infinity sits the round out
     (weight 0: it sends zeros, the others divide by the weight that took part) and takes θ_global; with no weight
-    at all θ_global does not move. On a backend that votes on each round (`comm.votes`: torchft), the averaged
-    buckets are held until the vote and applied only if the round commits. Every process must call this with the
-    same buckets.
+    at all θ_global does not move. Without a vote the exchange runs as `land` applies it, one bucket at a time
+    (bounded memory); on a backend that votes on each round (`comm.votes`: torchft) every averaged bucket is held
+    until the vote and applied only if the round commits. Every process must call this with the same buckets.
     """
-    if not comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index])):
-        weight = 0.0
-    if comm.votes:
-        return land(outer, exchange(comm, buckets, snapshot(outer, comm, buckets), codec=codec,
-                                          feedback=feedback, stats=stats, weight=weight), alpha, weight > 0)
-    result = RoundResult()
-    for position, index in enumerate(buckets):
-        bucket = outer.buckets[index]
-        riding = _riding(position, len(buckets), weight, stats)
-        delta_i = outer.pseudo_gradient(bucket, comm.device)                  # Δ_i = θ_global − θ_i
-        delta = _average_bucket(comm, index, delta_i, result, weight,         # Δ = (1/M) Σ_i Δ_i
-                                codec, feedback, riding)
-        del delta_i
-        if result.participants:
-            outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, alpha if weight > 0 else 0.0)           # θ_i ← θ_global
-        del delta  # one bucket at a time: freed before the next is formed
-    return result
+    finite = comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
+    landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
+                      stats=stats, weight=weight, finite=finite)
+    return land(outer, landed, alpha, healthy=finite and weight > 0)
 
 
 def snapshot(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:
@@ -456,45 +451,64 @@ def snapshot(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> list[to
     return [outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets]
 
 
-def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor], *,
-             codec: Codec | None = None, feedback: ErrorFeedback | None = None,
-             stats: StatsFn | None = None, weight: float = 1.0) -> Exchange:
-    """The communication half of a round: average the snapshotted Δ_i of `buckets`, then (torchft) vote.
+def pseudo_gradients(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> Iterator[torch.Tensor]:
+    """Δ_i of `buckets`, each formed when the exchange reaches it (a blocking round holds one bucket's at a time)."""
+    return (outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets)
 
-    Touches neither θ_global nor the replica's parameters, so it may run in a background thread while the
-    replica takes its next inner steps. On a backend that votes, the result says whether the round committed;
-    a round that did not is never applied, whatever part of it arrived.
+
+def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,
+             codec: Codec | None = None, feedback: ErrorFeedback | None = None,
+             stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None) -> Exchange:
+    """The communication half of a round: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
+
+    `deltas` is a list taken at launch (an overlapped round: the replica trains on while it is sent) or an iterator
+    that forms each bucket's Δ_i when its turn comes (`pseudo_gradients`: a blocking round, whose buckets are then
+    averaged as `land` applies them, one at a time). `finite` says whether this replica's values are finite (known
+    before the first bucket goes, for the iterator); a list is checked here. On a backend that votes, every bucket
+    is averaged here and the result says whether the round committed; a round that did not is never applied,
+    whatever part of it arrived. Touches neither θ_global nor the replica's parameters.
     """
     result = RoundResult()
-    if not comm.replica_all(is_finite(deltas)):
+    if finite is None:
+        assert isinstance(deltas, list), "an exchange of Δ_i formed on the way is told whether they are finite"
+        finite = comm.replica_all(is_finite(deltas))
+    if not finite:
         weight = 0.0
+    averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats)
+    if not comm.votes:
+        return Exchange(buckets, averaged if not isinstance(deltas, list) else list(averaged), result)
     # A round that may be rolled back must not leave its trace in the residuals: the replica sends the same
     # progress again in its next round.
-    kept = feedback.copy([str(i) for i in buckets]) if comm.votes and feedback is not None else None
-    averaged = []
-    for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True)):
-        riding = _riding(position, len(buckets), weight, stats)
-        averaged.append(_average_bucket(comm, index, delta_i, result, weight, codec, feedback, riding))
-    if comm.votes:
-        result.committed = comm.vote()
-        if not result.committed and kept is not None:
-            feedback.restore(kept)
+    kept = feedback.copy([str(i) for i in buckets]) if feedback is not None else None
+    averaged = list(averaged)
+    result.committed = comm.vote()
+    if not result.committed and kept is not None:
+        feedback.restore(kept)
     return Exchange(buckets, averaged, result)
 
 
-def apply(outer: OuterLoop, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> None:
-    """The second half of a round: outer step, then θ_i ← α·θ_i + (1 − α)·θ_global."""
-    for index, delta in zip(landed.buckets, landed.deltas, strict=True):
+def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: RoundResult,
+              weight: float, codec: Codec | None, feedback: ErrorFeedback | None,
+              stats: StatsFn | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(bucket, Δ) in bucket order, each averaged when asked for. Nothing of a bucket stays referenced here once it
+    is handed on, so a consumer that drops each Δ before asking for the next holds one bucket at a time."""
+    for position, index in enumerate(buckets):
+        riding = _riding(position, len(buckets), weight, stats)
+        yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding)
+
+
+def land(outer: OuterLoop, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:
+    """The second half of a round, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
+    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the round out, `healthy` False, takes θ_global as it is).
+    A round that did not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next
+    round."""
+    result = landed.result
+    if not result.committed:
+        return result
+    for index, delta in landed.averaged:
         bucket = outer.buckets[index]
-        if landed.result.participants:
-            outer.step(bucket, delta)
-        outer.copy_to_replica(bucket, alpha if healthy else 0.0)
-
-
-def land(outer: OuterLoop, landed: Exchange, alpha: float = 0.0,
-         healthy: bool = True) -> RoundResult:
-    """Apply an exchanged round if it committed. One that did not leaves θ_global and θ_i as they are: the
-    replica keeps its progress for the next round."""
-    if landed.result.committed:
-        apply(outer, landed, alpha, healthy)
-    return landed.result
+        if result.participants:
+            outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
+        outer.copy_to_replica(bucket, alpha if healthy else 0.0)              # θ_i ← θ_global
+        del delta  # freed before the next bucket is averaged
+    return result

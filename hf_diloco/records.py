@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 
 from .comm import ring_all_reduce_bytes
-from .metrics import RoundWriter, format_round
+from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
 
 
 @dataclass
@@ -146,11 +146,11 @@ def summary(rounds: list[dict], *, steps: int, train_started: float, initial_eva
     }
 
 
-class RoundLog:
-    """The rounds of this process as they complete. A record waits until the round's evaluation (Trainer runs it
-    right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and on the main
-    process written to sync_rounds.jsonl (`RoundWriter`), handed to the trackers (`report`) and printed as one
-    console line."""
+class Records:
+    """The rounds of this process as they land, for both backends. A record waits until the round's evaluation
+    (Trainer runs it right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and
+    on the main process written to sync_rounds.jsonl (`RoundWriter`), handed to the trackers (`report`) and printed
+    as one console line. At the end the main process writes the run's summary (`close`)."""
 
     def __init__(self, plain_console: bool):
         self.plain_console = plain_console  # print lines as they are (disable_tqdm), else through tqdm.write
@@ -160,8 +160,37 @@ class RoundLog:
         self.report = None  # called with each written record (the trainer's trackers)
         self.total_rounds: int | None = None
         self.initial_eval_loss: float | None = None
+        self.carried: dict = {}  # fields for the next record (a resume's note, the start-up's bytes)
+        self.cumulative_bytes = 0  # bytes this replica sent in every round of the run so far
+        self.train_started = time.time()
+
+    def open(self, output_dir: str, step: int, *, continues_record: bool, resumed_from: str | None,
+             reached_before_resume: int, report) -> None:
+        """Main process, at the start of training: the round record of `output_dir`, cut at the checkpoint's
+        `step` (rounds past it are retrained) unless the backend `continues_record` (a restarted torchft replica)."""
+        rounds = read_sync_rounds(output_dir)
+        reached = max([r["step"] for r in rounds] + [reached_before_resume, step])
+        self.writer = RoundWriter(output_dir)
+        self.report = report
+        kept = rounds if continues_record else self.writer.truncate_after(step)
+        self.train_started = time.time()
+        if resumed_from is not None:
+            # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
+            self.carry(resumed_from=resumed_from, steps_lost=max(0, reached - step))
+        self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
+
+    def carry(self, **fields) -> None:
+        """Fields that go into the next record queued."""
+        self.carried.update(fields)
+
+    def add_bytes(self, sent: int) -> int:
+        """A round sent `sent` bytes: the run's total so far."""
+        self.cumulative_bytes += sent
+        return self.cumulative_bytes
 
     def queue(self, record: dict) -> None:
+        record.update(self.carried)
+        self.carried = {}
         self.pending.append(record)
 
     def evaluated(self, step: int, eval_loss: float | None) -> None:
@@ -188,3 +217,14 @@ class RoundLog:
                 from tqdm.auto import tqdm
 
                 tqdm.write(line)
+
+    def close(self, output_dir: str, steps: int, settings: dict, last_agreement: list[float] | None) -> None:
+        """Main process, at the end of training: the run's totals in `diloco_summary.json`."""
+        self.flush()
+        if self.writer is None:
+            return
+        totals = summary(self.history, steps=steps, train_started=self.train_started,
+                         initial_eval_loss=self.initial_eval_loss, settings=settings)
+        if last_agreement is not None and self.history:
+            totals["last_round_agreement"] = {"round": self.history[-1]["round"], "replica_agreement": last_agreement}
+        write_summary(output_dir, totals)

@@ -1,4 +1,7 @@
-"""When each fragment syncs, and the inner_steps auto choice: arithmetic only, no torch, no state but numbers.
+"""When each fragment syncs, with what τ, and the auto choices of H and τ: arithmetic only, no torch.
+
+`Schedule` is the one owner of these decisions for both backends; it holds no tensor, and its `state_dict` goes
+into each replica's checkpoint so that a resumed run keeps what the auto choices decided.
 
 Streaming DiLoCo (arXiv 2501.18512) staggers F fragments: fragment f syncs at the steps s with
 s mod H = (f + 1)·H/F mod H, so one fragment syncs every H/F steps and each fragment every H steps. F = 1 is plain
@@ -20,14 +23,15 @@ The end of a run makes the final model the global one, in one of two ways:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class Schedule:
     """The sync schedule of a run: from step `origin_step` (round `origin_round`) one fragment syncs every
     `inner_steps / num_fragments` steps. Fixed for a run, except once with inner_steps auto, which starts a new
-    schedule at the step it decides.
+    schedule at the step it decides. Each fragment's sync lands `delay(fragment)` steps after its launch: the run's
+    sync_delay, or what sync_delay auto chose for it from its measured exchanges.
 
     >>> s = Schedule(inner_steps=4, num_fragments=2)
     >>> [s.due_fragments(step, max_steps=9) for step in range(1, 10)]
@@ -41,10 +45,36 @@ class Schedule:
     origin_step: int = 0
     origin_round: int = 0
     end: FinalWindow | None = None  # the staggered end, once `stagger_end` placed it
+    sync_delay: int = 0  # τ the run asked for; a fragment keeps it until sync_delay auto chooses its own
+    delays: dict[int, int] = field(default_factory=dict)  # τ of each fragment chosen by sync_delay auto
+    measured: set[int] = field(default_factory=set)  # fragments whose τ came from their own measured exchange
+    exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds
+    auto_choice: dict | None = None  # the inner_steps auto decision, once made
 
     @property
     def sync_every(self) -> int:
         return self.inner_steps // self.num_fragments
+
+    def delay(self, fragment: int) -> int:
+        """τ of `fragment`'s next sync: sync_delay, or what sync_delay auto chose for it."""
+        return self.delays.get(fragment, self.sync_delay)
+
+    def launch_delay(self, step: int, fragments: list[int]) -> int:
+        """τ of the sync launched at `step` over `fragments`: the final window's, else the longest of theirs."""
+        return self.final_delay(step) or max(self.delay(f) for f in fragments)
+
+    def fragments_of_round(self, number: int, total: int | None, last: bool) -> list[int]:
+        """The fragments round `number` syncs when rounds are counted rather than placed at steps (torchft): one in
+        turn, or all of them in the run's last round or when a participant is at its last step.
+
+        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_round(3, total=5, last=False)
+        [0]
+        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_round(5, total=5, last=False)
+        [0, 1]
+        """
+        if last or (total is not None and number >= total):
+            return list(range(self.num_fragments))
+        return [(number - 1) % self.num_fragments]
 
     def due_fragments(self, step: int, max_steps: int) -> list[int]:
         """Fragments whose round is launched at `step`: every fragment at the last step, or with a staggered end
@@ -130,6 +160,104 @@ class Schedule:
             at += delays[fragment]
         self.end = FinalWindow(launches=launches, last_regular=last_regular)
         return True
+
+
+    def place_end(self, max_steps: int, busy_until: int = 0) -> bool:
+        """`stagger_end` for every fragment's current τ (placed anew when an auto choice changes τ or H, until the
+        window begins)."""
+        return self.stagger_end(max_steps, [self.delay(f) for f in range(self.num_fragments)], busy_until)
+
+    # --- the auto choices: every number comes from a round's statistics, which every replica received alike ---
+
+    def choose_inner_steps_at(self, step: int, *, step_seconds: float, sync_seconds: float,
+                              max_sync_overhead: float) -> dict:
+        """inner_steps auto (see `choose_inner_steps`): the new H, in force from `step` (the launch step of the round
+        whose statistics decided it). Returns the decision, as the round's record shows it.
+
+        >>> s = Schedule(inner_steps=20)
+        >>> s.choose_inner_steps_at(40, step_seconds=0.1, sync_seconds=0.5, max_sync_overhead=0.05)["chosen"]
+        100
+        >>> s.due_fragments(140, max_steps=1000), s.round_at(140)
+        ([0], 3)
+        """
+        chosen = choose_inner_steps(step_seconds, sync_seconds, num_fragments=self.num_fragments,
+                                    sync_delay=self.sync_delay, max_sync_overhead=max_sync_overhead)
+        self.restart_at(step, chosen)
+        self.auto_choice = {"step_seconds": step_seconds, "sync_seconds": sync_seconds,
+                            "max_sync_overhead": max_sync_overhead, "chosen": chosen, "from_step": step}
+        return self.auto_choice
+
+    def choose_delays(self, fragments: list[int], *, exchange_seconds: float, step_seconds: float,
+                      sizes: list[int]) -> dict:
+        """sync_delay auto for `fragments` (those of the exchange that took `exchange_seconds`): see
+        `choose_sync_delay`. A fragment not measured yet takes the τ that the same exchange, scaled by its size
+        (`sizes`: values each fragment syncs), would need, so that on a slow link only the first fragment's first
+        sync waits for its transfer. Returns the decision, as the round's record shows it.
+
+        >>> s = Schedule(inner_steps=20, num_fragments=2, sync_delay=1)
+        >>> s.choose_delays([0], exchange_seconds=0.25, step_seconds=0.1, sizes=[100, 300])
+        {'fragments': [0], 'exchange_seconds': 0.25, 'step_seconds': 0.1, 'chosen': 3, 'estimated': {'1': 8}}
+        >>> s.delay(0), s.delay(1)
+        (3, 8)
+        """
+        most = self.sync_every - 1
+        chosen = choose_sync_delay(exchange_seconds, step_seconds, most=most)
+        for fragment in fragments:
+            self.delays[fragment] = chosen
+        self.measured.update(fragments)
+        measured_size = sum(sizes[f] for f in fragments)
+        estimated = {}
+        for fragment in range(self.num_fragments):
+            if fragment not in self.measured and measured_size > 0:
+                scaled = exchange_seconds * sizes[fragment] / measured_size
+                self.delays[fragment] = estimated[str(fragment)] = choose_sync_delay(scaled, step_seconds, most=most)
+        choice = {"fragments": fragments, "exchange_seconds": exchange_seconds, "step_seconds": step_seconds,
+                  "chosen": chosen}
+        if estimated:
+            choice["estimated"] = estimated
+        return choice
+
+    # --- what a checkpoint keeps ---
+
+    def state_dict(self) -> dict:
+        """What the auto choices and the staggered end decided (empty when nothing was decided at run time).
+
+        >>> s = Schedule(inner_steps=6, num_fragments=3, sync_delay=1)
+        >>> s.place_end(13)
+        True
+        >>> t = Schedule(inner_steps=6, num_fragments=3, sync_delay=1)
+        >>> t.load_state_dict(s.state_dict(), staggered=True)
+        >>> t.end == s.end
+        True
+        """
+        state: dict = {}
+        if self.delays:
+            state["sync_delays"] = {"delays": dict(self.delays), "exchanged": list(self.exchanged),
+                                    "measured": sorted(self.measured)}
+        if self.end is not None:  # the staggered end as placed, which stays once the last H steps begin
+            state["final_window"] = {"launches": {str(k): list(v) for k, v in self.end.launches.items()},
+                                     "last_regular": self.end.last_regular}
+        if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
+            state["schedule"] = {"origin_step": self.origin_step, "origin_round": self.origin_round,
+                                 "inner_steps": self.inner_steps, "choice": self.auto_choice}
+        return state
+
+    def load_state_dict(self, state: dict, staggered: bool) -> None:
+        """A checkpoint's decisions (see `state_dict`); its final window only where the run still ends staggered."""
+        if "schedule" in state:
+            saved = state["schedule"]
+            self.origin_step, self.origin_round = saved["origin_step"], saved["origin_round"]
+            self.inner_steps, self.auto_choice = saved["inner_steps"], saved["choice"]
+        if "sync_delays" in state:
+            saved = state["sync_delays"]
+            self.delays = {int(f): int(d) for f, d in saved["delays"].items()}
+            fragments, seconds = saved["exchanged"]
+            self.exchanged = (list(fragments), float(seconds))
+            self.measured = set(saved.get("measured", self.delays))
+        if "final_window" in state and staggered:
+            window = state["final_window"]
+            self.end = FinalWindow(launches={int(k): tuple(v) for k, v in window["launches"].items()},
+                                   last_regular=int(window["last_regular"]))
 
 
 @dataclass

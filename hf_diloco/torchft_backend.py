@@ -43,6 +43,7 @@ from .backends import RoundStart
 from .comm import ReplicaComm, gather_into, ring_all_reduce_bytes
 from .errors import ConfigError, RunError, first_line
 from .launch import replica_folder
+from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
     return SafeTransport()
 
 
+class QuorumFailed(RunError):
+    """No round formed within sync_timeout (too few live replicas, or no Lighthouse), as one sentence."""
+
+
 class HealRefused(RuntimeError):
     """A peer sent a healing replica something other than tensors and plain values."""
 
@@ -210,20 +215,27 @@ class TorchftComm(ReplicaComm):
 
 class TorchftRounds:
     """One replica's side of the torchft rounds: its Manager and process group, and who takes part in each round
-    with what weight. The round itself (codec, fragments, overlap, outer step) is hf_diloco.outer's, run by the
-    trainer's callback exactly as on the `torch` backend; this class supplies `start` (quorum, heal, weights,
-    which fragments) and `finish` (commit bookkeeping, membership for the record).
+    with what weight. The round itself (codec, fragments, overlap, outer step) is hf_diloco.rounds' and
+    hf_diloco.outer's, exactly as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
+    fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends.
 
-    `callback` is the trainer's outer-loop callback (it owns θ_global, the trainer and the round counters).
+    It holds the outer state `outer` (θ_global and the outer optimizer, which a heal replaces and a peer is sent),
+    the residuals `feedback` (cleared by a heal), the run's `schedule` (which fragments a round number syncs, how
+    many rounds the run has), and `continue_at_step`, the Trainer glue's one way to move a late replica's step.
     """
 
-    def __init__(self, callback, args):
+    def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
+                 resumed: bool, continue_at_step):
         require_torchft()
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        self.callback = callback
         self.args = args
+        self.outer = outer
+        self.feedback = feedback
+        self.schedule = schedule
+        self.max_steps = max_steps
+        self.continue_at_step = continue_at_step
         self.global_round = 0  # committed rounds that moved θ_global (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
         self.healed_from_round: int | None = None
@@ -232,13 +244,15 @@ class TorchftRounds:
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
         self.last_members: set[int] = set()  # the participants of the last round that moved θ_global
         self.round_step = 0  # the step the round being formed started at (what a healing peer is given)
-        self.check_identical = callback.saved_outer_state is None  # a fresh run: compare θ by digest at the start
+        self.round_local_steps = 0  # this replica's inner steps since its last launch, as the round started
+        self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
+        self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
         timeout = timedelta(seconds=args.sync_timeout)
         host = args.replica_address or socket.gethostname()
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError(NO_LIGHTHOUSE)
-        replica = callback.trainer.comm  # this launch's g processes: one replica, its Manager ranks 0 .. g-1
+        # `replica`: this launch's g processes, one replica, its Manager ranks 0 .. g-1
         store_host, store_port = self._replica_store(replica, host)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -288,14 +302,13 @@ class TorchftRounds:
         # The step the round being formed started at, not the trainer's step: an overlapped round's quorum runs in
         # the background while the inner loop moves on, and a healer given a later step would run its rounds that
         # many steps ahead of everyone's, and end one round early.
-        return {"outer": self.callback.outer.state_dict(), "global_round": self.global_round,
+        return {"outer": self.outer.state_dict(), "global_round": self.global_round,
                 "global_step": self.round_step}
 
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
-        callback = self.callback
-        outer = callback.outer
-        if callback.round_steps > 0 and self.stash is None and not self.overlapped:
+        outer = self.outer
+        if self.round_local_steps > 0 and self.stash is None and not self.overlapped:
             # Local progress made against the old base: kept, and brought to this round with a staleness weight.
             # (Not in an overlapped round's background start: the replica is training meanwhile; that round's
             # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
@@ -304,50 +317,51 @@ class TorchftRounds:
         self.healed_from_round = self.global_round
         outer.load_state_dict(state["outer"])
         self.global_round = int(state["global_round"])
-        if callback.feedback is not None:
-            callback.feedback.clear()  # its residuals were what it did not send against the base it left
-        trainer = callback.trainer
+        if self.feedback is not None:
+            self.feedback.clear()  # its residuals were what it did not send against the base it left
         step = int(state["global_step"])
-        if callback.round_steps == 0 and trainer.state.global_step == 0 and step > 0:
+        if self.round_local_steps == 0 and self.round_step == 0 and step > 0:
             # A replica that starts late continues at the others' step, so its schedule and its end match theirs.
-            trainer.state.global_step = step
-            scheduler = trainer.lr_scheduler
-            if scheduler is not None:
-                import warnings
-
-                scheduler.last_epoch = step - 1
-                with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose, to jump ahead
-                    warnings.simplefilter("ignore", UserWarning)
-                    scheduler.step()
+            self.continue_at_step(step)
+            self.continued_at = step
 
     # --- one round: who takes part, and what happens after the vote ---
 
-    def due(self, step: int, max_steps: int) -> bool:
+    @property
+    def replica(self) -> int:
+        return self.args.replica_id
+
+    @property
+    def num_replicas(self) -> int:
+        return self.args.num_replicas
+
+    continues_record = True  # a restarted replica continues its record
+
+    def due(self, step: int, max_steps: int, progress) -> bool:
         """A round is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
         step; which fragments it syncs is agreed after the quorum (`start`)."""
-        callback = self.callback
         if step >= max_steps:
             return True
         if self.args.round_seconds > 0:
-            return time.perf_counter() - callback.round_started >= self.args.round_seconds / self.args.num_fragments
-        return callback.round_steps >= callback.sync_every
+            return time.perf_counter() - progress.started >= self.args.round_seconds / self.args.num_fragments
+        return progress.steps >= self.schedule.sync_every
+
+    def _total_rounds(self) -> int | None:
+        return self.schedule.total_rounds(self.max_steps)
 
     def run_over(self) -> bool:
         """The run's last round has committed (the round counter is healed with the rest, so a replica that was
         behind learns it from the peer it heals from)."""
-        total = self.callback.total_rounds
+        total = self._total_rounds()
         return total is not None and self.global_round >= total
 
     def expected_fragments(self, step: int, max_steps: int) -> list[int]:
         """The fragments the next round syncs by this replica's round counter; the same on every participant unless
-        this replica heals in the quorum (see rounds.OuterLoopCallback._background_round)."""
+        this replica heals in the quorum (see rounds.RoundEngine._launch_in_background)."""
         return self._fragments(self.global_round + 1, step >= max_steps)
 
     def _fragments(self, number: int, last: bool) -> list[int]:
-        total = self.callback.total_rounds
-        if last or (total is not None and number >= total):
-            return list(range(self.args.num_fragments))
-        return [(number - 1) % self.args.num_fragments]
+        return self.schedule.fragments_of_round(number, self._total_rounds(), last)
 
     def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> RoundStart:
@@ -358,13 +372,21 @@ class TorchftRounds:
         there takes part with weight 0 (its snapshot was taken against the base it left) and restarts from the
         healed θ_global after the round."""
         local = {**local, "tokens": local["tokens"] + self.carried_tokens}
+        self.round_local_steps = local["steps"]
         if not joining and self.comm.group_size > 1:
             local = self._whole_replica(local)
         started = time.perf_counter()
         self.healed_from_round = None
         self.overlapped = overlapped
         self.round_step = step
-        self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
+        try:
+            self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError) as error:
+            raise QuorumFailed(
+                f"the torchft round failed ({first_line(error)}): no round formed within sync_timeout="
+                f"{self.args.sync_timeout:g} s; fewer than min_replicas={self.args.min_replicas} replicas are live, "
+                f"the others have finished the run, or the Lighthouse "
+                f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
         quorum_seconds = time.perf_counter() - started
         error = self.manager.errored()
         participants = self.manager.num_participants()
@@ -391,8 +413,9 @@ class TorchftRounds:
         self.comm.configure(participants, rank)
         if joining:
             self.check_identical = False  # once, before the first inner step
+        startup_bytes = None
         if checking and participants > 1 and error is None:
-            self.callback.startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
+            startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
         # The run's last round, or a participant at its last step: every fragment syncs, so the final model is global.
@@ -403,12 +426,12 @@ class TorchftRounds:
             stash=self.stash, healed=healed, finite=finite, joining=joining,
             stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
-            error=None if error is None else first_line(error))
+            error=None if error is None else first_line(error), startup_bytes=startup_bytes)
 
     def _digest(self) -> float:
         """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
         digest = hashlib.sha256()
-        for param in self.callback.outer.global_params:
+        for param in self.outer.global_params:
             digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return float(int.from_bytes(digest.digest()[:6], "big"))
 
@@ -419,7 +442,7 @@ class TorchftRounds:
         this process sent (0 when every digest agrees, as with one seed or one checkpoint)."""
         if bool((digests == digests[0]).all()):
             return 0
-        outer = self.callback.outer
+        outer = self.outer
         flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
         if self.manager.participating_rank() != 0:
             flat.zero_()
@@ -452,27 +475,28 @@ class TorchftRounds:
                 "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
                 "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
-    def finish(self, start: RoundStart, result, record: dict) -> dict:
-        """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback, and
-        put the round's membership in its record: every member (participants with their rows, absent ones), the
-        vote, and loss and tokens from the members' rows (known even when the round rolled back)."""
-        callback = self.callback
+    def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+        """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback
+        (`restart`: it starts again from θ_global), and put the round's membership in its record: every member
+        (participants with their rows, absent ones), the vote, and loss and tokens from the members' rows (known
+        even when the round rolled back). `tokens`: what this replica trained in the round."""
+        restart = False
         if result.committed:
             if result.total_weight > 0:
                 self.global_round += 1
                 self.last_members = {int(row["replica"]) for row in start.members}
-            if start.healed:  # what it trained against the old base went into this round; start from θ_global
-                callback.outer.copy_global_to_replica()
+            # A healed replica's training against the old base went into this round: it starts from θ_global.
+            restart = start.healed
             self.stash = None
             self.carried_tokens = 0
         elif start.healed or not start.finite:
             # The base moved under this replica and the round did not land, or its own progress is not finite:
             # start over from θ_global.
-            callback.outer.copy_global_to_replica()
+            restart = True
             self.stash = None
             self.carried_tokens = 0
         elif not start.joining:
-            self.carried_tokens += callback.last_round_tokens  # progress kept for the next round
+            self.carried_tokens += tokens  # progress kept for the next round
         members = []
         for row in start.members:
             member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
@@ -485,7 +509,7 @@ class TorchftRounds:
         self.known |= present
         members += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
         if not record:
-            return record
+            return record, restart
         for key in ("non_finite_replicas", "outer_step_skipped", "participants"):  # the fixed group's reading
             record.pop(key, None)
         took_part = [m for m in members if m["participated"]]
@@ -496,16 +520,24 @@ class TorchftRounds:
                       quorum_seconds=start.quorum_seconds, outer_backend="torchft", replica=self.args.replica_id,
                       loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
                       tokens=sum(m["tokens"] for m in took_part),
-                      tokens_per_second=callback.last_round_tokens / compute if compute > 0 else 0.0)
+                      tokens_per_second=tokens / compute if compute > 0 else 0.0)
         non_finite = [m["replica"] for m in members if m.get("non_finite")]
         if non_finite:
             record["non_finite_replicas"] = non_finite
         if not result.committed:
             record["outer_step_skipped"] = True
             logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "
-                           "progress for the next round.", callback.trainer.state.global_step,
+                           "progress for the next round.", step,
                            start.error or first_line(self.manager.errored() or "a peer failed"))
-        return record
+        return record, restart
+
+    def joined(self, start: RoundStart, step: int) -> None:
+        """Say, on the replica's main process, where it joined the run."""
+        if self.comm.member == 0:
+            print(f"[diloco] replica {self.args.replica_id} joined at round {self.global_round} (step "
+                  f"{step if self.continued_at is None else self.continued_at})"
+                  f"{', healed from a live peer' if start.healed else ''}; {len(start.members)} replica(s) in the "
+                  f"quorum", flush=True)
 
     def linger(self, step: int, max_steps: int) -> list[int]:
         """After the run's last round: stay up to end_linger_seconds for the replicas that missed it.
@@ -533,6 +565,9 @@ class TorchftRounds:
             arrived = {int(row["replica"]) for row in start.members} & waiting
             served += sorted(arrived)
             waiting -= arrived
+        if served and self.comm.member == 0:
+            print(f"[diloco] replica {self.args.replica_id} handed the final model to replica(s) "
+                  f"{', '.join(map(str, served))}, which missed the last round", flush=True)
         return served
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 Each process is one replica (or one member of a replica group). Trainer runs the inner loop untouched (its
 optimizer, scheduler, gradient accumulation, clipping, mixed precision); this module adapts Trainer where DiLoCo
-needs it, and the outer loop itself is hf_diloco.rounds' callback (schedule, backend, round, records).
+needs it, and the outer loop itself is hf_diloco.callback's (Trainer glue) over hf_diloco.rounds' round engine.
 
 Design choices:
 - No DDP across replicas. Accelerate would wrap the model in DistributedDataParallel and all-reduce gradients
@@ -39,11 +39,11 @@ import torch
 from transformers import Trainer
 
 from . import checkpoints, compat, parallel
+from .callback import DiLoCoCallback
 from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
-from .rounds import OuterLoopCallback
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class DiLoCoTrainer(Trainer):
         # Before the outer loop's callback, so that a stop file found at a round's last step rides that round.
         self.stopper = StopOnRequest(args.output_dir)
         self.add_callback(self.stopper)
-        self.diloco = OuterLoopCallback(self)
+        self.diloco = DiLoCoCallback(self)
         self.add_callback(self.diloco)
         # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
         self.stopper.attach(self.diloco.request_stop, lambda: self.diloco.stopped_at)

@@ -128,22 +128,23 @@ if slow_sync_seconds:  # a slower link: each all-reduce across replicas waits be
         all_reduce(buffer)
 
     trainer.comm._all_reduce = slow_all_reduce
-original_sync = trainer.diloco._sync
+original_sync = trainer.diloco.sync
 sync_digests = []
 
 
 sync_wire_bytes = []
 
 
-def sync_and_record(state):
+def sync_and_record(step, max_steps):
     before = bytes_written()
-    stop = original_sync(state)
-    sync_wire_bytes.append((state.global_step, bytes_written() - before))
-    sync_digests.append((state.global_step, digest(trainer.model)))
-    return stop  # whether a replica asked to stop: the trainer acts on it
+    stop = original_sync(step, max_steps)
+    if stop is not None:  # a round landed or was launched at this step
+        sync_wire_bytes.append((step, bytes_written() - before))
+        sync_digests.append((step, digest(trainer.model)))
+    return stop  # None, or whether a replica asked to stop: the trainer acts on it
 
 
-trainer.diloco._sync = sync_and_record
+trainer.diloco.sync = sync_and_record
 seen_blocks = []  # which pattern blocks this replica trained on, identified by their first token
 original_training_step = trainer.training_step
 

@@ -1,0 +1,160 @@
+"""The Trainer glue of the outer loop: at the end of each inner step the round engine syncs what is due; saves,
+evaluations and the stop are kept on round boundaries. Everything else is hf_diloco.rounds.RoundEngine's."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from transformers import TrainerCallback
+
+from .compat import dispatch_log
+from .metrics import reported_metrics
+from .records import Records
+from .rounds import RoundEngine
+
+logger = logging.getLogger(__name__)
+
+
+class DiLoCoCallback(TrainerCallback):
+    """Owned by a DiLoCoTrainer: runs its RoundEngine inside Trainer's loop. A resumed trainer hands it the
+    checkpoint's outer state (`saved_outer_state`, `saved_replica_state`) before training begins."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        self.records = Records(plain_console=self.args.disable_tqdm)
+        self.engine = RoundEngine(self.args, trainer, self.records, continue_at_step=self.continue_at_step)
+        self.saved_outer_state: dict | None = None
+        self.saved_replica_state: dict | None = None
+        self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
+        self.reached_before_resume = 0
+        self.deferred = {"should_save": False, "should_evaluate": False}
+        self.completed_rounds = 0  # rounds landed by this process since it started (for save_every_rounds)
+        self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
+
+    @property
+    def outer(self):
+        return self.engine.outer
+
+    @property
+    def history(self) -> list[dict]:
+        return self.records.history
+
+    def request_stop(self) -> None:
+        """Stop at the end of the current round, with a checkpoint. Safe to call from a signal handler.
+
+        The request rides along with the round's sync, so every replica stops after the same step."""
+        self.engine.stop_requested = True
+
+    def observe_micro_batch(self, loss, inputs: dict) -> None:
+        self.engine.progress.micro_batch(loss, inputs)
+
+    def replica_state(self) -> dict:
+        return self.engine.replica_state()
+
+    def continue_at_step(self, step: int) -> None:
+        """The one way a backend moves Trainer's step: a replica that joins a run late (torchft) continues at the
+        others' step, with its learning-rate schedule at the same point, so its rounds and its end match theirs."""
+        trainer = self.trainer
+        trainer.state.global_step = step
+        scheduler = trainer.lr_scheduler
+        if scheduler is not None:
+            scheduler.last_epoch = step - 1
+            with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose, to jump ahead
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)
+        named = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
+        outer_state, self.saved_outer_state = self.saved_outer_state, None
+        replica_state, self.saved_replica_state = self.saved_replica_state or {}, None
+        engine = self.engine
+        engine.begin(named, state.global_step, state.max_steps, outer_state, replica_state)
+        if self.trainer.is_world_process_zero():
+            self.records.open(args.output_dir, state.global_step, continues_record=engine.backend.continues_record,
+                              resumed_from=self.resumed_from if outer_state is not None else None,
+                              reached_before_resume=self.reached_before_resume, report=self._report)
+            logger.info(
+                "DiLoCo: %d replica(s), H=%d, syncing %d trainable parameters per round, outer %s lr %g momentum %g%s, "
+                "compression %s%s, %d fragment(s), sync delay %d, backend %s", engine.backend.num_replicas,
+                args.inner_steps, engine.outer.numel, args.outer_optimizer, args.outer_lr, args.outer_momentum,
+                " (Nesterov)" if args.outer_nesterov else "", args.compression,
+                " + error feedback" if args.error_feedback else "", args.num_fragments, args.sync_delay,
+                args.outer_backend)
+        engine.progress.reset()
+        engine.join(state.global_step)
+        self.records.flush()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.records.flush()
+        self.engine.progress.step_began()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.engine.progress.step_ended()
+        self._step_end(state, control)
+
+    def sync(self, step: int, max_steps: int) -> bool | None:
+        """The rounds of this step (see RoundEngine.sync): None when nothing synced, else whether to stop."""
+        return self.engine.sync(step, max_steps)
+
+    def _step_end(self, state, control) -> None:
+        step, max_steps = state.global_step, state.max_steps
+        stop = self.sync(step, max_steps)
+        at_boundary = stop is not None and self.engine.in_flight is None
+        if at_boundary:
+            self.completed_rounds += 1
+            every = self.args.save_every_rounds
+            if every and (self.completed_rounds % every == 0 or step >= max_steps):
+                control.should_save = True
+        if stop and step < max_steps:
+            self.stopped_at = step
+            if self.trainer.is_world_process_zero():
+                logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
+            control.should_save = control.should_training_stop = True
+        if self.engine.run_over() and not control.should_training_stop:
+            # The run ended by its round count (or this replica healed from one that finished it): the final model
+            # is θ_global, whatever this replica trained since its last round.
+            self.engine.outer.copy_global_to_replica()
+            if step < max_steps and self.args.eval_strategy != "no":
+                control.should_evaluate = True
+            control.should_training_stop = True
+        self._align_to_round(control, at_boundary)
+
+    def _align_to_round(self, control, at_boundary: bool) -> None:
+        """Postpone saves and evaluations that fall inside a round to the round's end."""
+        for flag in self.deferred:
+            if at_boundary:
+                if self.deferred[flag]:
+                    setattr(control, flag, True)
+                    self.deferred[flag] = False
+            elif getattr(control, flag):
+                setattr(control, flag, False)
+                if not self.deferred[flag] and self.trainer.is_world_process_zero() and not self.history:
+                    logger.warning(
+                        "DiLoCo: a %s falls inside a round; it is postponed to the end of the round (set "
+                        "save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
+                        "save" if flag == "should_save" else "evaluation", self.args.inner_steps,
+                    )
+                self.deferred[flag] = True
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.records.evaluated(state.global_step, (metrics or {}).get("eval_loss"))
+
+    def _report(self, record: dict) -> None:
+        """A written round to every tracker Trainer reports to (`report_to`: TensorBoard, trackio, W&B, MLflow, ...),
+        as diloco/<name> at the round's step. (Integrations that prefix Trainer's training metrics with train/, as
+        TensorBoard's and W&B's do, show train/diloco/<name>.)"""
+        dispatch_log(self.trainer, reported_metrics(record), record["step"], skip=(DiLoCoCallback,))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        engine = self.engine
+        self.records.flush()
+        last_agreement = engine.end(state.global_step)
+        settings = {"num_replicas": engine.backend.num_replicas, "replica_group_size": args.replica_group_size,
+                    "inner_steps": engine.schedule.inner_steps, "synced_parameters": engine.outer.numel,
+                    "compression": args.compression + ("+ef" if args.error_feedback else ""),
+                    "num_fragments": args.num_fragments, "sync_delay": args.sync_delay,
+                    "auto_sync_delay": args.auto_sync_delay}
+        self.records.close(args.output_dir, state.global_step, settings, last_agreement)
