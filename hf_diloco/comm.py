@@ -188,7 +188,7 @@ class ReplicaComm:
     # give it (ShardLayout). Without them (a caller that syncs bare vectors) member j syncs the j-th 1/g slice.
     bucket_shapes: dict[str, list[torch.Size]] | None = None
     # Tensor parallel: the (offset, length) of the values in each bucket that another member of the replica holds too
-    # and counts instead of this one (OuterLoop.repeated_spans), so that a replica's norms count them once.
+    # and counts instead of this one (OuterState.repeated_spans), so that a replica's norms count them once.
     repeated_spans: dict[str, list[tuple[int, int]]] | None = None
 
     def vote(self) -> bool:

@@ -139,11 +139,11 @@ def assign_fragments(names: list[str], num_fragments: int, pattern: str = "strid
     return fragments
 
 
-class OuterLoop:
-    """θ_global, the outer optimizer, and the per-bucket halves of a sync.
+class OuterState:
+    """θ_global and the outer optimizer (the outer state), cut into buckets; the per-bucket steps of a round.
 
     >>> replica = [nn.Parameter(torch.tensor([1.0, 2.0]))]
-    >>> outer = OuterLoop(replica, lr=1.0, momentum=0.0, nesterov=False)
+    >>> outer = OuterState(replica, lr=1.0, momentum=0.0, nesterov=False)
     >>> with torch.no_grad():
     ...     _ = replica[0].sub_(torch.tensor([0.5, 0.5]))     # pretend the inner steps moved θ_i
     >>> bucket = outer.buckets[0]
@@ -428,7 +428,7 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
     return delta
 
 
-def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
+def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
                 alpha: float = 0.0) -> RoundResult:
     """One blocking outer round over `buckets` (all of them, or one fragment's): the two halves at once.
@@ -446,12 +446,12 @@ def outer_round(outer: OuterLoop, comm: ReplicaComm, buckets: list[int], *, code
     return land(outer, landed, alpha, healthy=finite and weight > 0)
 
 
-def snapshot(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:
+def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:
     """Δ_i of `buckets`, taken now (before the replica trains on while they are sent)."""
     return [outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets]
 
 
-def pseudo_gradients(outer: OuterLoop, comm: ReplicaComm, buckets: list[int]) -> Iterator[torch.Tensor]:
+def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> Iterator[torch.Tensor]:
     """Δ_i of `buckets`, each formed when the exchange reaches it (a blocking round holds one bucket's at a time)."""
     return (outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets)
 
@@ -497,7 +497,7 @@ def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tens
         yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding)
 
 
-def land(outer: OuterLoop, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:
+def land(outer: OuterState, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:
     """The second half of a round, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
     θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the round out, `healthy` False, takes θ_global as it is).
     A round that did not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next

@@ -38,7 +38,7 @@ from .config import ConfigError, DiLoCoConfig
 from .errors import RunError
 from .outer import (
     Exchange,
-    OuterLoop,
+    OuterState,
     RoundResult,
     assign_fragments,
     exchange,
@@ -130,7 +130,7 @@ class RoundEngine:
             args.compression, chunk=args.compression_chunk, sparse_k=args.sparse_k, sparse_chunk=args.sparse_chunk,
             sparse_bits=args.sparse_bits)
         self.feedback: ErrorFeedback | None = None
-        self.outer: OuterLoop | None = None
+        self.outer: OuterState | None = None
         self.fragments: list[Fragment] = []
         self.backend = None
         self.comm = None
@@ -157,7 +157,7 @@ class RoundEngine:
             assigned = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        self.outer = OuterLoop(
+        self.outer = OuterState(
             [p for _, p in named], lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
             optimizer=args.outer_optimizer, offload=args.offload_outer_state,
             bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)), fragments=assigned)

@@ -8,10 +8,10 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 from torch import nn
 
 from hf_diloco.comm import ReplicaComm, ring_all_gather_bytes, ring_all_reduce_bytes
-from hf_diloco.outer import OuterLoop, outer_round, partition_into_buckets
+from hf_diloco.outer import OuterState, outer_round, partition_into_buckets
 
 
-def sync_alone(outer: OuterLoop) -> None:
+def sync_alone(outer: OuterState) -> None:
     """One blocking outer round of a single replica (Δ = Δ_i)."""
     outer_round(outer, ReplicaComm(), list(range(len(outer.buckets))))
 
@@ -30,7 +30,7 @@ def test_nesterov_outer_steps_match_hand_computation():
              update = [0.1, 0] + 0.9 [0.28, -0.36] = [0.352, -0.324]; θ = [0.81 - 0.176, 2.38 + 0.162].
     """
     replica = nn.Parameter(torch.tensor([1.0, 2.0]))
-    outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=True)
+    outer = OuterState([replica], lr=0.5, momentum=0.9, nesterov=True)
 
     move_replica(replica, [0.8, 2.4])
     assert outer.pseudo_gradient(outer.buckets[0]).tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
@@ -45,7 +45,7 @@ def test_nesterov_outer_steps_match_hand_computation():
 def test_plain_momentum_differs_from_nesterov():
     """Heavy-ball momentum on the same two rounds: round 2 update is v = [0.28, -0.36] itself."""
     replica = nn.Parameter(torch.tensor([1.0, 2.0]))
-    outer = OuterLoop([replica], lr=0.5, momentum=0.9, nesterov=False)
+    outer = OuterState([replica], lr=0.5, momentum=0.9, nesterov=False)
     move_replica(replica, [0.8, 2.4])
     sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.9, 2.2], abs=1e-6)  # θ - 0.5 Δ
@@ -65,7 +65,7 @@ def test_outer_state_keeps_fp32_precision_for_a_bf16_model():
     """
     r = 1 - 2**-8
     replica = nn.Parameter(torch.tensor([1.0], dtype=torch.bfloat16))
-    outer = OuterLoop([replica], lr=0.1, momentum=0.0, nesterov=False, offload=True)
+    outer = OuterState([replica], lr=0.1, momentum=0.0, nesterov=False, offload=True)
     assert outer.global_params[0].device.type == "cpu"
     for k in range(1, 11):
         move_replica(replica, [r])
@@ -89,7 +89,7 @@ def test_adamw_outer_steps_match_hand_computation():
              θ = [0.8067821, 2.1670058].
     """
     replica = nn.Parameter(torch.tensor([1.0, 2.0]))
-    outer = OuterLoop([replica], lr=0.1, momentum=0.9, nesterov=True, optimizer="adamw")
+    outer = OuterState([replica], lr=0.1, momentum=0.9, nesterov=True, optimizer="adamw")
     move_replica(replica, [0.8, 2.4])
     sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.9, 2.1], abs=1e-6)
@@ -103,11 +103,11 @@ def test_state_dict_round_trip_continues_identically():
     """Saving and loading the outer state mid-run gives the same next step as never stopping."""
     a = nn.Parameter(torch.tensor([1.0, -1.0]))
     b = nn.Parameter(torch.tensor([1.0, -1.0]))
-    first, second = (OuterLoop([p], lr=0.7, momentum=0.9, nesterov=True) for p in (a, b))
+    first, second = (OuterState([p], lr=0.7, momentum=0.9, nesterov=True) for p in (a, b))
     for outer, p in ((first, a), (second, b)):
         move_replica(p, [0.5, -0.5])
         sync_alone(outer)
-    restored = OuterLoop([b], lr=0.7, momentum=0.9, nesterov=True)
+    restored = OuterState([b], lr=0.7, momentum=0.9, nesterov=True)
     restored.load_state_dict(second.state_dict())
     for outer, p in ((first, a), (restored, b)):
         move_replica(p, [0.2, 0.1])
@@ -126,7 +126,7 @@ def test_buckets_cover_every_parameter_once_and_respect_the_limit():
 def test_bucketed_pseudo_gradient_equals_unbucketed():
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n)) for n in (3, 4, 5)]
-    small = OuterLoop(params, lr=1.0, momentum=0.0, nesterov=False, bucket_numel=4)
+    small = OuterState(params, lr=1.0, momentum=0.0, nesterov=False, bucket_numel=4)
     assert len(small.buckets) == 3
     with torch.no_grad():
         for p in params:

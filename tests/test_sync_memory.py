@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
-from hf_diloco.outer import OuterLoop, outer_round
+from hf_diloco.outer import OuterState, outer_round
 
 BUCKET = 2**18  # values per bucket: 1 MiB of fp32
 BUCKET_BYTES = 4 * BUCKET
@@ -35,7 +35,7 @@ def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets
     forming every bucket at once would take."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(256, 1024)) for _ in range(16)]
-    outer = OuterLoop(params, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=BUCKET)
+    outer = OuterState(params, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=BUCKET)
     assert len(outer.buckets) == 16
     codec = None if codec_name == "none" else make_codec(codec_name)
     feedback = None if codec is None else ErrorFeedback(0.95)
