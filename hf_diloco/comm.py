@@ -7,8 +7,10 @@ replica r // g, where it is member r % g. Two kinds of process groups exist when
 With g = 1 a replica is one process and the slice group is the whole world.
 
 Design choices:
-- This module is the only place where replicas talk. Every collective below says who calls it, when, and what it
-  costs. Between two outer syncs nothing here is called, so zero bytes cross replicas.
+- Every round's collectives run through `ReplicaComm` here: each below says who calls it, when, and what it costs.
+  (On torchft, `TorchftComm` replaces the three collectives across replicas with torchft's process group, and the
+  membership table and healing of hf_diloco.torchft_backend talk through torchft's Manager.) Between two outer
+  syncs nothing here is called, so zero bytes cross replicas.
 - A sync is a sequence of buckets of the flat fp32 pseudo-gradient, summed over replicas one at a time
   (`sum_replicas`; the caller divides by the replicas that took part). With g > 1 the replica's members hold the
   same pseudo-gradient (DDP keeps them identical), so member j sums only the j-th 1/g slice with its
@@ -29,7 +31,8 @@ Design choices:
   bucket: in the fp32 all-reduce as row r of an M x k block of zeros, in the codecs' all-gather as k fp32 values
   appended to the payload, and with g > 1 in the all-gather inside the replica. Every process ends with every
   process's statistics, so decisions taken from them (stop now) are the same everywhere. Metrics cost no extra
-  collective and no extra round trip.
+  collective across replicas and no extra round trip (a sharded replica's members add up their shards' norms, and
+  agree on whether their values are finite, with small all-reduces inside the replica).
 - Bytes are counted from the payload sizes and the algorithm: ring all-reduce 2 (M − 1)/M x payload, all-to-all
   (M − 1) shards, ring all-gather (M − 1) payloads (inside a replica: (g − 1)/g of the result). The two-node test
   checks the count against the network interface counters.
