@@ -64,6 +64,24 @@ def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessG
     gather(output, tensor, group=group)
 
 
+def tensor_digest(tensors: list[torch.Tensor]) -> bytes:
+    """SHA-256 of the tensors' bytes, in order: equal exactly when every bit is (how replicas check that they start
+    from identical parameters)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+@torch.no_grad()
+def copy_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the values of `flat` (the tensors, flattened and concatenated in order) back into `tensors`."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 @dataclass
 class SyncCost:
     """What one sync round cost this process."""
@@ -341,10 +359,8 @@ class ReplicaComm:
                                 else (None, 0, self.num_replicas * self.group_size))
         if world == 1:
             return SyncCost(0, 0, 0, 0)
-        digest = hashlib.sha256()
-        for tensor in tensors:
-            digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-        words = [int.from_bytes(digest.digest()[i : i + 4], "big") for i in range(0, 32, 4)]  # 8 x 32 bits: no overflow
+        digest = tensor_digest(tensors)
+        words = [int.from_bytes(digest[i : i + 4], "big") for i in range(0, 32, 4)]  # 8 x 32 bits: no overflow
         check = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=self.device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
         cost = SyncCost(check.numel() * 8, ring_all_reduce_bytes(check.numel() * 8, world), 0, 1)
@@ -356,11 +372,7 @@ class ReplicaComm:
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in same_dtype])
             dist.broadcast(flat, src=source, group=group)
-            offset = 0
-            with torch.no_grad():
-                for t in same_dtype:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            copy_flat(flat, same_dtype)
             payload = flat.numel() * flat.element_size()
             cost = SyncCost(cost.payload_bytes + payload, cost.bytes_sent + payload, 0, cost.collectives + 1)
         return cost

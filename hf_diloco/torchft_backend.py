@@ -28,7 +28,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -40,7 +39,7 @@ from datetime import timedelta
 import torch
 
 from .backends import RoundStart
-from .comm import ReplicaComm, gather_into, ring_all_reduce_bytes
+from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .errors import ConfigError, RunError, first_line
 from .launch import replica_folder
 from .schedule import Schedule
@@ -430,10 +429,7 @@ class TorchftRounds:
 
     def _digest(self) -> float:
         """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
-        digest = hashlib.sha256()
-        for param in self.outer.global_params:
-            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return float(int.from_bytes(digest.digest()[:6], "big"))
+        return float(int.from_bytes(tensor_digest(self.outer.global_params)[:6], "big"))
 
     @torch.no_grad()
     def _start_identical(self, digests: torch.Tensor) -> int:
@@ -450,10 +446,7 @@ class TorchftRounds:
         if self.manager.errored() is not None:
             raise RunError(f"the replicas started from different parameters and sending the first one's to the "
                            f"others failed ({first_line(self.manager.errored())}); start them again.")
-        offset = 0
-        for param in outer.global_params:
-            param.copy_(flat[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
+        copy_flat(flat, outer.global_params)
         outer.copy_global_to_replica()
         logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's "
                        "(%.2f MB) were sent to the others. Give every replica the same seed or checkpoint to skip "
