@@ -4,7 +4,6 @@ evaluations and the stop are kept on round boundaries. Everything else is hf_dil
 from __future__ import annotations
 
 import logging
-import warnings
 
 from transformers import TrainerCallback
 
@@ -24,7 +23,7 @@ class DiLoCoCallback(TrainerCallback):
         self.trainer = trainer
         self.args = trainer.args
         self.records = Records(plain_console=self.args.disable_tqdm)
-        self.engine = RoundEngine(self.args, trainer, self.records, continue_at_step=self.continue_at_step)
+        self.engine = RoundEngine(self.args, trainer, self.records, continue_at_step=trainer.continue_at_step)
         self.saved_outer_state: dict | None = None
         self.saved_replica_state: dict | None = None
         self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
@@ -52,18 +51,6 @@ class DiLoCoCallback(TrainerCallback):
 
     def replica_state(self) -> dict:
         return self.engine.replica_state()
-
-    def continue_at_step(self, step: int) -> None:
-        """The one way a backend moves Trainer's step: a replica that joins a run late (torchft) continues at the
-        others' step, with its learning-rate schedule at the same point, so its rounds and its end match theirs."""
-        trainer = self.trainer
-        trainer.state.global_step = step
-        scheduler = trainer.lr_scheduler
-        if scheduler is not None:
-            scheduler.last_epoch = step - 1
-            with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose, to jump ahead
-                warnings.simplefilter("ignore", UserWarning)
-                scheduler.step()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         replica = self.trainer.accelerator.unwrap_model(model if model is not None else self.trainer.model)

@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -254,6 +255,16 @@ class DiLoCoTrainer(Trainer):
         """Stop training at the end of the current round, with a checkpoint; every replica stops after the same
         step. What SIGTERM and the stop file do; safe to call from a signal handler or another thread."""
         self.stopper.request()
+
+    def continue_at_step(self, step: int) -> None:
+        """The one way a backend moves Trainer's step: a replica that joins a run late (torchft) continues at the
+        others' step, with its learning-rate schedule at the same point, so its rounds and its end match theirs."""
+        self.state.global_step = step
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.last_epoch = step - 1
+            with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose, to jump ahead
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.step()
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
