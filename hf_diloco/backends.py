@@ -14,11 +14,13 @@ the round (its `comm`):
 Every backend has the same methods, and none reads or writes the Trainer's or the callback's state:
 
     due(step, max_steps, progress)     is a round due now (`progress`: this replica's steps since its last launch)
-    expected_fragments(step, ...)      the fragments an overlapped round snapshots before it starts
-    start(step, max_steps, local, joining, overlapped) -> RoundStart
+    expected_fragments(step, ...)      the fragments the round due now is expected to sync (an overlapped round
+                                       snapshots them before it starts)
+    start(step, max_steps, local, expected, joining, overlapped) -> RoundStart
                                        who takes part, with what weight, which fragments (`local`: this replica's
-                                       numbers); the joining round before the first inner step makes the replicas'
-                                       parameters identical. May run in an overlapped round's background thread.
+                                       numbers; torchft agrees on the fragments after the quorum); the joining
+                                       round before the first inner step makes the replicas' parameters
+                                       identical. May run in an overlapped round's background thread.
     finish(start, result, record, tokens, step) -> (record, restart)
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
@@ -81,10 +83,10 @@ class FixedGroup:
     def expected_fragments(self, step: int, max_steps: int) -> list[int]:
         return self.schedule.due_fragments(step, max_steps)
 
-    def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
+    def start(self, step: int, max_steps: int, local: dict, expected: list[int], joining: bool = False,
               overlapped: bool = False) -> RoundStart:
         if not joining:
-            return RoundStart(fragments=self.schedule.due_fragments(step, max_steps))
+            return RoundStart(fragments=expected)
         if self.resumed:  # every replica loaded the same checkpoint
             return RoundStart(empty=True, joining=True)
         # The replicas must start from identical parameters: checked by digest before the first inner step, and

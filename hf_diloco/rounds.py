@@ -225,8 +225,8 @@ class RoundEngine:
                         measured=self.schedule.exchanged[0], began=began)
         if not joining:
             self.comm.arrive(step)
+        fragments = [] if joining else self.backend.expected_fragments(step, max_steps)
         if self.args.sync_delay > 0 and step < max_steps and not joining:
-            fragments = self.backend.expected_fragments(step, max_steps)
             deltas = snapshot(self.outer, self.comm, self._buckets(fragments))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
@@ -237,7 +237,7 @@ class RoundEngine:
             self.in_flight = flight
             self.progress.reset()
             return flight
-        flight.start = self.backend.start(step, max_steps, local, joining=joining)
+        flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         if not flight.start.empty:
             flight.exchange_began = time.perf_counter()
             buckets = self._buckets(flight.start.fragments)
@@ -258,7 +258,7 @@ class RoundEngine:
         """An overlapped round, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose round turns out to sync other fragments than it expected (torchft: it healed
         from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
-        start = self.backend.start(step, max_steps, local, overlapped=True)
+        start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
         began = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight

@@ -362,7 +362,7 @@ class TorchftRounds:
     def _fragments(self, number: int, last: bool) -> list[int]:
         return self.schedule.fragments_of_round(number, self._total_rounds(), last)
 
-    def start(self, step: int, max_steps: int, local: dict, joining: bool = False,
+    def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> RoundStart:
         """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
         weight, staleness, loss, ...) so that every participant knows every weight before the first bucket.
