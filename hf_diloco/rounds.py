@@ -184,7 +184,8 @@ class RoundEngine:
         """The joining round, before the first inner step: identical parameters everywhere (torchft: the quorum,
         where a late or restarted replica heals from a live peer)."""
         flight = self.launch(step, self.max_steps, joining=True)
-        self.land(flight, step, self.max_steps)
+        # A late replica's heal may have moved Trainer's step (continue_at_step): the round lands at the new one.
+        self.land(flight, self.trainer.state.global_step, self.max_steps)
         self.progress.reset()
         self.backend.joined(flight.start, step)
         return flight.start
