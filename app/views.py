@@ -12,6 +12,9 @@ An `outer_backend: torchft` run started with `hf-diloco launch --replicas N` has
 folder: replica r writes them all into `replica-r/`, and each replica's rounds are those it took part in (one that
 joined late or was started again lacks the early ones). Its rounds are read as the union over the replica folders,
 one record per round number, and everything else from the replica that is furthest along (`lead_folder`).
+
+A JSON file that cannot be read (empty, cut short) counts as absent in the plots and tables, and the status bar
+names it in one sentence with what to do (`damaged_files`), so one broken file never blanks the whole page.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from pathlib import Path
 import pandas as pd
 
 from hf_diloco import metrics
+from hf_diloco.errors import ConfigError, DamagedFile
+from hf_diloco.files import read_json, read_yaml
+from hf_diloco.hub import RUN_CONFIG_FILE
 from hf_diloco.metrics import SUMMARY_FILE
 from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, STOPPED_FILE, TRAINER_LOG_FILE, Run
 
@@ -44,12 +50,30 @@ PALETTE, FIXED_COLORS = metrics.PALETTE, metrics.SERIES_COLORS  # one colour per
 # --- reading a run folder -------------------------------------------------------------------------------------
 
 
-def _json(path: Path) -> dict:
+RUN_METRICS_FILE = "run_metrics.json"  # written by hf_diloco.train at the run's end
+# The JSON files of a run folder (and of each replica folder), with the kind of value each holds.
+JSON_FILES = {PROGRESS_FILE: dict, STOPPED_FILE: dict, SUMMARY_FILE: dict, RUN_CONFIG_FILE: dict,
+              RUN_METRICS_FILE: dict, REPLICAS_FILE: list}
+
+
+def _json(path: Path, kind: type = dict):
+    """A JSON file of the run, for display: empty when it is missing or damaged (see damaged_files)."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        return read_json(path, kind(), kind)
+    except DamagedFile:
+        return kind()
+
+
+def damaged_files(run: Run) -> list[str]:
+    """One sentence (hf_diloco.files) for each JSON file of the run's folders that cannot be read."""
+    sentences = []
+    for folder in [Path(run.output_dir), *replica_folders(run)]:
+        for name, kind in JSON_FILES.items():
+            try:
+                read_json(folder / name, None, kind)
+            except DamagedFile as error:
+                sentences.append(str(error))
+    return sentences
 
 
 def _replica_id(folder: Path) -> int:
@@ -99,13 +123,10 @@ def read_trainer_log(run: Run | None) -> list[dict]:
 
 def _yaml(path: str | Path) -> dict:
     """A YAML mapping file (a recipe, an accelerate config); {} when unreadable."""
-    import yaml
-
     try:
-        value = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        return read_yaml(path, "settings file")
+    except ConfigError:
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 def recipe_value(run: Run, key: str) -> str | None:
@@ -193,6 +214,7 @@ def status_html(run: Run | None) -> str:
         parts.append(f"<span class='hfd-reason'>{html.escape(reason)}</span>")
     if run.status == "stopped":
         parts.append(f"<span class='hfd-resume'>{html.escape(resume_hint(run))}</span>")
+    parts += [f"<span class='hfd-damaged'>{html.escape(sentence)}</span>" for sentence in damaged_files(run)]
     return "<div class='hfd-status' id='hfd-status' data-status='" + html.escape(run.status) + "'>" + \
         " &nbsp;|&nbsp; ".join(parts) + "</div>"
 
@@ -417,11 +439,7 @@ def member_cell(member: dict | None, down: str = "") -> str:
 
 def read_replica_states(run: Run | None) -> list[dict]:
     """A torchft launch's replicas.json (written by its launcher as replicas go down and come back); [] else."""
-    try:
-        states = json.loads((Path(run.output_dir) / REPLICAS_FILE).read_text()) if run is not None else []
-    except (OSError, ValueError):
-        return []
-    return states if isinstance(states, list) else []
+    return _json(Path(run.output_dir) / REPLICAS_FILE, list) if run is not None else []
 
 
 def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
@@ -518,7 +536,7 @@ def _processes(run: Run, config: dict, progress: dict | None = None) -> int:
 
 def held_out_curve(run: Run) -> pd.DataFrame:
     """Held-out loss against tokens trained (all processes) and MB sent per replica, for comparing runs."""
-    config, progress, rounds = _json(lead_folder(run) / "run_config.json"), read_progress(run), read_rounds(run)
+    config, progress, rounds = _json(lead_folder(run) / RUN_CONFIG_FILE), read_progress(run), read_rounds(run)
     training = config.get("training", {})
     processes = _processes(run, config, progress)
     tokens_per_step = int(training.get("per_device_train_batch_size") or 0) * int(
@@ -568,9 +586,9 @@ def compare_rows(runs: list[Run]) -> pd.DataFrame:
     rows = []
     for run in runs:
         output = lead_folder(run)
-        summary, metrics = _json(output / SUMMARY_FILE), _json(output / "run_metrics.json")
+        summary, metrics = _json(output / SUMMARY_FILE), _json(output / RUN_METRICS_FILE)
         curve, rounds, kind = held_out_curve(run), read_rounds(run), trainer_kind(run)
-        processes = _processes(run, _json(output / "run_config.json"))
+        processes = _processes(run, _json(output / RUN_CONFIG_FILE))
         if summary.get("tokens_per_second"):
             speed = summary["tokens_per_second"]
         elif metrics.get("steady_tokens_per_second"):

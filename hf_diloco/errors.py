@@ -13,3 +13,8 @@ def first_line(error: BaseException) -> str:
 
 class RunError(RuntimeError):
     """A run that cannot go on (diverged, a replica that never arrived), reported as one sentence."""
+
+
+class DamagedFile(ConfigError):
+    """A file of a run (or one a run starts from) that cannot be read, reported as one sentence naming the file and
+    what to do about it."""

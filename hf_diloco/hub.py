@@ -24,12 +24,12 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 from .errors import ConfigError
-from .metrics import SUMMARY_FILE, SYNC_ROUNDS_FILE, launch_folder, outer_rounds, replica_folders, run_rounds
+from .files import read_json
+from .metrics import SYNC_ROUNDS_FILE, launch_folder, outer_rounds, read_summary, replica_folders, run_rounds
 from .runs import PROGRESS_FILE, RUN_FILE, STOPPED_FILE
 
 CARD_FILE = "README.md"
@@ -99,10 +99,6 @@ TRAINING_KEYS = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "
                  "gradient_accumulation_steps", "lr_scheduler_type", "seed")
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _plain(value):
     """A JSON-friendly form of an argument value (enums become their value)."""
     value = getattr(value, "value", value)
@@ -170,12 +166,12 @@ def run_outcome(folder: str | Path) -> dict:
     finished."""
     folder = Path(folder)
     root = launch_folder(folder)
-    stopped = _read_json(root / STOPPED_FILE) or _read_json(folder / STOPPED_FILE)
+    stopped = read_json(root / STOPPED_FILE, {}) or read_json(folder / STOPPED_FILE, {})
     # A torchft launch ended where its furthest replica did: a replica that missed the last round is handed the
     # final model by a peer, so every replica folder holds the run's end.
-    progress = max((_read_json(f / PROGRESS_FILE) for f in replica_folders(root) or [folder]),
+    progress = max((read_json(f / PROGRESS_FILE, {}) for f in replica_folders(root) or [folder]),
                    key=lambda p: p.get("step") or 0)
-    started = _read_json(root.parent / RUN_FILE)  # runs.start puts output/ inside the run's folder
+    started = read_json(root.parent / RUN_FILE, {})  # runs.start puts output/ inside the run's folder
     step, total = progress.get("step"), progress.get("max_steps")
     if started.get("status") == "failed":
         ended = "failed"
@@ -209,7 +205,7 @@ def trainer_settings(trainer) -> dict:
     """`run_settings` of a live DiLoCoTrainer from its own args; model and data names from run_config.json when
     `hf-diloco train` wrote one, else the model's own name."""
     settings = run_settings(trainer.args, trainer="diloco")
-    stored = _read_json(Path(trainer.args.output_dir) / RUN_CONFIG_FILE).get("run", {})
+    stored = read_json(Path(trainer.args.output_dir) / RUN_CONFIG_FILE, {}).get("run", {})
     model = getattr(getattr(trainer.model, "config", None), "name_or_path", "") or ""
     settings["run"] = stored or ({"model_name_or_path": model} if model else {})
     return settings
@@ -225,11 +221,11 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     from huggingface_hub import ModelCard, ModelCardData
 
     output_dir = Path(output_dir)
-    settings = settings if settings is not None else _read_json(output_dir / RUN_CONFIG_FILE)
+    settings = settings if settings is not None else read_json(output_dir / RUN_CONFIG_FILE, {})
     run, diloco, training = settings.get("run", {}), settings.get("diloco", {}), settings.get("training", {})
     trainer = settings.get("trainer") or run.get("trainer") or "diloco"
-    summary = _read_json(output_dir / SUMMARY_FILE)
-    metrics = _read_json(output_dir / "run_metrics.json")
+    summary = read_summary(output_dir)
+    metrics = read_json(output_dir / "run_metrics.json", {})
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
     data = ModelCardData(
@@ -324,7 +320,7 @@ def model_folder(output_dir: Path, merge_lora: bool = False) -> Path:
         raise ConfigError(f"output folder {str(output_dir)!r} does not exist.")
     replicas = [f for f in replica_folders(output_dir) if any(f.glob("*.safetensors"))]
     if replicas and not any(output_dir.glob("*.safetensors")):
-        output_dir = max(replicas, key=lambda f: _read_json(f / PROGRESS_FILE).get("step") or 0)
+        output_dir = max(replicas, key=lambda f: read_json(f / PROGRESS_FILE, {}).get("step") or 0)
     if merge_lora and (output_dir / "adapter_config.json").exists():
         if not (output_dir / "merged").is_dir():
             raise ConfigError(f"{output_dir} has a LoRA adapter but no merged/ model; train with merge_lora: true.")

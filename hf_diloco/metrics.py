@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .files import read_json, write_json
+
 SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
 # Series keep their colour wherever they are drawn (the app's Live and Compare views, the model card's curve):
 # replica i is always PALETTE[i], the held-out loss of the global model black.
@@ -182,6 +184,9 @@ class RoundWriter:
 
 
 def write_summary(output_dir: str, summary: dict) -> None:
-    path = Path(output_dir) / SUMMARY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+    write_json(Path(output_dir) / SUMMARY_FILE, {k: _clean(v) for k, v in summary.items()})
+
+
+def read_summary(output_dir: str | os.PathLike) -> dict:
+    """The run's diloco_summary.json ({} before the run has ended); DamagedFile, naming it, when it is damaged."""
+    return read_json(Path(output_dir) / SUMMARY_FILE, {})

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import signal
@@ -51,6 +50,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+
+from .errors import DamagedFile, first_line
+from .files import WHAT_TO_DO, read_json, write_json
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -112,13 +114,17 @@ class Run:
 
 
 def _write(run_dir: Path, run: Run) -> None:
-    temporary = run_dir / (RUN_FILE + ".tmp")
-    temporary.write_text(json.dumps(asdict(run), indent=2) + "\n")
-    temporary.replace(run_dir / RUN_FILE)  # atomic: readers never see half a file
+    write_json(run_dir / RUN_FILE, asdict(run))  # atomic: readers never see half a file
 
 
 def _read(run_dir: Path) -> Run:
-    return Run(**json.loads((run_dir / RUN_FILE).read_text()))
+    """The run.json of `run_dir`; DamagedFile, naming it, when it cannot be read as a run."""
+    values = read_json(run_dir / RUN_FILE)
+    try:
+        return Run(**values)
+    except TypeError as error:  # fields missing or unknown
+        raise DamagedFile(f"{run_dir / RUN_FILE} is not a run's record ({first_line(error)}); {WHAT_TO_DO}.") \
+            from None
 
 
 @contextlib.contextmanager
@@ -160,13 +166,26 @@ def _alive(pid: int | None, marker: str) -> bool:
 
 
 def load(run_dir: Path) -> Run:
-    """A run with its real status: an active run whose supervisor is gone has failed."""
-    run = _read(run_dir)
+    """A run with its real status: an active run whose supervisor is gone has failed; a run whose run.json cannot be
+    read has failed too, its reason the sentence naming the file (nothing is started, stopped or written)."""
+    try:
+        run = _read(run_dir)
+    except DamagedFile as error:
+        output_dir = str(run_dir / OUTPUT_DIR)
+        return Run(run_dir.name, "", "", [], [], output_dir, status="failed", name=run_dir.name, reason=str(error),
+                   created=_mtime(run_dir / RUN_FILE))
     if run.status in ACTIVE and not _alive(run.supervisor_pid, "hf_diloco.launch"):
         run.status = "failed"
         run.ended = run.ended or time.time()
         run.reason = run.reason or "its supervisor process is gone (the machine restarted or it was killed)."
     return run
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def list_runs(runs_dir: Path) -> list[Run]:

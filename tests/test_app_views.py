@@ -274,3 +274,15 @@ def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path)
     bar = views.status_html(run)
     resume = shlex.join([*run.command, "--resume_from_checkpoint", "latest"])
     assert f"stopped at step 20; checkpoint-20 kept in {run.output_dir}. To resume from it: {resume}" in bar
+
+
+def test_a_damaged_json_file_is_named_in_the_status_bar_and_the_rest_still_draws(tmp_path):
+    """An empty progress.json (a disk that filled up) leaves the rounds drawn and the bar names the file and what
+    to do, once; nothing is deleted."""
+    run = make_run(tmp_path, rounds=[round_record(1), round_record(2)])
+    progress = tmp_path / "output" / "progress.json"
+    progress.write_text("")
+    bar = views.status_html(run)
+    assert "sent 4.0 MB/replica" in bar, "the rounds are still read"
+    assert bar.count(f"{progress} is empty; restore it from a copy") == 1, bar
+    assert views.read_progress(run) == {} and progress.exists()

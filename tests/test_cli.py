@@ -179,6 +179,25 @@ def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
         assert_one_sentence_error(result, word)
 
 
+def test_push_of_a_run_with_an_empty_json_file_names_the_file_in_one_sentence(saved_run):
+    """A run folder whose stopped.json is empty (a disk that filled up, a copy cut short): `push` names that file and
+    what to do, exits 2 without a traceback, pushes nothing and leaves the file as it was."""
+    from hub_server import FakeHub
+
+    stopped = saved_run / "stopped.json"
+    stopped.write_text("")
+    with FakeHub() as hub:
+        result = run_with_hub(hub, "push", str(saved_run), "--repo-id", "alice/model")
+        assert hub.commits == [], "nothing reaches the Hub"
+    assert result.returncode == 2
+    assert_one_sentence_error(result, f"{stopped} is empty; restore it from a copy, or move it out of the way")
+    assert stopped.exists() and stopped.read_text() == ""
+    stopped.write_text('{"step": 4')  # cut short
+    with FakeHub() as hub:
+        result = run_with_hub(hub, "push", str(saved_run), "--repo-id", "alice/model")
+    assert_one_sentence_error(result, f"{stopped} is not valid JSON (Expecting")
+
+
 def run_with_hub(hub, *args):
     import subprocess
     import sys

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, wait_for
 
 from hf_diloco import runs
 from hf_diloco.metrics import read_sync_rounds
@@ -14,16 +14,6 @@ from hf_diloco.metrics import read_sync_rounds
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 SHORT = ["--max_steps", "400", "--inner_steps", "5", "--block_size", "64", "--eval_strategy", "no",
          "--eval_on_start", "false", "--disable_tqdm", "true", "--logging_steps", "5"]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def rounds_of(run) -> list[dict]:
@@ -121,15 +111,32 @@ def test_a_run_whose_supervisor_died_reads_as_failed(tmp_path):
     assert [r.id for r in runs.list_runs(tmp_path)] == ["ghost"]
 
 
+def test_a_run_whose_run_json_is_damaged_is_listed_as_failed_with_the_sentence_naming_it(tmp_path):
+    """An empty run.json does not take the run list (the app's every page) down with it: the run reads as failed,
+    its reason the one sentence that names the file and what to do; the file itself is left as it was."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder in (good, bad):
+        folder.mkdir()
+    runs._write(good, runs.Run("good", RECIPE, "x.yaml", [], ["true"], str(good / "output"), status="finished"))
+    (bad / runs.RUN_FILE).write_text("")
+    listed = {run.id: run for run in runs.list_runs(tmp_path)}
+    assert set(listed) == {"good", "bad"} and listed["good"].status == "finished"
+    assert listed["bad"].status == "failed"
+    assert listed["bad"].reason == f"{bad / runs.RUN_FILE} is empty; restore it from a copy, or move it out of the " \
+                                   f"way to go on without it."
+    assert runs.stop(bad).status == "failed" and (bad / runs.RUN_FILE).read_text() == ""
+
+
 def test_the_app_and_the_modules_it_uses_do_not_import_torch():
-    """The app lists and starts runs (hf_diloco.runs) and pushes (hf_diloco.hub) in its own process; it must stay
-    light."""
+    """The app lists and starts runs (hf_diloco.runs), checks its form (hf_diloco.checks) and pushes (hf_diloco.hub)
+    in its own process; it must stay light."""
     import subprocess
     import sys
 
-    code = "import sys, hf_diloco.runs, hf_diloco.hub, app.server; print('torch' in sys.modules)"
+    code = ("import sys, hf_diloco.runs, hf_diloco.hub, hf_diloco.launch, app.forms, app.views, app.server; "
+            "print(sorted({'torch', 'transformers', 'torchft'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert result.stdout.strip() == "False", result.stderr
+    assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_a_run_does_not_see_the_servers_tokens_or_password(tmp_path, monkeypatch):

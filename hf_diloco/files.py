@@ -1,0 +1,94 @@
+"""Reading and writing the files runs are made of: JSON in a run folder, YAML recipes and accelerate configs.
+
+    read_json(path, default)    a JSON file of a run folder (run.json, progress.json, stopped.json, replicas.json,
+                                run_config.json, diloco_summary.json, ...)
+    write_json(path, value)     written whole: a temporary file renamed over the old one
+    read_yaml(path, what)       a recipe or an accelerate config: a mapping of settings
+
+Design choices:
+- One reader per format, so a damaged file reads the same wherever it is read: one sentence that names the file,
+  what is wrong with it and what to do (DamagedFile, a ConfigError: the CLI prints it and exits 2, the app shows
+  it). Nothing here deletes or rewrites a file it could not read.
+- A missing file is not damage: the caller says what its absence means (`default`). An empty or malformed one is.
+- Imports nothing heavy: the app reads runs through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, DamagedFile, first_line
+
+REQUIRED = object()  # read_json's default: a missing file is an error (FileNotFoundError)
+WHAT_TO_DO = "restore it from a copy, or move it out of the way to go on without it"
+
+
+def read_json(path: str | os.PathLike, default: Any = REQUIRED, kind: type = dict) -> Any:
+    """The `kind` (a JSON object unless told) held by the JSON file `path`; `default` when there is no such file.
+
+    Raises DamagedFile, in one sentence naming the file, when it is empty, not valid JSON, or not a `kind`.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> read_json(folder / "progress.json", {})
+    {}
+    >>> _ = (folder / "stopped.json").write_text("")
+    >>> read_json(folder / "stopped.json", {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hf_diloco.errors.DamagedFile: .../stopped.json is empty; restore it from a copy, or move it out of the way to ...
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if default is REQUIRED:
+            raise
+        return default
+    except (OSError, ValueError) as error:  # unreadable, or not text at all
+        raise DamagedFile(f"{path} cannot be read ({first_line(error)}); {WHAT_TO_DO}.") from None
+    if not text.strip():
+        raise DamagedFile(f"{path} is empty; {WHAT_TO_DO}.")
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise DamagedFile(f"{path} is not valid JSON ({first_line(error)}); {WHAT_TO_DO}.") from None
+    if not isinstance(value, kind):
+        wanted = {dict: "a JSON object", list: "a JSON list"}.get(kind, kind.__name__)
+        raise DamagedFile(f"{path} holds {type(value).__name__} {str(value)[:40]!r} instead of {wanted}; "
+                          f"{WHAT_TO_DO}.")
+    return value
+
+
+def write_json(path: str | os.PathLike, value: Any, indent: int | None = 2) -> None:
+    """Write `value` to `path` whole: readers (the app, a push) see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value, indent=indent) + "\n")
+    temporary.replace(path)
+
+
+def read_yaml(path: str | os.PathLike, what: str, holds: str = "field names to values") -> dict:
+    """The mapping in the YAML file `path` ({} for an empty file), which is a `what` ("recipe", "accelerate
+    config"); a ConfigError naming it when it does not exist, is not valid YAML, or is not a mapping of `holds`.
+    Callers for whom an unreadable file means "no settings" catch ConfigError."""
+    import yaml
+
+    shown = f"{what} {str(path)!r}"
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{shown} does not exist.") from None
+    except (OSError, ValueError) as error:  # a folder, unreadable, or not text
+        raise ConfigError(f"{shown} cannot be read ({first_line(error)}).") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{shown} is not valid YAML ({first_line(error)}).") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{shown} must be a mapping of {holds}.")
+    return values
