@@ -5,7 +5,9 @@ Design choices:
   the runs directory (edited recipes are saved there); any other path is refused, so the form cannot be used to
   read or run files elsewhere.
 - Every knob is checked as it is typed (`check_knobs`: whole numbers, ranges, machine rank below the number of
-  machines), model and dataset paths are checked to exist before Preview says anything is valid, and then the
+  machines); the knobs that are DiLoCoConfig fields (H, outer learning rate and momentum) by hf_diloco.checks, the
+  rules DiLoCoConfig itself applies, so the form and the config refuse the same values in the same sentence. Model
+  and dataset paths are checked to exist before Preview says anything is valid, and then the
   form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a subprocess
   (the app never imports torch), and its one-sentence error is shown beside the form.
 - A recipe with `outer_backend: torchft` runs as `hf-diloco launch ... --replicas N` (a Lighthouse and N replicas on
@@ -23,8 +25,12 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+from hf_diloco import checks
+from hf_diloco.errors import ConfigError
+from hf_diloco.files import read_yaml
 
 PROJECT = Path(__file__).resolve().parents[1]
 RECIPES = PROJECT / "recipes"
@@ -59,17 +65,16 @@ LAUNCH_FIELDS = {"replicas": "--num_processes", "num_machines": "--num_machines"
                  "main_process_ip": "--main_process_ip", "main_process_port": "--main_process_port"}
 
 
-# name: (label in messages, type, lowest allowed, highest allowed or None, is the lowest allowed itself)
+# Knobs that are DiLoCoConfig fields: checked by hf_diloco.checks, as DiLoCoConfig checks them ("auto" H included).
+CONFIG_KNOBS = ("inner_steps", "outer_lr", "outer_momentum")
+# The other knobs, launch settings. name: (label in messages, type, lowest allowed, highest allowed or None)
 NUMBERS = {
-    "replicas": ("replicas", int, 1, None, True),
-    "inner_steps": ("H (inner steps)", int, 1, None, True),
-    "outer_lr": ("outer learning rate", float, 0.0, None, False),
-    "outer_momentum": ("outer momentum", float, 0.0, 1.0, True),
-    "max_steps": ("max steps", int, 1, None, True),
-    "num_machines": ("machines", int, 1, None, True),
-    "machine_rank": ("this machine's rank", int, 0, None, True),
-    "main_process_port": ("main machine port", int, 1, 65535, True),
-    "restarts": ("restarts", int, 0, None, True),
+    "replicas": ("replicas", int, 1, None),
+    "max_steps": ("max steps", int, 1, None),
+    "num_machines": ("machines", int, 1, None),
+    "machine_rank": ("this machine's rank", int, 0, None),
+    "main_process_port": ("main machine port", int, 1, 65535),
+    "restarts": ("restarts", int, 0, None),
 }
 SHORT_NAMES = {"replicas": "x", "inner_steps": "H", "outer_lr": "olr", "outer_momentum": "mom", "max_steps": "steps",
                "model_name_or_path": "", "dataset_name": "", "num_machines": "nodes",
@@ -133,14 +138,10 @@ def training_argument_fields() -> frozenset[str]:
 
 def check_recipe_keys(recipe: Path) -> dict:
     """The recipe's values, if every key is one a run started from the app may set; a FormError otherwise."""
-    import yaml
-
     try:
-        values = yaml.safe_load(recipe.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise FormError(f"the recipe is not valid YAML ({str(error).splitlines()[0]}).") from None
-    if not isinstance(values, dict):
-        raise FormError("the recipe must be a mapping of field names to values.")
+        values = read_yaml(recipe, "recipe")
+    except ConfigError as error:
+        raise FormError(str(error)) from None
     known = library_fields() | training_argument_fields()
     unknown = sorted(set(values) - known)
     if unknown:
@@ -222,35 +223,41 @@ def restarts(knobs: Knobs, torchft: bool) -> int:
 
 def is_torchft(recipe: Path) -> bool:
     """Whether the recipe file sets `outer_backend: torchft` (False for anything unreadable)."""
-    import yaml
-
     try:
-        values = yaml.safe_load(recipe.read_text())
-    except (OSError, yaml.YAMLError):
+        return read_yaml(recipe, "recipe").get("outer_backend") == "torchft"
+    except ConfigError:
         return False
-    return isinstance(values, dict) and values.get("outer_backend") == "torchft"
 
 
 def check_knobs(knobs: Knobs) -> None:
     """Refuse a knob that cannot be right, with one sentence, before anything runs."""
-    for name, (label, kind, low, high, low_allowed) in NUMBERS.items():
+    for name in (f.name for f in fields(Knobs)):
         text = str(getattr(knobs, name)).strip()
         if not text:
             continue
-        try:
-            value = kind(text)
-        except ValueError:
-            wanted = "a whole number" if kind is int else "a number"
-            raise FormError(f"{label} must be {wanted}, got {text!r}.") from None
-        if not math.isfinite(value) or value < low or (value == low and not low_allowed) or \
-                (high is not None and value > high):
-            bound = f"at least {low:g}" if low_allowed else f"above {low:g}"
-            raise FormError(f"{label} must be {bound}" + (f" and at most {high:g}" if high is not None else "")
-                            + f", got {text!r}.")
+        if name in CONFIG_KNOBS:
+            try:
+                checks.from_text(name, text)
+            except ConfigError as error:
+                raise FormError(str(error)) from None
+        elif name in NUMBERS:
+            check_number(text, *NUMBERS[name])
     machines, rank = str(knobs.num_machines).strip(), str(knobs.machine_rank).strip()
     if machines and rank and int(rank) >= int(machines):
         raise FormError(f"this machine's rank must be below the number of machines ({machines}), got {rank}; "
                         f"ranks count from 0.")
+
+
+def check_number(text: str, label: str, kind: type, low: float, high: float | None) -> None:
+    """A launch knob's `text` is a `kind` from `low` to `high` (None: no upper bound); FormError otherwise."""
+    try:
+        value = kind(text)
+    except ValueError:
+        wanted = "a whole number" if kind is int else "a number"
+        raise FormError(f"{label} must be {wanted}, got {text!r}.") from None
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        raise FormError(f"{label} must be at least {low:g}" + (f" and at most {high:g}" if high is not None else "")
+                        + f", got {text!r}.")
 
 
 def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:

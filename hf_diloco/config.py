@@ -9,6 +9,8 @@ Design choices:
 - Checkpoints and evaluations only happen on round boundaries: a `save_steps`/`eval_steps` that falls inside a
   round is postponed to the end of that round (the trainer logs a notice once). Evaluating or saving mid-round
   would measure or store one replica's private parameters instead of the global model.
+- The allowed range of each field lives in hf_diloco.checks, which the app's form asks too; this module keeps the
+  rules that relate several fields. It imports no backend: torchft is looked for, not imported.
 """
 
 from __future__ import annotations
@@ -18,14 +20,10 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from . import checks
+from .checks import DATA_SHARDINGS, FINAL_SYNCS, FRAGMENT_PATTERNS, OUTER_BACKENDS, OUTER_OPTIMIZERS
 from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
-
-FRAGMENT_PATTERNS = ("strided", "sequential")
-
-OUTER_OPTIMIZERS = ("sgd", "adamw")
-FINAL_SYNCS = ("auto", "staggered", "blocking")
-DATA_SHARDINGS = ("iid", "non_iid")
 
 
 def launched_processes() -> int:
@@ -41,8 +39,6 @@ def _launched_on_cpu_only() -> bool:
     import torch
 
     return launched_processes() > 1 and not torch.cuda.is_available()
-
-
 
 
 AUTO_START = 20  # H of the measuring rounds of `inner_steps: auto`
@@ -298,28 +294,20 @@ class DiLoCoConfig(TrainingArguments):
         self.accelerator_config.dispatch_batches = False
 
     def _validate_backend(self) -> None:
-        if self.outer_backend not in ("torch", "torchft"):
+        if self.outer_backend not in OUTER_BACKENDS:
             raise ConfigError(f"outer_backend must be torch or torchft, got {self.outer_backend!r}.")
         if self.outer_backend == "torchft":
-            from .torchft_backend import check_torchft, require_torchft
-
-            check_torchft(self)
-            require_torchft()
+            checks.check_torchft(self)
+            checks.require_torchft()
 
     def _validate_diloco_fields(self) -> None:
         if self.inner_steps == "auto":
             self.inner_steps, self.auto_inner_steps = AUTO_START, True
-        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
-            raise ConfigError(f"inner_steps (H) must be a whole number of at least 1, got {self.inner_steps!r}.")
-        if self.auto_inner_steps and not 0 < self.max_sync_overhead < 1:
-            raise ConfigError(f"max_sync_overhead must be a fraction in (0, 1), got {self.max_sync_overhead!r}.")
+        checks.check(self, ["inner_steps", *(["max_sync_overhead"] if self.auto_inner_steps else [])])
         if self.auto_inner_steps and self.outer_backend == "torchft":
             raise ConfigError("outer_backend torchft sizes its rounds with round_seconds, not auto_inner_steps; set "
                               "round_seconds instead.")
-        if not self.outer_lr > 0:
-            raise ConfigError(f"outer_lr must be a positive number, got {self.outer_lr!r}.")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}.")
+        checks.check(self, ["outer_lr", "outer_momentum"])
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(
                 f"outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.outer_optimizer!r}."
@@ -327,10 +315,7 @@ class DiLoCoConfig(TrainingArguments):
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
             # torch's SGD refuses Nesterov without momentum; plain SGD is what the user means.
             self.outer_nesterov = False
-        if not isinstance(self.replica_group_size, int) or self.replica_group_size < 1:
-            raise ConfigError(
-                f"replica_group_size must be a whole number of at least 1, got {self.replica_group_size!r}."
-            )
+        checks.check(self, ["replica_group_size"])
         # Only inside a launched process is the process count known (`hf-diloco launch` checks its config).
         processes = launched_processes()
         if processes and processes % self.replica_group_size:
@@ -342,42 +327,23 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(
                 f"data_sharding must be one of {', '.join(DATA_SHARDINGS)}, got {self.data_sharding!r}."
             )
-        if not self.sync_bucket_mb > 0:
-            raise ConfigError(f"sync_bucket_mb must be positive, got {self.sync_bucket_mb!r}.")
-        if not isinstance(self.save_every_rounds, int) or self.save_every_rounds < 0:
-            raise ConfigError(
-                f"save_every_rounds must be a whole number, 0 (off) or more, got {self.save_every_rounds!r}."
-            )
+        checks.check(self, ["sync_bucket_mb", "save_every_rounds", "sync_timeout", "max_bad_rounds"])
         if self.save_every_rounds and self.save_total_limit is None:
             self.save_total_limit = 2
-        if not self.sync_timeout > 0:
-            raise ConfigError(f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}.")
-        if not isinstance(self.max_bad_rounds, int) or self.max_bad_rounds < 1:
-            raise ConfigError(f"max_bad_rounds must be a whole number of at least 1, got {self.max_bad_rounds!r}.")
         self._validate_compression()
         self._validate_streaming()
         self._check_sharded_replicas()
-        if self.learning_rate < 0:
-            raise ConfigError(f"learning_rate must not be negative, got {self.learning_rate!r}.")
-
+        checks.check(self, ["learning_rate"])
 
     def _validate_compression(self) -> None:
         if self.compression not in CODECS:
             raise ConfigError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}.")
-        if not isinstance(self.compression_chunk, int) or self.compression_chunk < 1:
-            raise ConfigError(
-                f"compression_chunk must be a whole number of at least 1, got {self.compression_chunk!r}."
-            )
-        if not isinstance(self.sparse_chunk, int) or self.sparse_chunk < 2:
-            raise ConfigError(f"sparse_chunk must be a whole number of at least 2, got {self.sparse_chunk!r}.")
+        checks.check(self, ["compression_chunk", "sparse_chunk"])
         if not isinstance(self.sparse_k, int) or not 1 <= self.sparse_k <= self.sparse_chunk:
             raise ConfigError(
                 f"sparse_k must be between 1 and sparse_chunk={self.sparse_chunk}, got {self.sparse_k!r}."
             )
-        if not isinstance(self.sparse_bits, int) or not 1 <= self.sparse_bits <= 8:
-            raise ConfigError(f"sparse_bits must be between 1 and 8, got {self.sparse_bits!r}.")
-        if not 0 < self.error_feedback_decay <= 1:
-            raise ConfigError(f"error_feedback_decay must be in (0, 1], got {self.error_feedback_decay!r}.")
+        checks.check(self, ["sparse_bits", "error_feedback_decay"])
         if self.error_feedback and self.compression == "none":
             raise ConfigError(
                 "error_feedback needs a lossy compression (bf16, fp16, int8, int4 or sparse); with 'none' nothing "
@@ -387,12 +353,11 @@ class DiLoCoConfig(TrainingArguments):
     def _validate_streaming(self) -> None:
         if self.sync_delay == "auto":
             self.sync_delay, self.auto_sync_delay = AUTO_DELAY_START, True
+        checks.check(self, ["sync_delay", "num_fragments"])
         if self.auto_sync_delay and self.sync_delay < 1:
             raise ConfigError("auto_sync_delay chooses how many inner steps each sync overlaps, so it starts from "
                               f"sync_delay {AUTO_DELAY_START} or more; set sync_delay: auto.")
         fragments, delay = self.num_fragments, self.sync_delay
-        if not isinstance(fragments, int) or fragments < 1:
-            raise ConfigError(f"num_fragments must be a whole number of at least 1, got {fragments!r}.")
         if self.inner_steps % fragments:
             raise ConfigError(
                 f"inner_steps={self.inner_steps} must be a multiple of num_fragments={fragments}, so that one "
@@ -402,15 +367,12 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(
                 f"fragment_pattern must be one of {', '.join(FRAGMENT_PATTERNS)}, got {self.fragment_pattern!r}."
             )
-        if not isinstance(delay, int) or delay < 0:
-            raise ConfigError(f"sync_delay must be a whole number of steps, 0 or more, got {delay!r}.")
         if delay >= self.inner_steps // fragments:
             raise ConfigError(
                 f"sync_delay={delay} must be below inner_steps/num_fragments={self.inner_steps // fragments}, so a "
                 f"fragment's sync lands before the next one starts."
             )
-        if not 0 <= self.fragment_alpha < 1:
-            raise ConfigError(f"fragment_alpha must be in [0, 1), got {self.fragment_alpha!r}.")
+        checks.check(self, ["fragment_alpha"])
         if self.final_sync not in FINAL_SYNCS:
             raise ConfigError(f"final_sync must be one of {', '.join(FINAL_SYNCS)}, got {self.final_sync!r}.")
         if self.final_sync == "staggered" and delay < 1:
@@ -435,8 +397,7 @@ class DiLoCoConfig(TrainingArguments):
     def _check_tensor_parallel(self, from_env: int) -> None:
         """Set tp_size (and replica_group_size) from an accelerate parallelism_config's tp_size, or refuse a layout
         tensor parallel cannot run in, in one sentence."""
-        if self.tp_size < 1:
-            raise ConfigError(f"tp_size must be 1 or more, got {self.tp_size}.")
+        checks.check(self, ["tp_size"])
         if from_env > 1 and self.tp_size not in (1, from_env):
             raise ConfigError(f"tp_size={self.tp_size} differs from the accelerate parallelism_config's tp_size="
                               f"{from_env}; set one of them, or both alike.")
@@ -571,11 +532,7 @@ class RunArguments:
     )
 
     def __post_init__(self):
-        if self.block_size < 2:
-            raise ConfigError(f"block_size must be at least 2 tokens, got {self.block_size!r}.")
-        if not 0 <= self.eval_fraction < 1:
-            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
+        checks.check(self, ["block_size", "eval_fraction"])
         if self.trainer not in ("diloco", "ddp"):
             raise ConfigError(f"trainer must be 'diloco' or 'ddp', got {self.trainer!r}.")
-        if self.lora_r < 0:
-            raise ConfigError(f"lora_r must be 0 (no LoRA) or a positive rank, got {self.lora_r!r}.")
+        checks.check(self, ["lora_r"])

@@ -9,21 +9,11 @@ from pathlib import Path
 
 from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
 from gradio_client import Client
-from helpers import REPO, env
+from helpers import REPO, env, wait_for
 from hub_server import FakeHub
 
 from hf_diloco import runs
 from hf_diloco.metrics import read_sync_rounds
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_launch_watch_stop_and_push(tmp_path):
@@ -171,7 +161,10 @@ def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
 
 BAD_FORMS = {
     "no recipe": (["", "cpu-2proc.yaml", knobs()], "choose a recipe"),
-    "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)], "H (inner steps) must be at least 1"),
+    "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)],
+              "inner_steps (H) must be a whole number of at least 1, got 0."),
+    "momentum 1": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(outer_momentum=1)],
+                   "outer_momentum must be in [0, 1), got 1.0."),
     "H = abc": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps="abc")], "must be a whole number"),
     "max steps -5": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(max_steps=-5)], "max steps must be at least 1"),
     "rank 5 of 2": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(num_machines=2, machine_rank=5)],
