@@ -40,7 +40,7 @@ from hf_diloco.launch import free_port
 
 KNOB_LABELS = {
     "replicas": "Replicas (blank: the config's; each starts the recipe's replica_group_size processes)",
-    "inner_steps": "H: inner steps between syncs",
+    "inner_steps": "H: inner steps between syncs (or auto)",
     "outer_lr": "Outer learning rate", "outer_momentum": "Outer momentum", "max_steps": "Max steps",
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
     "num_machines": "Machines", "machine_rank": "This machine's rank", "main_process_ip": "Main machine address",
@@ -473,3 +473,23 @@ def serve(host: str = "127.0.0.1", port: int = 7860, runs_dir: Path = Path("runs
     build(runs_dir).launch(server_name=host, server_port=port, auth=credentials, share=share, css=CSS,
                            show_error=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.server`, what `hf-diloco app` becomes: its flags (the CLI documents them and passes them all),
+    the password from HF_DILOCO_APP_AUTH, never from the command line (which every user of the machine can read)."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="hf-diloco app", allow_abbrev=False)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--runs-dir", required=True)
+    parser.add_argument("--share", action="store_true")
+    args = parser.parse_args(argv)
+    return serve(host=args.host, port=args.port, runs_dir=Path(args.runs_dir),
+                 auth=os.environ.get("HF_DILOCO_APP_AUTH") or None, share=args.share)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,28 +10,26 @@ Design choices:
   HfArgumentParser, so every field's help text is its `--help` and its documentation.
 - Errors a user can cause end in one sentence on stderr and exit status 2, never a traceback.
 - `launch` validates the recipe and the accelerate config in this process before starting anything.
-- The process group is destroyed before exit: a gloo process that exits with it alive can abort at interpreter
-  shutdown, turning a finished run into a failure.
+- This module parses and prints; what starts and watches processes (launches, torchft replicas, the Lighthouse,
+  SLURM jobs, a worker's exit) is hf_diloco.launch's and hf_diloco.slurm's. The app is started as a program of its
+  own (`python -m app.server`): the library never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import yaml
-
+from . import launch
 from . import train as training
+from .checks import require_lighthouse
 from .errors import ConfigError, RunError, first_line
+from .files import read_yaml
 from .runs import accelerate_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,19 +72,6 @@ def _field_parser():
     return parser
 
 
-def load_recipe(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CLIError(f"recipe {str(path)!r} does not exist.")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise CLIError(f"recipe {str(path)!r} is not valid YAML ({first_line(error)}).") from None
-    if not isinstance(values, dict):
-        raise CLIError(f"recipe {str(path)!r} must be a mapping of field names to values.")
-    return values
-
-
 def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bool = False):
     """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides; every key and flag must be a field.
 
@@ -97,7 +82,7 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
     from .config import DiLoCoConfig, RunArguments
 
     parser = _field_parser()
-    values = load_recipe(recipe) if recipe else {}
+    values = read_yaml(recipe, "recipe") if recipe else {}
     known = {f.name for dtype in (RunArguments, DiLoCoConfig) for f in fields(dtype) if f.init}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -171,9 +156,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if run.dry_run:
         print_plan(training.dry_run_plan(run, config))
         return 0
-
-    from .torchft_backend import require_lighthouse
-
     require_lighthouse(config)
     trainer = training.train(run, config)
     if trainer.is_world_process_zero():
@@ -191,12 +173,8 @@ def print_plan(plan: dict[str, str]) -> None:
 def cmd_launch(args: argparse.Namespace) -> int:
     run, config = parse_train_args(args.recipe, args.overrides, checking_only=args.dry_run)  # fail before starting
     launch_args = launch_args_of(args)
-    values = training.check_accelerate_config(args.accelerate_config, config, processes=args.num_processes,
-                                              machines=args.num_machines, rank=args.machine_rank)
-    training.check_arguments(run, config)
-    training.resolve_checkpoint(config)
-    if not run.dry_run:
-        training.check_output_dir(config)
+    values = launch.check_launch(run, config, args.accelerate_config, processes=args.num_processes,
+                                 machines=args.num_machines, rank=args.machine_rank, dry_run=run.dry_run)
     if args.max_restarts < 0:
         raise CLIError(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     if config.outer_backend == "torchft":
@@ -213,62 +191,29 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(" ".join(command), flush=True)
         return 0
     print(" ".join(command), flush=True)
-    from .launch import run_with_restarts
-
-    return run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
+    return launch.run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
 
 
 def launch_torchft(args: argparse.Namespace, config) -> int:
     """outer_backend torchft: one launch per replica. With --replicas N: a Lighthouse (unless --lighthouse names
     one) and N replicas on this machine, each started again when it fails; without: this one replica."""
-    from .launch import ReplicaSupervisor, free_port, run_with_restarts, start_lighthouse
-    from .torchft_backend import replica_overrides, require_lighthouse
-
-    if launch_args_of(args):
-        raise CLIError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "
-                       f"({' '.join(launch_args_of(args)[::2])}) do not apply; leave them out.")
-    values = training.check_accelerate_config(args.accelerate_config, config)
-    processes = int(values.get("num_processes", 1) or 1)
-    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
-    if processes != group:
-        raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
-                       f"{group} process(es), but {args.accelerate_config!r} starts {processes}; "
-                       f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml "
-                       f"with replica_group_size 2.")
+    processes = launch.check_torchft_launch(args.accelerate_config, config, launch_args_of(args))
     if not args.replicas:
         require_lighthouse(config)
         command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
         print(" ".join(command), flush=True)
-        return 0 if args.dry_run else run_with_restarts(command, args.max_restarts, resume=False)
+        return 0 if args.dry_run else launch.run_with_restarts(command, args.max_restarts, resume=False)
     if args.replicas < 1:
         raise CLIError(f"--replicas must be at least 1, got {args.replicas}.")
-    server, lighthouse = None, config.lighthouse
-    if not lighthouse:
-        if args.dry_run:
-            lighthouse = "http://127.0.0.1:<port of the Lighthouse this command starts>"
-        else:
-            server = start_lighthouse("127.0.0.1:0", config.min_replicas, config.sync_grace_seconds)
-            lighthouse = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    with launch.run_lighthouse(config, dry_run=args.dry_run) as (lighthouse, served_here):
+        if served_here:
             print(f"[diloco] Lighthouse on {lighthouse} (min {config.min_replicas} replica(s), grace "
                   f"{config.sync_grace_seconds:g} s)", flush=True)
-    # Replicas of several processes each rendezvous on their own port (one launch per replica on this machine).
-    ports = [None] * args.replicas if processes == 1 else \
-        [args.port + r if args.port else free_port() for r in range(args.replicas)]
-    commands = [accelerate_command(args.recipe, args.accelerate_config,
-                                   replica_overrides(args.overrides, r, args.replicas, lighthouse, config.output_dir,
-                                                     on_this_machine=not config.lighthouse),
-                                   ports[r])
-                for r in range(args.replicas)]
-    for command in commands:
-        print(" ".join(command), flush=True)
-    if args.dry_run:
-        return 0
-    try:
-        return ReplicaSupervisor(commands, config.output_dir, args.max_restarts,
-                                 linger_seconds=config.end_linger_seconds + config.sync_grace_seconds + 15).run()
-    finally:
-        if server is not None:
-            server.shutdown()
+        commands = launch.replica_commands(args.recipe, args.accelerate_config, args.overrides, config, args.replicas,
+                                           processes, lighthouse, args.port)
+        for command in commands:
+            print(" ".join(command), flush=True)
+        return 0 if args.dry_run else launch.supervise_replicas(commands, config, args.max_restarts)
 
 
 def is_loopback(host: str) -> bool:
@@ -283,15 +228,13 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_lighthouse(args: argparse.Namespace) -> int:
-    from .launch import start_lighthouse
-
     if args.min_replicas < 1:
         raise CLIError(f"--min-replicas must be at least 1, got {args.min_replicas}.")
     if not args.grace_seconds >= 0 or not args.heartbeat_timeout > 0:
         raise CLIError("--grace-seconds must be 0 or more and --heartbeat-timeout above 0.")
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:
-        server = start_lighthouse(f"{host}:{args.port}", args.min_replicas, args.grace_seconds,
+        server = launch.start_lighthouse(f"{host}:{args.port}", args.min_replicas, args.grace_seconds,
                                   args.heartbeat_timeout)
     except RuntimeError as error:
         raise CLIError(f"the Lighthouse could not start on {args.host}:{args.port}: {first_line(error)}.") from None
@@ -304,11 +247,7 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         print(f"[diloco] the Lighthouse has no authentication: keep port {port} on a private network or an "
               f"encrypted overlay (WireGuard, Tailscale), not the open internet.", flush=True)
-    stopped = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
-    server.shutdown()
+    launch.serve_until_stopped(server)
     return 0
 
 
@@ -328,7 +267,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     command = accelerate_command(str(DEMO_RECIPE), str(DEMO_ACCELERATE_CONFIG), overrides, args.port)
     print("$ " + " ".join(command), flush=True)
     started = time.time()
-    code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    code = launch.run_with_restarts(command, 0, resume=False, env={"OMP_NUM_THREADS": "1"})
     if code != 0:
         raise CLIError(f"the demo run failed with exit status {code}; its log is above.")
     print_demo_summary(output_dir, time.time() - started)
@@ -336,9 +275,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def print_demo_summary(output_dir: Path, seconds: float) -> None:
-    from .metrics import SUMMARY_FILE, format_bytes
+    from .metrics import format_bytes, read_summary
 
-    summary = json.loads((output_dir / SUMMARY_FILE).read_text())
+    summary = read_summary(output_dir)
     before, after = summary["eval_loss_initial"], summary["eval_loss_final"]
     sent, ddp = summary["bytes_per_replica"], summary["ddp_bytes_per_replica"]
     rows = [
@@ -363,65 +302,27 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
 def cmd_slurm(args: argparse.Namespace) -> int:
     """Write the SLURM batch script of a recipe (hf_diloco.slurm) after the checks `launch` makes; `--submit`
     hands it to sbatch."""
-    from .slurm import SCRIPT_NAME, Job, script
+    from . import slurm
 
-    if args.nodes < 1 or args.replicas < 0 or args.first_replica < 0:
-        raise CLIError("--nodes must be 1 or more, --replicas and --first-replica 0 or more.")
     run, config = parse_train_args(args.recipe, args.overrides, checking_only=True)
-    values = training.check_accelerate_config(args.accelerate_config, config)
-    per_node = int(values.get("num_processes", 1) or 1) // int(values.get("num_machines", 1) or 1)
-    torchft = config.outer_backend == "torchft"
-    if torchft and not args.replicas:
-        raise CLIError("outer_backend torchft runs one job array task per replica: give --replicas N (this site's).")
-    if not torchft and args.replicas:
-        raise CLIError("--replicas is for outer_backend torchft; a torch-backend run's replicas are its processes "
-                       "(--nodes times the accelerate config's processes per machine).")
-    if torchft and args.nodes != 1:
-        raise CLIError("a torchft replica runs on one node (its replica_group_size processes); scale with --replicas, "
-                       "not --nodes.")
-    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
-    if torchft and per_node != group:
-        raise CLIError(f"outer_backend torchft starts one launch per replica of replica_group_size="
-                       f"{group} process(es), but {args.accelerate_config!r} starts {per_node}; "
-                       f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml.")
-    if not torchft:
-        training.check_accelerate_config(args.accelerate_config, config, processes=args.nodes * per_node,
-                                         machines=args.nodes, rank=0)
-    training.check_arguments(run, config)
-    training.check_output_dir(config)
+    per_node = slurm.check_job(run, config, args.accelerate_config, args.nodes, args.replicas, args.first_replica)
     output_dir = Path(config.output_dir).resolve()
     # The job may start in another folder: every path it gets is absolute, the output folder given once, at the end.
-    overrides, skip = [], False
-    for word in args.overrides:
-        if skip or word.startswith("--output_dir="):
-            skip = False
-            continue
-        skip = word == "--output_dir"
-        if not skip:
-            overrides.append(word)
-    job = Job(recipe=str(Path(args.recipe).resolve()), accelerate_config=str(Path(args.accelerate_config).resolve()),
-              overrides=overrides, output_dir=str(output_dir), job_name=args.job_name or output_dir.name,
-              nodes=args.nodes, processes_per_node=per_node, port=args.port, main_address=args.main_address or "",
-              replicas=args.replicas, first_replica=args.first_replica, total_replicas=args.total_replicas,
-              lighthouse=args.lighthouse or "", min_replicas=config.min_replicas,
-              grace_seconds=config.sync_grace_seconds,
-              sbatch={key.replace("_", "-"): getattr(args, key) for key in SBATCH_OPTIONS if getattr(args, key)})
-    target = Path(args.script) if args.script else output_dir / "slurm" / SCRIPT_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # the job's logs go there
-    target.write_text(script(job))
+    job = slurm.Job(recipe=str(Path(args.recipe).resolve()),
+                    accelerate_config=str(Path(args.accelerate_config).resolve()),
+                    overrides=slurm.without_output_dir(args.overrides), output_dir=str(output_dir),
+                    job_name=args.job_name or output_dir.name, nodes=args.nodes, processes_per_node=per_node,
+                    port=args.port, main_address=args.main_address or "", replicas=args.replicas,
+                    first_replica=args.first_replica, total_replicas=args.total_replicas,
+                    lighthouse=args.lighthouse or "", min_replicas=config.min_replicas,
+                    grace_seconds=config.sync_grace_seconds,
+                    sbatch={key.replace("_", "-"): getattr(args, key) for key in SBATCH_OPTIONS if getattr(args, key)})
+    target = slurm.write(job, args.script)
     print(f"[hf-diloco slurm] wrote {target}")
     if not args.submit:
         print(f"[hf-diloco slurm] submit it with: sbatch {target}")
         return 0
-    try:
-        result = subprocess.run(["sbatch", "--parsable", str(target)], capture_output=True, text=True, timeout=120)
-    except FileNotFoundError:
-        raise CLIError("sbatch is not on PATH; run `hf-diloco slurm --submit` on a SLURM login node, or submit "
-                       f"{target} there.") from None
-    if result.returncode != 0:
-        raise CLIError(f"sbatch refused the job: {first_line(result.stderr.strip() or result.stdout.strip())}.")
-    job_id = result.stdout.strip().split(";")[0]
+    job_id = slurm.submit(target)
     print(f"[hf-diloco slurm] submitted job {job_id}; its log: {output_dir / 'slurm'}/slurm-{job_id}*.log")
     return 0
 
@@ -443,12 +344,19 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_app(args: argparse.Namespace) -> int:
+    """Become the app (`python -m app.server`, which this process is replaced by): the library never imports it.
+    The password travels in HF_DILOCO_APP_AUTH, not on a command line every user of the machine can read."""
     if not (REPO_ROOT / "app" / "server.py").is_file():
         raise CLIError("the app ships with the repository; run `hf-diloco app` from a clone.")
-    sys.path.insert(0, str(REPO_ROOT))
-    from app.server import serve
-
-    return serve(host=args.host, port=args.port, runs_dir=Path(args.runs_dir), auth=args.auth, share=args.share)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *([path] if path else [])]),
+           "HF_DILOCO_APP_AUTH": args.auth or ""}
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the clone's `app`, not one in the current folder
+    command = [sys.executable, *safe_path, "-m", "app.server", "--host", args.host, "--port", str(args.port),
+               "--runs-dir", args.runs_dir, *(["--share"] if args.share else [])]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, env)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -603,38 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         print("hf-diloco: interrupted", file=sys.stderr)
         return 130
     finally:
-        _destroy_process_group()
-
-
-_groups_destroyed = False  # this process destroyed its process groups at its end (a launched worker)
-
-
-def _destroy_process_group() -> None:
-    global _groups_destroyed
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        _groups_destroyed = True
-
-
-def _exit(code: int) -> None:
-    """End the process with `code`. A process of a launch whose work is done (everything saved, its process groups
-    destroyed) leaves without the interpreter's teardown: gloo and FSDP2 keep C++ threads whose destruction at
-    interpreter exit can abort a process that finished its run (SIGABRT, "terminate called without an active
-    exception"), and its launcher would then report a finished run as failed. Output is flushed first."""
-    code = 0 if code is None else code
-    if not _groups_destroyed:
-        sys.exit(code)
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        launch.destroy_process_groups()
 
 
 if __name__ == "__main__":
-    _exit(main())
+    launch.exit_process(main())

@@ -1,12 +1,18 @@
-"""Every process hf-diloco starts and watches, in one place.
+"""Every process hf-diloco starts and watches, and every check that can run before they start, in one place.
 
+    check_launch        what `hf-diloco launch` checks before starting anything (recipe, accelerate config and
+                        flags, checkpoint to resume, output folder)
     run_with_restarts   one launch (`accelerate launch ...`), started again from the newest complete checkpoint
                         when it fails (`hf-diloco launch --max-restarts N`); a stop request passed on once
     ReplicaSupervisor   the N torchft replica launches of `hf-diloco launch --replicas N`, each started again
-                        when it fails (it heals from the live ones)
-    start_lighthouse    a torchft Lighthouse served in this process (`hf-diloco lighthouse`, `--replicas N`)
+                        when it fails (it heals from the live ones): replica_commands, run_lighthouse,
+                        supervise_replicas
+    start_lighthouse    a torchft Lighthouse served in this process (`hf-diloco lighthouse`, `--replicas N`), and
+    serve_until_stopped its loop until SIGTERM or SIGINT
     supervise_run       the app's detached supervisor of one run folder (`python -m hf_diloco.launch supervise`),
     reap_run            and its reaper after Stop (`python -m hf_diloco.launch reap`)
+    exit_process        how a launched worker ends once its run is done
+    free_port, wait_for what tests and benchmarks use to start and watch processes too
 
 Design choices:
 - Commands are argument lists, never a shell line.
@@ -14,20 +20,27 @@ Design choices:
   signal a whole process group; the launcher forwards its own copy to the workers).
 - The restart loop is ours rather than accelerate's `--max_restarts`: with accelerate's default static rendezvous
   a restarted gloo group cannot connect (it reaches for the dead processes' addresses).
-- This module imports neither torch nor transformers at import time (the app imports it to start runs).
+- This module imports neither torch, transformers nor a backend at import time (the app imports it to start runs);
+  torchft is looked for through hf_diloco.checks and imported only to serve a Lighthouse.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from .checks import require_torchft
+from .errors import ConfigError
+from .files import read_json, write_json
 from .metrics import read_sync_rounds, run_rounds
 from .runs import (
     ACTIVE,
@@ -49,8 +62,51 @@ from .runs import (
 STOP_GRACE_SECONDS = "900"
 
 
+# --- before anything starts -----------------------------------------------------------------------------------------
+
+
+def check_launch(run, config, accelerate_config: str, processes: int | None = None, machines: int | None = None,
+                 rank: int | None = None, dry_run: bool = False) -> dict:
+    """Everything `hf-diloco launch` can check before it starts a process: the accelerate config with the launch
+    flags beside it (`processes`, `machines`, `rank`; None: the config's), the recipe's arguments, the checkpoint
+    to resume and (unless `dry_run`) that the output folder holds no other run. Returns the accelerate config's
+    settings; raises ConfigError in one sentence."""
+    from . import train as training
+
+    values = training.check_accelerate_config(accelerate_config, config, processes=processes, machines=machines,
+                                              rank=rank)
+    training.check_arguments(run, config)
+    training.resolve_checkpoint(config)
+    if not dry_run:
+        training.check_output_dir(config)
+    return values
+
+
+def check_torchft_launch(accelerate_config: str, config, launch_args: list[str]) -> int:
+    """outer_backend torchft starts one launch per replica: its accelerate config must start one replica's
+    processes (replica_group_size), and accelerate's machine flags do not apply. Returns the processes of a
+    replica."""
+    from . import train as training
+
+    if launch_args:
+        raise ConfigError("outer_backend torchft replicas meet through the Lighthouse: accelerate's machine flags "
+                          f"({' '.join(launch_args[::2])}) do not apply; leave them out.")
+    values = training.check_accelerate_config(accelerate_config, config)
+    processes = int(values.get("num_processes", 1) or 1)
+    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
+    if processes != group:
+        raise ConfigError(f"outer_backend torchft starts one launch per replica of replica_group_size="
+                          f"{group} process(es), but {accelerate_config!r} starts {processes}; "
+                          f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml "
+                          f"with replica_group_size 2.")
+    return processes
+
+
+# --- one launch ------------------------------------------------------------------------------------------------------
+
+
 def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True,
-                      output_dir: str | None = None) -> int:
+                      output_dir: str | None = None, env: dict[str, str] | None = None) -> int:
     """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
     checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
     it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with.
@@ -58,6 +114,7 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
     Ctrl-C does) is passed on to it exactly once: the launcher hands it to every training process, which finish
     their round and save (given `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default here 900 s, before the launcher kills).
+    `env` is added to this process's environment for the launch.
     """
     stopping: list[int] = []
     child: list[subprocess.Popen] = []
@@ -68,7 +125,7 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
             child[-1].send_signal(signum)
 
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                                                                         STOP_GRACE_SECONDS)}
+                                                                         STOP_GRACE_SECONDS), **(env or {})}
     started = time.time()
     previous = {signum: signal.signal(signum, pass_stop_on) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -91,21 +148,88 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
 
 
 def _stopped_since(output_dir: str, since: float) -> bool:
+    """Whether the run wrote its stopped.json since `since` (a damaged one is not a stop: the run failed)."""
     try:
-        return json.loads((Path(output_dir) / STOPPED_FILE).read_text())["time"] >= since
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_json(Path(output_dir) / STOPPED_FILE, {}).get("time", 0) >= since
+    except (ConfigError, TypeError):
         return False
+
+
+# --- the torchft Lighthouse ------------------------------------------------------------------------------------------
 
 
 def start_lighthouse(bind: str, min_replicas: int, grace_seconds: float, heartbeat_timeout_seconds: float = 5.0):
     """torchft's Lighthouse, serving in this process until `.shutdown()`; its address is `.address()`."""
-    from .torchft_backend import require_torchft
-
     require_torchft()
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=int(grace_seconds * 1000),
                             quorum_tick_ms=50, heartbeat_timeout_ms=int(heartbeat_timeout_seconds * 1000))
+
+
+def serve_until_stopped(server) -> None:
+    """Keep `server` (a Lighthouse) serving until this process gets SIGTERM or SIGINT, then shut it down."""
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    server.shutdown()
+
+
+@contextlib.contextmanager
+def run_lighthouse(config, dry_run: bool = False):
+    """The Lighthouse address the replicas of `hf-diloco launch --replicas N` meet at, and whether this process
+    serves it: the recipe's `lighthouse` when it names one, else one started here on loopback (shut down on leaving;
+    a dry run starts none and yields a placeholder)."""
+    if config.lighthouse:
+        yield config.lighthouse, False
+        return
+    if dry_run:
+        yield "http://127.0.0.1:<port of the Lighthouse this command starts>", False
+        return
+    server = start_lighthouse("127.0.0.1:0", config.min_replicas, config.sync_grace_seconds)
+    try:
+        yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}", True
+    finally:
+        server.shutdown()
+
+
+# --- torchft replicas ------------------------------------------------------------------------------------------------
+
+
+def replica_folder(output_dir: str | os.PathLike, replica: int) -> str:
+    """Where replica `replica` of a run started by `hf-diloco launch --replicas N` writes."""
+    return os.path.join(str(output_dir), f"replica-{replica}")
+
+
+def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str,
+                      on_this_machine: bool = False) -> list[str]:
+    """The recipe overrides of one replica (later flags win, so these come last). `on_this_machine`: the run's
+    Lighthouse and every replica are here, so each replica's healing server listens on loopback only."""
+    local = ["--replica_address", "127.0.0.1"] if on_this_machine else []
+    return [*overrides, "--outer_backend", "torchft", "--replica_id", str(replica), "--num_replicas", str(replicas),
+            "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica), *local]
+
+
+def replica_commands(recipe: str, accelerate_config: str, overrides: list[str], config, replicas: int,
+                     processes: int, lighthouse: str, port: int | None = None) -> list[list[str]]:
+    """The `accelerate launch` command of each of `replicas` torchft replicas on this machine, meeting at
+    `lighthouse`. Replicas of several processes each rendezvous on a port of their own (`port` + r, or free ones)."""
+    from .runs import accelerate_command
+
+    ports = [None] * replicas if processes == 1 else [port + r if port else free_port() for r in range(replicas)]
+    return [accelerate_command(recipe, accelerate_config,
+                               replica_overrides(overrides, r, replicas, lighthouse, config.output_dir,
+                                                 on_this_machine=not config.lighthouse),
+                               ports[r])
+            for r in range(replicas)]
+
+
+def supervise_replicas(commands: list[list[str]], config, max_restarts: int) -> int:
+    """Run the replica launches under a ReplicaSupervisor until the run ends; its exit status."""
+    # A replica started again near the end may outlive the others by the time it needs to heal and see the end.
+    linger = config.end_linger_seconds + config.sync_grace_seconds + 15
+    return ReplicaSupervisor(commands, config.output_dir, max_restarts, linger_seconds=linger).run()
 
 
 class ReplicaSupervisor:
@@ -142,10 +266,7 @@ class ReplicaSupervisor:
     def _note(self, replica: int, **changes) -> None:
         """Record a replica's new state in replicas.json (atomically: the app reads it while it changes)."""
         self.states[replica].update(changes)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        temporary = self.output_dir / (REPLICAS_FILE + ".tmp")
-        temporary.write_text(json.dumps(self.states, indent=1) + "\n")
-        temporary.replace(self.output_dir / REPLICAS_FILE)
+        write_json(self.output_dir / REPLICAS_FILE, self.states, indent=1)
 
     def _end_latecomers(self, processes, codes: list[int | None]) -> None:
         """A replica started again near the end finds no one left to form a round with: once every replica that
@@ -249,11 +370,11 @@ def supervise_run(run_dir: Path) -> int:
 
 def reap_run(run_dir: Path, grace_seconds: float) -> None:
     """Kill the run's supervisor and all its descendants if it outlives the grace period after a stop request."""
-    deadline = time.time() + grace_seconds
-    while time.time() < deadline:
-        if load(run_dir).status not in ACTIVE:
-            return
-        time.sleep(1.0)
+    try:
+        wait_for(lambda: load(run_dir).status not in ACTIVE, grace_seconds, "the run to stop", every=1.0)
+        return
+    except TimeoutError:
+        pass
     run = load(run_dir)
     if run.status in ACTIVE and run.supervisor_pid:
         for pid in [run.supervisor_pid, *_descendants(run.supervisor_pid)]:
@@ -269,6 +390,44 @@ def reap_run(run_dir: Path, grace_seconds: float) -> None:
             current.reason = f"it did not stop within {grace_seconds:.0f} s of Stop and was killed (no checkpoint)."
 
 
+# --- a launched worker's end ----------------------------------------------------------------------------------------
+
+_groups_destroyed = False  # this process destroyed its process groups at its end (a launched worker)
+
+
+def destroy_process_groups() -> None:
+    """Destroy this process's torch.distributed process group, if it has one (a launched worker at its end): a gloo
+    process that exits with its group alive can abort at interpreter shutdown, turning a finished run into a
+    failure."""
+    global _groups_destroyed
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        _groups_destroyed = True
+
+
+def exit_process(code: int | None) -> None:
+    """End the process with `code`. A process of a launch whose work is done (everything saved, its process groups
+    destroyed) leaves without the interpreter's teardown: gloo and FSDP2 keep C++ threads whose destruction at
+    interpreter exit can abort a process that finished its run (SIGABRT, "terminate called without an active
+    exception"), and its launcher would then report a finished run as failed. Output is flushed first."""
+    code = 0 if code is None else code
+    if not _groups_destroyed:
+        sys.exit(code)
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# --- helpers for whoever starts processes ---------------------------------------------------------------------------
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (for a launch's rendezvous; another program could take it before it starts)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -276,9 +435,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def replica_folder(output_dir: str | os.PathLike, replica: int) -> str:
-    """Where replica `replica` of a run started by `hf-diloco launch --replicas N` writes."""
-    return os.path.join(str(output_dir), f"replica-{replica}")
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
+    """Ask `predicate` every `every` seconds until it returns something true, and return that; TimeoutError
+    naming `what` once `timeout` seconds have passed.
+
+    >>> wait_for(lambda: 42, 1, "an answer")
+    42
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(min(every, max(0.0, deadline - time.monotonic())))
 
 
 if __name__ == "__main__":

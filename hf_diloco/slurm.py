@@ -1,4 +1,5 @@
-"""`hf-diloco slurm`: the SLURM batch script of a recipe, written (and with `--submit`, submitted) from one place.
+"""`hf-diloco slurm`: the SLURM batch script of a recipe, checked, written (and with `--submit`, submitted) from one
+place: `check_job` runs the checks `hf-diloco launch` makes, `write` the script, `submit` hands it to sbatch.
 
 torch backend: one job of N nodes. srun starts one `accelerate launch` per node, machine rank = SLURM_NODEID; the
 nodes meet at the job's first node (or `main_address`) on `port`.
@@ -20,8 +21,12 @@ Design choices:
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError, first_line
 
 SCRIPT_NAME = "job.sbatch"
 
@@ -147,3 +152,76 @@ def torchft_script(job: Job) -> str:
 
 def script(job: Job) -> str:
     return torchft_script(job) if job.replicas else torch_script(job)
+
+
+# --- checking, writing and submitting -------------------------------------------------------------------------------
+
+
+def check_job(run, config, accelerate_config: str, nodes: int, replicas: int, first_replica: int) -> int:
+    """The checks `hf-diloco launch` makes before starting anything, for a job of `nodes` nodes (torch backend) or
+    `replicas` array tasks (torchft); returns the processes each node starts. ConfigError in one sentence."""
+    from . import train as training
+
+    if nodes < 1 or replicas < 0 or first_replica < 0:
+        raise ConfigError("--nodes must be 1 or more, --replicas and --first-replica 0 or more.")
+    values = training.check_accelerate_config(accelerate_config, config)
+    per_node = int(values.get("num_processes", 1) or 1) // int(values.get("num_machines", 1) or 1)
+    torchft = config.outer_backend == "torchft"
+    if torchft and not replicas:
+        raise ConfigError("outer_backend torchft runs one job array task per replica: give --replicas N (this "
+                          "site's).")
+    if not torchft and replicas:
+        raise ConfigError("--replicas is for outer_backend torchft; a torch-backend run's replicas are its processes "
+                          "(--nodes times the accelerate config's processes per machine).")
+    if torchft and nodes != 1:
+        raise ConfigError("a torchft replica runs on one node (its replica_group_size processes); scale with "
+                          "--replicas, not --nodes.")
+    group = values["hf_diloco_layout"]["group"]  # replica_group_size, or the config's dp_shard_size × tp_size
+    if torchft and per_node != group:
+        raise ConfigError(f"outer_backend torchft starts one launch per replica of replica_group_size="
+                          f"{group} process(es), but {accelerate_config!r} starts {per_node}; "
+                          f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml.")
+    if not torchft:
+        training.check_accelerate_config(accelerate_config, config, processes=nodes * per_node, machines=nodes, rank=0)
+    training.check_arguments(run, config)
+    training.check_output_dir(config)
+    return per_node
+
+
+def without_output_dir(overrides: list[str]) -> list[str]:
+    """The recipe overrides less any --output_dir (the job is given its absolute output folder once, at the end).
+
+    >>> without_output_dir(["--inner_steps", "5", "--output_dir", "out", "--output_dir=x", "--seed", "1"])
+    ['--inner_steps', '5', '--seed', '1']
+    """
+    kept, skip = [], False
+    for word in overrides:
+        if skip or word.startswith("--output_dir="):
+            skip = False
+            continue
+        skip = word == "--output_dir"
+        if not skip:
+            kept.append(word)
+    return kept
+
+
+def write(job: Job, target: str | Path | None = None) -> Path:
+    """Write the job's script to `target` (default: <output_dir>/slurm/job.sbatch) and make the folder its logs go
+    to; returns where it went."""
+    target = Path(target) if target else Path(job.folder) / SCRIPT_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    Path(job.folder).mkdir(parents=True, exist_ok=True)
+    target.write_text(script(job))
+    return target
+
+
+def submit(target: Path) -> str:
+    """`sbatch` the script; the job id, or ConfigError in one sentence."""
+    try:
+        result = subprocess.run(["sbatch", "--parsable", str(target)], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise ConfigError("sbatch is not on PATH; run `hf-diloco slurm --submit` on a SLURM login node, or submit "
+                          f"{target} there.") from None
+    if result.returncode != 0:
+        raise ConfigError(f"sbatch refused the job: {first_line(result.stderr.strip() or result.stdout.strip())}.")
+    return result.stdout.strip().split(";")[0]
