@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import signal
@@ -40,7 +39,7 @@ from common import REPO, markdown_table, pyplot, run_env, save, skip
 from netns import NamespaceError, star
 
 sys.path.insert(0, str(REPO))
-from hf_diloco.metrics import run_rounds  # noqa: E402
+from hf_diloco.metrics import read_summary, run_rounds  # noqa: E402
 
 REPLICAS = 3
 TORCHFT_RECIPE = REPO / "recipes" / "torchft-3.yaml"
@@ -150,8 +149,7 @@ def run(network, folder: Path, overrides: list[str], plan: list[tuple[float, str
             network.shape(r, None)
             network.cut(r, False)
     rounds = committed(folder)
-    summary = json.loads((folder / "replica-0" / "diloco_summary.json").read_text()) \
-        if (folder / "replica-0" / "diloco_summary.json").exists() else {}
+    summary = read_summary(folder / "replica-0")
     return {"codes": codes, "wall_seconds": wall, "rounds": len(rounds), "tokens": sum(r["tokens"] for r in rounds),
             "eval_loss": summary.get("eval_loss_final"), "digests": [model_digest(folder / f"replica-{r}")
                                                                      for r in range(REPLICAS)],

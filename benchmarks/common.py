@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this tree's hf_diloco, whichever the environment has installed
+from hf_diloco.files import read_json  # noqa: E402
+from hf_diloco.launch import free_port  # noqa: E402, F401  (the benchmarks' rendezvous ports)
+from hf_diloco.metrics import read_summary, read_sync_rounds  # noqa: E402
+
 RECIPE = REPO / "recipes" / "tiny-pretrain.yaml"
 RESULTS = REPO / "benchmarks" / "results"
 BATCH, BLOCK = 8, 256  # the peer task's batch per replica and tokens per block (the recipe's values)
@@ -116,12 +120,6 @@ def overlaps_compute(overrides: list[str]) -> bool:
 
 
 # --- launching runs -----------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(processes: int, overrides: list[str], prefix: list[str] | None = None,
@@ -230,11 +228,10 @@ def run_concurrently(jobs: list[tuple[Path, int, list[str]]], cores: int = os.cp
 
 def read_run(output_dir: Path) -> dict:
     """What a finished run left behind: run_metrics.json, and for DiLoCo the summary and the rounds."""
-    result = {"metrics": json.loads((output_dir / "run_metrics.json").read_text())}
-    summary = output_dir / "diloco_summary.json"
-    if summary.exists():
-        result["summary"] = json.loads(summary.read_text())
-        result["rounds"] = [json.loads(line) for line in (output_dir / "sync_rounds.jsonl").read_text().splitlines()]
+    result = {"metrics": read_json(output_dir / "run_metrics.json")}
+    summary = read_summary(output_dir)
+    if summary:
+        result["summary"], result["rounds"] = summary, read_sync_rounds(output_dir)
     return result
 
 
@@ -269,6 +266,22 @@ def parameter_hash(model_dir: Path) -> str:
 def spread(values: list[float]) -> dict:
     """Median and [min, max] of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
+
+
+def spread_errors(spreads: list[dict], scale: float = 1.0) -> list[list[float]]:
+    """The [below, above] distances from each spread's median to its min and max, as matplotlib's xerr/yerr take
+    them (times `scale`, e.g. 100 for percentages)."""
+    return [[scale * (s["median"] - s["min"]) for s in spreads], [scale * (s["max"] - s["median"]) for s in spreads]]
+
+
+def spread_bars(labels: list[str], spreads: list[dict], colors: list[str], ylabel: str, title: str,
+                size: tuple[float, float]):
+    """A bar per spread at its median, with [min, max] error bars; returns (figure, axes)."""
+    fig, ax = pyplot().subplots(figsize=size)
+    ax.bar(labels, [s["median"] for s in spreads], yerr=spread_errors(spreads), capsize=4, color=colors)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig, ax
 
 
 def show(s: dict, pattern: str = "{:,.0f}") -> str:

@@ -26,7 +26,6 @@ row also gives the mean bytes a replica sent per round, to compare the backends 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -36,7 +35,9 @@ import time
 from pathlib import Path
 
 import psutil
-from common import RECIPE, REPO, markdown_table, pyplot, run_env, save, skip
+from common import RECIPE, REPO, free_port, markdown_table, pyplot, run_env, save, skip
+
+from hf_diloco.metrics import read_summary, run_rounds
 
 PACED = str(Path(__file__).resolve().parent / "paced.py")
 REPLICAS = 3
@@ -46,21 +47,6 @@ VARIANTS = {
     "int4-ef-streaming": ["--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
                           "--sync_delay", "2"],
 }
-
-
-def rounds_of(folder: Path) -> list[dict]:
-    """The run's rounds, one per round number: a torch run's own file, or the union of a torchft run's replicas."""
-    files = [folder / "sync_rounds.jsonl"] if (folder / "sync_rounds.jsonl").exists() else \
-        sorted(folder.glob("replica-*/sync_rounds.jsonl"))
-    by_round: dict[int, dict] = {}
-    for path in files:
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a half-written last line of a live run
-            by_round.setdefault(record["round"], record)
-    return [by_round[k] for k in sorted(by_round)]
 
 
 def pid_of_replica(folder: Path, backend: str, replica: int) -> int | None:
@@ -92,7 +78,7 @@ class Killer(threading.Thread):
     def run(self) -> None:
         target = self.every
         while not self.done.is_set() and target < self.total:
-            rounds = rounds_of(self.folder)
+            rounds = run_rounds(self.folder)
             members = rounds[-1].get("members", []) if rounds else []
             present = not members or {"replica": 2, "participated": False} not in members
             if rounds and rounds[-1]["round"] >= target and present:
@@ -114,19 +100,10 @@ def command(backend: str, folder: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, *train]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int,
         round_seconds: float = 0.0) -> dict:
     """One launch of a scenario, as a user would start it; returns its measurements."""
-    from hf_diloco.launch import ReplicaSupervisor, run_with_restarts, start_lighthouse
-    from hf_diloco.torchft_backend import replica_overrides
+    from hf_diloco.launch import ReplicaSupervisor, replica_overrides, run_with_restarts, start_lighthouse
 
     env_before = dict(os.environ)
     os.environ.update(run_env(1))
@@ -158,9 +135,9 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
     wall = time.perf_counter() - started
     if code != 0:
         sys.exit(f"goodput: the {backend} {scenario} run failed (exit {code}); its output is above.")
-    rounds = rounds_of(folder)
+    rounds = run_rounds(folder)
     lead = folder if backend == "torch" else folder / "replica-0"
-    summary = json.loads((lead / "diloco_summary.json").read_text())
+    summary = read_summary(lead)
     members = [m for r in rounds for m in r.get("members", []) if m.get("participated")]
     slow_steps = [m["steps"] for m in members if m["replica"] == 2]
     fast_steps = [m["steps"] for m in members if m["replica"] != 2]

@@ -26,13 +26,13 @@ from common import (
     add_variant_arguments,
     loop_tokens_per_second,
     markdown_table,
-    pyplot,
     read_run,
     run_training,
     save,
     selected_variants,
     show,
     spread,
+    spread_bars,
     train_command,
 )
 
@@ -103,17 +103,13 @@ def main() -> None:
 
 
 def plot(summary: dict, variants: dict):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = ["replicas alone", *(f"DiLoCo {name}" for name in variants)]
     spreads = [summary["alone"], *(summary[name]["tokens_per_second"] for name in variants)]
-    medians = [s["median"] for s in spreads]
-    errors = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
-    ax.bar(labels, medians, yerr=errors, capsize=4, color=["#888", *["#1f77b4"] * len(variants)])
-    ax.axhline(0.98 * medians[0], color="#d62728", linestyle="--", label="98% target")
-    ax.set_ylabel("tokens/s, both replicas (median, [min, max])")
+    fig, ax = spread_bars(labels, spreads, ["#888", *["#1f77b4"] * len(variants)],
+                          "tokens/s, both replicas (median, [min, max])",
+                          "DiLoCo vs the same replicas alone, no link limit", size=(7, 3.5))
+    ax.axhline(0.98 * spreads[0]["median"], color="#d62728", linestyle="--", label="98% target")
     ax.legend()
-    ax.set_title("DiLoCo vs the same replicas alone, no link limit")
     return fig
 
 

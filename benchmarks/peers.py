@@ -15,7 +15,6 @@ Needs torchft: pip install -e '.[bench]' (torchft==0.2.0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -36,7 +35,10 @@ from common import (
     show,
     skip,
     spread,
+    spread_errors,
 )
+
+from hf_diloco.files import read_json
 
 PEERS = REPO / "benchmarks" / "peers"
 OURS, TORCHFT = "hf-diloco DiLoCoTrainer", "torchft DiLoCo 0.2.0"
@@ -49,7 +51,7 @@ def run_peer(peer: str, out: Path, overrides: list[str], lighthouse: str = "-") 
                str(free_port()), str(PEERS / "in_trainer.py"), peer, lighthouse, str(out / "peer.json"),
                "--output_dir", str(out), "--disable_tqdm", "true", *overrides]
     Processes([command]).wait()
-    numbers = json.loads((out / "peer.json").read_text())
+    numbers = read_json(out / "peer.json")
     metrics = {"metrics": {"train_runtime": numbers["train_runtime"], "global_step": numbers["global_step"]}}
     return {"tokens_per_second": loop_tokens_per_second(metrics, 2), "eval_loss": numbers["eval_loss"],
             "parameter_hash": parameter_hash(out)}
@@ -142,8 +144,7 @@ def plot(results: dict):
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, numbers in results.items():
         tps = numbers["tokens_per_second"]
-        ax.errorbar(tps["median"], numbers["eval_loss"], xerr=[[tps["median"] - tps["min"]],
-                                                              [tps["max"] - tps["median"]]], fmt="o", capsize=3)
+        ax.errorbar(tps["median"], numbers["eval_loss"], xerr=spread_errors([tps]), fmt="o", capsize=3)
         ax.annotate(name, (tps["median"], numbers["eval_loss"]), xytext=(5, 3), textcoords="offset points",
                     fontsize=8)
     ax.set_xlabel("tokens/s (both replicas, loop wall time; median, [min, max])")

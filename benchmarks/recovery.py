@@ -13,7 +13,6 @@ wall time of the whole launch against the undisturbed one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,10 @@ from pathlib import Path
 
 import psutil
 from common import RECIPE, REPO, markdown_table, run_env, save, show, spread
+
+from hf_diloco.files import read_json
+from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.runs import PROGRESS_FILE
 
 CONFIG = REPO / "accelerate_configs" / "cpu-2proc.yaml"
 
@@ -37,8 +40,8 @@ def launch(folder: Path, steps: int, inner: int) -> list[str]:
 
 def progress_step(folder: Path) -> int:
     try:
-        return int(json.loads((folder / "progress.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
+        return int(read_json(folder / PROGRESS_FILE, {}).get("step", -1))
+    except (ValueError, TypeError):  # a damaged file (DamagedFile is a ValueError) or a step that is not a number
         return -1
 
 
@@ -73,7 +76,7 @@ def one_launch(folder: Path, steps: int, inner: int, kill_at: int | None) -> dic
     wall = time.perf_counter() - started
     if process.returncode != 0:
         sys.exit(f"recovery: the launch failed (exit {process.returncode}).")
-    rounds = [json.loads(line) for line in (folder / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = read_sync_rounds(folder)
     resumed = [r for r in rounds if r.get("resumed_from")]
     return {"wall_seconds": wall, "killed": killed_at is not None,
             "steps_lost": resumed[0]["steps_lost"] if resumed else None, "resumed_after_seconds": resumed_after}

@@ -38,11 +38,11 @@ from common import (
     free_port,
     loop_tokens_per_second,
     markdown_table,
-    pyplot,
     read_run,
     save,
     show,
     spread,
+    spread_bars,
     train_command,
 )
 
@@ -178,15 +178,10 @@ def main() -> None:
 
 
 def plot(summary: dict):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.5))
     labels = list(summary)
-    spreads = [summary[name]["tokens_per_second"] for name in labels]
-    medians = [s["median"] for s in spreads]
-    errors = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
-    ax.bar(labels, medians, yerr=errors, capsize=4, color=["#888", "#1f77b4", "#ff7f0e"][: len(labels)])
-    ax.set_ylabel("tokens/s, 4 processes (median, [min, max])")
-    ax.set_title("2 replicas x 2 processes: FSDP2 and tensor parallel against DDP inside")
+    fig, _ = spread_bars(labels, [summary[name]["tokens_per_second"] for name in labels],
+                         ["#888", "#1f77b4", "#ff7f0e"][: len(labels)], "tokens/s, 4 processes (median, [min, max])",
+                         "2 replicas x 2 processes: FSDP2 and tensor parallel against DDP inside", size=(8, 3.5))
     return fig
 
 

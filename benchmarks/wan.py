@@ -54,6 +54,7 @@ from common import (
     show,
     skip,
     spread,
+    spread_errors,
     train_command,
 )
 from netns import BURST_BYTES, NamespaceError, shape, two_hosts
@@ -288,7 +289,7 @@ def plot(rows: list[dict]):
                 continue
             x, u = j + i * width, row["utilisation"]
             ax.bar(x, u["median"] * 100, width, color=f"C{i}", label=variant if j == 0 else None,
-                   yerr=[[100 * (u["median"] - u["min"])], [100 * (u["max"] - u["median"])]], capsize=3)
+                   yerr=spread_errors([u], scale=100), capsize=3)
             ax.plot([x - width / 2, x + width / 2], [row["best_utilisation"]["median"] * 100] * 2, color="black",
                     linewidth=2, label="best the link allows" if i == j == 0 else None)
     ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(links))], [LABELS[k] for k in links])

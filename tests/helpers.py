@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from hf_diloco.launch import free_port, wait_for  # noqa: F401  (what every test starts and watches processes with)
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CPU_2PROC = REPO / "accelerate_configs" / "cpu-2proc.yaml"
@@ -14,12 +15,6 @@ ACCELERATE_CPU_4PROC = REPO / "accelerate_configs" / "cpu-4proc.yaml"
 # The name of the all-gather into one tensor that hf_diloco.comm.gather_into calls on this torch.
 GATHER = "all_gather_single" if hasattr(__import__("torch.distributed").distributed, "all_gather_single") \
     else "all_gather_into_tensor"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:
@@ -64,19 +59,6 @@ def pattern_dataset(n: int = 64, length: int = 16, vocab: int = 64):
 
     blocks = pattern_blocks(n, length, vocab)
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
-
-
-def wait_for(predicate, timeout: float, what: str, every: float = 1.0):
-    """Poll `predicate` until it returns something true, and return that; fail after `timeout` seconds."""
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def replica_training_pid(output_dir: Path, replica: int) -> int | None:
