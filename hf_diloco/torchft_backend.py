@@ -29,7 +29,6 @@ Design choices:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import pickle
 import socket
@@ -39,9 +38,9 @@ from datetime import timedelta
 import torch
 
 from .backends import RoundStart
+from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .errors import ConfigError, RunError, first_line
-from .launch import replica_folder
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -52,20 +51,8 @@ MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", 
                  "quorum_seconds", "stop_requested", "non_finite", "last", "digest")
 # Columns of the table that steer the round but are not part of the record.
 UNRECORDED = ("last", "digest")
-NO_LIGHTHOUSE = ("outer_backend torchft needs a Lighthouse: pass --lighthouse http://HOST:PORT (start one with "
-                 "`hf-diloco lighthouse`) or set TORCHFT_LIGHTHOUSE.")
 # The local numbers of a replica that brings no progress to a round (it only hands over the final model).
 NOTHING_TRAINED = {"steps": 0, "tokens": 0, "loss_sum": 0.0, "compute_seconds": 0.0, "stop_requested": False}
-INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
-
-
-def require_torchft():
-    """The torchft module, or one sentence telling how to install it."""
-    try:
-        import torchft
-    except ImportError:
-        raise ConfigError(INSTALL_HINT) from None
-    return torchft
 
 
 def staleness_weight(tokens: int, staleness: int) -> float:
@@ -568,37 +555,3 @@ class TorchftRounds:
             self.manager.shutdown(wait=False)
         except Exception as error:  # noqa: BLE001 (leaving: nothing to recover)
             logger.debug("torchft manager shutdown: %s", error)
-
-
-def check_torchft(config) -> None:
-    """What outer_backend torchft does not combine with, in one sentence each."""
-    if config.outer_backend != "torchft":
-        return
-    if config.min_replicas < 1:
-        raise ConfigError(f"min_replicas must be at least 1, got {config.min_replicas!r}.")
-    if not 0 <= config.replica_id < max(config.num_replicas, 1):
-        raise ConfigError(f"replica_id must be in [0, num_replicas={config.num_replicas}), got {config.replica_id}.")
-    if not config.sync_grace_seconds >= 0:
-        raise ConfigError(f"sync_grace_seconds must be 0 or more, got {config.sync_grace_seconds!r}.")
-    if not config.end_linger_seconds >= 0:
-        raise ConfigError(f"end_linger_seconds must be 0 or more, got {config.end_linger_seconds!r}.")
-    if config.round_seconds < 0 or not math.isfinite(config.round_seconds):
-        raise ConfigError(f"round_seconds must be 0 (off) or a positive number, got {config.round_seconds!r}.")
-
-
-def require_lighthouse(config) -> None:
-    """A replica about to train needs a Lighthouse address (`hf-diloco launch --replicas` passes its own)."""
-    if config.outer_backend == "torchft" and not (config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
-        raise ConfigError(NO_LIGHTHOUSE)
-
-
-# --- starting replicas ----------------------------------------------------------------------------------------------
-
-
-def replica_overrides(overrides: list[str], replica: int, replicas: int, lighthouse: str, output_dir: str,
-                      on_this_machine: bool = False) -> list[str]:
-    """The recipe overrides of one replica (later flags win, so these come last). `on_this_machine`: the run's
-    Lighthouse and every replica are here, so each replica's healing server listens on loopback only."""
-    local = ["--replica_address", "127.0.0.1"] if on_this_machine else []
-    return [*overrides, "--outer_backend", "torchft", "--replica_id", str(replica), "--num_replicas", str(replicas),
-            "--lighthouse", lighthouse, "--output_dir", replica_folder(output_dir, replica), *local]
