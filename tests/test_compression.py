@@ -115,15 +115,15 @@ def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path)
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 
 
-def test_several_buckets_give_the_same_bits_as_one(tmp_path):
-    """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings)."""
-    one, many = tmp_path / "one", tmp_path / "many"
-    one.mkdir(), many.mkdir()
-    launch(one, inner_steps=5, max_steps=10)
-    ranks = launch(many, inner_steps=5, max_steps=10, sync_bucket_mb=0.01)  # 2,621 values a bucket
-    assert read_sync_rounds(many / "run")[0]["collectives"] > 3
+def test_several_buckets_give_the_same_bits_as_one(tmp_path, paper_run):
+    """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings, H = 5,
+    12 steps; the one-bucket run is the session's paper run, tests/conftest.py)."""
+    one, _ = paper_run
+    assert read_sync_rounds(one / "run")[0]["collectives"] == 1
+    ranks = launch(tmp_path, inner_steps=5, max_steps=12, sync_bucket_mb=0.01)  # 2,621 values a bucket
+    assert read_sync_rounds(tmp_path / "run")[0]["collectives"] > 3
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    first, second = torch.load(one / "final.pt"), torch.load(many / "final.pt")
+    first, second = torch.load(one / "final.pt"), torch.load(tmp_path / "final.pt")
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
@@ -148,13 +148,30 @@ def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path, final_sy
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory):
+    """tests/scripts/overlap_run.py over a slow link (0.6 s per sync) with slow steps (0.4 s), H = 6, 12 steps:
+    `run(sync_delay, final_sync)` launches it the first time a test asks for those settings and returns (folder,
+    every rank's record). The staggered-end and overlap tests below read the same τ = 2 runs."""
+    runs: dict[tuple[int, str], tuple] = {}
+
+    def run(sync_delay: int, final_sync: str):
+        if (sync_delay, final_sync) not in runs:
+            tmp = tmp_path_factory.mktemp(f"overlap-{sync_delay}-{final_sync}")
+            runs[sync_delay, final_sync] = tmp, launch(tmp, script=OVERLAP_RUN, sync_delay=sync_delay,
+                                                       comm_sleep=0.6, step_sleep=0.4, final_sync=final_sync)
+        return runs[sync_delay, final_sync]
+
+    return run
+
+
 @pytest.mark.parametrize("final_sync", ["staggered", "blocking"])
-def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(tmp_path, final_sync):
+def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(overlap_runs, final_sync):
     """A slow link (0.6 s per sync), slow steps (0.4 s), τ = 2, H = 6, 12 steps. Staggered: the last sync is
     launched at step 10 and trains on through steps 11 and 12, so the last round keeps the loop waiting for under
     half its exchange. Blocking: the last round is launched at step 12 and the loop waits for all of it."""
-    launch(tmp_path, script=OVERLAP_RUN, sync_delay=2, comm_sleep=0.6, step_sleep=0.4, final_sync=final_sync)
-    rounds = read_sync_rounds(tmp_path / "run")
+    tmp, _ = overlap_runs(2, final_sync)
+    rounds = read_sync_rounds(tmp / "run")
     last = rounds[-1]
     assert last["step"] == 12
     if final_sync == "staggered":
@@ -166,12 +183,13 @@ def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(tmp_path, fina
 
 
 @pytest.mark.parametrize("sync_delay", [0, 2])
-def test_overlapped_sync_does_not_make_the_inner_loop_wait(tmp_path, sync_delay):
+def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_delay):
     """A slow link (0.6 s per sync) and slow steps (0.4 s each). Blocking (τ = 0): the inner loop waits for the
     whole sync. τ = 2: the next steps end while the sync is still in flight, and the time the loop was blocked is
-    a fraction of the sync's duration."""
-    ranks = launch(tmp_path, script=OVERLAP_RUN, sync_delay=sync_delay, comm_sleep=0.6, step_sleep=0.4)
-    rounds = read_sync_rounds(tmp_path / "run")
+    a fraction of the sync's duration. The first round is all this reads: τ = 2 reads the staggered-end run above
+    (final_sync auto with τ > 0 is staggered), τ = 0 a run of its own (auto: blocking)."""
+    tmp, ranks = overlap_runs(sync_delay, "staggered" if sync_delay else "auto")
+    rounds = read_sync_rounds(tmp / "run")
     first = rounds[0]
     assert first.get("launch_step", first["step"]) == 6
     for rank in ranks:
@@ -207,15 +225,16 @@ def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
     assert "DDP for the same 50 steps" in result.stdout
 
 
-def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(tmp_path):
+def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(tmp_path, paper_run):
     """F = 1, τ = 0, α = 0, no codec (sequential pattern, all spelled out) runs the streaming machinery with
-    nothing to stream: the replicas end with exactly the bits of the same run with every field at its default."""
-    settings = dict(inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
-    plain = launch(tmp_path / "plain", **settings)
-    neutral = launch(tmp_path / "neutral", **settings, num_fragments=1, sync_delay=0, fragment_alpha=0.0,
-                     fragment_pattern="sequential", compression="none", error_feedback=False)
+    nothing to stream: the replicas end with exactly the bits of the same run with every field at its default (the
+    session's paper run, tests/conftest.py)."""
+    plain_dir, plain = paper_run
+    neutral = launch(tmp_path, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True,
+                     num_fragments=1, sync_delay=0, fragment_alpha=0.0, fragment_pattern="sequential",
+                     compression="none", error_feedback=False)
     assert neutral[0]["digests"] == plain[0]["digests"] == plain[1]["digests"]
-    mine, reference = (torch.load(t / "final.pt") for t in (tmp_path / "neutral", tmp_path / "plain"))
+    mine, reference = (torch.load(t / "final.pt") for t in (tmp_path, plain_dir))
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
 
 

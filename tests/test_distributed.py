@@ -1,6 +1,8 @@
 """Two real replica processes under `accelerate launch` (gloo): the algorithm, checked end to end.
 
-Each test starts tests/scripts/replica_run.py as two processes and reads back what every rank recorded.
+Each test starts tests/scripts/replica_run.py as two processes and reads back what every rank recorded; the tests
+of `paper_run` read one run (paper outer settings, H = 5, 12 steps: rounds end at 5, 10, 12), which
+tests/conftest.py launches once for the session.
 """
 
 import copy
@@ -31,15 +33,6 @@ def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
     result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **settings})], config=config)
     assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
-
-
-@pytest.fixture(scope="module")
-def paper_run(tmp_path_factory):
-    """Paper outer settings (SGD lr 0.7, momentum 0.9, Nesterov), H = 5, 12 steps: rounds end at 5, 10, 12."""
-    tmp = tmp_path_factory.mktemp("paper")
-    ranks = launch_replicas(tmp, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True,
-                            report_to="tensorboard")
-    return tmp, ranks
 
 
 def test_replicas_hold_bit_identical_parameters_after_every_sync(paper_run):
