@@ -31,9 +31,12 @@ def launch(tmp_path, processes: int = 4, config=ACCELERATE_CPU_4PROC, **settings
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
+# Rounds of plain fp32 all-reduces, and rounds of a codec (all-to-all of encoded shards, then all-gather) streamed
+# and overlapped. A blocking int8 round is not run here: it takes streamed int4's exchange, with another quantizer
+# (tests/test_codecs.py) and landing at once, as an fp32 round lands (int8 over a replica's slices:
+# tests/test_compression.py).
 ROUNDS = {
     "fp32": {},
-    "int8": {"compression": "int8"},
     # Streaming: 2 fragments (one every 2 steps), each overlapped with 1 inner step, int4 with error feedback.
     "stream int4+EF": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
                        "inner_steps": 4},
@@ -42,8 +45,8 @@ ROUNDS = {
 
 @pytest.fixture(scope="module", params=list(ROUNDS))
 def layouts(request, tmp_path_factory):
-    """The same 2 x 2 run twice, with fp32 syncs, int8, or streamed int4 with error feedback: FSDP2 inside each
-    replica, and DDP inside."""
+    """The same 2 x 2 run twice, with fp32 syncs or streamed int4 with error feedback: FSDP2 inside each replica,
+    and DDP inside."""
     return request.param, {layout: run_once(tmp_path_factory, layout, request.param) for layout in ("fsdp", "ddp")}
 
 
@@ -60,9 +63,9 @@ def run_once(tmp_path_factory, layout: str, rounds: str):
 
 
 def test_sharded_replicas_end_where_ddp_inside_ends(layouts):
-    """Four rounds or more, with fp32 syncs, int8, and streamed int4 with error feedback on the shards: the same
-    model within 1e-5, whether a replica's two processes shard it or each hold all of it (in both layouts every
-    member syncs the rows FSDP2 gives it, so a codec quantizes the same values)."""
+    """Four rounds or more, with fp32 syncs and streamed int4 with error feedback on the shards (see ROUNDS for why
+    not int8): the same model within 1e-5, whether a replica's two processes shard it or each hold all of it (in
+    both layouts every member syncs the rows FSDP2 gives it, so a codec quantizes the same values)."""
     _, runs = layouts
     sharded = torch.load(runs["fsdp"][0] / "final.pt")
     whole = torch.load(runs["ddp"][0] / "final.pt")
