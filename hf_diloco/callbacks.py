@@ -1,13 +1,18 @@
-"""Trainer callbacks that `hf_diloco.train.train` adds to every run, DiLoCo or baseline.
+"""Trainer callbacks of a run: what the app watches, and the graceful stop.
 
 - `SteadyClock`: steady tokens/s for run_metrics.json.
 - `RunRecorder` (main process only, no collective): `progress.json` with the current step and phase, rewritten at
-  most once a second, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so a baseline
-  `Trainer` run (no sync rounds) is watchable and progress moves between syncs.
-- `StopOnRequest`: a stop file in the output folder (what the app's Stop writes) or SIGUSR1 stops the run after the
-  current round (DiLoCo: the request rides the round's sync, so every replica stops after the same step) or after
-  the current step (plain Trainer), with a checkpoint. Only a stop that happened leaves `stopped.json`, so a run's
-  status never claims a stop that did not take place.
+  most once a second while training, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so
+  a baseline `Trainer` run (no sync rounds) is watchable and progress moves between syncs.
+- `StopOnRequest`: a stop file in the output folder (what the app's Stop writes) or `request()` (what SIGUSR1,
+  SIGTERM and SIGINT call, through hf_diloco.trainer.graceful_stop_signals) stops the run after the current round
+  (DiLoCo: the request rides the round's sync, so every replica stops after the same step) or after the current
+  step (plain Trainer), with a checkpoint. Only a stop that happened leaves `stopped.json`, so a run's status never
+  claims a stop that did not take place.
+
+`hf_diloco.train.train` adds `SteadyClock` and `RunRecorder` to every run, DiLoCo or baseline, and a
+`StopOnRequest` to the `trainer: ddp` baseline's plain Trainer; every `DiLoCoTrainer` adds its own `StopOnRequest`
+(hf_diloco.trainer), so a trainer used from Python stops the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .errors import DamagedFile
+from .files import read_json, write_json
 from .runs import PROGRESS_FILE, STOP_FILE, STOPPED_FILE, TRAINER_LOG_FILE
 
 
@@ -44,12 +51,6 @@ class SteadyClock(TrainerCallback):
                 / seconds}
 
 
-def _write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value) + "\n")
-    temporary.replace(path)  # readers never see half a file
-
-
 class RunRecorder(TrainerCallback):
     """Writes the run's step and Trainer's logs where the app can read them; main process only, no collective.
 
@@ -68,17 +69,16 @@ class RunRecorder(TrainerCallback):
         if not force and now - self.last_write < self.min_interval:
             return
         self.last_write = now
-        self.folder.mkdir(parents=True, exist_ok=True)
         if state is not None:
             step, total = state.global_step, state.max_steps
         else:  # before training: the step reached so far stays (a restarted run measures what it lost from it)
             try:
-                previous = json.loads((self.folder / PROGRESS_FILE).read_text())
-            except (OSError, ValueError):
+                previous = read_json(self.folder / PROGRESS_FILE, {})
+            except DamagedFile:  # rewritten below in any case
                 previous = {}
             step, total = previous.get("step", 0), previous.get("max_steps")
-        _write_json(self.folder / PROGRESS_FILE, {"phase": phase, "step": step, "max_steps": total, "time": now,
-                                                  **self.extra})
+        write_json(self.folder / PROGRESS_FILE, {"phase": phase, "step": step, "max_steps": total, "time": now,
+                                                 **self.extra}, indent=None)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
@@ -106,14 +106,15 @@ class RunRecorder(TrainerCallback):
 
 
 class StopOnRequest(TrainerCallback):
-    """Stops training when `<output_dir>/stop.request` appears or `request()` is called (e.g. from SIGUSR1).
+    """Stops training when `<output_dir>/stop.request` appears or `request()` is called (e.g. from a SIGUSR1, SIGTERM
+    or SIGINT handler).
 
-    DiLoCo (`attach(trainer.diloco.request_stop)`): the request is handed to the outer loop, which sends it with
-    the round's sync; all replicas stop after the same step and save a checkpoint. Plain `Trainer`: the replicas'
-    flags are combined with a one-float all-reduce per step (the DDP baseline all-reduces its gradients every step
-    anyway), then the step's checkpoint is saved and training ends. A request made before training starts is
-    honoured at the first step. When the stop has happened, the main process writes `stopped.json` (step and
-    checkpoint) and removes the request.
+    DiLoCo (every `DiLoCoTrainer` adds its own and attaches it to its outer loop): the request is handed to the
+    outer loop, which sends it with the round's sync; all replicas stop after the same step and save a checkpoint.
+    Plain `Trainer`: the replicas' flags are combined with a one-float all-reduce per step (the DDP baseline
+    all-reduces its gradients every step anyway), then the step's checkpoint is saved and training ends. A request
+    made before training starts is honoured at the first step. When the stop has happened, the main process writes
+    `stopped.json` (step, checkpoint and time); at the end of training it removes the request file in any case.
     """
 
     def __init__(self, output_dir: str):
@@ -174,8 +175,8 @@ class StopOnRequest(TrainerCallback):
                 state.global_step if self.requested and state.global_step < state.max_steps else None)
         if self.stopped_at is not None:
             checkpoint = self.saved if self.saved == f"checkpoint-{self.stopped_at}" else None
-            _write_json(self.folder / STOPPED_FILE, {"step": self.stopped_at, "checkpoint": checkpoint,
-                                                     "time": time.time()})
+            write_json(self.folder / STOPPED_FILE, {"step": self.stopped_at, "checkpoint": checkpoint,
+                                                    "time": time.time()}, indent=None)
         try:
             os.remove(self.folder / STOP_FILE)
         except FileNotFoundError:

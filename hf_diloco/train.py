@@ -19,7 +19,6 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from .errors import ConfigError, first_line
+from .files import write_json
 
 if TYPE_CHECKING:  # importing them pulls in torch and transformers, which `hf-diloco app` never needs
     from .config import DiLoCoConfig, RunArguments
@@ -444,9 +444,7 @@ def write_run_config(output_dir: str, run: RunArguments, config: DiLoCoConfig) -
     """`run_config.json`: the model/data arguments and the settings the model card shows (no tokens)."""
     from .hub import RUN_CONFIG_FILE, run_settings
 
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    settings = run_settings(config, run)
-    (Path(output_dir) / RUN_CONFIG_FILE).write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    write_json(Path(output_dir) / RUN_CONFIG_FILE, run_settings(config, run))  # every value is plain (hub._plain)
 
 
 def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
@@ -464,4 +462,4 @@ def write_run_metrics(output_dir: str, trainer, train_metrics: dict) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports kB
         **train_metrics,
     }
-    (Path(output_dir) / RUN_METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    write_json(Path(output_dir) / RUN_METRICS_FILE, metrics)

@@ -26,7 +26,6 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -45,6 +44,7 @@ from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
+from .files import read_json, write_json
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
@@ -246,8 +246,7 @@ class DiLoCoTrainer(Trainer):
 
             path = Path(self.args.output_dir) / RUN_CONFIG_FILE
             if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(trainer_settings(self), indent=2, default=str) + "\n")
+                write_json(path, trainer_settings(self))
         with graceful_stop_signals(self.request_stop) if self.stop_signals else contextlib.nullcontext():
             return super().train(*args, **kwargs)
 
@@ -360,8 +359,8 @@ class DiLoCoTrainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         self.diloco.resumed_from = str(checkpoint)
         progress = Path(self.args.output_dir) / PROGRESS_FILE  # the step the interrupted run had reached
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            self.diloco.reached_before_resume = int(json.loads(progress.read_text())["step"])
+        with contextlib.suppress(OSError, ValueError, KeyError):  # missing or damaged (DamagedFile): not known
+            self.diloco.reached_before_resume = int(read_json(progress)["step"])
         replica_file = replica_dir / REPLICA_STATE_FILE
         self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
         outer_file = (checkpoints.part_dir(checkpoint, self.comm.member) if self.comm.sharded
