@@ -3,7 +3,6 @@ auto`, and torchelastic's automatic restart (`--max_restarts`), with real 2-proc
 the tiny Llama (gloo).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -13,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, wait_for
 from safetensors.torch import load_file
 
 from hf_diloco import checkpoints
+from hf_diloco.files import read_json
 from hf_diloco.metrics import read_sync_rounds
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
@@ -40,13 +40,6 @@ def finish(process: subprocess.Popen, timeout: int = 400) -> str:
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
     return out
-
-
-def wait_for(condition, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out waiting"
-        time.sleep(0.2)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +67,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     checkpoint-10, and ends with the model of a run that was never interrupted (1e-5)."""
     out, saving = tmp_path / "run", tmp_path / "saving"
     run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 120, 10)])
-    wait_for(saving.exists)
+    wait_for(saving.exists, 300, "the slow save of checkpoint-20 to begin", every=0.2)
     # torchelastic starts each worker in a session of its own: the launcher's group, then every worker.
     workers = subprocess.run(["pgrep", "-f", f"{SLOW_SAVE} .*{out}"], capture_output=True, text=True).stdout.split()
     os.killpg(run.pid, signal.SIGKILL)
@@ -140,23 +133,27 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
 
 
 def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, uninterrupted):
-    """`hf-diloco launch --max-restarts 1`: SIGKILL one replica in the middle of a round; the launcher starts
-    both processes again, they find the newest complete checkpoint without any flag, lose the steps of the round
-    in flight and no more, and end with an uninterrupted run's model."""
+    """`hf-diloco launch --max-restarts 1`: SIGKILL one replica in the middle of a round (the one after a round's
+    checkpoint past step 30); the launcher starts both processes again, they find the newest complete checkpoint
+    without any flag, lose the steps of the round in flight and no more, and end with an uninterrupted run's
+    model."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
                str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
                *train_args(out, 120, 10)[3:]]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
                            start_new_session=True)
-    def mid_round_step() -> int:  # the main process records its step after every step (progress.json)
-        try:
-            step = json.loads((out / "progress.json").read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            return 0
-        return step if 30 < step and step % 10 >= 3 else 0
 
-    wait_for(mid_round_step)
+    def checkpoint_past_step_30() -> bool:
+        if run.poll() is not None:
+            raise AssertionError(f"the launch ended before the kill: {finish(run)[-2000:]}")
+        newest = checkpoints.newest_complete(out)
+        return newest is not None and checkpoints.step_of(newest) > 30
+
+    # Every run passes this point and the checkpoint stays, so no machine, however loaded, can miss it (a round of
+    # the tiny model takes a fraction of a second, and progress.json, rewritten at most once a second, can skip
+    # every mid-round step). Asked often and acted on at once, the kill lands in the next round's inner steps.
+    wait_for(checkpoint_past_step_30, 400, "a complete checkpoint past step 30", every=0.05)
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
     pids = [int(pid) for pid in workers.stdout.split()]
     launcher = subprocess.run(["pgrep", "-f", f"accelerate.commands.launch.*{out}"], capture_output=True, text=True)
@@ -171,7 +168,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10, resumed
 
     assert_same_model(out, uninterrupted)
-    assert json.loads((out / "diloco_summary.json").read_text())["steps"] == 120
+    assert read_json(out / "diloco_summary.json")["steps"] == 120
 
 
 def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_checkpoint(tmp_path):
@@ -179,14 +176,14 @@ def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_chec
     round's sync, every replica stops after the same step, the checkpoint is saved and the run exits 0."""
     out = tmp_path / "run"
     run = launch(["-m", "hf_diloco.cli", *train_args(out, 400, 10)])
-    wait_for(lambda: (out / "checkpoint-20").exists())
+    wait_for(lambda: (out / "checkpoint-20").exists(), 300, "checkpoint-20", every=0.2)
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
     launcher = subprocess.run(["pgrep", "-f", f"accelerate.commands.launch.*{out}"], capture_output=True, text=True)
     worker = max({int(pid) for pid in workers.stdout.split()} - {int(pid) for pid in launcher.stdout.split()})
     os.kill(worker, signal.SIGTERM)
     stdout = finish(run)
     assert "SIGTERM: stopping at the end of this round" in stdout
-    stopped = json.loads((out / "stopped.json").read_text())
+    stopped = read_json(out / "stopped.json")
     last = read_sync_rounds(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert (out / f"checkpoint-{last}").is_dir()
@@ -201,14 +198,14 @@ def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_pa
                str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
                *train_args(out, 400, 10)[3:]]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
-    wait_for(lambda: (out / "checkpoint-20").exists())
+    wait_for(lambda: (out / "checkpoint-20").exists(), 300, "checkpoint-20", every=0.2)
     run.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     run.send_signal(signal.SIGTERM)
     stdout = finish(run)
     assert stdout.count("SIGTERM: stopping at the end of this round") == 2, stdout[-3000:]  # one per replica
     assert "restart" not in stdout
-    stopped = json.loads((out / "stopped.json").read_text())
+    stopped = read_json(out / "stopped.json")
     last = read_sync_rounds(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert stopped["checkpoint"] == f"checkpoint-{last}" and (out / stopped["checkpoint"]).is_dir()
@@ -220,7 +217,7 @@ def test_the_same_signal_again_after_5_seconds_stops_at_once(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", *train_args(out, 100_000, 100_000)]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
-    wait_for(lambda: (out / "progress.json").exists() and json.loads((out / "progress.json").read_text())["step"] > 2)
+    wait_for(lambda: read_json(out / "progress.json", {}).get("step", 0) > 2, 300, "step 3", every=0.2)
     run.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     run.send_signal(signal.SIGTERM)  # within 5 s: the same request
