@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from app_helpers import TINY_YAML, app_server, knobs
 from gradio_client import Client
-from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid
+from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid, wait_for
 
 from hf_diloco import runs
 from hf_diloco.metrics import read_sync_rounds
@@ -57,16 +57,6 @@ def open_form(browser, url: str, recipe: str):
     return page
 
 
-def wait_until(check, timeout: float, what: str, every: float = 0.5):
-    deadline = time.time() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.time() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(every)
-
-
 # What the page draws, read from the plots' SVG (Plotly draws each line trace as one path.js-line, each marker as a
 # path in .points, each bar as a .point in .barlayer); colours come back as #rrggbb.
 LINES = """id => [...document.querySelectorAll(`#${id} .scatterlayer .trace path.js-line`)]
@@ -95,7 +85,7 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         page.locator("#form-message").get_by_text("max steps must be at least 1").wait_for(timeout=10_000)
         fill(page, "knob-max_steps", "400")
         fill(page, "knob-inner_steps", "5")
-        wait_until(lambda: "Cannot start" not in page.locator("#form-message").inner_text(), 10, "the check to pass")
+        wait_for(lambda: "Cannot start" not in page.locator("#form-message").inner_text(), 10, "the check to pass")
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "app-launch.png"), full_page=True)
@@ -112,11 +102,11 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
                 steps.add(int(text.split("step ")[1].split("/")[0]))
             return f"round {n} " in text or any(f"round {k} " in text for k in range(n, n + 50))
 
-        wait_until(lambda: rounds_drawn(3), 240, "three sync rounds in the status bar", every=0.3)
+        wait_for(lambda: rounds_drawn(3), 240, "three sync rounds in the status bar", every=0.3)
         # The held-out loss (eval_steps 50) is a series that appears later, on the open page.
         held_out = "#111827"
-        wait_until(lambda: rounds_drawn(11) and held_out in page.evaluate(LINES, "loss-plot"), 240,
-                   "the held-out loss line", every=0.3)
+        wait_for(lambda: rounds_drawn(11) and held_out in page.evaluate(LINES, "loss-plot"), 240,
+                 "the held-out loss line", every=0.3)
         lines = page.evaluate(LINES, "loss-plot")
         logged = "#93c5fd"  # the loss Trainer logs every logging_steps, between rounds
         assert {"#2563eb", "#ea580c", held_out, logged} <= set(lines), f"replicas, held-out, logged: {lines}"
@@ -130,7 +120,7 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         assert {page.evaluate(DRAWN_BY, f"{name}-plot") for name in ("loss", "bytes", "norm", "agreement", "time")} \
             == {"plotly"}, "every figure on the page is drawn by one library"
         assert any(step % 5 for step in steps), f"progress moves between syncs, not once per round: {steps}"
-        wait_until(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 10, "the log to show its newest line")
+        wait_for(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 10, "the log to show its newest line")
         page.screenshot(path=str(ARTIFACTS / "app-live.png"), full_page=True)
 
         page.click("#stop")
@@ -202,7 +192,7 @@ def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(brows
                                  api_name="/start")[0]
         assert message.startswith("Started"), message
         (run,) = runs.list_runs(runs_dir)
-        wait_until(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
+        wait_for(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url)
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'failed'", timeout=60_000)
@@ -222,8 +212,8 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
         page = open_form(browser, url, "torchft-3.yaml")
-        wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
-                   "the torchft replica config to be chosen")
+        wait_for(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
+                 "the torchft replica config to be chosen")
         fill(page, "knob-replicas", "2")
         fill(page, "knob-inner_steps", "5")
         fill(page, "knob-max_steps", "400")
@@ -235,7 +225,7 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         page.get_by_role("tab", name="Live").click()
         assert page.locator("#membership").count() == 0, "no membership table before the first round"
         rows = page.locator("#membership .virtual-row")
-        wait_until(lambda: page.locator("#membership").count() and rows.count() >= 2, 120, "two membership rows")
+        wait_for(lambda: page.locator("#membership").count() and rows.count() >= 2, 120, "two membership rows")
         headers = page.locator("#membership thead").inner_text()
         assert "replica 0" in headers and "replica 1" in headers and "replica 2" not in headers, headers
         assert rows.first.inner_text().count("✓ 5 steps") == 2, rows.first.inner_text()
@@ -246,11 +236,11 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
                                timeout=90_000)
         (run,) = runs.list_runs(runs_dir)
         recorded = {r["round"] for k in (0, 1) for r in read_sync_rounds(Path(run.output_dir) / f"replica-{k}")}
-        wait_until(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
+        wait_for(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
         assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
         page.reload()  # the form is refilled from the run: its replica count and config
         replicas = page.locator("#knob-replicas input, #knob-replicas textarea").first
-        wait_until(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
+        wait_for(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
         assert page.locator("#config input").input_value() == "torchft-replica.yaml"
     stopped = [json.loads((Path(run.output_dir) / f"replica-{k}" / runs.STOPPED_FILE).read_text()) for k in (0, 1)]
     assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
@@ -281,12 +271,12 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         page.goto(url)
         page.get_by_role("tab", name="Live").click()
         table = page.locator("#replicas")
-        wait_until(lambda: len(read_sync_rounds(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
+        wait_for(lambda: len(read_sync_rounds(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
         pid = replica_training_pid(output, 1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: table.count() and "restarting" in table.inner_text(), 60, "replica 1 shown restarting")
-        wait_until(lambda: "rejoined" in table.inner_text(), 240, "replica 1 shown rejoined")
+        wait_for(lambda: table.count() and "restarting" in table.inner_text(), 60, "replica 1 shown restarting")
+        wait_for(lambda: "rejoined" in table.inner_text(), 240, "replica 1 shown rejoined")
         page.screenshot(path=str(ARTIFACTS / "app-replica-rejoined.png"), full_page=True)
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
                                timeout=300_000)
@@ -345,15 +335,15 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
         page.get_by_role("tab", name="Runs").click()
         # The page opened on the newest run (ddp); a click on another row selects that one.
         page.locator("#runs-table [role=gridcell]").filter(has_text="diloco-H5").first.click()
-        wait_until(lambda: "diloco-H5" in status(page), 20, "the clicked run in the status bar")
-        wait_until(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
-                   "the three runs to end", every=2)
+        wait_for(lambda: "diloco-H5" in status(page), 20, "the clicked run in the status bar")
+        wait_for(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
+                 "the three runs to end", every=2)
         for run in started:
             assert runs.load(run.folder).status == "finished", (run.folder / "run.log").read_text()[-2000:]
         page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
         page.get_by_role("tab", name="Live").click()
-        wait_until(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
-        wait_until(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
+        wait_for(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
+        wait_for(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
         page.get_by_role("tab", name="Compare").click()
         for run in started:
             page.locator("#compare-select input").click()
@@ -361,9 +351,9 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
             page.keyboard.press("Enter")
         page.keyboard.press("Escape")
         page.locator("#compare-table").click()  # close the run list so the figure shows
-        wait_until(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
-        wait_until(lambda: {"#2563eb", "#ea580c", "#16a34a"} <= set(page.evaluate(LINES, "compare-plot")), 30,
-                   "a line per run in its own colour")
+        wait_for(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
+        wait_for(lambda: {"#2563eb", "#ea580c", "#16a34a"} <= set(page.evaluate(LINES, "compare-plot")), 30,
+                 "a line per run in its own colour")
         assert page.evaluate(DRAWN_BY, "compare-plot") == "plotly"
         table = page.locator("#compare-table").inner_text()
         assert "ddp" in table and "fedavg-H5" in table and "diloco-H5" in table
@@ -389,8 +379,8 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_role("tab", name="Live").click()
-        wait_until(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
-                   "a line for each replica of the single round")
+        wait_for(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
+                 "a line for each replica of the single round")
         assert page.evaluate(MARKS, ["norm-plot", "point"]) == 3, "one sync: one visible point per series"
         page.get_by_role("tab", name="Push to Hub").click()
         page.get_by_role("button", name="Preview model card").click()
@@ -417,7 +407,7 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         # The 19M-parameter preset: its start-up (and evaluation on start) lasts long enough to be seen.
         fill(page, "knob-model_name_or_path", "llama-20m")
         name_box = page.locator(NAME_BOX).first
-        wait_until(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default run name in the name box")
+        wait_for(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default run name in the name box")
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=120_000)
         time.sleep(8)  # time between Preview and Start: the run's clock must not count it
@@ -425,12 +415,12 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         for count in (1, 2):
             page.click("#start")
             page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
-            newest = wait_until(lambda n=count: len(runs.list_runs(runs_dir)) == n and runs.list_runs(runs_dir)[0],
-                                20, f"run {count} on disk")
+            newest = wait_for(lambda n=count: len(runs.list_runs(runs_dir)) == n and runs.list_runs(runs_dir)[0],
+                              20, f"run {count} on disk")
             page.click("#stop")
-            wait_until(lambda r=newest: f"Stopping {r.id}" in page.locator("#stop-message").inner_text(), 20,
-                       f"the Stop of {newest.id}")
-            shown = wait_until(lambda r=newest: r.name in status(page) and status(page), 20, "its status bar")
+            wait_for(lambda r=newest: f"Stopping {r.id}" in page.locator("#stop-message").inner_text(), 20,
+                     f"the Stop of {newest.id}")
+            shown = wait_for(lambda r=newest: r.name in status(page) and status(page), 20, "its status bar")
             clocks.append(int(re.findall(r"(\d+)m(\d\d)s", shown)[-1][1]))
         second, first = runs.list_runs(runs_dir)  # newest first
         assert (first.name, second.name) == (NAME, f"{NAME}-2")
@@ -441,30 +431,30 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
             phases.update(p for p in ("loading model and data", "waiting for replicas") if p in text)
             return page.evaluate("document.querySelector('#hfd-status')?.dataset.status") == "stopped"
 
-        wait_until(phase_or_end, 240, "the selected (second) run to stop", every=0.3)
+        wait_for(phase_or_end, 240, "the selected (second) run to stop", every=0.3)
         assert phases, "the status bar shows the start-up phase the run records"
         page.get_by_role("tab", name="Runs").click()
         exactly = re.compile(rf"^\s*{re.escape(first.name)}\s*$")  # not the second run, whose name extends it
         page.locator("#runs-table [role=gridcell]").filter(has_text=exactly).first.click()
-        wait_until(lambda: first.name in status(page) and second.name not in status(page), 20,
-                   "the first run selected")
+        wait_for(lambda: first.name in status(page) and second.name not in status(page), 20,
+                 "the first run selected")
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
                                timeout=240_000)
         page.screenshot(path=str(ARTIFACTS / "app-ddp-stopped.png"), full_page=True)
         page.reload()
         page.get_by_text("Preview command").wait_for(timeout=60_000)
-        wait_until(lambda: page.locator("#knob-max_steps input, #knob-max_steps textarea").first.input_value()
-                   == "400", 30, "the form refilled from the run")
+        wait_for(lambda: page.locator("#knob-max_steps input, #knob-max_steps textarea").first.input_value()
+                 == "400", 30, "the form refilled from the run")
         name_box = page.locator(NAME_BOX).first
-        wait_until(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default name after the reload")
+        wait_for(lambda: name_box.get_attribute("placeholder") == NAME, 20, "the default name after the reload")
         assert name_box.input_value() == ""
         # The runs got rendezvous ports the app chose; the reloaded form leaves them out, so a torchft recipe
         # (whose replicas meet through its Lighthouse, not a port) starts from it.
         assert " --main_process_port " in " ".join(runs.list_runs(runs_dir)[0].command)
         page.locator("#recipe input").click()
         page.get_by_role("option", name="torchft-3.yaml").click()
-        wait_until(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
-                   "the torchft replica config to be chosen")
+        wait_for(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
+                 "the torchft replica config to be chosen")
         page.get_by_text("Distributed settings").click()
         for knob in ("main_process_port", "main_process_ip", "num_machines", "machine_rank"):
             assert page.locator(f"#knob-{knob} input, #knob-{knob} textarea").first.input_value() == "", knob
