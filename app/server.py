@@ -3,7 +3,7 @@
 Layout, top to bottom: the selected run's status and progress (always visible), the run picker with Stop, then
 tabs: Launch (run name, recipe, accelerate config, main knobs, distributed settings, Preview/Start), Live
 (per-replica loss, held-out loss, pseudo-gradient norms, replica agreement, bytes vs DDP on a log scale, sync vs
-compute time, round table, for a torchft run the membership of each round, log tail that follows its newest line),
+compute time, sync table, for a torchft run the membership of each sync, log tail that follows its newest line),
 Runs (every run on disk; click a row to select it), Compare (held-out loss of several runs against tokens and
 against bytes sent, and a table) and Push to Hub.
 
@@ -15,7 +15,7 @@ Design choices:
   at Preview does not start the run's clock; Start does. Start stays available while other runs train.
 - Every figure is a Plotly figure in a gr.Plot (one library for Live and Compare; bytes need a log axis, which
   Gradio's native plots lack), each series in the colour it has everywhere, the model card's curve included. A
-  refresh sends figures only when a round, a logged loss or the run's status is new.
+  refresh sends figures only when a sync, a logged loss or the run's status is new.
 - Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
 - Validation runs as an `hf-diloco` subprocess and pushing in the app's process through hf_diloco.hub; the app
   never imports torch.
@@ -52,22 +52,23 @@ PLOTS = ("loss", "norm", "agreement", "bytes", "time")
 DISTRIBUTED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 HOW_IT_WORKS = (
     "**How DiLoCo works.** Each *replica* (a copy of the model on its own processes) trains alone for *H* inner "
-    "steps with its own optimizer. Then comes a *round*: every replica sends its *pseudo-gradient* (how far its "
-    "weights moved in those H steps), the replicas average them, and an outer optimizer (Nesterov momentum by "
-    "default) moves the shared weights by that average. Replicas talk once per round instead of once per step, so "
+    "steps with its own optimizer: a *round*. Then comes a *sync*: every replica sends its *pseudo-gradient* (how "
+    "far its weights moved in those H steps), the replicas average them, and an outer optimizer (Nesterov momentum "
+    "by default) moves the shared weights by that average. Replicas talk once per round instead of once per step, so "
     "they send about H times fewer bytes than data-parallel training."
 )
 GLOSSARY = """
 **Reading these plots**
 - **replica**: one copy of the model and its data shard; replica *i* has the same colour in every Live plot and in the
   model card.
-- **round** / **sync**: the exchange after *H* inner steps; with streaming fragments each sync carries one
-  fragment, and a round is over once every fragment has synced (the status bar counts rounds).
-- **pseudo-gradient Δ**: a replica's weights at the start of the round minus its weights now; ‖Δ‖ is its size.
+- **round**: *H* inner steps and the sync they end with. **sync**: one exchange of pseudo-gradients and the outer
+  step. With streaming fragments each sync carries one fragment and a round holds one sync per fragment (the status
+  bar counts rounds; the table has a row per sync).
+- **pseudo-gradient Δ**: a replica's weights at its last sync minus its weights now; ‖Δ‖ is its size.
 - **agreement**: the cosine between a replica's Δ and the averaged Δ; near 1, the replicas pull the same way.
 - **blocked time**: seconds the inner loop waited for a sync; an overlapped sync hides its transfer behind compute.
 - **held-out loss**: the loss of the averaged (global) model on data no replica trains on.
-- **logged loss**: the loss Trainer logs every `logging_steps` steps on process 0, between rounds.
+- **logged loss**: the loss Trainer logs every `logging_steps` steps on process 0, between syncs.
 """
 CSS = """
 .hfd-status {font-size: 1.05em; padding: 10px 14px; border-radius: 8px; background: #f3f4f6; color: #111827}
@@ -169,7 +170,7 @@ class App:
         if run is None or run.status not in runs.ACTIVE:
             return "Nothing to stop: select a running run."
         runs.stop(run.folder)
-        return f"Stopping **{run.id}**: it stops at the next round boundary (DiLoCo) or step (DDP), saves a " \
+        return f"Stopping **{run.id}**: it stops at the next sync (DiLoCo) or step (DDP), saves a " \
             "checkpoint and exits; the status turns to stopped once it has."
 
     def _recipe_file(self, recipe_name) -> Path | None:
@@ -223,7 +224,7 @@ class App:
         membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0,
                                            views.read_replica_states(run))
         replica_states = views.replica_rows(run)
-        # The figures are drawn again only when there is something new to draw (a round, a logged loss, the end).
+        # The figures are drawn again only when there is something new to draw (a sync, a logged loss, the end).
         key = [run_id, len(rounds), len(trainer_log), run.status if run else None]
         figures = views.live_figures(run, rounds, trainer_log, views.read_summary(run)) if key != drawn else None
         plot = {name: figures[name] if figures else gr.skip() for name in PLOTS}
@@ -344,7 +345,7 @@ def build(runs_dir: Path) -> gr.Blocks:
         status = gr.HTML(views.status_html(None), elem_id="status")
         with gr.Row():
             run_select = gr.Dropdown(app.run_ids(), label="Run", scale=4, elem_id="run-select")
-            stop_button = gr.Button("Stop (checkpoint at round end)", variant="stop", interactive=False,
+            stop_button = gr.Button("Stop (checkpoint at the next sync)", variant="stop", interactive=False,
                                     elem_id="stop", scale=1)
         stop_message = gr.Markdown(elem_id="stop-message")
         planned = gr.State(None)
@@ -388,13 +389,14 @@ def build(runs_dir: Path) -> gr.Blocks:
                     agreement_plot = gr.Plot(label="Agreement", elem_id="agreement-plot")
                     time_plot = gr.Plot(label="Time", elem_id="time-plot")
                 gr.Markdown(GLOSSARY, elem_id="glossary")
-                rounds_table = gr.Dataframe(headers=views.ROUND_COLUMNS, label="Rounds (newest first)",
-                                            elem_id="rounds")
+                rounds_table = gr.Dataframe(
+                    headers=views.ROUND_COLUMNS, elem_id="rounds",
+                    label="Syncs (newest first; one per round, or one per fragment with streaming)")
                 replicas_table = gr.Dataframe(headers=views.REPLICA_COLUMNS, visible=False, elem_id="replicas",
                                               label="Replicas: each replica's process (a failed one is started "
                                                     "again and heals from the others)")
                 membership_table = gr.Dataframe(headers=views.MEMBERSHIP_COLUMNS, visible=False,
-                                                label="Membership: who took part in each round (newest first)",
+                                                label="Membership: who took part in each sync (newest first)",
                                                 elem_id="membership")
                 tensorboard = gr.Markdown()
                 log = gr.Textbox(label="Log (follows the newest line at the bottom)", lines=14, max_lines=14,

@@ -4,14 +4,15 @@ Every function takes a `Run` (hf_diloco.runs) or what was read from its folder a
 status bar, pandas frames in long format and the Plotly figures drawn from them, rows for
 the tables, the tail of the log.
 
-Sources, all under the run's output folder: `sync_rounds.jsonl` (DiLoCo rounds), `progress.json` (step and phase,
-rewritten as the run trains, so progress moves between syncs), `trainer_log.jsonl` (what Trainer logs: the only
-source for a DDP baseline), `run_config.json`, `diloco_summary.json` and `run_metrics.json` (settings and totals).
+Sources, all under the run's output folder: `sync_rounds.jsonl` (one record per DiLoCo sync), `progress.json`
+(step and phase, rewritten as the run trains, so progress moves between syncs), `trainer_log.jsonl` (what Trainer
+logs: the only source for a DDP baseline), `run_config.json`, `diloco_summary.json` and `run_metrics.json`
+(settings and totals).
 
 An `outer_backend: torchft` run started with `hf-diloco launch --replicas N` has none of these in its output
 folder: replica r writes them all into `replica-r/`, and each replica's rounds are those it took part in (one that
-joined late or was started again lacks the early ones). Its rounds are read as the union over the replica folders,
-one record per round number, and everything else from the replica that is furthest along (`lead_folder`).
+joined late or was started again lacks the early ones). Its syncs are read as the union over the replica folders,
+one record per sync number, and everything else from the replica that is furthest along (`lead_folder`).
 
 A JSON file that cannot be read (empty, cut short) counts as absent in the plots and tables, and the status bar
 names it in one sentence with what to do (`damaged_files`), so one broken file never blanks the whole page.
@@ -31,7 +32,7 @@ from hf_diloco import metrics
 from hf_diloco.errors import ConfigError, DamagedFile
 from hf_diloco.files import read_json, read_yaml
 from hf_diloco.hub import RUN_CONFIG_FILE
-from hf_diloco.metrics import SUMMARY_FILE
+from hf_diloco.metrics import SUMMARY_FILE, sync_number
 from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, STOPPED_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
@@ -96,7 +97,7 @@ def lead_folder(run: Run) -> Path:
 
 
 def read_rounds(run: Run | None) -> list[dict]:
-    """The run's round records (a torchft run's merged over its replicas: `metrics.run_rounds`); a half-written
+    """The run's sync records (a torchft run's merged over its replicas: `metrics.run_rounds`); a half-written
     last line of a live run is skipped."""
     return metrics.run_rounds(run.output_dir) if run is not None else []
 
@@ -198,8 +199,8 @@ def status_html(run: Run | None) -> str:
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
         present = f"{last['participants']} of {len(last['members'])}" if "members" in last else last["num_replicas"]
-        # With streaming fragments a record is one fragment's sync: the round count is of whole outer rounds.
-        counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} fragment syncs)" if streamed(rounds) \
+        # With streaming fragments a record is one fragment's sync: the round count is of whole rounds.
+        counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} syncs)" if streamed(rounds) \
             else last["round"]
         parts.append(f"round {counted} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
                      f" · {present} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
@@ -220,7 +221,7 @@ def status_html(run: Run | None) -> str:
 
 
 def streamed(rounds: list[dict]) -> bool:
-    """Whether the rounds are streaming fragment syncs (some record carries a fragment other than 0)."""
+    """Whether the records are streaming fragment syncs (some record carries a fragment other than 0)."""
     return any(max(r.get("fragments") or [0]) > 0 for r in rounds)
 
 
@@ -263,7 +264,7 @@ def colors(names: list[str]) -> dict[str, str]:
     return chosen
 
 
-DASHES = {"DDP for the same steps": "dash", "DiLoCo (this round)": "dot", "logged loss (process 0)": "dot"}
+DASHES = {"DDP for the same steps": "dash", "DiLoCo (this sync)": "dot", "logged loss (process 0)": "dot"}
 
 
 def _layout(figure, title: str, x_title: str, y_title: str, x_range=None, log_x=False, log_y=False,
@@ -320,10 +321,10 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
         rows = [{"step": r["step"], "loss": loss, "replica": f"replica {i}"}
                 for r in rounds for i, loss in metrics.replica_losses(r)]
         if len(rounds) == 1:
-            # round_steps: the steps the round took (runs written before it was named so: inner_steps)
-            taken = rounds[0].get("round_steps", rounds[0].get("inner_steps", rounds[0]["step"]))
-            first = rounds[0]["step"] - taken
-            rows += [{**row, "step": first} for row in rows]
+            # sync_steps: the steps before the sync (older runs wrote round_steps, the oldest inner_steps)
+            first = rounds[0]
+            taken = first.get("sync_steps", first.get("round_steps", first.get("inner_steps", first["step"])))
+            rows += [{**row, "step": first["step"] - taken} for row in rows]
         held_out = evals or [{"step": r["step"], "loss": r["eval_loss"]} for r in rounds
                              if r.get("eval_loss") is not None]
         rows += [{**e, "replica": "held-out (global model)"} for e in held_out]
@@ -343,13 +344,16 @@ def norm_frame(rounds: list[dict]) -> pd.DataFrame:
 
 
 def agreement_frame(rounds: list[dict], summary: dict | None = None) -> pd.DataFrame:
-    """cos(Δ_i, Δ) per replica, at the step of the round it measures (it is reported with the next round's sync;
-    the last round's arrives in the run's summary when it ends)."""
-    steps = {r["round"]: r["step"] for r in rounds}
-    measured = [(r["agreement_round"], r["replica_agreement"]) for r in rounds if "replica_agreement" in r]
-    last = (summary or {}).get("last_round_agreement")
+    """cos(Δ_i, Δ) per replica, at the step of the sync it measures (it is reported with the next sync; the last
+    sync's arrives in the run's summary when it ends). Runs written before syncs had their own name keep the sync
+    number under agreement_round / last_round_agreement."""
+    steps = {sync_number(r): r["step"] for r in rounds}
+    measured = [(r.get("agreement_sync", r.get("agreement_round")), r["replica_agreement"]) for r in rounds
+                if "replica_agreement" in r]
+    summary = summary or {}
+    last = summary.get("last_sync_agreement") or summary.get("last_round_agreement")
     if last:
-        measured.append((last["round"], last["replica_agreement"]))
+        measured.append((last.get("sync", last.get("round")), last["replica_agreement"]))
     rows = [{"step": steps[at], "cosine": c, "replica": f"replica {i}"} for at, values in measured if at in steps
             for i, c in enumerate(values)]
     return _frame(rows, "step", "cosine", "replica")
@@ -376,7 +380,7 @@ def bytes_rows(rounds: list[dict]) -> pd.DataFrame:
         ddp += r["ddp_bytes_per_replica"] / 1e6
         rows += [{"step": r["step"], "MB": diloco, "traffic": "DiLoCo (cumulative)"},
                  {"step": r["step"], "MB": ddp, "traffic": "DDP for the same steps"},
-                 {"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this round)"}]
+                 {"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this sync)"}]
     frame = _frame(rows, "step", "MB", "traffic")
     return frame[frame["MB"] > 0]  # nothing sent has no place on a log scale
 
@@ -426,14 +430,14 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
 
 def member_cell(member: dict | None, down: str = "") -> str:
     """One replica in one torchft round: "✓ 14 steps", "healed" (it took θ_global from a live peer), "✓ 9 steps,
-    1 round late" (its base was behind), "absent" (alive but not in time), or, with `down`, why its process was
+    1 sync late" (its base was behind), "absent" (alive but not in time), or, with `down`, why its process was
     not there at all ("down, restarting", "down")."""
     if not member or not member.get("participated"):
         return down or "absent"
     healed, late = member.get("healed"), member.get("staleness", 0)
     parts = [f"✓ {member.get('steps', 0)} steps"] if member.get("steps") or not healed else []
     parts += ["healed"] if healed else []
-    parts += [f"{late} round{'s' if late > 1 else ''} late"] if late else []
+    parts += [f"{late} sync{'s' if late > 1 else ''} late"] if late else []
     return ", ".join(parts)
 
 
@@ -447,12 +451,12 @@ def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
     down) to the first round it took part in again."""
     replica, down = state.get("replica"), {}
     for outage in state.get("outages", []):
-        after = outage.get("after_round", 0)
-        back = next((r["round"] for r in torchft if r["round"] > after and any(
+        after = outage.get("after_sync", outage.get("after_round", 0))  # after_round: launches before the rename
+        back = next((sync_number(r) for r in torchft if sync_number(r) > after and any(
             m["replica"] == replica and m.get("participated") for m in r["members"])), None)
         for r in torchft:
-            if r["round"] > after and (back is None or r["round"] < back):
-                down[r["round"]] = "down, restarting" if outage.get("restarted") else "down"
+            if sync_number(r) > after and (back is None or sync_number(r) < back):
+                down[sync_number(r)] = "down, restarting" if outage.get("restarted") else "down"
     return down
 
 
@@ -468,7 +472,8 @@ def membership_rows(rounds: list[dict], replicas: int = 0, states: list[dict] = 
     for r in reversed(torchft):
         members = {m["replica"]: m for m in r["members"]}
         rows.append([r["round"], r["step"], r["participants"], "yes" if r.get("committed", True) else "no",
-                     *(member_cell(members.get(i), down.get(i, {}).get(r["round"], "")) for i in range(len(columns)))])
+                     *(member_cell(members.get(i), down.get(i, {}).get(sync_number(r), ""))
+                       for i in range(len(columns)))])
     return pd.DataFrame(rows, columns=MEMBERSHIP_COLUMNS + columns)
 
 

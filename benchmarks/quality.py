@@ -129,7 +129,8 @@ def main() -> None:
     for config, result in zip(configs, results, strict=True):
         m = config["replicas"]
         if "summary" in result:
-            syncs, sent = result["summary"]["rounds"], result["summary"]["bytes_per_replica"]
+            summary = result["summary"]
+            syncs, sent = summary.get("syncs", summary["rounds"]), summary["bytes_per_replica"]
         else:  # DDP: one fp32 gradient all-reduce per step
             syncs, sent = (steps if m > 1 else 0), steps * ring_all_reduce_bytes(gradient_bytes, m)
         raw.append({**config, "steps": steps, "tokens": steps * 8 * 256 * m, "eval_loss":

@@ -1,11 +1,11 @@
-"""Who takes part in a round: the backends.
+"""Who takes part in a sync: the backends.
 
-A round (hf_diloco.rounds: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
+A sync (hf_diloco.rounds: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
 step) is the same code whatever the backend. A backend answers who takes part, and supplies the collectives under
-the round (its `comm`):
+the sync (its `comm`):
 
-    torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every round
-              with weight 1, fragments follow the step schedule, and a round is a barrier (a replica that never
+    torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every sync
+              with weight 1, fragments follow the step schedule, and a sync is a barrier (a replica that never
               arrives ends the run after sync_timeout).
     torchft   `hf_diloco.torchft_backend.TorchftRounds`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
@@ -13,14 +13,14 @@ the round (its `comm`):
 
 Every backend has the same methods, and none reads or writes the Trainer's or the callback's state:
 
-    due(step, max_steps, progress)     is a round due now (`progress`: this replica's steps since its last launch)
-    expected_fragments(step, ...)      the fragments the round due now is expected to sync (an overlapped round
+    due(step, max_steps, progress)     is a sync due now (`progress`: this replica's steps since its last launch)
+    expected_fragments(step, ...)      the fragments the sync due now is expected to carry (an overlapped sync
                                        snapshots them before it starts)
     start(step, max_steps, local, expected, joining, overlapped) -> RoundStart
                                        who takes part, with what weight, which fragments (`local`: this replica's
                                        numbers; torchft agrees on the fragments after the quorum); the joining
-                                       round before the first inner step makes the replicas' parameters
-                                       identical. May run in an overlapped round's background thread.
+                                       sync before the first inner step makes the replicas' parameters
+                                       identical. May run in an overlapped sync's background thread.
     finish(start, result, record, tokens, step) -> (record, restart)
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
@@ -41,27 +41,27 @@ from .schedule import Schedule
 
 @dataclass
 class RoundStart:
-    """What a backend decided before a round's collectives."""
+    """What a backend decided before a sync's collectives."""
 
     weight: float = 1.0  # this replica's share in the average, relative to the largest (1: plain mean)
-    fragments: list[int] = field(default_factory=list)  # the fragments this round syncs, the same on every replica
+    fragments: list[int] = field(default_factory=list)  # the fragments this sync carries, the same on every replica
     empty: bool = False  # no participant brings any progress (every one joins): nothing to exchange, only the vote
     stash: list[torch.Tensor] | None = None  # Δ_i of every bucket, taken against the base a healed replica left
-    healed: bool = False  # this replica took θ_global from a live peer in this round's quorum
-    finite: bool = True  # this replica's own parameters were finite when the round started
-    joining: bool = False  # the round before this replica's first inner step
+    healed: bool = False  # this replica took θ_global from a live peer in this sync's quorum
+    finite: bool = True  # this replica's own parameters were finite when the sync started
+    joining: bool = False  # the sync before this replica's first inner step
     stop_requested: bool = False  # a participant asked to stop (known before the collectives)
     members: list[dict] = field(default_factory=list)  # one row per participant (torchft)
     quorum_seconds: float = 0.0  # time spent forming the quorum (blocked time)
-    extra_bytes: int = 0  # bytes of the membership exchange, beside the round's own
+    extra_bytes: int = 0  # bytes of the membership exchange, beside the sync's own
     error: str | None = None  # why the quorum failed, when it did
-    startup_bytes: int | None = None  # a joining round: bytes sent to make every replica's parameters identical
+    startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
 
 
 class FixedGroup:
-    """The `torch` backend: every process of the launch, every round."""
+    """The `torch` backend: every process of the launch, every sync."""
 
-    continues_record = False  # a resumed launch retrains the rounds after its checkpoint: they leave the record
+    continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
 
     def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool):
         self.comm = comm

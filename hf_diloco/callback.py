@@ -1,5 +1,6 @@
 """The Trainer glue of the outer loop: at the end of each inner step the round engine syncs what is due; saves,
-evaluations and the stop are kept on round boundaries. Everything else is hf_diloco.rounds.RoundEngine's."""
+evaluations and the stop are kept on sync boundaries (a step where a sync landed and none is in flight: with one
+fragment, a round's end). Everything else is hf_diloco.rounds.RoundEngine's."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ class DiLoCoCallback(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
         self.args = trainer.args
-        self.records = Records(plain_console=self.args.disable_tqdm)
+        self.records = Records(plain_console=self.args.disable_tqdm, num_fragments=self.args.num_fragments)
         self.engine = RoundEngine(self.args, trainer, self.records, continue_at_step=trainer.continue_at_step)
         self.saved_outer_state: dict | None = None
         self.saved_replica_state: dict | None = None
-        self.resumed_from: str | None = None  # the checkpoint this run continues, for the next round's record
+        self.resumed_from: str | None = None  # the checkpoint this run continues, for the next sync's record
         self.reached_before_resume = 0
         self.deferred = {"should_save": False, "should_evaluate": False}
-        self.completed_rounds = 0  # rounds landed by this process since it started (for save_every_rounds)
+        self.saved_at_round = 0  # whole rounds landed by this process at its last save_every_rounds save
         self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
 
     @property
@@ -41,9 +42,10 @@ class DiLoCoCallback(TrainerCallback):
         return self.records.history
 
     def request_stop(self) -> None:
-        """Stop at the end of the current round, with a checkpoint. Safe to call from a signal handler.
+        """Stop at the next sync boundary (with one fragment, the end of the current round), with a checkpoint. Safe
+        to call from a signal handler.
 
-        The request rides along with the round's sync, so every replica stops after the same step."""
+        The request rides along with the next sync, so every replica stops after the same step."""
         self.engine.stop_requested = True
 
     def observe_micro_batch(self, loss, inputs: dict) -> None:
@@ -83,7 +85,7 @@ class DiLoCoCallback(TrainerCallback):
         self._step_end(state, control)
 
     def sync(self, step: int, max_steps: int) -> bool | None:
-        """The rounds of this step (see RoundEngine.sync): None when nothing synced, else whether to stop."""
+        """The syncs of this step (see RoundEngine.sync): None when nothing synced, else whether to stop."""
         return self.engine.sync(step, max_steps)
 
     def _step_end(self, state, control) -> None:
@@ -91,9 +93,11 @@ class DiLoCoCallback(TrainerCallback):
         stop = self.sync(step, max_steps)
         at_boundary = stop is not None and self.engine.in_flight is None
         if at_boundary:
-            self.completed_rounds += 1
+            # Whole rounds landed since this process started: F syncs make a round.
+            landed = self.engine.syncs_landed // self.args.num_fragments
             every = self.args.save_every_rounds
-            if every and (self.completed_rounds % every == 0 or step >= max_steps):
+            if every and (landed - self.saved_at_round >= every or step >= max_steps):
+                self.saved_at_round = landed
                 control.should_save = True
         if stop and step < max_steps:
             self.stopped_at = step
@@ -101,16 +105,16 @@ class DiLoCoCallback(TrainerCallback):
                 logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
             control.should_save = control.should_training_stop = True
         if self.engine.run_over() and not control.should_training_stop:
-            # The run ended by its round count (or this replica healed from one that finished it): the final model
-            # is θ_global, whatever this replica trained since its last round.
+            # The run ended by its sync count (or this replica healed from one that finished it): the final model
+            # is θ_global, whatever this replica trained since its last sync.
             self.engine.outer.copy_global_to_replica()
             if step < max_steps and self.args.eval_strategy != "no":
                 control.should_evaluate = True
             control.should_training_stop = True
-        self._align_to_round(control, at_boundary)
+        self._align_to_syncs(control, at_boundary)
 
-    def _align_to_round(self, control, at_boundary: bool) -> None:
-        """Postpone saves and evaluations that fall inside a round to the round's end."""
+    def _align_to_syncs(self, control, at_boundary: bool) -> None:
+        """Postpone saves and evaluations that fall between sync boundaries to the next one."""
         for flag in self.deferred:
             if at_boundary:
                 if self.deferred[flag]:
@@ -120,8 +124,8 @@ class DiLoCoCallback(TrainerCallback):
                 setattr(control, flag, False)
                 if not self.deferred[flag] and self.trainer.is_world_process_zero() and not self.history:
                     logger.warning(
-                        "DiLoCo: a %s falls inside a round; it is postponed to the end of the round (set "
-                        "save_steps/eval_steps to multiples of inner_steps=%d to avoid this).",
+                        "DiLoCo: a %s falls between syncs; it is postponed to the next sync (set save_steps/"
+                        "eval_steps to multiples of inner_steps=%d to avoid this).",
                         "save" if flag == "should_save" else "evaluation", self.args.inner_steps,
                     )
                 self.deferred[flag] = True
@@ -130,9 +134,9 @@ class DiLoCoCallback(TrainerCallback):
         self.records.evaluated(state.global_step, (metrics or {}).get("eval_loss"))
 
     def _report(self, record: dict) -> None:
-        """A written round to every tracker Trainer reports to (`report_to`: TensorBoard, trackio, W&B, MLflow, ...),
-        as diloco/<name> at the round's step. (Integrations that prefix Trainer's training metrics with train/, as
-        TensorBoard's and W&B's do, show train/diloco/<name>.)"""
+        """A written sync record to every tracker Trainer reports to (`report_to`: TensorBoard, trackio, W&B,
+        MLflow, ...), as diloco/<name> at the sync's step. (Integrations that prefix Trainer's training metrics with
+        train/, as TensorBoard's and W&B's do, show train/diloco/<name>.)"""
         dispatch_log(self.trainer, reported_metrics(record), record["step"], skip=(DiLoCoCallback,))
 
     def on_train_end(self, args, state, control, **kwargs):

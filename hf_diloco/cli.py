@@ -282,7 +282,8 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
     sent, ddp = summary["bytes_per_replica"], summary["ddp_bytes_per_replica"]
     rows = [
         ("replicas x inner steps (H)", f"{summary['num_replicas']} x {summary['inner_steps']}"),
-        ("steps / outer rounds", f"{summary['steps']} / {summary['rounds']}"),
+        ("steps / rounds", f"{summary['steps']} / {summary['rounds']}" + (
+            f" ({summary['syncs']} syncs)" if summary.get("syncs", summary["rounds"]) != summary["rounds"] else "")),
         ("eval loss before -> after", f"{before:.4f} -> {after:.4f}" if before and after else "n/a"),
         ("throughput (all replicas)", f"{summary['tokens_per_second']:,.0f} tokens/s"),
         ("outer syncs, incl. waiting", f"{summary['sync_seconds']:.2f} s of {seconds:.0f} s"),
@@ -293,7 +294,7 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
     print("\nhf-diloco demo: what happened")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    print(f"  rounds: {output_dir / 'sync_rounds.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
+    print(f"  per sync: {output_dir / 'sync_rounds.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------

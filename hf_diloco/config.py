@@ -178,11 +178,11 @@ class DiLoCoConfig(TrainingArguments):
     )
     auto_sync_delay: bool = field(
         default=False,
-        metadata={"help": "Choose each fragment's tau from measurements: after every round, the fragment that synced "
-                          "in the round before takes the fewest inner steps (1 to inner_steps/num_fragments - 1) "
+        metadata={"help": "Choose each fragment's tau from measurements: after every sync, the fragment that synced "
+                          "in the sync before takes the fewest inner steps (1 to inner_steps/num_fragments - 1) "
                           "whose compute time covers its exchange, the longest any replica measured, and a fragment "
                           "not measured yet what that exchange scaled by its size would need (the numbers "
-                          "ride with the round's statistics, so every replica chooses alike); the round record "
+                          "ride with the sync's statistics, so every replica chooses alike); the sync's record "
                           "gives each choice and the numbers behind it. sync_delay: auto sets it."},
     )
     final_sync: str = field(

@@ -8,7 +8,7 @@ Design choices:
 - The card says what ran: a DiLoCo run is tagged `diloco` and described with its replicas and H; a `trainer: ddp`
   baseline is described as ordinary data-parallel training, with no DiLoCo settings.
 - Only what a model repo needs is uploaded, named one by one (`repo_files`): weights, model and generation config,
-  tokenizer files, the card (huggingface_hub's `ModelCard`/`ModelCardData`), the training curve, the round log and
+  tokenizer files, the card (huggingface_hub's `ModelCard`/`ModelCardData`), the training curve, the sync log and
   the run config, in one commit. Checkpoints, optimizer states, TensorBoard files, `training_args.bin` (a pickle)
   and the app's own files (progress, stop markers, Trainer log) stay local.
 - A run that did not finish (stopped on request, failed, or still short of max_steps) is pushed only when the
@@ -36,7 +36,7 @@ CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"
 RUN_CONFIG_FILE = "run_config.json"
 # What a model repository holds, besides the card and the curve written at push time: the files transformers and
-# peft save for a model and its tokenizer, the round log and the run config.
+# peft save for a model and its tokenizer, the sync log and the run config.
 MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                   "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja")
@@ -124,8 +124,8 @@ def run_settings(args, run=None, trainer: str | None = None) -> dict:
 
 
 def write_training_curve(output_dir: Path, target: Path) -> Path | None:
-    """Inner loss of each replica per round and the held-out loss of the global model, as a PNG (None without
-    rounds), in the colours the app draws them with: replica i PALETTE[i], held-out loss black."""
+    """Inner loss of each replica per sync and the held-out loss of the global model, as a PNG (None without
+    syncs), in the colours the app draws them with: replica i PALETTE[i], held-out loss black."""
     from .metrics import PALETTE, SERIES_COLORS, replica_losses
 
     rounds = run_rounds(launch_folder(output_dir))
@@ -273,7 +273,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         "how the run ended": describe_outcome(outcome),
         "steps": max([summary.get("steps") or 0, *(r["step"] for r in committed)]) or metrics.get("global_step"),
         "outer rounds": outer_rounds(committed) if committed else summary.get("rounds"),
-        "fragment syncs": len(committed) if committed and outer_rounds(committed) != len(committed) else None,
+        "syncs": len(committed) if committed and outer_rounds(committed) != len(committed) else None,
         "held-out loss before training": summary.get("eval_loss_initial", metrics.get("eval_loss_initial")),
         "held-out loss after training": summary.get("eval_loss_final", metrics.get("eval_loss")),
         "bytes sent per replica": summary.get("bytes_per_replica"),
@@ -290,7 +290,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
             lines.append(f"| {key} | {shown} |")
     if curve and rounds:
         lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
-        lines += ["", "Per-round metrics are in `sync_rounds.jsonl`."]
+        lines += ["", "Per-sync metrics are in `sync_rounds.jsonl`."]
     lines.append("")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
@@ -330,7 +330,7 @@ def model_folder(output_dir: Path, merge_lora: bool = False) -> Path:
 
 def repo_files(output_dir: Path, merge_lora: bool = False) -> dict[str, Path]:
     """The run's files a model repository holds (name in the repo → file), the card and curve aside: the model and
-    tokenizer files of `model_folder`, and the run's round log and run config."""
+    tokenizer files of `model_folder`, and the run's sync log and run config."""
     source = model_folder(output_dir, merge_lora)
     run_folder = source.parent if source.name == "merged" else source
     files = {path.name: path for pattern in MODEL_PATTERNS for path in source.glob(pattern) if path.is_file()}

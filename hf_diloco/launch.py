@@ -41,7 +41,7 @@ from typing import Any
 from .checks import require_torchft
 from .errors import ConfigError
 from .files import read_json, write_json
-from .metrics import read_sync_rounds, run_rounds
+from .metrics import read_sync_rounds, run_rounds, sync_number
 from .runs import (
     ACTIVE,
     LOG_FILE,
@@ -239,8 +239,9 @@ class ReplicaSupervisor:
 
     What each replica's launch is doing goes to `<output_dir>/replicas.json` whenever it changes (the app shows it):
     per replica its `state` ("running"; "rejoining" once started again, until `records_at_restart` is passed by its
-    round log; "finished"; "exited" with no restart left; "ended" when started again too late), `restarts`,
-    `exit_code` and its `outages` (after which round of the run it went down, and whether it was started again).
+    sync log; "finished"; "exited" with no restart left; "ended" when started again too late), `restarts`,
+    `exit_code` and its `outages` (`after_sync`: the run's newest committed sync when it went down, and whether it
+    was started again).
 
     The run succeeds (exit 0) when any replica finished it: a replica exits 0 only after the run's last round
     committed (or after a stop), and a replica that died for good does not undo what the others committed. The
@@ -259,9 +260,9 @@ class ReplicaSupervisor:
                        for r in range(len(commands))]
 
     def _outage(self, restarted: bool) -> dict:
-        """A replica went down now: after the run's newest round, and whether it is being started again."""
-        rounds = [r["round"] for r in run_rounds(self.output_dir) if r.get("committed", True)]
-        return {"after_round": max(rounds, default=0), "restarted": restarted}
+        """A replica went down now: after the run's newest committed sync, and whether it is being started again."""
+        syncs = [sync_number(r) for r in run_rounds(self.output_dir) if r.get("committed", True)]
+        return {"after_sync": max(syncs, default=0), "restarted": restarted}
 
     def _note(self, replica: int, **changes) -> None:
         """Record a replica's new state in replicas.json (atomically: the app reads it while it changes)."""
@@ -342,9 +343,11 @@ class ReplicaSupervisor:
         exits = ", ".join(f"replica {r} exit {code}" for r, code in enumerate(codes))
         if not rounds:
             return f"[diloco] no round committed; {exits}"
-        last = max(rounds, key=lambda r: r["round"])
+        last = max(rounds, key=sync_number)
         took_part = [m["replica"] for m in last.get("members", []) if m.get("participated")]
-        return (f"[diloco] the run ended at round {last['round']} (step {last['step']}), committed by replica(s) "
+        at = f"round {last['round']}" if sync_number(last) == last["round"] else \
+            f"round {last['round']} (sync {sync_number(last)})"
+        return (f"[diloco] the run ended at {at} (step {last['step']}), committed by replica(s) "
                 f"{', '.join(map(str, took_part))}; {exits}")
 
 

@@ -1,14 +1,19 @@
-"""Per-round metrics: `<output_dir>/sync_rounds.jsonl`, the trackers of `report_to` (diloco/<name>), a console line.
+"""Per-sync metrics: `<output_dir>/sync_rounds.jsonl`, the trackers of `report_to` (diloco/<name>), a console line.
+
+One record per sync (one fragment's exchange and outer step; with F = 1 fragment a sync is a whole round), carrying
+its `sync` number and the `round` it belongs to (see hf_diloco.schedule). Records written before the two had
+separate names have only `round`, counting syncs: `sync_number` reads either.
 
 Design choices:
-- Only the main process writes. Every replica's numbers reach it inside the round's sync (see comm.py), so writing
-  metrics needs no collective of its own.
-- A round's record is written once the round is complete: right after the sync, or after the evaluation that the
-  trainer runs on that round boundary, so `eval_loss` lands in the same record.
+- Only the main process writes. Every replica's numbers reach it inside the sync's collectives (see comm.py), so
+  writing metrics adds no collective across replicas (a sharded replica's members add up their shards' norms with
+  one small all-reduce inside the replica).
+- A sync's record is written once the sync has landed: right after it, or after the evaluation that the trainer
+  runs on that boundary, so `eval_loss` lands in the same record.
 - The JSONL file is the interface of runs: the app and the benchmarks read it. The trackers get the same numbers
   through Trainer's own integrations (hf_diloco.rounds reports them), so every `report_to` Trainer supports
   receives them and the project keeps no tracker code of its own. Floats are plain JSON numbers; NaN is written as null.
-- On resume, records of rounds after the checkpoint are dropped first, since those rounds are trained again.
+- On resume, records of syncs after the checkpoint are dropped first, since those steps are trained again.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ SERIES_COLORS = {"held-out (global model)": "#111827", "held-out loss": "#111827
                  "train loss (all processes)": "#2563eb", "train loss (mean of replicas)": "#2563eb",
                  "compute": "#2563eb", "sync": "#ea580c", "blocked": "#dc2626", "logged loss (process 0)": "#93c5fd",
                  "DDP for the same steps": "#dc2626", "DiLoCo (cumulative)": "#111827",
-                 "DiLoCo (this round)": "#6b7280"}
+                 "DiLoCo (this sync)": "#6b7280"}
 SUMMARY_FILE = "diloco_summary.json"
 
-# The round numbers that go to the trackers Trainer reports to (`report_to`), as diloco/<name> at the round's step.
+# The numbers of a sync that go to the trackers Trainer reports to (`report_to`), as diloco/<name> at its step.
 REPORTED_KEYS = (
     "loss", "eval_loss", "pseudo_grad_norm", "bytes_per_replica", "sync_seconds", "compute_seconds", "outer_lr",
     "tokens_per_second", "cumulative_bytes_per_replica",
@@ -40,7 +45,7 @@ REPORTED_KEYS = (
 
 
 def reported_metrics(record: dict) -> dict[str, float]:
-    """A round record as tracker metrics: diloco/<name> for each finite number of REPORTED_KEYS, and
+    """A sync record as tracker metrics: diloco/<name> for each finite number of REPORTED_KEYS, and
     diloco/replica_<r>/loss for each replica's loss."""
     metrics = {f"diloco/{key}": float(record[key]) for key in REPORTED_KEYS
                if isinstance(record.get(key), (int, float)) and math.isfinite(record[key])}
@@ -93,10 +98,20 @@ def launch_folder(folder: str | os.PathLike) -> Path:
     return folder
 
 
+def sync_number(record: dict) -> int:
+    """A record's sync number: `sync`, or in records written before syncs and rounds had separate names, `round`
+    (which counted syncs then).
+
+    >>> sync_number({"sync": 5, "round": 3}), sync_number({"round": 4})
+    (5, 4)
+    """
+    return record.get("sync", record["round"])
+
+
 def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
-    """The rounds of a run folder: its sync_rounds.jsonl, or for a torchft launch the union over its replica
-    folders, one record per round number (every participant of a round writes the same membership): a committed
-    record before one whose round did not commit, then the lowest replica id's. The app and the model card both
+    """The sync records of a run folder: its sync_rounds.jsonl, or for a torchft launch the union over its replica
+    folders, one record per sync number (every participant of a sync writes the same membership): a committed
+    record before one whose sync did not commit, then the lowest replica id's. The app and the model card both
     count from this."""
     folders = replica_folders(output_dir)
     if not folders:
@@ -104,14 +119,14 @@ def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
     merged: dict[int, dict] = {}
     for folder in folders:
         for record in read_sync_rounds(folder):
-            kept = merged.get(record["round"])
+            kept = merged.get(sync_number(record))
             if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
-                merged[record["round"]] = record
+                merged[sync_number(record)] = record
     return [merged[n] for n in sorted(merged)]
 
 
 def replica_losses(record: dict) -> list[tuple[int, float]]:
-    """(replica id, mean inner loss) of each replica that trained in the round (a torchft round: its members)."""
+    """(replica id, mean inner loss) of each replica that trained before the sync (on torchft: its members)."""
     if "members" in record:
         return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["members"]
                 if m.get("participated") and m.get("steps")]
@@ -119,8 +134,10 @@ def replica_losses(record: dict) -> list[tuple[int, float]]:
 
 
 def outer_rounds(rounds: list[dict]) -> int:
-    """Whole outer rounds among committed round records: with streaming fragments a record syncs some fragments,
-    and an outer round is over once every fragment has synced, so this is the fewest syncs of any fragment.
+    """Whole rounds among committed sync records: with streaming fragments a sync carries some fragments, and a
+    round is over once every fragment has synced, so this is the fewest syncs of any fragment. (Counted from the
+    fragments rather than read from `round`, so that records written before `round` meant a whole round count
+    alike.)
 
     >>> outer_rounds([{"fragments": [0]}, {"fragments": [1]}, {"fragments": [0]}, {"fragments": [0, 1]}])
     2
@@ -150,12 +167,19 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def format_round(record: dict, total_rounds: int | None) -> str:
-    """One console line per round."""
-    of = f"/{total_rounds}" if total_rounds else ""
+def format_sync(record: dict, total_syncs: int | None, num_fragments: int = 1) -> str:
+    """One console line per sync: "round 3/12" where a sync is a round, else "sync 5/12 (round 3, fragment 0)"."""
+    of = f"/{total_syncs}" if total_syncs else ""
+    if num_fragments == 1:
+        which = f"round {record['round']}{of}"
+    else:
+        synced = record.get("fragments") or []
+        part = "every fragment" if len(synced) == num_fragments else \
+            "fragment" + "s" * (len(synced) > 1) + " " + ", ".join(map(str, synced))
+        which = f"sync {sync_number(record)}{of} (round {record['round']}, {part})"
     replicas = ", ".join(f"{x:.3f}" for x in record["replica_losses"])
     line = (
-        f"[diloco] round {record['round']}{of} step {record['step']}: loss {record['loss']:.4f} ({replicas})"
+        f"[diloco] {which} step {record['step']}: loss {record['loss']:.4f} ({replicas})"
         f" | Δ-norm {record['pseudo_grad_norm']:.4f} | sent {format_bytes(record['bytes_per_replica'])}"
         f" in {record['sync_seconds']:.2f}s | {record['tokens_per_second']:.0f} tok/s"
     )
@@ -165,13 +189,13 @@ def format_round(record: dict, total_rounds: int | None) -> str:
 
 
 class RoundWriter:
-    """Writes round records to sync_rounds.jsonl (main process only)."""
+    """Writes sync records to sync_rounds.jsonl (main process only)."""
 
     def __init__(self, output_dir: str):
         self.path = Path(output_dir) / SYNC_ROUNDS_FILE
 
     def truncate_after(self, step: int) -> list[dict]:
-        """Forget rounds past `step` (they are retrained after a resume); returns the rounds kept."""
+        """Forget syncs past `step` (their steps are retrained after a resume); returns the records kept."""
         kept = [r for r in read_sync_rounds(self.path.parent) if r["step"] <= step]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))

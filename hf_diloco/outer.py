@@ -8,24 +8,24 @@
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
         each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
 
-Every round is that loop body in two halves: `exchange` (the first three lines: Δ_i, its codec, the average) and
+Every sync is that loop body in two halves: `exchange` (the first three lines: Δ_i, its codec, the average) and
 `land` (the last two: the outer step and the copy back). `outer_round` runs them at once, as the paper does.
-Streaming DiLoCo (arXiv 2501.18512) runs a round for one fragment of the model at a time, and with an overlap of τ
+Streaming DiLoCo (arXiv 2501.18512) syncs one fragment of the model at a time, and with an overlap of τ
 inner steps lands it τ steps after the exchange started (which then runs in the background), where the copy back
 mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.rounds decides when each half runs; these lines are the same for
-every round of every backend.
+every sync of every backend.
 
 Backends (hf_diloco.backends) change who takes part, not these lines: the mean is a weighted one,
 Δ = Σ_i w_i Δ_i / Σ_i w_i, with w_i = 1 on a fixed group (the plain mean, bit for bit) and torchft's token and
 staleness weights on a quorum; a replica whose parameters are not finite takes part with w_i = 0. A backend that
-votes on each round (torchft) applies a round only if it commits.
+votes on each sync (torchft) applies a sync only if it commits.
 
 Design choices:
 - θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`), so the
   outer loop costs no accelerator memory.
-- Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking round forms,
+- Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking sync forms,
   sends, receives and applies one bucket before it starts the next. The extra memory of a sync is the bucket's
-  Δ_i, its average Δ and the codec's payloads, whatever the model's size. (A round that waits for a vote, or runs
+  Δ_i, its average Δ and the codec's payloads, whatever the model's size. (A sync that waits for a vote, or runs
   in the background, holds every bucket's average until it is applied.)
 - The outer optimizer is one stock torch optimizer over θ_global; a bucket's step sets the gradients of its
   parameters only, and torch optimizers skip parameters without a gradient, so stepping bucket by bucket is the
@@ -140,7 +140,7 @@ def assign_fragments(names: list[str], num_fragments: int, pattern: str = "strid
 
 
 class OuterState:
-    """θ_global and the outer optimizer (the outer state), cut into buckets; the per-bucket steps of a round.
+    """θ_global and the outer optimizer (the outer state), cut into buckets; the per-bucket steps of a sync.
 
     >>> replica = [nn.Parameter(torch.tensor([1.0, 2.0]))]
     >>> outer = OuterState(replica, lr=1.0, momentum=0.0, nesterov=False)
@@ -199,12 +199,12 @@ class OuterState:
         return sum(self.full_numels)
 
     def bucket_shapes(self) -> dict[str, list[torch.Size]]:
-        """The full shapes of each bucket's parameters, by the key the round syncs the bucket under."""
+        """The full shapes of each bucket's parameters, by the key the bucket is synced under."""
         return {str(index): [self.full_shapes[i] for i in bucket] for index, bucket in enumerate(self.buckets)}
 
     def repeated_spans(self, tp_rank: int) -> dict[str, list[tuple[int, int]]]:
         """(offset, length) in each bucket's flat local values of the parameters whose values another process of
-        the replica holds too and counts instead of this one, by the key the round syncs the bucket under; buckets
+        the replica holds too and counts instead of this one, by the key the bucket is synced under; buckets
         with none are left out. With tensor parallel (this process is `tp_rank` of its piece-set), a value laid out
         on no `tp` mesh dimension (the norms and a tied embedding, whole or sharded by FSDP2 alone) is held alike
         by every process of the piece-set and counts on tp_rank 0; a value replicated along a mesh dimension
@@ -308,22 +308,22 @@ class OuterState:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-# --- one round ---------------------------------------------------------------------------------------------------
+# --- one sync ----------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class RoundResult:
-    """What a round measured beside the math: who took part and with what weight, norms, agreement, statistics,
-    cost, and whether the round landed."""
+    """What a sync measured beside the math: who took part and with what weight, norms, agreement, statistics,
+    cost, and whether the sync landed."""
 
-    weights: list[float] | None = None  # per replica: its weight in the average (0: it sat the round out)
-    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the round's buckets
+    weights: list[float] | None = None  # per replica: its weight in the average (0: it sat the sync out)
+    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the sync's buckets
     average_norm_sq: float = 0.0  # ‖Δ‖²
     dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
-    committed: bool = True  # False: a backend that votes (torchft) rolled the round back; nothing was applied
+    committed: bool = True  # False: a backend that votes (torchft) rolled the sync back; nothing was applied
 
     @property
     def healthy(self) -> list[bool] | None:
@@ -352,17 +352,17 @@ class RoundResult:
 
 @dataclass
 class Exchange:
-    """The first half of a round: (bucket, averaged Δ) pairs waiting to be applied, as a list once they have all
-    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking round without a vote)."""
+    """The first half of a sync: (bucket, averaged Δ) pairs waiting to be applied, as a list once they have all
+    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking sync without a vote)."""
 
     buckets: list[int]
     averaged: list[tuple[int, torch.Tensor]] | Iterator[tuple[int, torch.Tensor]]
     result: RoundResult
 
 
-# Statistics that ride along with a round's last collective, made once ‖Δ_i‖² of the whole round is known. Slot 0
-# is reserved for this replica's weight, which the round fills in; the first bucket carries the weight alone when
-# the round has several, so every process knows every weight before it divides the first sum.
+# Statistics that ride along with a sync's last collective, made once ‖Δ_i‖² of the whole sync is known. Slot 0
+# is reserved for this replica's weight, which the sync fills in; the first bucket carries the weight alone when
+# the sync has several, so every process knows every weight before it divides the first sum.
 StatsFn = Callable[[float], torch.Tensor]
 
 
@@ -431,14 +431,15 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
                 alpha: float = 0.0) -> RoundResult:
-    """One blocking outer round over `buckets` (all of them, or one fragment's): the two halves at once.
+    """One blocking sync over `buckets` (all of them: the paper's outer round; or one fragment's): the two halves
+    at once.
 
     `weight` is this replica's share in the average (1 on the torch backend; torchft's token and staleness
-    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity sits the round out
+    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity sits the sync out
     (weight 0: it sends zeros, the others divide by the weight that took part) and takes θ_global; with no weight
     at all θ_global does not move. Without a vote the exchange runs as `land` applies it, one bucket at a time
-    (bounded memory); on a backend that votes on each round (`comm.votes`: torchft) every averaged bucket is held
-    until the vote and applied only if the round commits. Every process must call this with the same buckets.
+    (bounded memory); on a backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held
+    until the vote and applied only if the sync commits. Every process must call this with the same buckets.
     """
     finite = comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
@@ -452,20 +453,20 @@ def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> list[t
 
 
 def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> Iterator[torch.Tensor]:
-    """Δ_i of `buckets`, each formed when the exchange reaches it (a blocking round holds one bucket's at a time)."""
+    """Δ_i of `buckets`, each formed when the exchange reaches it (a blocking sync holds one bucket's at a time)."""
     return (outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets)
 
 
 def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,
              codec: Codec | None = None, feedback: ErrorFeedback | None = None,
              stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None) -> Exchange:
-    """The communication half of a round: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
+    """The communication half of a sync: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
 
-    `deltas` is a list taken at launch (an overlapped round: the replica trains on while it is sent) or an iterator
-    that forms each bucket's Δ_i when its turn comes (`pseudo_gradients`: a blocking round, whose buckets are then
+    `deltas` is a list taken at launch (an overlapped sync: the replica trains on while it is sent) or an iterator
+    that forms each bucket's Δ_i when its turn comes (`pseudo_gradients`: a blocking sync, whose buckets are then
     averaged as `land` applies them, one at a time). `finite` says whether this replica's values are finite (known
     before the first bucket goes, for the iterator); a list is checked here. On a backend that votes, every bucket
-    is averaged here and the result says whether the round committed; a round that did not is never applied,
+    is averaged here and the result says whether the sync committed; a sync that did not is never applied,
     whatever part of it arrived. Touches neither θ_global nor the replica's parameters.
     """
     result = RoundResult()
@@ -477,8 +478,8 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
     averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats)
     if not comm.votes:
         return Exchange(buckets, averaged if not isinstance(deltas, list) else list(averaged), result)
-    # A round that may be rolled back must not leave its trace in the residuals: the replica sends the same
-    # progress again in its next round.
+    # A sync that may be rolled back must not leave its trace in the residuals: the replica sends the same
+    # progress again in its next sync.
     kept = feedback.copy([str(i) for i in buckets]) if feedback is not None else None
     averaged = list(averaged)
     result.committed = comm.vote()
@@ -498,10 +499,10 @@ def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tens
 
 
 def land(outer: OuterState, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:
-    """The second half of a round, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
-    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the round out, `healthy` False, takes θ_global as it is).
-    A round that did not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next
-    round."""
+    """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
+    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the sync out, `healthy` False, takes θ_global as it is).
+    A sync that did not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next
+    sync."""
     result = landed.result
     if not result.committed:
         return result

@@ -1,4 +1,7 @@
-"""What a round reports: the statistics each process sends with it, the round's record and the run's summary.
+"""What a sync reports: the statistics each process sends with it, the sync's record and the run's summary.
+
+A sync is one fragment's exchange and outer step, a round the H steps in which every fragment syncs once
+(hf_diloco.schedule); sync_rounds.jsonl holds one record per sync, with the round it belongs to.
 
 The same functions serve both backends; a backend adds its membership fields (torchft: members, committed,
 quorum time) to the record it gets from here.
@@ -13,15 +16,15 @@ from dataclasses import astuple, dataclass, fields
 import torch
 
 from .comm import ring_all_reduce_bytes
-from .metrics import RoundWriter, format_round, read_sync_rounds, write_summary
+from .metrics import RoundWriter, format_sync, outer_rounds, read_sync_rounds, write_summary
 
 
 @dataclass
 class ReplicaStats:
-    """One process's numbers for a round, sent with the round's last collective (see comm.ReplicaComm): every
+    """One process's numbers for a sync, sent with the sync's last collective (see comm.ReplicaComm): every
     process receives every process's, so decisions taken from them (stop now, the auto H) agree everywhere.
 
-    `weight` is filled in by the round (outer._riding); agreement and blocked time of a round are only known after
+    `weight` is filled in by the sync (outer._riding); agreement and blocked time of a sync are only known after
     it, so they travel with the next one.
 
     >>> ReplicaStats(loss_sum=2.5, steps=5).tensor()[:3].tolist()
@@ -46,11 +49,11 @@ class ReplicaStats:
 STAT_NAMES = tuple(f.name for f in fields(ReplicaStats))
 
 
-class RoundStats:
-    """Every process's ReplicaStats of a round, by name: `stats.steps` is a [g, M] tensor (member, replica).
+class SyncStats:
+    """Every process's ReplicaStats of a sync, by name: `stats.steps` is a [g, M] tensor (member, replica).
 
     >>> rows = torch.stack([ReplicaStats(steps=4).tensor(), ReplicaStats(steps=6).tensor()]).view(1, 2, -1)
-    >>> RoundStats(rows).steps.tolist()
+    >>> SyncStats(rows).steps.tolist()
     [[4.0, 6.0]]
     """
 
@@ -63,11 +66,12 @@ class RoundStats:
         return self.rows[..., STAT_NAMES.index(name)]
 
 
-def round_record(*, stats: RoundStats, result, step: int, round_number: int, fragments: list[int],
+def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_number: int, fragments: list[int],
                  cumulative_bytes: int, sync_seconds: float, blocked: float, outer_lr: float, inner_lr: float,
                  num_replicas: int, group_size: int, ddp_payload: int, compression: str,
                  synced_parameters: int, sharded: bool = False) -> dict:
-    """The record of one round, as `<output_dir>/sync_rounds.jsonl` holds it (the contract in DESIGN.md §4).
+    """The record of one sync (sync number `sync_number`, of round `round_number`), as
+    `<output_dir>/sync_rounds.jsonl` holds it (the contract: README, "What a run writes").
 
     A replica's loss is over all its members' micro-batches, its tokens are its members' sum, its compute time its
     slowest member's; members share one pseudo-gradient, which a sharded replica's members hold a shard each of
@@ -79,8 +83,9 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
     replica_compute = stats.compute_seconds.amax(0).tolist()
     compute = max(replica_compute)
     tokens = int(stats.tokens.sum())
-    round_steps = int(stats.steps[0].max())
+    sync_steps = int(stats.steps[0].max())
     record = {
+        "sync": sync_number,
         "round": round_number,
         "step": step,
         "time": time.time(),
@@ -92,7 +97,7 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
         "bytes_per_replica": cost.bytes_sent,
         "cumulative_bytes_per_replica": cumulative_bytes,
         "intra_replica_bytes": cost.intra_replica_bytes,
-        "ddp_bytes_per_replica": round_steps * ring_all_reduce_bytes(ddp_payload, num_replicas * group_size),
+        "ddp_bytes_per_replica": sync_steps * ring_all_reduce_bytes(ddp_payload, num_replicas * group_size),
         "compression": compression,
         "compression_ratio": result.fp32_bytes_sent / cost.bytes_sent if cost.bytes_sent else None,
         "fragments": fragments,
@@ -104,7 +109,7 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
         "tokens_per_second": tokens / (compute + blocked) if compute + blocked > 0 else 0.0,
         "outer_lr": outer_lr,
         "inner_lr": inner_lr,
-        "round_steps": round_steps,  # inner steps taken in this round (H is the run's inner_steps)
+        "sync_steps": sync_steps,  # inner steps taken since the previous sync (H / F, except at the end)
         "num_replicas": num_replicas,
         "replica_group_size": group_size,
         "synced_parameters": synced_parameters,
@@ -117,65 +122,67 @@ def round_record(*, stats: RoundStats, result, step: int, round_number: int, fra
             record["outer_step_skipped"] = True
     previous = stats.previous_agreement[0].tolist()
     if all(math.isfinite(x) for x in previous):
-        record["agreement_round"] = round_number - 1
-        record["replica_agreement"] = previous  # cos(Δ_i, Δ) of round `agreement_round`, one per replica
+        record["agreement_sync"] = sync_number - 1
+        record["replica_agreement"] = previous  # cos(Δ_i, Δ) of sync `agreement_sync`, one per replica
     return record
 
 
-def summary(rounds: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,
+def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,
             settings: dict) -> dict:
-    """The run's totals (`diloco_summary.json`), from its round records."""
-    wall = sum(r["compute_seconds"] + r["blocked_seconds"] for r in rounds)
-    tokens = sum(r["tokens"] for r in rounds)
-    evals = [r["eval_loss"] for r in rounds if r.get("eval_loss") is not None]
+    """The run's totals (`diloco_summary.json`), from its sync records."""
+    wall = sum(r["compute_seconds"] + r["blocked_seconds"] for r in syncs)
+    tokens = sum(r["tokens"] for r in syncs)
+    evals = [r["eval_loss"] for r in syncs if r.get("eval_loss") is not None]
     return {
-        "rounds": len(rounds),
+        "rounds": outer_rounds(syncs),
+        "syncs": len(syncs),
         "steps": steps,
         **settings,
         "eval_loss_initial": initial_eval_loss,
         "eval_loss_final": evals[-1] if evals else None,
-        "train_loss_final": rounds[-1]["loss"] if rounds else None,
+        "train_loss_final": syncs[-1]["loss"] if syncs else None,
         "tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
         "train_seconds": time.time() - train_started,
-        "sync_seconds": sum(r["sync_seconds"] for r in rounds),
-        "blocked_seconds": sum(r["blocked_seconds"] for r in rounds),
-        "bytes_per_replica": sum(r["bytes_per_replica"] for r in rounds),
-        "startup_bytes": sum(r.get("startup_bytes", 0) for r in rounds),
-        "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in rounds),
+        "sync_seconds": sum(r["sync_seconds"] for r in syncs),
+        "blocked_seconds": sum(r["blocked_seconds"] for r in syncs),
+        "bytes_per_replica": sum(r["bytes_per_replica"] for r in syncs),
+        "startup_bytes": sum(r.get("startup_bytes", 0) for r in syncs),
+        "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in syncs),
     }
 
 
 class Records:
-    """The rounds of this process as they land, for both backends. A record waits until the round's evaluation
+    """The syncs of this process as they land, for both backends. A record waits until the sync's evaluation
     (Trainer runs it right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and
     on the main process written to sync_rounds.jsonl (`RoundWriter`), handed to the trackers (`report`) and printed
     as one console line. At the end the main process writes the run's summary (`close`)."""
 
-    def __init__(self, plain_console: bool):
+    def __init__(self, plain_console: bool, num_fragments: int = 1):
         self.plain_console = plain_console  # print lines as they are (disable_tqdm), else through tqdm.write
-        self.pending: list[dict] = []  # rounds completed at this step, written once its eval is known
+        self.num_fragments = num_fragments
+        self.pending: list[dict] = []  # syncs landed at this step, written once its eval is known
         self.history: list[dict] = []
         self.writer: RoundWriter | None = None
         self.report = None  # called with each written record (the trainer's trackers)
-        self.total_rounds: int | None = None
+        self.total_syncs: int | None = None
         self.initial_eval_loss: float | None = None
         self.carried: dict = {}  # fields for the next record (a resume's note, the start-up's bytes)
-        self.cumulative_bytes = 0  # bytes this replica sent in every round of the run so far
+        self.cumulative_bytes = 0  # bytes this replica sent in every sync of the run so far
         self.train_started = time.time()
 
     def open(self, output_dir: str, step: int, *, continues_record: bool, resumed_from: str | None,
              reached_before_resume: int, report) -> None:
-        """Main process, at the start of training: the round record of `output_dir`, cut at the checkpoint's
-        `step` (rounds past it are retrained) unless the backend `continues_record` (a restarted torchft replica)."""
-        rounds = read_sync_rounds(output_dir)
-        reached = max([r["step"] for r in rounds] + [reached_before_resume, step])
+        """Main process, at the start of training: the sync record of `output_dir`, cut at the checkpoint's
+        `step` (syncs past it are retrained) unless the backend `continues_record` (a restarted torchft replica)."""
+        syncs = read_sync_rounds(output_dir)
+        reached = max([r["step"] for r in syncs] + [reached_before_resume, step])
         self.writer = RoundWriter(output_dir)
         self.report = report
-        kept = rounds if continues_record else self.writer.truncate_after(step)
+        kept = syncs if continues_record else self.writer.truncate_after(step)
         self.train_started = time.time()
         if resumed_from is not None:
-            # Rounds after the checkpoint are gone with the processes that made them: say how many steps.
+            # Syncs after the checkpoint are gone with the processes that made them: say how many steps.
             self.carry(resumed_from=resumed_from, steps_lost=max(0, reached - step))
         self.cumulative_bytes = kept[-1]["cumulative_bytes_per_replica"] if kept else 0
 
@@ -184,7 +191,7 @@ class Records:
         self.carried.update(fields)
 
     def add_bytes(self, sent: int) -> int:
-        """A round sent `sent` bytes: the run's total so far."""
+        """A sync sent `sent` bytes: the run's total so far."""
         self.cumulative_bytes += sent
         return self.cumulative_bytes
 
@@ -194,7 +201,7 @@ class Records:
         self.pending.append(record)
 
     def evaluated(self, step: int, eval_loss: float | None) -> None:
-        """An evaluation at `step`: it belongs to the round completed at that step, or (step 0) to the start."""
+        """An evaluation at `step`: it belongs to the sync landed at that step, or (step 0) to the start."""
         if self.pending and self.pending[-1]["step"] == step:
             self.pending[-1]["eval_loss"] = eval_loss
             self.flush()
@@ -210,7 +217,7 @@ class Records:
             self.writer.write(record)
             if self.report is not None:
                 self.report(record)
-            line = format_round(record, self.total_rounds)
+            line = format_sync(record, self.total_syncs, self.num_fragments)
             if self.plain_console:
                 print(line, flush=True)
             else:
@@ -226,5 +233,5 @@ class Records:
         totals = summary(self.history, steps=steps, train_started=self.train_started,
                          initial_eval_loss=self.initial_eval_loss, settings=settings)
         if last_agreement is not None and self.history:
-            totals["last_round_agreement"] = {"round": self.history[-1]["round"], "replica_agreement": last_agreement}
+            totals["last_sync_agreement"] = {"sync": self.history[-1]["sync"], "replica_agreement": last_agreement}
         write_summary(output_dir, totals)

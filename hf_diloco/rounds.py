@@ -3,22 +3,22 @@
     launch(step)   the backend says who takes part (torch: every replica; torchft: the quorum, its weights, a heal);
                    the due fragments' pseudo-gradients go into their exchange (hf_diloco.outer.exchange)
     land(flight)   wait for the exchange, then the outer step and the copy back (hf_diloco.outer.land), or nothing
-                   when the backend's vote rolled the round back; then the round's numbers go to the records
+                   when the backend's vote rolled the sync back; then the sync's numbers go to the records
 
-A blocking round lands at the step it was launched, its buckets averaged and applied one at a time. An overlapped
-round (sync_delay τ > 0) takes its Δ_i at launch, runs the backend's start and the exchange in a background thread
+A blocking sync lands at the step it was launched, its buckets averaged and applied one at a time. An overlapped
+sync (sync_delay τ > 0) takes its Δ_i at launch, runs the backend's start and the exchange in a background thread
 while the replica trains on, and lands τ steps later (or at the last step): one exchange is in flight at a time. A
-round in which nobody brings progress (every participant joins) lands a vote alone. Before the first inner step
-each replica runs a joining round: the backend makes the replicas start from identical parameters (torch: a digest
+sync in which nobody brings progress (every participant joins) lands a vote alone. Before the first inner step
+each replica runs a joining sync: the backend makes the replicas start from identical parameters (torch: a digest
 check and a broadcast where they differ; torchft: the quorum, where a late replica heals).
 
 Who decides what:
     schedule   which fragment is due at which step, with what τ; auto H and τ         hf_diloco.schedule.Schedule
     backend    who takes part, with what weight, the vote, healing                   hf_diloco.backends
     outer      the arithmetic of Algorithm 1, one bucket at a time                    hf_diloco.outer
-    records    the round's record, trackers and the summary                          hf_diloco.records.Records
+    records    the sync's record, trackers and the summary                           hf_diloco.records.Records
 The Trainer callback (hf_diloco.callback) only asks `sync` at the end of each inner step and keeps Trainer's saves,
-evaluations and stop on round boundaries.
+evaluations and stop on sync boundaries.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ from .outer import (
     pseudo_gradients,
     snapshot,
 )
-from .records import Records, ReplicaStats, RoundStats, round_record
+from .records import Records, ReplicaStats, SyncStats, sync_record
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
 
 class Progress:
-    """This replica's inner steps since its last launch: what its next round reports (local, no collective)."""
+    """This replica's inner steps since its last launch: what its next sync reports (local, no collective)."""
 
     def __init__(self):
         self.reset()
@@ -97,15 +97,15 @@ class Fragment:
 
 @dataclass
 class Flight:
-    """A launched round, until it lands: blocking (`start` and `exchange` made at launch) or overlapped (`future`
+    """A launched sync, until it lands: blocking (`start` and `exchange` made at launch) or overlapped (`future`
     runs the backend's start and the exchange in the background)."""
 
     launched_at: int
     lands_at: int
     outer_lr: float
-    measured: list[int]  # the fragments whose last exchange time this round's statistics carry (sync_delay auto)
+    measured: list[int]  # the fragments whose last exchange time this sync's statistics carry (sync_delay auto)
     began: float
-    launch_seconds: float = 0.0  # time the inner loop spent launching an overlapped round (its snapshot)
+    launch_seconds: float = 0.0  # time the inner loop spent launching an overlapped sync (its snapshot)
     future: Future | None = None
     start: RoundStart | None = None
     exchange: Exchange | None = None
@@ -114,7 +114,7 @@ class Flight:
 
 class RoundEngine:
     """One replica's side of the outer rounds: θ_global and the outer optimizer (`outer`), the fragments, the codec
-    and its residuals, the round in flight, and what the next round's statistics carry.
+    and its residuals, the sync in flight, and what the next sync's statistics carry.
 
     `trainer` is the DiLoCoTrainer (its comm, its inner optimizer, its learning rate); `continue_at_step` is the
     Trainer glue's one way to move the step (a replica that joins late continues at the others' step).
@@ -138,11 +138,11 @@ class RoundEngine:
         self.executor: ThreadPoolExecutor | None = None
         self.in_flight: Flight | None = None
         self.stop_requested = False
-        self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last round, sent with the next one
-        self.previous_blocked = 0.0  # seconds the last round kept this replica waiting, sent with the next one
-        self.bad_rounds = 0  # consecutive rounds in which no replica had a finite pseudo-gradient
-        self.fragment_syncs = 0  # fragment syncs landed since this process started (inner_steps auto waits for 2F)
-        self.last_round_tokens = 0  # tokens of the round launched last (torchft carries them over a rollback)
+        self.previous_agreement = float("nan")  # cos(Δ_i, Δ) of the last sync, sent with the next one
+        self.previous_blocked = 0.0  # seconds the last sync kept this replica waiting, sent with the next one
+        self.bad_syncs = 0  # consecutive syncs in which no replica had a finite pseudo-gradient
+        self.syncs_landed = 0  # syncs landed since this process started (inner_steps auto waits for 2F)
+        self.last_sync_tokens = 0  # tokens of the sync launched last (torchft carries them over a rollback)
         self.max_steps = 0
 
     # --- the start of training ---
@@ -181,10 +181,10 @@ class RoundEngine:
         self._stagger_end(step, max_steps, warn=True)
 
     def join(self, step: int) -> RoundStart:
-        """The joining round, before the first inner step: identical parameters everywhere (torchft: the quorum,
+        """The joining sync, before the first inner step: identical parameters everywhere (torchft: the quorum,
         where a late or restarted replica heals from a live peer)."""
         flight = self.launch(step, self.max_steps, joining=True)
-        # A late replica's heal may have moved Trainer's step (continue_at_step): the round lands at the new one.
+        # A late replica's heal may have moved Trainer's step (continue_at_step): the sync lands at the new one.
         self.land(flight, self.trainer.state.global_step, self.max_steps)
         self.progress.reset()
         self.backend.joined(flight.start, step)
@@ -193,9 +193,9 @@ class RoundEngine:
     # --- the end of each inner step ---
 
     def sync(self, step: int, max_steps: int) -> bool | None:
-        """The rounds of this step: land the one in flight if it is due, then launch the one due now (a blocking
+        """The syncs of this step: land the one in flight if it is due, then launch the one due now (a blocking
         one lands at once). Returns None when nothing landed or launched, else whether any replica asked to stop
-        (known from the rounds that landed)."""
+        (known from the syncs that landed)."""
         if self.backend.run_over():  # torchft: healed from a replica that finished the run
             return None
         landing = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= max_steps)
@@ -203,7 +203,7 @@ class RoundEngine:
         due = self.backend.due(step, max_steps, self.progress)
         if not landing and not due:
             return None
-        # A stop learned from the round that landed ends training here: no new round is launched to be left in
+        # A stop learned from the sync that landed ends training here: no new sync is launched to be left in
         # flight (in a staggered end one lands as the next is launched).
         if due and not (stop and step < max_steps):
             flight = self.launch(step, max_steps)
@@ -215,12 +215,12 @@ class RoundEngine:
         return stop
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
-        """Start the round due at `step`: blocking (the backend's start, then the exchange, which for a round
+        """Start the sync due at `step`: blocking (the backend's start, then the exchange, which for a sync
         without a vote runs as `land` applies it), or with sync_delay > 0 in the background (the backend's start
         included: torchft's quorum waits for the slowest replica while this one trains on)."""
         began = time.perf_counter()
         local = self._local_numbers()  # this replica's numbers, read here, before the inner loop moves on
-        self.last_round_tokens = self.progress.tokens
+        self.last_sync_tokens = self.progress.tokens
         stats = self._stats()
         flight = Flight(launched_at=step, lands_at=step, outer_lr=self.outer.lr(),
                         measured=self.schedule.exchanged[0], began=began)
@@ -256,8 +256,8 @@ class RoundEngine:
         return flight
 
     def _launch_in_background(self, step, max_steps, local, fragments, deltas, stats):
-        """An overlapped round, in the background thread: the backend's start, then the exchange of the Δ_i taken
-        at launch. A replica whose round turns out to sync other fragments than it expected (torchft: it healed
+        """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
+        at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
         began = time.perf_counter()
@@ -296,7 +296,7 @@ class RoundEngine:
                 self.progress.reset()
                 self._finish(step, start, result)
                 return start.stop_requested
-            with self.comm.naming_the_absent(step):  # a blocking round is averaged as it is applied
+            with self.comm.naming_the_absent(step):  # a blocking sync is averaged as it is applied
                 result = land(self.outer, flight.exchange)
             done = time.perf_counter()
             self.progress.reset()
@@ -305,17 +305,17 @@ class RoundEngine:
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
 
-    # --- after a round landed ---
+    # --- after a sync landed ---
 
     def _complete(self, step: int, max_steps: int, flight: Flight, start: RoundStart, result: RoundResult,
                   sync_seconds: float, blocked: float) -> bool:
-        # This replica's own parameters were not finite (it sat the round out with weight 0): it takes θ_global.
+        # This replica's own parameters were not finite (it sat the sync out with weight 0): it takes θ_global.
         if not start.finite or (result.committed and start.weight > 0 and not self._healthy(result)):
             self._reset_replica(step)
         if result.committed:
-            self._count_bad_rounds(result, step)
-        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this round
-        # kept the replica waiting is known after it: both are sent with the NEXT round's statistics, so they cost
+            self._count_bad_syncs(result, step)
+        # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this sync
+        # kept the replica waiting is known after it: both are sent with the NEXT sync's statistics, so they cost
         # no collective of their own.
         if self.comm.sharded:  # each member measured its own shards: the replica's norms are their sums
             result.local_norm_sq, result.average_norm_sq, result.dot = self.comm.replica_total(
@@ -324,10 +324,11 @@ class RoundEngine:
         self.previous_blocked = blocked
         result.cost.bytes_sent += start.extra_bytes
         cumulative = self.records.add_bytes(result.cost.bytes_sent)
-        stats = RoundStats(result.stats) if result.stats is not None else None
+        stats = SyncStats(result.stats) if result.stats is not None else None
         outer = self.outer
-        record = {} if stats is None else round_record(
-            stats=stats, result=result, step=step, round_number=self.schedule.round_at(flight.launched_at),
+        number = self.schedule.sync_at(flight.launched_at)
+        record = {} if stats is None else sync_record(
+            stats=stats, result=result, step=step, sync_number=number, round_number=self.schedule.round_of(number),
             fragments=start.fragments, cumulative_bytes=cumulative, sync_seconds=sync_seconds, blocked=blocked,
             outer_lr=flight.outer_lr, inner_lr=self.trainer._get_learning_rate(),
             num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
@@ -336,13 +337,13 @@ class RoundEngine:
             synced_parameters=sum(self.fragments[f].size for f in start.fragments))
         if flight.launched_at != step:
             record["launch_step"] = flight.launched_at
-        self.fragment_syncs += 1
+        self.syncs_landed += 1
         if self.args.auto_sync_delay and stats is not None and flight.measured and step < max_steps:
             record["sync_delay_auto"] = self.schedule.choose_delays(
                 list(flight.measured), exchange_seconds=float(stats.previous_exchange_seconds.max()),
                 step_seconds=_step_seconds(stats), sizes=[f.size for f in self.fragments])
         if self.args.auto_inner_steps and self.schedule.auto_choice is None and stats is not None and \
-                self.fragment_syncs >= 2 * self.args.num_fragments and step < max_steps:
+                self.syncs_landed >= 2 * self.args.num_fragments and step < max_steps:
             record["inner_steps_auto"] = self._choose_inner_steps(stats, flight.launched_at, max_steps)
         if "sync_delay_auto" in record or "inner_steps_auto" in record:
             self._stagger_end(step, max_steps)
@@ -350,10 +351,10 @@ class RoundEngine:
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
     def _finish(self, step: int, start: RoundStart, result: RoundResult, record: dict | None = None) -> None:
-        """The backend's word on the round (torchft: commit bookkeeping, membership in the record, whether this
-        replica starts again from θ_global), then the record is queued. A round with nothing exchanged (every
+        """The backend's word on the sync (torchft: commit bookkeeping, membership in the record, whether this
+        replica starts again from θ_global), then the record is queued. A sync with nothing exchanged (every
         participant joining) has no record."""
-        record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_round_tokens, step=step)
+        record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
         if restart:
             self.outer.copy_global_to_replica()
         if start.startup_bytes is not None:  # what starting from identical parameters cost: in the first record
@@ -373,16 +374,16 @@ class RoundEngine:
                     self.trainer.is_world_process_zero():
                 logger.warning("DiLoCo: the run is too short for a staggered end (final_sync); every fragment "
                                "syncs at the last step.")
-        self.records.total_rounds = self.schedule.total_rounds(max_steps)
+        self.records.total_syncs = self.schedule.total_syncs(max_steps)
 
-    def _choose_inner_steps(self, stats: RoundStats, launched_at: int, max_steps: int) -> dict:
-        """inner_steps auto from what the first rounds measured, the same on every replica; the new schedule
-        starts at the step this round was launched at."""
+    def _choose_inner_steps(self, stats: SyncStats, launched_at: int, max_steps: int) -> dict:
+        """inner_steps auto from what the first syncs measured, the same on every replica; the new schedule
+        starts at the step this sync was launched at."""
         overhead = self.args.max_sync_overhead
         choice = self.schedule.choose_inner_steps_at(
             launched_at, step_seconds=_step_seconds(stats),
             sync_seconds=float(stats.previous_blocked_seconds.max()), max_sync_overhead=overhead)
-        self.records.total_rounds = self.schedule.total_rounds(max_steps)
+        self.records.total_syncs = self.schedule.total_syncs(max_steps)
         if self.trainer.is_world_process_zero():
             logger.warning(
                 "DiLoCo inner_steps auto: an inner step takes %.4f s and a fragment's sync kept the replicas waiting "
@@ -401,17 +402,20 @@ class RoundEngine:
         moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         if not is_finite(moments):
             optimizer.state.clear()
-        logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the round out and "
+        logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the sync out and "
                        "restarts from the global parameters.", self.backend.replica, step)
 
-    def _count_bad_rounds(self, result: RoundResult, step: int) -> None:
-        """`max_bad_rounds` consecutive rounds with no healthy participant stop the run with one sentence."""
-        self.bad_rounds = 0 if result.participants else self.bad_rounds + 1
-        if self.bad_rounds >= self.args.max_bad_rounds:
+    def _count_bad_syncs(self, result: RoundResult, step: int) -> None:
+        """`max_bad_rounds` consecutive rounds (F syncs each) with no healthy participant stop the run with one
+        sentence."""
+        self.bad_syncs = 0 if result.participants else self.bad_syncs + 1
+        fragments = self.args.num_fragments
+        if self.bad_syncs >= self.args.max_bad_rounds * fragments:
+            counted = f"{self.bad_syncs} consecutive rounds" if fragments == 1 else \
+                f"{self.bad_syncs} consecutive syncs ({self.bad_syncs // fragments} rounds)"
             raise RunError(
-                f"no replica had a finite pseudo-gradient for {self.bad_rounds} consecutive rounds (last at step "
-                f"{step}); the run is diverging: lower learning_rate or outer_lr, or resume from an earlier "
-                f"checkpoint."
+                f"no replica had a finite pseudo-gradient for {counted} (last at step {step}); the run is diverging: "
+                f"lower learning_rate or outer_lr, or resume from an earlier checkpoint."
             )
 
     def _healthy(self, result: RoundResult) -> bool:
@@ -428,7 +432,7 @@ class RoundEngine:
                 "finite": is_finite(self.outer.params)}
 
     def _stats(self):
-        """This replica's statistics for the round, made once its pseudo-gradient norm is known."""
+        """This replica's statistics for the sync, made once its pseudo-gradient norm is known."""
         progress = self.progress
         mine = ReplicaStats(loss_sum=progress.loss.item(), steps=progress.steps, tokens=progress.tokens,
                             compute_seconds=progress.compute_seconds, stop_requested=float(self.stop_requested),
@@ -448,8 +452,8 @@ class RoundEngine:
         return self.backend is not None and self.backend.run_over()
 
     def end(self, step: int) -> list[float] | None:
-        """Training ended: the background thread stops, the last round's agreement is handed over (it has no next
-        round to ride with: through the rendezvous store), a torchft replica stays for late peers, the backend
+        """Training ended: the background thread stops, the last sync's agreement is handed over (it has no next
+        sync to ride with: through the rendezvous store), a torchft replica stays for late peers, the backend
         shuts down. Returns every replica's last agreement, where known."""
         if self.executor is not None:
             self.executor.shutdown(wait=True)
@@ -467,7 +471,7 @@ class RoundEngine:
 
     def replica_state(self) -> dict:
         """What only this replica knows: the schedule's decisions, its error-feedback residuals and, when replicas
-        may differ after a round (several fragments, or α > 0), its own trainable parameters."""
+        may differ after a sync (several fragments, or α > 0), its own trainable parameters."""
         state = self.schedule.state_dict()
         if self.feedback is not None:
             state["error_feedback"] = self.feedback.state_dict()
@@ -484,6 +488,6 @@ class RoundEngine:
             param.copy_(saved)
 
 
-def _step_seconds(stats: RoundStats) -> float:
-    """The slowest replica's seconds per inner step in a round."""
+def _step_seconds(stats: SyncStats) -> float:
+    """The slowest replica's seconds per inner step in a sync."""
     return float((stats.compute_seconds / stats.steps.clamp(min=1)).max())

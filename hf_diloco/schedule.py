@@ -5,7 +5,13 @@ into each replica's checkpoint so that a resumed run keeps what the auto choices
 
 Streaming DiLoCo (arXiv 2501.18512) staggers F fragments: fragment f syncs at the steps s with
 s mod H = (f + 1)·H/F mod H, so one fragment syncs every H/F steps and each fragment every H steps. F = 1 is plain
-DiLoCo (every H steps). A round is one fragment's sync, counted from 1.
+DiLoCo (every H steps).
+
+Two words, used the same way in the code, the records, the app, the card and the README:
+- a **sync** is one launch and landing: one fragment's exchange and outer step (every fragment's, at a blocking
+  end). Syncs are numbered from 1; each writes one record.
+- a **round** is H inner steps, in which every fragment syncs once: round r holds syncs (r − 1)·F + 1 .. r·F
+  (`round_of`). With F = 1 they are the same.
 
 The end of a run makes the final model the global one, in one of two ways:
 - blocking (the default without overlap): every fragment syncs at the last step, and the replicas wait for the
@@ -15,8 +21,8 @@ The end of a run makes the final model the global one, in one of two ways:
 
       e_last = max_steps − τ_last,   e_f = e_next − τ_f,   so the window starts at W = max_steps − Σ_f τ_f,
 
-  and no regular round is launched that would still be in flight at W. Nothing waits at the end beyond what every
-  overlapped round waits; what a fragment trains after its last sync is launched (at most Σ τ steps) is left out
+  and no regular sync is launched that would still be in flight at W. Nothing waits at the end beyond what every
+  overlapped sync waits; what a fragment trains after its last sync is launched (at most Σ τ steps) is left out
   of the final model, which takes θ_global for every fragment.
 """
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Schedule:
-    """The sync schedule of a run: from step `origin_step` (round `origin_round`) one fragment syncs every
+    """The sync schedule of a run: from step `origin_step` (sync number `origin_sync`) one fragment syncs every
     `inner_steps / num_fragments` steps. Fixed for a run, except once with inner_steps auto, which starts a new
     schedule at the step it decides. Each fragment's sync lands `delay(fragment)` steps after its launch: the run's
     sync_delay, or what sync_delay auto chose for it from its measured exchanges.
@@ -36,14 +42,14 @@ class Schedule:
     >>> s = Schedule(inner_steps=4, num_fragments=2)
     >>> [s.due_fragments(step, max_steps=9) for step in range(1, 10)]
     [[], [0], [], [1], [], [0], [], [1], [0, 1]]
-    >>> s.round_at(8), s.total_rounds(9)
-    (4, 5)
+    >>> s.sync_at(8), s.total_syncs(9), s.round_of(4), s.round_of(5)
+    (4, 5, 2, 3)
     """
 
     inner_steps: int
     num_fragments: int = 1
     origin_step: int = 0
-    origin_round: int = 0
+    origin_sync: int = 0
     end: FinalWindow | None = None  # the staggered end, once `stagger_end` placed it
     sync_delay: int = 0  # τ the run asked for; a fragment keeps it until sync_delay auto chooses its own
     delays: dict[int, int] = field(default_factory=dict)  # τ of each fragment chosen by sync_delay auto
@@ -63,13 +69,13 @@ class Schedule:
         """τ of the sync launched at `step` over `fragments`: the final window's, else the longest of theirs."""
         return self.final_delay(step) or max(self.delay(f) for f in fragments)
 
-    def fragments_of_round(self, number: int, total: int | None, last: bool) -> list[int]:
-        """The fragments round `number` syncs when rounds are counted rather than placed at steps (torchft): one in
-        turn, or all of them in the run's last round or when a participant is at its last step.
+    def fragments_of_sync(self, number: int, total: int | None, last: bool) -> list[int]:
+        """The fragments sync `number` carries when syncs are counted rather than placed at steps (torchft): one in
+        turn, or all of them in the run's last sync or when a participant is at its last step.
 
-        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_round(3, total=5, last=False)
+        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_sync(3, total=5, last=False)
         [0]
-        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_round(5, total=5, last=False)
+        >>> Schedule(inner_steps=4, num_fragments=2).fragments_of_sync(5, total=5, last=False)
         [0, 1]
         """
         if last or (total is not None and number >= total):
@@ -77,7 +83,7 @@ class Schedule:
         return [(number - 1) % self.num_fragments]
 
     def due_fragments(self, step: int, max_steps: int) -> list[int]:
-        """Fragments whose round is launched at `step`: every fragment at the last step, or with a staggered end
+        """Fragments whose sync is launched at `step`: every fragment at the last step, or with a staggered end
         one fragment at each of the final window's launch steps and none at the last step."""
         if self.end is not None:
             if step in self.end.launches:
@@ -89,33 +95,42 @@ class Schedule:
         since = step - self.origin_step
         if since <= 0 or since % self.sync_every:
             return []
-        return [(self.round_at(step) - 1) % self.num_fragments]
+        return [(self.sync_at(step) - 1) % self.num_fragments]
 
-    def round_at(self, step: int) -> int:
-        """The number of the round launched at `step`, counted from 1."""
+    def sync_at(self, step: int) -> int:
+        """The number of the sync launched at `step`, counted from 1."""
         if self.end is not None and step in self.end.launches:
             return self.end.launches[step][1]
-        return self.origin_round + math.ceil((step - self.origin_step) / self.sync_every)
+        return self.origin_sync + math.ceil((step - self.origin_step) / self.sync_every)
 
-    def total_rounds(self, max_steps: int) -> int | None:
+    def round_of(self, sync: int) -> int:
+        """The round sync number `sync` belongs to: F syncs make a round."""
+        return math.ceil(sync / self.num_fragments)
+
+    def name_sync(self, sync: int) -> str:
+        """How the logs name sync number `sync`: "round 3" where a sync is a round, else "sync 5 (round 3)"."""
+        return f"round {sync}" if self.num_fragments == 1 else f"sync {sync} (round {self.round_of(sync)})"
+
+    def total_syncs(self, max_steps: int) -> int | None:
+        """How many syncs the run launches, as placed now (None before a step count is known)."""
         if self.end is not None:
             return max(number for _, number, _ in self.end.launches.values())
-        return self.round_at(max_steps) if max_steps > 0 else None
+        return self.sync_at(max_steps) if max_steps > 0 else None
 
     def restart_at(self, step: int, inner_steps: int) -> None:
-        """A new H from `step` on (the round launched at `step` keeps its number)."""
-        self.origin_round, self.origin_step = self.round_at(step), step
+        """A new H from `step` on (the sync launched at `step` keeps its number)."""
+        self.origin_sync, self.origin_step = self.sync_at(step), step
         self.inner_steps = inner_steps
 
     def final_delay(self, step: int) -> int | None:
-        """τ of the final-window round launched at `step` (it lands as the next is launched), else None."""
+        """τ of the final-window sync launched at `step` (it lands as the next is launched), else None."""
         if self.end is None or step not in self.end.launches:
             return None
         return self.end.launches[step][2]
 
     def stagger_end(self, max_steps: int, delays: list[int], busy_until: int = 0) -> bool:
         """Place the staggered end for the fragments' τ `delays` (see the module's docstring), after step
-        `busy_until` (where the exchange in flight lands; every round launched before it is kept). A window that
+        `busy_until` (where the exchange in flight lands; every sync launched before it is kept). A window that
         has begun by then stays as it is. Where Σ τ no longer fits between `busy_until` and the last step (τ grew
         after the window was first placed), the window starts at `busy_until` and its syncs get shorter τ, the
         longest shortened first: they wait for the rest of their exchange, the end is still staggered. Returns
@@ -126,7 +141,7 @@ class Schedule:
         True
         >>> [(step, s.due_fragments(step, 13)) for step in range(1, 14) if s.due_fragments(step, 13)]
         [(2, [0]), (4, [1]), (6, [2]), (8, [0]), (10, [1]), (11, [2]), (12, [0])]
-        >>> s.round_at(10), s.round_at(11), s.round_at(12), s.total_rounds(13), s.final_delay(12)
+        >>> s.sync_at(10), s.sync_at(11), s.sync_at(12), s.total_syncs(13), s.final_delay(12)
         (5, 6, 7, 7, 1)
         >>> s.stagger_end(13, [2, 2, 2], busy_until=10)          # begun: it stays
         True
@@ -145,14 +160,14 @@ class Schedule:
         window = max_steps - sum(delays)
         if min(delays) < 1 or window <= self.origin_step or window < busy_until:
             return False
-        # The regular rounds kept are those launched before the exchange in flight lands and those that land by
+        # The regular syncs kept are those launched before the exchange in flight lands and those that land by
         # the window's start; the window goes on in their order.
         last_regular = self.origin_step
         step = self.origin_step + self.sync_every
         while step < window and (step < busy_until or
-                                 step + delays[(self.round_at(step) - 1) % self.num_fragments] <= window):
+                                 step + delays[(self.sync_at(step) - 1) % self.num_fragments] <= window):
             last_regular, step = step, step + self.sync_every
-        kept = self.round_at(last_regular) if last_regular > self.origin_step else self.origin_round
+        kept = self.sync_at(last_regular) if last_regular > self.origin_step else self.origin_sync
         launches, at = {}, window
         for j in range(self.num_fragments):
             fragment = (kept + j) % self.num_fragments
@@ -167,17 +182,17 @@ class Schedule:
         window begins)."""
         return self.stagger_end(max_steps, [self.delay(f) for f in range(self.num_fragments)], busy_until)
 
-    # --- the auto choices: every number comes from a round's statistics, which every replica received alike ---
+    # --- the auto choices: every number comes from a sync's statistics, which every replica received alike ---
 
     def choose_inner_steps_at(self, step: int, *, step_seconds: float, sync_seconds: float,
                               max_sync_overhead: float) -> dict:
-        """inner_steps auto (see `choose_inner_steps`): the new H, in force from `step` (the launch step of the round
-        whose statistics decided it). Returns the decision, as the round's record shows it.
+        """inner_steps auto (see `choose_inner_steps`): the new H, in force from `step` (the launch step of the sync
+        whose statistics decided it). Returns the decision, as the sync's record shows it.
 
         >>> s = Schedule(inner_steps=20)
         >>> s.choose_inner_steps_at(40, step_seconds=0.1, sync_seconds=0.5, max_sync_overhead=0.05)["chosen"]
         100
-        >>> s.due_fragments(140, max_steps=1000), s.round_at(140)
+        >>> s.due_fragments(140, max_steps=1000), s.sync_at(140)
         ([0], 3)
         """
         chosen = choose_inner_steps(step_seconds, sync_seconds, num_fragments=self.num_fragments,
@@ -192,7 +207,7 @@ class Schedule:
         """sync_delay auto for `fragments` (those of the exchange that took `exchange_seconds`): see
         `choose_sync_delay`. A fragment not measured yet takes the τ that the same exchange, scaled by its size
         (`sizes`: values each fragment syncs), would need, so that on a slow link only the first fragment's first
-        sync waits for its transfer. Returns the decision, as the round's record shows it.
+        sync waits for its transfer. Returns the decision, as the sync's record shows it.
 
         >>> s = Schedule(inner_steps=20, num_fragments=2, sync_delay=1)
         >>> s.choose_delays([0], exchange_seconds=0.25, step_seconds=0.1, sizes=[100, 300])
@@ -238,7 +253,8 @@ class Schedule:
             state["final_window"] = {"launches": {str(k): list(v) for k, v in self.end.launches.items()},
                                      "last_regular": self.end.last_regular}
         if self.auto_choice is not None:  # the schedule inner_steps auto chose goes on after a resume
-            state["schedule"] = {"origin_step": self.origin_step, "origin_round": self.origin_round,
+            # (the sync number keeps its older checkpoint key, origin_round, so checkpoints load across versions)
+            state["schedule"] = {"origin_step": self.origin_step, "origin_round": self.origin_sync,
                                  "inner_steps": self.inner_steps, "choice": self.auto_choice}
         return state
 
@@ -246,7 +262,7 @@ class Schedule:
         """A checkpoint's decisions (see `state_dict`); its final window only where the run still ends staggered."""
         if "schedule" in state:
             saved = state["schedule"]
-            self.origin_step, self.origin_round = saved["origin_step"], saved["origin_round"]
+            self.origin_step, self.origin_sync = saved["origin_step"], saved["origin_round"]
             self.inner_steps, self.auto_choice = saved["inner_steps"], saved["choice"]
         if "sync_delays" in state:
             saved = state["sync_delays"]
@@ -262,7 +278,7 @@ class Schedule:
 
 @dataclass
 class FinalWindow:
-    """A staggered end: launch step -> (fragment, round number, τ), and the last regular round's launch step."""
+    """A staggered end: launch step -> (fragment, sync number, τ), and the last regular sync's launch step."""
 
     launches: dict[int, tuple[int, int, int]]
     last_regular: int

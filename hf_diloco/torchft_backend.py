@@ -1,29 +1,29 @@
 """`outer_backend: torchft`: replicas that come, go and lag (Decoupled DiLoCo, arXiv 2604.21428, on torchft).
 
-With the default backend (`torch`) a round is a barrier over a fixed set of processes. Here every replica is its
+With the default backend (`torch`) a sync is a barrier over a fixed set of processes. Here every replica is its
 own launch and joins the run through a torchft Lighthouse; membership, quorum, commit/rollback and healing are
-torchft's (its Manager), and this module puts the DiLoCo round on top of them:
+torchft's (its Manager), and this module puts the DiLoCo sync on top of them:
 
-    at the end of each round (H steps, or `round_seconds` of inner steps), each replica i:
+    at the end of each sync (H/F inner steps, or `round_seconds`/F of them), each replica i:
         quorum          ← Lighthouse: the replicas that arrived (at least min_replicas, then the grace window)
-        if i is behind: θ_global, outer optimizer state, round counter, step ← a live peer (torchft heals it)
-        w_i             ← tokens_i / (1 + s_i)          (s_i: rounds the replica's base is behind; 0 normally)
+        if i is behind: θ_global, outer optimizer state, sync counter, step ← a live peer (torchft heals it)
+        w_i             ← tokens_i / (1 + s_i)          (s_i: syncs the replica's base is behind; 0 normally)
         Δ               ← Σ_i w_i Δ_i / Σ_i w_i          (over the participants only; one allreduce per bucket)
         if the quorum commits (no participant failed):  θ_global ← OuterOpt(θ_global, Δ);  θ_i ← θ_global
-        else: nothing moves; the replica keeps its local progress and brings it to the next round
+        else: nothing moves; the replica keeps its local progress and brings it to the next sync
 
 Design choices:
-- The staleness rule 1/(1 + s): a pseudo-gradient taken against a base that is s rounds old partly repeats
+- The staleness rule 1/(1 + s): a pseudo-gradient taken against a base that is s syncs old partly repeats
   steps the global model already took from the others' updates, so it counts less the older its base is; it is
   the simplest weight that is 1 for a fresh update, never drops it entirely, and needs no tuning (Async Local-SGD,
   arXiv 2401.09135, shows stale updates at full weight hurt). With equal tokens and no staleness the weighted
   mean is the plain mean, so a fault-free run matches the `torch` backend.
 - The grace window is the Lighthouse's join timeout: once min_replicas have arrived it waits at most that long for
-  the others it still hears heartbeats from. A replica that misses it keeps training and joins a later round.
+  the others it still hears heartbeats from. A replica that misses it keeps training and joins a later sync.
 - A (re)started replica asks for a quorum before its first inner step, heals from a live peer and takes part in
-  that round with weight 0, so it applies the same outer step as everyone and starts from the same θ_global.
-- The run ends after ceil(max_steps / inner_steps) committed rounds (the round counter is healed with the
-  rest), so a replica that joined late stops with the others.
+  that sync with weight 0, so it applies the same outer step as everyone and starts from the same θ_global.
+- The run ends after the schedule's number of committed syncs, ceil(max_steps / (H/F)) (the sync counter is
+  healed with the rest), so a replica that joined late stops with the others.
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ from .schedule import Schedule
 logger = logging.getLogger(__name__)
 
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
-# every participant of the round stops after it, whichever of them saw the request first.
+# every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
                  "quorum_seconds", "stop_requested", "non_finite", "last", "digest")
-# Columns of the table that steer the round but are not part of the record.
+# Columns of the table that steer the sync but are not part of the record.
 UNRECORDED = ("last", "digest")
-# The local numbers of a replica that brings no progress to a round (it only hands over the final model).
+# The local numbers of a replica that brings no progress to a sync (it only hands over the final model).
 NOTHING_TRAINED = {"steps": 0, "tokens": 0, "loss_sum": 0.0, "compute_seconds": 0.0, "stop_requested": False}
 
 
 def staleness_weight(tokens: int, staleness: int) -> float:
-    """A participant's weight in the merge: its tokens, divided by 1 + the rounds its base is behind.
+    """A participant's weight in the merge: its tokens, divided by 1 + the syncs its base is behind.
 
     >>> staleness_weight(4096, 0), staleness_weight(4096, 1)
     (4096.0, 2048.0)
@@ -74,8 +74,8 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
       name that resolves to 127.0.0.1, as in network namespaces and many containers, would send a healing peer
       to itself);
     - loads with `weights_only=True`: tensors and plain values (what the outer state is), nothing that runs code.
-      Anything else is refused with HealRefused, naming the sender; the round then fails on the healing replica,
-      which votes it down and asks again next round.
+      Anything else is refused with HealRefused, naming the sender; the sync then fails on the healing replica,
+      which votes it down and asks again next sync.
     """
     import threading
     import urllib.request
@@ -120,7 +120,7 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
 
 
 class QuorumFailed(RunError):
-    """No round formed within sync_timeout (too few live replicas, or no Lighthouse), as one sentence."""
+    """No sync formed within sync_timeout (too few live replicas, or no Lighthouse), as one sentence."""
 
 
 class HealRefused(RuntimeError):
@@ -128,12 +128,12 @@ class HealRefused(RuntimeError):
 
 
 class TorchftComm(ReplicaComm):
-    """The round's collectives on torchft's process group, over the replicas of the round's quorum.
+    """The sync's collectives on torchft's process group, over the replicas of the sync's quorum.
 
-    Rank and size are the quorum's (`configure`, once per round, after the quorum formed). A collective that
+    Rank and size are the quorum's (`configure`, once per sync, after the quorum formed). A collective that
     fails (a peer died, the link dropped, sync_timeout) is reported to the Manager, every later collective of the
-    round is skipped and its output zeroed, and the round's vote (`should_commit`) then fails on every
-    participant, so no replica applies a round that did not fully arrive.
+    sync is skipped and its output zeroed, and the sync's vote (`should_commit`) then fails on every
+    participant, so no replica applies a sync that did not fully arrive.
     """
 
     votes = True
@@ -175,7 +175,7 @@ class TorchftComm(ReplicaComm):
             try:
                 collective().wait()
                 return
-            except Exception as error:  # noqa: BLE001 (any failure of a peer or the link: the round rolls back)
+            except Exception as error:  # noqa: BLE001 (any failure of a peer or the link: the sync rolls back)
                 self.manager.report_error(error)
         for output in outputs:
             output.zero_()
@@ -200,14 +200,14 @@ class TorchftComm(ReplicaComm):
 
 
 class TorchftRounds:
-    """One replica's side of the torchft rounds: its Manager and process group, and who takes part in each round
-    with what weight. The round itself (codec, fragments, overlap, outer step) is hf_diloco.rounds' and
+    """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
+    with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.rounds' and
     hf_diloco.outer's, exactly as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
     fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends.
 
     It holds the outer state `outer` (θ_global and the outer optimizer, which a heal replaces and a peer is sent),
-    the residuals `feedback` (cleared by a heal), the run's `schedule` (which fragments a round number syncs, how
-    many rounds the run has), and `continue_at_step`, the Trainer glue's one way to move a late replica's step.
+    the residuals `feedback` (cleared by a heal), the run's `schedule` (which fragments a sync number carries, how
+    many syncs the run has), and `continue_at_step`, the Trainer glue's one way to move a late replica's step.
     """
 
     def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
@@ -222,15 +222,15 @@ class TorchftRounds:
         self.schedule = schedule
         self.max_steps = max_steps
         self.continue_at_step = continue_at_step
-        self.global_round = 0  # committed rounds that moved θ_global (healed with the rest)
+        self.global_sync = 0  # committed syncs that moved θ_global (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
-        self.healed_from_round: int | None = None
-        self.overlapped = False  # the round being started runs in the background (no stash: the replica trains on)
-        self.carried_tokens = 0  # tokens of local progress that a rolled-back round did not merge yet
+        self.healed_from_sync: int | None = None
+        self.overlapped = False  # the sync being started runs in the background (no stash: the replica trains on)
+        self.carried_tokens = 0  # tokens of local progress that a rolled-back sync did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
-        self.last_members: set[int] = set()  # the participants of the last round that moved θ_global
-        self.round_step = 0  # the step the round being formed started at (what a healing peer is given)
-        self.round_local_steps = 0  # this replica's inner steps since its last launch, as the round started
+        self.last_members: set[int] = set()  # the participants of the last sync that moved θ_global
+        self.sync_step = 0  # the step the sync being formed started at (what a healing peer is given)
+        self.sync_local_steps = 0  # this replica's inner steps since its last launch, as the sync started
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
         self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
         timeout = timedelta(seconds=args.sync_timeout)
@@ -247,7 +247,7 @@ class TorchftRounds:
             load_state_dict=self._load_healed,
             state_dict=self._state_for_peer,
             min_replica_size=args.min_replicas,
-            use_async_quorum=False,  # heal before the round's collectives: a healed replica takes part at once
+            use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
@@ -259,8 +259,8 @@ class TorchftRounds:
             replica_id=f"replica_{args.replica_id}",
             hostname=host,
             # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the
-            # torch backend, they compare a digest of θ in the first round's table and send it only if they differ
-            # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the round.
+            # torch backend, they compare a digest of θ in the first sync's table and send it only if they differ
+            # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
             init_sync=not self.check_identical,
         )
         self.comm = TorchftComm(self.manager, pg, replica)
@@ -285,33 +285,33 @@ class TorchftRounds:
     # --- what a peer sends a healing replica, and how it is taken ---
 
     def _state_for_peer(self) -> dict:
-        # The step the round being formed started at, not the trainer's step: an overlapped round's quorum runs in
-        # the background while the inner loop moves on, and a healer given a later step would run its rounds that
-        # many steps ahead of everyone's, and end one round early.
-        return {"outer": self.outer.state_dict(), "global_round": self.global_round,
-                "global_step": self.round_step}
+        # The step the sync being formed started at, not the trainer's step: an overlapped sync's quorum runs in
+        # the background while the inner loop moves on, and a healer given a later step would run its syncs that
+        # many steps ahead of everyone's, and end one sync early.
+        return {"outer": self.outer.state_dict(), "global_sync": self.global_sync,
+                "global_step": self.sync_step}
 
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
         outer = self.outer
-        if self.round_local_steps > 0 and self.stash is None and not self.overlapped:
-            # Local progress made against the old base: kept, and brought to this round with a staleness weight.
-            # (Not in an overlapped round's background start: the replica is training meanwhile; that round's
+        if self.sync_local_steps > 0 and self.stash is None and not self.overlapped:
+            # Local progress made against the old base: kept, and brought to this sync with a staleness weight.
+            # (Not in an overlapped sync's background start: the replica is training meanwhile; that sync's
             # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
             # healed θ_global.)
             self.stash = [outer.pseudo_gradient(bucket) for bucket in outer.buckets]
-        self.healed_from_round = self.global_round
+        self.healed_from_sync = self.global_sync
         outer.load_state_dict(state["outer"])
-        self.global_round = int(state["global_round"])
+        self.global_sync = int(state["global_sync"])
         if self.feedback is not None:
             self.feedback.clear()  # its residuals were what it did not send against the base it left
         step = int(state["global_step"])
-        if self.round_local_steps == 0 and self.round_step == 0 and step > 0:
+        if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
             # A replica that starts late continues at the others' step, so its schedule and its end match theirs.
             self.continue_at_step(step)
             self.continued_at = step
 
-    # --- one round: who takes part, and what happens after the vote ---
+    # --- one sync: who takes part, and what happens after the vote ---
 
     @property
     def replica(self) -> int:
@@ -324,7 +324,7 @@ class TorchftRounds:
     continues_record = True  # a restarted replica continues its record
 
     def due(self, step: int, max_steps: int, progress) -> bool:
-        """A round is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
+        """A sync is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
         step; which fragments it syncs is agreed after the quorum (`start`)."""
         if step >= max_steps:
             return True
@@ -332,44 +332,44 @@ class TorchftRounds:
             return time.perf_counter() - progress.started >= self.args.round_seconds / self.args.num_fragments
         return progress.steps >= self.schedule.sync_every
 
-    def _total_rounds(self) -> int | None:
-        return self.schedule.total_rounds(self.max_steps)
+    def _total_syncs(self) -> int | None:
+        return self.schedule.total_syncs(self.max_steps)
 
     def run_over(self) -> bool:
-        """The run's last round has committed (the round counter is healed with the rest, so a replica that was
+        """The run's last sync has committed (the sync counter is healed with the rest, so a replica that was
         behind learns it from the peer it heals from)."""
-        total = self._total_rounds()
-        return total is not None and self.global_round >= total
+        total = self._total_syncs()
+        return total is not None and self.global_sync >= total
 
     def expected_fragments(self, step: int, max_steps: int) -> list[int]:
-        """The fragments the next round syncs by this replica's round counter; the same on every participant unless
+        """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
         this replica heals in the quorum (see rounds.RoundEngine._launch_in_background)."""
-        return self._fragments(self.global_round + 1, step >= max_steps)
+        return self._fragments(self.global_sync + 1, step >= max_steps)
 
     def _fragments(self, number: int, last: bool) -> list[int]:
-        return self.schedule.fragments_of_round(number, self._total_rounds(), last)
+        return self.schedule.fragments_of_sync(number, self._total_syncs(), last)
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> RoundStart:
         """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
         weight, staleness, loss, ...) so that every participant knows every weight before the first bucket.
 
-        `overlapped`: the round's start runs in the background while the replica trains on; a replica that heals
+        `overlapped`: the sync's start runs in the background while the replica trains on; a replica that heals
         there takes part with weight 0 (its snapshot was taken against the base it left) and restarts from the
-        healed θ_global after the round."""
+        healed θ_global after the sync."""
         local = {**local, "tokens": local["tokens"] + self.carried_tokens}
-        self.round_local_steps = local["steps"]
+        self.sync_local_steps = local["steps"]
         if not joining and self.comm.group_size > 1:
             local = self._whole_replica(local)
         started = time.perf_counter()
-        self.healed_from_round = None
+        self.healed_from_sync = None
         self.overlapped = overlapped
-        self.round_step = step
+        self.sync_step = step
         try:
             self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
         except (RuntimeError, TimeoutError) as error:
             raise QuorumFailed(
-                f"the torchft round failed ({first_line(error)}): no round formed within sync_timeout="
+                f"the torchft sync failed ({first_line(error)}): no sync formed within sync_timeout="
                 f"{self.args.sync_timeout:g} s; fewer than min_replicas={self.args.min_replicas} replicas are live, "
                 f"the others have finished the run, or the Lighthouse "
                 f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
@@ -377,15 +377,15 @@ class TorchftRounds:
         error = self.manager.errored()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        healed = self.healed_from_round is not None
-        staleness = max(0, self.global_round - self.healed_from_round) if healed and self.stash is not None else 0
+        healed = self.healed_from_sync is not None
+        staleness = max(0, self.global_sync - self.healed_from_sync) if healed and self.stash is not None else 0
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
         over = self.run_over()
         tokens = 0 if joining or over else local["tokens"]
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
-        # replica that diverged sits the round out with weight 0 (it sends zeros) and takes θ_global after it.
-        # (An overlapped round's exchange checks its snapshot again; here the parameters have not moved yet.)
+        # replica that diverged sits the sync out with weight 0 (it sends zeros) and takes θ_global after it.
+        # (An overlapped sync's exchange checks its snapshot again; here the parameters have not moved yet.)
         finite = joining or over or self.stash is not None or local.get("finite", True)
         weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) else 0.0
         checking = joining and self.check_identical and not healed
@@ -404,8 +404,8 @@ class TorchftRounds:
             startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
-        # The run's last round, or a participant at its last step: every fragment syncs, so the final model is global.
-        fragments = self._fragments(self.global_round + 1, bool(table[:, MEMBER_FIELDS.index("last")].any()))
+        # The run's last sync, or a participant at its last step: every fragment syncs, so the final model is global.
+        fragments = self._fragments(self.global_sync + 1, bool(table[:, MEMBER_FIELDS.index("last")].any()))
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return RoundStart(
             weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
@@ -420,7 +420,7 @@ class TorchftRounds:
 
     @torch.no_grad()
     def _start_identical(self, digests: torch.Tensor) -> int:
-        """A fresh run's first round: if the participants' θ differ (replicas built from different seeds), the
+        """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the
         first participant's θ goes to the others (an all-reduce where the others send zeros). Returns the bytes
         this process sent (0 when every digest agrees, as with one seed or one checkpoint)."""
         if bool((digests == digests[0]).all()):
@@ -443,7 +443,7 @@ class TorchftRounds:
     def _whole_replica(self, local: dict) -> dict:
         """The replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group):
         its tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of
-        them does and is finite only if all are. Every member then writes the same row, so every slice of the round
+        them does and is finite only if all are. Every member then writes the same row, so every slice of the sync
         is averaged with the same weights."""
         mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
                              float(local["stop_requested"]), float(not local.get("finite", True))],
@@ -456,27 +456,27 @@ class TorchftRounds:
                 "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
     def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
-        """After the vote: move the round counter on a commit, decide what a replica keeps after a rollback
-        (`restart`: it starts again from θ_global), and put the round's membership in its record: every member
+        """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
+        (`restart`: it starts again from θ_global), and put the sync's membership in its record: every member
         (participants with their rows, absent ones), the vote, and loss and tokens from the members' rows (known
-        even when the round rolled back). `tokens`: what this replica trained in the round."""
+        even when the sync rolled back). `tokens`: what this replica trained in the sync."""
         restart = False
         if result.committed:
             if result.total_weight > 0:
-                self.global_round += 1
+                self.global_sync += 1
                 self.last_members = {int(row["replica"]) for row in start.members}
-            # A healed replica's training against the old base went into this round: it starts from θ_global.
+            # A healed replica's training against the old base went into this sync: it starts from θ_global.
             restart = start.healed
             self.stash = None
             self.carried_tokens = 0
         elif start.healed or not start.finite:
-            # The base moved under this replica and the round did not land, or its own progress is not finite:
+            # The base moved under this replica and the sync did not land, or its own progress is not finite:
             # start over from θ_global.
             restart = True
             self.stash = None
             self.carried_tokens = 0
         elif not start.joining:
-            self.carried_tokens += tokens  # progress kept for the next round
+            self.carried_tokens += tokens  # progress kept for the next sync
         members = []
         for row in start.members:
             member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
@@ -495,7 +495,8 @@ class TorchftRounds:
         took_part = [m for m in members if m["participated"]]
         losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
         compute = record["compute_seconds"] + record["blocked_seconds"]
-        record.update(round=self.global_round, members=sorted(members, key=lambda m: m["replica"]),
+        record.update(sync=self.global_sync, round=self.schedule.round_of(self.global_sync),
+                      members=sorted(members, key=lambda m: m["replica"]),
                       committed=result.committed, participants=len(present), num_replicas=len(present),
                       quorum_seconds=start.quorum_seconds, outer_backend="torchft", replica=self.args.replica_id,
                       loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
@@ -506,28 +507,29 @@ class TorchftRounds:
             record["non_finite_replicas"] = non_finite
         if not result.committed:
             record["outer_step_skipped"] = True
-            logger.warning("DiLoCo/torchft: the round at step %d did not commit (%s); this replica keeps its local "
-                           "progress for the next round.", step,
+            logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
+                           "progress for the next sync.", step,
                            start.error or first_line(self.manager.errored() or "a peer failed"))
         return record, restart
 
     def joined(self, start: RoundStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""
         if self.comm.member == 0:
-            print(f"[diloco] replica {self.args.replica_id} joined at round {self.global_round} (step "
+            where = self.schedule.name_sync(self.global_sync)
+            print(f"[diloco] replica {self.args.replica_id} joined at {where} (step "
                   f"{step if self.continued_at is None else self.continued_at})"
                   f"{', healed from a live peer' if start.healed else ''}; {len(start.members)} replica(s) in the "
                   f"quorum", flush=True)
 
     def linger(self, step: int, max_steps: int) -> list[int]:
-        """After the run's last round: stay up to end_linger_seconds for the replicas that missed it.
+        """After the run's last sync: stay up to end_linger_seconds for the replicas that missed it.
 
-        A replica that is behind (restarted, or waiting for a round that can no longer form without the finished
-        ones) meets this one in a quorum, heals from it (θ_global, the round counter), sees that the run is over,
+        A replica that is behind (restarted, or waiting for a sync that can no longer form without the finished
+        ones) meets this one in a quorum, heals from it (θ_global, the sync counter), sees that the run is over,
         takes part with weight 0 and ends with the final model. Rounds here exchange nothing: every participant is
         over, so every weight is 0 and only the vote runs. Returns the replicas that got the final model this way.
         """
-        if self.args.replica_id not in self.last_members:  # it missed the last round itself: nothing to hand over
+        if self.args.replica_id not in self.last_members:  # it missed the last sync itself: nothing to hand over
             return []
         waiting = self.known - self.last_members
         served: list[int] = []
@@ -539,7 +541,7 @@ class TorchftRounds:
             except (RuntimeError, TimeoutError) as error:  # no quorum before the deadline: nobody is coming
                 logger.debug("torchft: no late replica came: %s", first_line(error))
                 break
-            if not start.empty:  # someone brings progress against a live round: this replica has nothing to add
+            if not start.empty:  # someone brings progress against a live sync: this replica has nothing to add
                 break
             self.comm.vote()
             arrived = {int(row["replica"]) for row in start.members} & waiting
@@ -547,7 +549,7 @@ class TorchftRounds:
             waiting -= arrived
         if served and self.comm.member == 0:
             print(f"[diloco] replica {self.args.replica_id} handed the final model to replica(s) "
-                  f"{', '.join(map(str, served))}, which missed the last round", flush=True)
+                  f"{', '.join(map(str, served))}, which missed the last sync", flush=True)
         return served
 
     def shutdown(self) -> None:

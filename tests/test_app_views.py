@@ -18,14 +18,24 @@ def make_run(tmp_path, status="running", rounds=()):
                str(tmp_path / "output"), status=status)
 
 
-def round_record(n, agreement=None):
-    record = {"round": n, "step": 10 * n, "loss": 3.0 / n, "replica_losses": [3.1 / n, 2.9 / n],
-              "pseudo_grad_norm": 0.5, "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 2_000_000,
-              "ddp_bytes_per_replica": 20_000_000, "sync_seconds": 0.1, "compute_seconds": 2.0,
-              "tokens_per_second": 1000.0, "num_replicas": 2}
+def sync_record(n, agreement=None, fragments=1):
+    """The record of sync `n` as a run writes it now: its round is ceil(n / fragments)."""
+    record = {"sync": n, "round": -(-n // fragments), "step": 10 * n, "loss": 3.0 / n,
+              "replica_losses": [3.1 / n, 2.9 / n], "pseudo_grad_norm": 0.5, "replica_pseudo_grad_norms": [0.6, 0.7],
+              "bytes_per_replica": 2_000_000, "ddp_bytes_per_replica": 20_000_000, "sync_seconds": 0.1,
+              "compute_seconds": 2.0, "tokens_per_second": 1000.0, "num_replicas": 2}
     if agreement:
-        record.update(agreement_round=n - 1, replica_agreement=agreement)
+        record.update(agreement_sync=n - 1, replica_agreement=agreement)
     return record
+
+
+def written_before_syncs_were_named(record):
+    """The same record as runs wrote it when `round` counted syncs and there was no `sync` key."""
+    old = {k: v for k, v in record.items() if k not in ("sync", "agreement_sync")}
+    old["round"] = record["sync"]
+    if "agreement_sync" in record:
+        old["agreement_round"] = record["agreement_sync"]
+    return old
 
 
 def test_log_tail_keeps_complete_lines_and_the_last_state_of_progress_bars(tmp_path):
@@ -36,14 +46,14 @@ def test_log_tail_keeps_complete_lines_and_the_last_state_of_progress_bars(tmp_p
 
 
 def test_status_bar_shows_state_progress_and_bytes(tmp_path):
-    run = make_run(tmp_path, rounds=[round_record(1), round_record(2)])
+    run = make_run(tmp_path, rounds=[sync_record(1), sync_record(2)])
     bar = views.status_html(run)
     assert "data-status='running'" in bar and "<progress value='20' max='100'>" in bar
     assert "sent 4.0 MB/replica" in bar and "2 replicas" in bar
 
 
 def test_plot_frames_are_long_format_per_replica(tmp_path):
-    rounds = [round_record(1), round_record(2, agreement=[0.9, 0.8])]
+    rounds = [sync_record(1), sync_record(2, agreement=[0.9, 0.8])]
     losses = views.loss_frame(rounds, [])
     assert set(losses["replica"]) == {"replica 0", "replica 1"} and len(losses) == 4
     traffic = views.bytes_rows(rounds)
@@ -56,7 +66,7 @@ def test_plot_frames_are_long_format_per_replica(tmp_path):
 
 
 def test_half_written_round_is_ignored(tmp_path):
-    run = make_run(tmp_path, rounds=[round_record(1)])
+    run = make_run(tmp_path, rounds=[sync_record(1)])
     with open(tmp_path / "output" / "sync_rounds.jsonl", "a") as f:
         f.write('{"round": 2, "st')
     assert [r["round"] for r in views.read_rounds(run)] == [1]
@@ -74,7 +84,7 @@ def test_empty_plot_frames_are_typed_as_numbers():
 
 
 def test_series_keep_their_colour_and_a_one_round_run_still_draws_a_line():
-    one = views.loss_frame([round_record(1)], [{"step": 0, "eval_loss": 5.0}, {"step": 10, "eval_loss": 3.0}])
+    one = views.loss_frame([sync_record(1)], [{"step": 0, "eval_loss": 5.0}, {"step": 10, "eval_loss": 3.0}])
     for replica in ("replica 0", "replica 1"):
         assert len(one[one["replica"] == replica]) == 2, "one round: a flat segment over its steps, not a dot"
     assert one[one["replica"] == "held-out (global model)"]["step"].tolist() == [0, 10]
@@ -101,7 +111,7 @@ def test_live_figures_are_plotly_with_fixed_colours_log_bytes_markers_and_blocke
     """Every Live figure is a Plotly figure: bytes on a log axis, every series with markers (a one-point series
     shows), replica i in PALETTE[i] wherever it is drawn, the time bars compute and blocked time, and the loss the
     Trainer logs between rounds beside the per-round losses."""
-    rounds = [round_record(1), {**round_record(2, agreement=[0.9, 0.8]), "blocked_seconds": 0.03}]
+    rounds = [sync_record(1), {**sync_record(2, agreement=[0.9, 0.8]), "blocked_seconds": 0.03}]
     run = make_run(tmp_path, rounds=rounds)
     log = [{"step": 5, "loss": 3.3}, {"step": 10, "loss": 3.0}, {"step": 15, "loss": 2.0}]
     figures = views.live_figures(run, views.read_rounds(run), log, {})
@@ -118,7 +128,7 @@ def test_live_figures_are_plotly_with_fixed_colours_log_bytes_markers_and_blocke
     assert list(logged.x) == [5, 10, 15] and list(logged.y) == [3.3, 3.0, 2.0]
     bars = {trace.name: list(trace.y) for trace in figures["time"].data}
     assert bars == {"compute": [2.0, 2.0], "blocked": [0.1, 0.03]}, "a round without blocked_seconds blocked all"
-    one = views.series_figure(views.norm_frame([round_record(1)]), "of", kind="points", title="", x_title="",
+    one = views.series_figure(views.norm_frame([sync_record(1)]), "of", kind="points", title="", x_title="",
                               y_title="")
     assert all(len(trace.x) == 1 and trace.marker.size >= 5 for trace in one.data)
 
@@ -145,7 +155,7 @@ def test_compressed_streamed_rounds_show_codec_ratio_fragments_and_waiting(tmp_p
     round synced and how long the inner loop waited for it."""
     rounds = []
     for n, fragment in ((1, 1), (2, 2)):
-        record = round_record(n)
+        record = sync_record(n)
         record.update(compression="int4+ef", compression_ratio=7.93, fragments=[fragment], sync_seconds=0.4,
                       blocked_seconds=0.02)
         rounds.append(record)
@@ -158,10 +168,14 @@ def test_compressed_streamed_rounds_show_codec_ratio_fragments_and_waiting(tmp_p
 
 
 def test_the_agreement_plot_includes_the_last_round_from_the_summary(tmp_path):
-    rounds = [round_record(1), round_record(2, agreement=[0.9, 0.8])]
-    summary = {"last_round_agreement": {"round": 2, "replica_agreement": [0.7, 0.6]}}
+    rounds = [sync_record(1), sync_record(2, agreement=[0.9, 0.8])]
+    summary = {"last_sync_agreement": {"sync": 2, "replica_agreement": [0.7, 0.6]}}
     frame = views.agreement_frame(rounds, summary)
     assert frame["step"].tolist() == [10, 10, 20, 20] and frame["cosine"].tolist() == [0.9, 0.8, 0.7, 0.6]
+    # A run written before syncs had their own name: the same points.
+    old = views.agreement_frame([written_before_syncs_were_named(r) for r in rounds],
+                                {"last_round_agreement": {"round": 2, "replica_agreement": [0.7, 0.6]}})
+    assert old.equals(frame)
     run = make_run(tmp_path, rounds=rounds)
     (tmp_path / "output" / "diloco_summary.json").write_text(json.dumps(summary))
     assert views.read_summary(run) == summary
@@ -174,7 +188,7 @@ def member(replica, steps=10, healed=False, staleness=0, loss=3.0):
 
 def torchft_round(n, members, committed=True, writer=0):
     present = [m for m in members if m["participated"]]
-    record = {**round_record(n), "members": members, "participants": len(present), "committed": committed,
+    record = {**sync_record(n), "members": members, "participants": len(present), "committed": committed,
               "outer_backend": "torchft", "replica": writer, "num_replicas": len(present)}
     record["replica_losses"] = [m["loss_sum"] / m["steps"] for m in present if m["steps"]]
     return record
@@ -217,7 +231,7 @@ def test_a_torchft_run_is_read_from_its_replica_folders(tmp_path):
 
 def test_membership_rows_say_who_took_part_in_each_torchft_round():
     """One row per round, newest first; a cell per replica: its steps, healed (it took θ_global from a live peer),
-    rounds late (its base was behind), or absent. A replica in no round yet still gets its column; a run of the
+    syncs late (its base was behind), or absent. A replica in no round yet still gets its column; a run of the
     torch backend has no membership rows."""
     rounds = [torchft_round(1, [member(0), member(1, steps=9)]),
               torchft_round(2, [member(0), {"replica": 1, "participated": False}], committed=False),
@@ -227,12 +241,26 @@ def test_membership_rows_say_who_took_part_in_each_torchft_round():
     assert list(table.columns) == ["round", "step", "participants", "committed", "replica 0", "replica 1",
                                    "replica 2"]
     assert table.values.tolist() == [
-        [4, 40, 2, "yes", "✓ 10 steps", "✓ 7 steps, healed, 1 round late", "absent"],
+        [4, 40, 2, "yes", "✓ 10 steps", "✓ 7 steps, healed, 1 sync late", "absent"],
         [3, 30, 2, "yes", "✓ 10 steps", "healed", "absent"],
         [2, 20, 1, "no", "✓ 10 steps", "absent", "absent"],
         [1, 10, 2, "yes", "✓ 10 steps", "✓ 9 steps", "absent"],
     ]
-    assert views.membership_rows([round_record(1)]).empty
+    assert views.membership_rows([sync_record(1)]).empty
+
+
+def test_a_replica_that_was_down_is_shown_down_from_the_sync_after_it_went_down_until_it_is_back():
+    """replicas.json says replica 1 went down after sync 1 and was started again; it took part again in sync 4.
+    Syncs 2 and 3 show it "down, restarting" (not merely absent); an older launch's replicas.json, which named
+    the same number after_round, reads alike."""
+    absent = {"replica": 1, "participated": False}
+    rounds = [torchft_round(1, [member(0), member(1)]), torchft_round(2, [member(0), absent]),
+              torchft_round(3, [member(0), absent]), torchft_round(4, [member(0), member(1, healed=True)])]
+    for key in ("after_sync", "after_round"):
+        states = [{"replica": 0, "outages": []}, {"replica": 1, "outages": [{key: 1, "restarted": True}]}]
+        table = views.membership_rows(rounds, replicas=2, states=states)
+        assert table["replica 1"].tolist() == ["✓ 10 steps, healed", "down, restarting", "down, restarting",
+                                               "✓ 10 steps"], key
 
 
 def test_a_torchft_rounds_losses_are_named_by_their_replica():
@@ -257,19 +285,23 @@ def test_streaming_counts_whole_rounds_and_the_round_table_names_the_fragments_s
     carrying all five): the status bar says round 2 of its 10 syncs, not round 10; a run without fragments shows no
     fragment ids at all."""
     synced = [[0], [1], [2], [3], [4], [0], [1], [2], [3], [0, 1, 2, 3, 4]]
-    rounds = [{**round_record(n + 1), "fragments": ids} for n, ids in enumerate(synced)]
+    rounds = [{**sync_record(n + 1, fragments=5), "fragments": ids} for n, ids in enumerate(synced)]
     run = make_run(tmp_path, rounds=rounds)
     bar = views.status_html(run)
-    assert "round 2 (10 fragment syncs)" in bar, bar
+    assert "round 2 (10 syncs)" in bar, bar
     table = views.round_rows(views.read_rounds(run))
     assert table["fragments"].tolist() == ["all", "3", "2", "1", "0", "4", "3", "2", "1", "0"]
-    assert views.round_rows([round_record(1), round_record(2)])["fragments"].tolist() == ["", ""]
+    assert table["round"].tolist() == [2] * 5 + [1] * 5, "newest first, five syncs a round"
+    (tmp_path / "old").mkdir()
+    old = make_run(tmp_path / "old", rounds=[written_before_syncs_were_named(r) for r in rounds])
+    assert "round 2 (10 syncs)" in views.status_html(old), "older runs count whole rounds alike"
+    assert views.round_rows([sync_record(1), sync_record(2)])["fragments"].tolist() == ["", ""]
 
 
 def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path):
     import shlex
 
-    run = make_run(tmp_path, status="stopped", rounds=[round_record(1), round_record(2)])
+    run = make_run(tmp_path, status="stopped", rounds=[sync_record(1), sync_record(2)])
     (tmp_path / "output" / "stopped.json").write_text(json.dumps({"step": 20, "checkpoint": "checkpoint-20"}))
     bar = views.status_html(run)
     resume = shlex.join([*run.command, "--resume_from_checkpoint", "latest"])
@@ -279,7 +311,7 @@ def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path)
 def test_a_damaged_json_file_is_named_in_the_status_bar_and_the_rest_still_draws(tmp_path):
     """An empty progress.json (a disk that filled up) leaves the rounds drawn and the bar names the file and what
     to do, once; nothing is deleted."""
-    run = make_run(tmp_path, rounds=[round_record(1), round_record(2)])
+    run = make_run(tmp_path, rounds=[sync_record(1), sync_record(2)])
     progress = tmp_path / "output" / "progress.json"
     progress.write_text("")
     bar = views.status_html(run)

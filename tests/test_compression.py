@@ -83,10 +83,10 @@ def test_the_last_rounds_agreement_reaches_the_summary(int4_run):
     """Agreement rides with the next sync, so the last round's comes through the store into the summary: one
     cosine per replica, positive (each replica's Δ_i points with the mean of two) and at most 1."""
     tmp, _, rounds = int4_run
-    last = json.loads((tmp / "run" / "diloco_summary.json").read_text())["last_round_agreement"]
-    assert last["round"] == rounds[-1]["round"] == 3
+    last = json.loads((tmp / "run" / "diloco_summary.json").read_text())["last_sync_agreement"]
+    assert last["sync"] == rounds[-1]["sync"] == 3
     assert len(last["replica_agreement"]) == 2 and all(0 < c <= 1 for c in last["replica_agreement"])
-    assert rounds[-1]["agreement_round"] == 2, "the records carry the rounds before it"
+    assert rounds[-1]["agreement_sync"] == 2, "the records carry the syncs before it"
 
 
 def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
@@ -137,15 +137,20 @@ def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path, final_sy
     after the one before, from step 13 − 3 · τ = 10, so the last lands at step 13; blocking syncs every fragment at
     the last step. Either way every process ends with the same model."""
     ranks = launch(tmp_path, inner_steps=6, max_steps=13, num_fragments=3, sync_delay=1, fragment_alpha=0.5,
-                   final_sync=final_sync)
+                   final_sync=final_sync, save_every_rounds=1, save_total_limit=10)
     rounds = read_sync_rounds(tmp_path / "run")
     schedule = [(r.get("launch_step", r["step"]), r["step"], r["fragments"]) for r in rounds]
     assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), *end]
-    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    # One record per sync, numbered 1, 2, ...; three syncs make a round (one per fragment).
+    assert [(r["sync"], r["round"]) for r in rounds] == [(n, (n + 2) // 3) for n in range(1, len(rounds) + 1)]
     if final_sync == "blocking":
         sizes = {tuple(r["fragments"]): r["synced_parameters"] for r in rounds}
         assert sizes[(0,)] + sizes[(1,)] + sizes[(2,)] == sizes[(0, 1, 2)]
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
+    # save_every_rounds: 1 counts whole rounds: the third sync (round 1's last) lands at step 7, and the run's end
+    # saves; the syncs landing at steps 3, 5 and 9 end no round.
+    saved = sorted(int(c.name.split("-")[1]) for c in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved == [7, 13], saved
 
 
 @pytest.fixture(scope="module")

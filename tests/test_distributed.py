@@ -63,8 +63,8 @@ def test_no_collective_between_syncs_and_one_per_sync(paper_run):
 def test_loss_goes_down_and_rounds_are_reported(paper_run):
     tmp, _ = paper_run
     rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
-    assert [r["round_steps"] for r in rounds] == [5, 5, 2]
+    assert [(r["sync"], r["round"]) for r in rounds] == [(1, 1), (2, 2), (3, 3)], "one fragment: a sync is a round"
+    assert [r["sync_steps"] for r in rounds] == [5, 5, 2]
     assert len(rounds[0]["replica_losses"]) == 2
     assert rounds[0]["replica_losses"][0] != rounds[0]["replica_losses"][1], "replicas must read different shards"
     assert rounds[-1]["loss"] < rounds[0]["loss"]
@@ -73,7 +73,7 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
         numel = r["synced_parameters"]
         # Ring all-reduce of the fp32 pseudo-gradient plus M x k metric slots: 2 (M-1)/M x payload = payload.
         assert r["bytes_per_replica"] == (numel + SLOTS) * 4
-        assert r["ddp_bytes_per_replica"] == r["round_steps"] * numel * 4
+        assert r["ddp_bytes_per_replica"] == r["sync_steps"] * numel * 4
 
 
 def test_replica_agreement_matches_the_recorded_norms(paper_run):
@@ -83,7 +83,7 @@ def test_replica_agreement_matches_the_recorded_norms(paper_run):
     rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     assert "replica_agreement" not in rounds[0]
     for earlier, later in zip(rounds, rounds[1:], strict=False):
-        assert later["agreement_round"] == earlier["round"]
+        assert later["agreement_sync"] == earlier["sync"]
         n0, n1 = earlier["replica_pseudo_grad_norms"]
         mean = earlier["pseudo_grad_norm"]
         cross = (4 * mean**2 - n0**2 - n1**2) / 2
@@ -334,19 +334,20 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
 
 def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identical_replicas(tmp_path):
     """Both autos at once over the slower link, 2 fragments, H starting at 4: H is chosen after two syncs of each
-    fragment; every τ chosen after that lies within the new H (1 to H/F − 1); the end is staggered (the last round
+    fragment; every τ chosen after that lies within the new H (1 to H/F − 1); the end is staggered (the last sync
     was launched before the last step and lands at it), and the replicas end identical."""
     ranks = launch_replicas(tmp_path, inner_steps=4, auto_inner_steps=True, max_sync_overhead=0.9, num_fragments=2,
                             sync_delay="auto", max_steps=240, slow_sync_seconds=0.3)
     rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
     h = chosen_at["inner_steps_auto"]["chosen"]
-    later = [r["sync_delay_auto"]["chosen"] for r in rounds if "sync_delay_auto" in r and r["round"] >
-             chosen_at["round"]]
+    later = [r["sync_delay_auto"]["chosen"] for r in rounds if "sync_delay_auto" in r and r["sync"] >
+             chosen_at["sync"]]
     assert later and all(1 <= tau <= max(1, h // 2 - 1) for tau in later), (h, later)
     last = rounds[-1]
     assert last["step"] == 240 and last["launch_step"] < 240 and len(last["fragments"]) == 1, last
-    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    # One record per sync, numbered on across the change of H; two syncs (one per fragment) make a round.
+    assert [(r["sync"], r["round"]) for r in rounds] == [(n, (n + 1) // 2) for n in range(1, len(rounds) + 1)]
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 

@@ -34,7 +34,7 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
         assert result.returncode == 0, result.stderr[-3000:]
         files = hub.files["alice/tiny-diloco"]
         assert hub.repos["alice/tiny-diloco"]["visibility"] == "private"
-    # Exactly what a model repository needs: weights, configs, tokenizer, card, curve, round log and run config.
+    # Exactly what a model repository needs: weights, configs, tokenizer, card, curve, sync log and run config.
     assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
                              "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json", "training_curve.png"]
     assert len(hub.commits) == 1, "one commit"

@@ -2,7 +2,7 @@
 
 For many H, F, per-fragment τ and run lengths: the rounds launched never overlap (one exchange in flight at a
 time), each lands by the last step, the last one exactly at it, every fragment's last sync is in the final window
-once, the round numbers count up by one, and `total_rounds` is the number of rounds launched.
+once, the round numbers count up by one, and `total_syncs` is the number of rounds launched.
 """
 
 import random
@@ -20,7 +20,7 @@ def launched_rounds(schedule: Schedule, max_steps: int, delays: list[int]) -> li
         assert len(due) <= 1, f"step {step}: a staggered end never syncs two fragments at once"
         for fragment in due:
             tau = schedule.final_delay(step) or delays[fragment]
-            rounds.append((step, fragment, tau, schedule.round_at(step)))
+            rounds.append((step, fragment, tau, schedule.sync_at(step)))
     return rounds
 
 
@@ -41,7 +41,7 @@ def test_a_staggered_end_lands_every_fragment_once_and_the_last_at_the_last_step
     window = [fragment for step, fragment, _, _ in rounds if step >= max_steps - sum(delays)]
     assert sorted(window) == list(range(fragments))
     assert [number for *_, number in rounds] == list(range(1, len(rounds) + 1))
-    assert schedule.total_rounds(max_steps) == len(rounds)
+    assert schedule.total_syncs(max_steps) == len(rounds)
 
 
 def test_a_run_too_short_for_the_window_keeps_the_blocking_end():
@@ -75,11 +75,11 @@ def test_tau_changing_after_the_window_was_placed_still_ends_staggered(seed):
         for fragment in due:
             assert lands_at is None, f"step {step}: launched while a round was in flight"
             tau = schedule.final_delay(step) or delays[fragment]
-            rounds.append((step, fragment, tau, schedule.round_at(step)))
+            rounds.append((step, fragment, tau, schedule.sync_at(step)))
             lands_at = step + tau
     last_step, _, last_tau, _ = rounds[-1]
     assert last_step + last_tau == max_steps
     window = schedule.end.launches
     assert sorted(fragment for fragment, _, _ in window.values()) == list(range(fragments))
     assert [number for *_, number in rounds] == list(range(1, len(rounds) + 1))
-    assert schedule.total_rounds(max_steps) == len(rounds)
+    assert schedule.total_syncs(max_steps) == len(rounds)

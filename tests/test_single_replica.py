@@ -93,7 +93,7 @@ def test_gradient_accumulation_counts_as_one_inner_step(tmp_path):
     train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path), inner_steps=3, **settings))
     from hf_diloco.metrics import read_sync_rounds
 
-    assert [(r["step"], r["round_steps"]) for r in read_sync_rounds(tmp_path)] == [(3, 3), (6, 3)]
+    assert [(r["step"], r["sync_steps"]) for r in read_sync_rounds(tmp_path)] == [(3, 3), (6, 3)]
 
 
 def test_peft_model_syncs_only_trainable_parameters(tmp_path):

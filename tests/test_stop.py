@@ -1,5 +1,5 @@
 """A DiLoCoTrainer built from Python stops as `hf-diloco train` does: SIGTERM, or the stop file in its output folder,
-ends training at the next round boundary with a complete checkpoint of that step, and the process exits cleanly.
+ends training at the next sync boundary with a complete checkpoint of that step, and the process exits cleanly.
 
 Each test runs a small script in a real process (a tiny Llama on learnable sequences, rounds of 5 steps, far more
 steps than it will take, no checkpoint but the stop's), waits until two rounds are recorded, asks for the stop and

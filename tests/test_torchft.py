@@ -105,34 +105,54 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def run_both_backends(tmp_path: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4,
-                      group: int = 1, **extra):
-    """The same two replicas of `group` processes on the same data, once as one `torch` launch and once as two
-    torchft replicas with a Lighthouse; returns ({replica: final parameters} for torch, the same for torchft)."""
-    reference = tmp_path / "torch"
-    reference.mkdir()
-    common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings, "group": group, **extra}
+def run_torch_backend(out: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4, group: int = 1,
+                      **extra) -> dict:
+    """Two replicas of `group` processes as one `torch` launch into `out`; returns {replica: final parameters}."""
+    out.mkdir()
     # torchft's last round syncs every fragment (final_sync auto is blocking there): the torch run ends alike.
-    blocking = {**common, "round": {**round_settings, "final_sync": "blocking"}}
-    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(reference), "backend": "torch", **blocking})],
+    settings = {"max_steps": max_steps, "inner_steps": inner_steps, "group": group, **extra,
+                "round": {**round_settings, "final_sync": "blocking"}}
+    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(out), "backend": "torch", **settings})],
                                config=ACCELERATE_CPU_4PROC if group == 2 else ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, result.stderr[-4000:]
-    ft_dir = tmp_path / "torchft"
-    ft_dir.mkdir()
+    return {r: torch.load(out / f"params{r * group}.pt") for r in range(2)}
+
+
+def run_torchft(out: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4, group: int = 1,
+                **extra) -> dict:
+    """The same two replicas as run_torch_backend, as two torchft replicas with a Lighthouse, into `out`; returns
+    {replica: final parameters}."""
+    out.mkdir()
+    common = {"max_steps": max_steps, "inner_steps": inner_steps, "round": round_settings, "group": group, **extra}
     with lighthouse(min_replicas=2, grace=5) as address:
-        logs = [ft_dir / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(ft_dir), "replica": r, "replicas": 2, "lighthouse": address,
+        logs = [out / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(out), "replica": r, "replicas": 2, "lighthouse": address,
                                    "min_replicas": 2, **common}, logs[r]) for r in range(2)]
         finish(replicas, logs)
-    return ({r: torch.load(reference / f"params{r * group}.pt") for r in range(2)},
-            {r: torch.load(ft_dir / f"params{r}.pt") for r in range(2)})
+    return {r: torch.load(out / f"params{r}.pt") for r in range(2)}
 
 
-def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
+def run_both_backends(tmp_path: Path, round_settings: dict, **settings):
+    """The same two replicas on the same data, once as one `torch` launch (tmp_path/torch) and once as two
+    torchft replicas with a Lighthouse (tmp_path/torchft); returns ({replica: final parameters} for torch, the same
+    for torchft)."""
+    return (run_torch_backend(tmp_path / "torch", round_settings, **settings),
+            run_torchft(tmp_path / "torchft", round_settings, **settings))
+
+
+@pytest.fixture(scope="module")
+def torch_backend_plain(tmp_path_factory) -> dict:
+    """Final parameters of two replicas built from seed 0 on the torch backend, fp32 rounds (12 steps, H = 4): where
+    the torchft runs of the next two tests must end, whether their replicas start alike or apart (the torch backend
+    starts apart replicas from rank 0's parameters, built from seed 0 too)."""
+    return run_torch_backend(tmp_path_factory.mktemp("torch-plain") / "torch", {})
+
+
+def test_torchft_without_faults_matches_the_torch_backend(tmp_path, torch_backend_plain):
     """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, vote) end with
     exactly the parameters the fixed-world torch backend reaches on the same data. Equal tokens give every
     replica the relative weight 1, so the merge is the torch backend's plain mean, bit for bit."""
-    expected, got = run_both_backends(tmp_path, {})
+    expected, got = torch_backend_plain, run_torchft(tmp_path / "torchft", {})
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0
     rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
@@ -146,11 +166,12 @@ def test_torchft_without_faults_matches_the_torch_backend(tmp_path):
                    for r in range(2))
 
 
-def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(tmp_path):
-    """Replica r builds its model from seed r. The first round's digests differ, so the first participant's θ goes
-    to the other (one all-reduce, counted as startup bytes), exactly as the torch backend broadcasts rank 0's: the
-    two backends end bit for bit alike."""
-    expected, got = run_both_backends(tmp_path, {}, seed_by_replica=True)
+def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(tmp_path, torch_backend_plain):
+    """Replica r builds its model from seed r. The first round's digests differ, so the first participant's θ (seed
+    0's) goes to the other (one all-reduce, counted as startup bytes), as the torch backend broadcasts rank 0's
+    (tests/test_distributed.py): the run ends bit for bit where the torch backend's replicas built from seed 0
+    end."""
+    expected, got = torch_backend_plain, run_torchft(tmp_path / "torchft", {}, seed_by_replica=True)
     assert max_difference(expected[0], expected[1]) == 0.0
     for replica in (0, 1):
         assert max_difference(expected[replica], got[replica]) == 0.0, replica
@@ -178,6 +199,7 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
     ft_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
     assert [r["step"] for r in ft_rounds] == [r["step"] for r in torch_rounds]
     assert [r["fragments"] for r in ft_rounds] == [r["fragments"] for r in torch_rounds]
+    assert [(r["sync"], r["round"]) for r in ft_rounds] == [(r["sync"], r["round"]) for r in torch_rounds]
     assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in ft_rounds)
     for ft, fixed in zip(ft_rounds, torch_rounds, strict=True):
         # The membership table: 2 participants x one float64 per column, all-reduced over 2 replicas.
@@ -187,7 +209,7 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
 def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     """sync_delay auto on torchft over a slower link (each all-reduce waits 0.2 s, a step 0.05 s): the exchange times
     ride with the round's statistics as on the torch backend, so both replicas record the same τ (above 1) for the
-    same fragment at the same round, every later sync of that fragment lands
+    same fragment at the same sync, every later sync of that fragment lands
     τ steps after its launch, and the replicas end identical. torchft's end is blocking: the last round syncs every
     fragment."""
     settings = {"replicas": 2, "min_replicas": 2, "max_steps": 48, "inner_steps": 12, "step_sleep": 0.05,
@@ -198,7 +220,7 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
                     for r in range(2)]
         finish(replicas, logs)
     records = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(2)]
-    choices = [[(r["round"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
+    choices = [[(r["sync"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
                 if "sync_delay_auto" in r] for rounds in records]
     assert choices[0] and choices[0] == choices[1], choices
     assert max(tau for *_, tau in choices[0]) > 1, choices
@@ -245,7 +267,7 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     with lighthouse(min_replicas=2, grace=grace, heartbeat=heartbeat, log=tmp_path / "lighthouse.log") as address:
         def settings(r, **extra):
             return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
-                    "max_steps": 240, "inner_steps": 4, "step_sleep": 0.1, **held_until_2_restarts(tmp_path, r),
+                    "max_steps": 120, "inner_steps": 4, "step_sleep": 0.1, **held_until_2_restarts(tmp_path, r),
                     **extra}
 
         logs = [tmp_path / f"replica{r}.log" for r in range(3)]
@@ -286,7 +308,7 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
     with lighthouse(min_replicas=2, grace=3.0, heartbeat=2.0) as address:
         def settings(r, **extra):
             return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
-                    "max_steps": 200, "inner_steps": 4, "step_sleep": 0.1, "sync_timeout": 30,
+                    "max_steps": 120, "inner_steps": 4, "step_sleep": 0.1, "sync_timeout": 30,
                     "round": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
                     **held_until_2_restarts(tmp_path, r), **extra}
 
@@ -314,17 +336,17 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
     rounds = read_sync_rounds(tmp_path / "replica-0")
     assert any(m["replica"] == 2 and m.get("healed") for r in rounds for m in r["members"])
     assert [r for r in rounds if r["participants"] == 3 and r["step"] > rounds_without_2()[-1]["step"]]
-    # Healed inside an overlapped round (its quorum runs while the others train on), replica 2 takes the step that
-    # round started at, so it runs every later round at the others' steps and ends with them. (The round it healed
+    # Healed inside an overlapped sync (its quorum runs while the others train on), replica 2 takes the step that
+    # sync started at, so it runs every later sync at the others' steps and ends with them. (The sync it healed
     # in is recorded at the step it joined, the others' at the step it landed, τ later.)
-    # Only the restarted process's rounds after its heal count: the first process's rounds (before the kill) may
-    # start with a round it joined blocking, recorded at the step it joined.
-    steps = {r["round"]: r["step"] for r in rounds if r["committed"]}
+    # Only the restarted process's syncs after its heal count: the first process's syncs (before the kill) may
+    # start with a sync it joined blocking, recorded at the step it joined.
+    steps = {r["sync"]: r["step"] for r in rounds if r["committed"]}
     own = read_sync_rounds(tmp_path / "replica-2")
     healed_at = max(i for i, r in enumerate(own) if any(m["replica"] == 2 and m.get("healed") for m in r["members"]))
     healer = [r for r in own[healed_at + 1:] if r["committed"]]
-    assert healer, "replica 2 took part in rounds after it healed"
-    assert [(r["round"], r["step"]) for r in healer] == [(r["round"], steps[r["round"]]) for r in healer]
+    assert healer, "replica 2 took part in syncs after it healed"
+    assert [(r["sync"], r["step"]) for r in healer] == [(r["sync"], steps[r["sync"]]) for r in healer]
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
     assert all(bool(torch.isfinite(p).all()) for p in final[0])
@@ -488,11 +510,12 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
-    live replicas and rejoins, the launch exits 0 and all three replicas end with the same model."""
+    live replicas and rejoins, the launch exits 0 and all three replicas end with the same model. (40 rounds: the
+    restarted replica has been back by about round 11, killed after round 1.)"""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
-               "--output_dir", str(out), "--max_steps", "800", "--inner_steps", "10", "--block_size", "32",
+               "--output_dir", str(out), "--max_steps", "400", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
@@ -500,9 +523,9 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_sync_rounds(out / "replica-0")
-    assert rounds[-1]["round"] == 80 and rounds[-1]["participants"] == 3
+    assert rounds[-1]["round"] == 40 and rounds[-1]["participants"] == 3
     assert any(r["participants"] == 2 for r in rounds), "a round went on without the killed replica"
-    assert (f"[diloco] the run ended at round 80 (step {rounds[-1]['step']}), committed by replica(s) 0, 1, 2; "
+    assert (f"[diloco] the run ended at round 40 (step {rounds[-1]['step']}), committed by replica(s) 0, 1, 2; "
             "replica 0 exit 0, replica 1 exit 0, replica 2 exit 0") in text
     from safetensors.torch import load_file
 
@@ -510,12 +533,14 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
 
 
-# Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run
-# (a replica of 4 processes on 2 cores trains 4 times slower: fewer steps keep the test as long as the others).
+# Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run.
+# 25 rounds of 10 steps: the restarted replica 1 has been back by round 9 to 16 (killed after round 1), and where it
+# is later, it heals from replica 0 lingering with the final model; the checks below hold either way. A replica of
+# 4 processes on 2 cores trains about 4 times slower: 12 rounds keep that test as long as the others.
 REPLICA_LAYOUTS = {
-    "ddp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2"], 400),
-    "fsdp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--fsdp", "true"], 400),
-    "tp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--tp_size", "2"], 400),
+    "ddp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2"], 250),
+    "fsdp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--fsdp", "true"], 250),
+    "tp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2", "--tp_size", "2"], 250),
     "fsdp+tp": ("torchft-fsdp-tp-replica.yaml", [], 120),
 }
 
@@ -603,11 +628,11 @@ def test_the_healing_transport_listens_on_its_address_and_loads_only_tensors(tmp
             p.grad = torch.ones_like(p)
         optimizer.step()
         state = {"user": {"outer": {"global_params": [p.detach() for p in params],
-                                    "optimizer": optimizer.state_dict()}, "global_round": 3, "global_step": 12},
+                                    "optimizer": optimizer.state_dict()}, "global_sync": 3, "global_step": 12},
                  "torchft": {"step": 3, "batches_committed": 6}}
         sender.send_checkpoint(dst_ranks=[1], step=3, state_dict=state, timeout=timeout)
         got = receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=3, timeout=timeout)
-        assert got["user"]["global_round"] == 3 and got["torchft"] == {"step": 3, "batches_committed": 6}
+        assert got["user"]["global_sync"] == 3 and got["torchft"] == {"step": 3, "batches_committed": 6}
         assert all(torch.equal(a, b) for a, b in zip(got["user"]["outer"]["global_params"], params, strict=True))
         momentum = got["user"]["outer"]["optimizer"]["state"][0]["momentum_buffer"]
         assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
