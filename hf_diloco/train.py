@@ -25,10 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from .errors import ConfigError, first_line
-from .files import write_json
+from .files import read_yaml, write_json
 
 if TYPE_CHECKING:  # importing them pulls in torch and transformers, which `hf-diloco app` never needs
     from .config import DiLoCoConfig, RunArguments
@@ -123,14 +121,7 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
     `processes`, `machines` and `rank` are accelerate launch flags given beside the config (None: the config's);
     the layout they make together is what is checked, as every worker of the launch would find out.
     """
-    if not Path(path).is_file():
-        raise ConfigError(f"accelerate config {path!r} does not exist.")
-    try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"accelerate config {path!r} is not valid YAML ({first_line(error)}).") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"accelerate config {path!r} must be a mapping of accelerate settings.")
+    values = read_yaml(path, "accelerate config", holds="accelerate settings")
     given = {"num_processes": processes, "num_machines": machines, "machine_rank": rank}
     for name, value in given.items():
         if value is not None and value < (0 if name == "machine_rank" else 1):

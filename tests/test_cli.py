@@ -282,3 +282,24 @@ def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, ho
         assert result.returncode == 2 and words in result.stderr, result.stderr[-1500:]
         assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     assert os.environ.get("ACCELERATE_USE_FSDP") is None
+
+
+@pytest.mark.parametrize("text, sentence", [
+    (None, "does not exist."),
+    ("num_processes: [2", "is not valid YAML"),
+    ("- 2\n- 3\n", "must be a mapping of accelerate settings."),
+])
+def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text, sentence):
+    """`--accelerate-config` pointing at a missing file, broken YAML or a list: one sentence naming the file."""
+    from hf_diloco.config import DiLoCoConfig
+    from hf_diloco.errors import ConfigError
+    from hf_diloco.train import check_accelerate_config
+
+    path = tmp_path / "accelerate.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        check_accelerate_config(str(path), DiLoCoConfig(output_dir=str(tmp_path / "out")))
+    message = str(error.value)
+    assert message.startswith(f"accelerate config {str(path)!r} ") and sentence in message, message
+    assert "\n" not in message

@@ -24,6 +24,7 @@ from helpers import (
     free_port,
     hf_diloco,
     replica_training_pid,
+    wait_for,
 )
 
 from hf_diloco.metrics import read_sync_rounds
@@ -42,7 +43,7 @@ def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Pat
          "--min-replicas", str(min_replicas), "--grace-seconds", str(grace), "--heartbeat-timeout", str(heartbeat)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
-        wait_until(lambda: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
+        wait_for(lambda: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
         yield f"http://127.0.0.1:{port}"
     finally:
         process.send_signal(signal.SIGTERM)
@@ -96,13 +97,6 @@ def held_until_2_restarts(folder: Path, replica: int, step: int = 60) -> dict:
 
 def restarted_2(folder: Path) -> dict:
     return {"announce": str(folder / "replica-2-is-back")}
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def run_torch_backend(out: Path, round_settings: dict, max_steps: int = 12, inner_steps: int = 4, group: int = 1,
@@ -272,7 +266,7 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
 
         logs = [tmp_path / f"replica{r}.log" for r in range(3)]
         replicas = [start_replica(settings(r), logs[r]) for r in range(3)]
-        wait_until(lambda: step_of(tmp_path, 2) >= 10, 120, "replica 2 to reach step 10")
+        wait_for(lambda: step_of(tmp_path, 2) >= 10, 120, "replica 2 to reach step 10")
         os.kill(replicas[2].pid, signal.SIGKILL)
         replicas[2].wait()
         killed_at = step_of(tmp_path, 0)
@@ -280,7 +274,7 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
         def rounds_without_2():
             return [r for r in read_sync_rounds(tmp_path / "replica-0") if not takes_part(r, 2)]
 
-        wait_until(lambda: len(rounds_without_2()) >= 2, 60, "two rounds without replica 2")
+        wait_for(lambda: len(rounds_without_2()) >= 2, 60, "two rounds without replica 2")
         replicas[2] = start_replica(settings(2, **restarted_2(tmp_path)), logs[2])
         finish(replicas, logs)
     rounds = read_sync_rounds(tmp_path / "replica-0")
@@ -320,7 +314,7 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
         def rounds_without_2():
             return [r for r in read_sync_rounds(tmp_path / "replica-0") if not takes_part(r, 2)]
 
-        wait_until(lambda: len(rounds_without_2()) >= 2, 90, "two rounds without replica 2")
+        wait_for(lambda: len(rounds_without_2()) >= 2, 90, "two rounds without replica 2")
         replicas[2] = start_replica(settings(2, **restarted_2(tmp_path)), logs[2])
         finish(replicas, logs)
     for survivor in (0, 1):
@@ -498,7 +492,7 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
     them); the launch must still exit 0. Returns its output."""
     launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
-        wait_until(ready, 180, what)
+        wait_for(ready, 180, what)
         os.kill(replica_training_pid(out, 1), signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
@@ -689,7 +683,7 @@ def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
                                     *(["--host", host] if host else [])],
                                    stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
         try:
-            wait_until(lambda log=log: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
+            wait_for(lambda log=log: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
             text = log.read_text()
             assert reach in text, text
             listening = listening_addresses(process.pid)
