@@ -288,15 +288,15 @@ def deterministic_view(value, path: str = "", hashed: set | None = None, exclude
 
 
 # Record keys renamed when a sync and a round got separate names: a record is hashed under the older names, so
-# digests taken before and after compare. `sync` is dropped where it equals `round` (one fragment, every case but
-# the τ-auto one, which is not deterministic anyway); where it differs the record is hashed as it is.
-RENAMED_KEYS = {"sync_steps": "round_steps", "agreement_sync": "agreement_round"}
+# digests taken before and after compare. Before, `round` held what `sync` holds now (the sync's number); the
+# whole round it belongs to, ceil(sync / F), was not recorded.
+RENAMED_KEYS = {"sync": "round", "sync_steps": "round_steps", "agreement_sync": "agreement_round"}
 
 
 def under_older_names(record: dict) -> dict:
-    if record.get("sync", record.get("round")) != record.get("round"):
+    if "sync" not in record:  # written before the split
         return record
-    return {RENAMED_KEYS.get(key, key): value for key, value in record.items() if key != "sync"}
+    return {RENAMED_KEYS.get(key, key): value for key, value in record.items() if key != "round"}
 
 
 def summarise(folders: list[Path], kind: str, log: Path) -> dict:
