@@ -4,9 +4,13 @@ A sync (hf_diloco.rounds: launch, then land; hf_diloco.outer: pseudo-gradient, c
 step) is the same code whatever the backend. A backend answers who takes part, and supplies the collectives under
 the sync (its `comm`):
 
-    torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every sync
-              with weight 1, fragments follow the step schedule, and a sync is a barrier (a replica that never
-              arrives ends the run after sync_timeout).
+    torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every sync,
+              and a sync is a barrier (a replica that never arrives ends the run after sync_timeout). With H steps
+              a round, every replica has weight 1 and fragments follow the step schedule. With a time budget
+              (`round_seconds`), each replica syncs when its budget is spent, after however many steps it took:
+              one small all-reduce first agrees on the weights (each replica's tokens, relative to the most), the
+              fragments (in turn, every one once a replica reached max_steps) and the step every replica continues
+              at (the furthest one's), so that saves, evaluations and the end fall at the same step everywhere.
     torchft   `hf_diloco.torchft_backend.TorchftRounds`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
@@ -14,8 +18,9 @@ the sync (its `comm`):
 Every backend has the same methods, and none reads or writes the Trainer's or the callback's state:
 
     due(step, max_steps, progress)     is a sync due now (`progress`: this replica's steps since its last launch)
-    expected_fragments(step, ...)      the fragments the sync due now is expected to carry (an overlapped sync
-                                       snapshots them before it starts)
+    expected_fragments(step, max_steps, local)
+                                       the fragments the sync due now is expected to carry (an overlapped sync
+                                       snapshots them before it starts; `local`: this replica's numbers)
     start(step, max_steps, local, expected, joining, overlapped) -> RoundStart
                                        who takes part, with what weight, which fragments (`local`: this replica's
                                        numbers; torchft agrees on the fragments after the quorum); the joining
@@ -24,13 +29,15 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
     finish(start, result, record, tokens, step) -> (record, restart)
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
-    joined(start, step), run_over(), linger(step, max_steps), shutdown()
+    joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
+                                       (what a checkpoint keeps of the backend)
     replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
                                        the checkpoint)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,16 +65,38 @@ class RoundStart:
     startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
 
 
+@dataclass
+class Agreement:
+    """What a time-budget sync of the fixed group agreed on before its exchange (`FixedGroup.expected_fragments`)."""
+
+    step: int  # the step every replica continues at after the sync: the furthest replica's
+    launched_at: int  # this replica's own step when it launched
+    last: bool  # a replica reached max_steps: every fragment syncs and the run ends
+    weight: float  # this replica's tokens relative to the most any replica trained
+    fragments: list[int]
+    tokens: list[int]  # every replica's tokens since its last sync
+    steps: list[int]  # every replica's inner steps since its last sync
+    bytes_sent: int  # what the agreement's all-reduce cost this process
+
+
 class FixedGroup:
-    """The `torch` backend: every process of the launch, every sync."""
+    """The `torch` backend: every process of the launch, every sync (see the module docstring for time-budget
+    rounds)."""
 
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
 
-    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool):
+    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, round_seconds: float = 0.0,
+                 continue_at_step=None):
         self.comm = comm
         self.outer = outer
         self.schedule = schedule
         self.resumed = resumed
+        # seconds of inner steps before each sync (a round's budget shared among its fragments); 0: H steps a round
+        self.budget = round_seconds / schedule.num_fragments if round_seconds > 0 else 0.0
+        self.continue_at_step = continue_at_step
+        self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
+        self.over = False  # a time-budget run's last sync landed
+        self.agreed: Agreement | None = None
 
     @property
     def replica(self) -> int:
@@ -78,15 +107,31 @@ class FixedGroup:
         return self.comm.num_replicas
 
     def due(self, step: int, max_steps: int, progress=None) -> bool:
-        return bool(self.schedule.due_fragments(step, max_steps))
+        if not self.budget:
+            return bool(self.schedule.due_fragments(step, max_steps))
+        return step >= max_steps or time.perf_counter() - progress.started >= self.budget
 
-    def expected_fragments(self, step: int, max_steps: int) -> list[int]:
-        return self.schedule.due_fragments(step, max_steps)
+    def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
+        if not self.budget:
+            return self.schedule.due_fragments(step, max_steps)
+        local = local or {}
+        table, sent = self.comm.replica_table(local.get("tokens", 0), [float(step), float(step >= max_steps),
+                                                                       float(local.get("steps", 0))])
+        tokens, last = table[:, 0], bool(table[:, 2].any())
+        most = float(tokens.max())
+        fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
+        self.agreed = Agreement(step=int(table[:, 1].max()), launched_at=step, last=last,
+                                weight=float(tokens[self.replica]) / most if most > 0 else 1.0, fragments=fragments,
+                                tokens=[int(t) for t in tokens], steps=[int(s) for s in table[:, 3]],
+                                bytes_sent=sent)
+        return fragments
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int], joining: bool = False,
               overlapped: bool = False) -> RoundStart:
         if not joining:
-            return RoundStart(fragments=expected)
+            if self.agreed is None:
+                return RoundStart(fragments=expected)
+            return RoundStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
         if self.resumed:  # every replica loaded the same checkpoint
             return RoundStart(empty=True, joining=True)
         # The replicas must start from identical parameters: checked by digest before the first inner step, and
@@ -96,19 +141,39 @@ class FixedGroup:
         return RoundStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 
     def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+        """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
+        continue_at_step), and the record gets that step and each replica's own steps, tokens and weight."""
+        agreed, self.agreed = self.agreed, None
+        if agreed is None:
+            return record, False
+        self.syncs += 1
+        self.over = agreed.last
+        if agreed.step > step:
+            self.continue_at_step(agreed.step)
+        if record:
+            most = max(agreed.tokens)
+            record.update(step=agreed.step, sync=self.syncs, round=self.schedule.round_of(self.syncs),
+                          replica_steps=agreed.steps, replica_tokens=agreed.tokens,
+                          replica_weights=[t / most if most > 0 else 1.0 for t in agreed.tokens])
         return record, False
 
     def joined(self, start: RoundStart, step: int) -> None:
         pass
 
     def run_over(self) -> bool:
-        return False
+        return self.over
 
     def linger(self, step: int, max_steps: int) -> list[int]:
         return []
 
     def shutdown(self) -> None:
         pass
+
+    def state_dict(self) -> dict:
+        return {"syncs": self.syncs} if self.budget else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs = int(state.get("syncs", 0))
 
 
 def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *, resumed: bool,
@@ -119,4 +184,5 @@ def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, m
 
         return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
                              continue_at_step=continue_at_step)
-    return FixedGroup(comm, outer, schedule, resumed)
+    return FixedGroup(comm, outer, schedule, resumed, round_seconds=args.round_seconds,
+                      continue_at_step=continue_at_step)

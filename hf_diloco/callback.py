@@ -31,6 +31,10 @@ class DiLoCoCallback(TrainerCallback):
         self.reached_before_resume = 0
         self.deferred = {"should_save": False, "should_evaluate": False}
         self.saved_at_round = 0  # whole rounds landed by this process at its last save_every_rounds save
+        # Time-budget rounds on the fixed group: replicas take different numbers of steps between syncs, so Trainer's
+        # step-based saves and evaluations are decided here, at each sync, from the step every replica agreed on.
+        self.timed = self.args.round_seconds > 0 and self.args.outer_backend == "torch"
+        self.boundary_step = 0  # the agreed step of the last sync boundary (time-budget rounds)
         self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
 
     @property
@@ -59,6 +63,7 @@ class DiLoCoCallback(TrainerCallback):
         named = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
         outer_state, self.saved_outer_state = self.saved_outer_state, None
         replica_state, self.saved_replica_state = self.saved_replica_state or {}, None
+        self.boundary_step = state.global_step
         engine = self.engine
         engine.begin(named, state.global_step, state.max_steps, outer_state, replica_state)
         if self.trainer.is_world_process_zero():
@@ -89,9 +94,12 @@ class DiLoCoCallback(TrainerCallback):
         return self.engine.sync(step, max_steps)
 
     def _step_end(self, state, control) -> None:
-        step, max_steps = state.global_step, state.max_steps
-        stop = self.sync(step, max_steps)
+        max_steps = state.max_steps
+        stop = self.sync(state.global_step, max_steps)
+        step = state.global_step  # a time-budget sync moves every replica to the furthest one's step
         at_boundary = stop is not None and self.engine.in_flight is None
+        if self.timed:
+            self._decide_at_syncs(state, control, at_boundary)
         if at_boundary:
             # Whole rounds landed since this process started: F syncs make a round.
             landed = self.engine.syncs_landed // self.args.num_fragments
@@ -111,7 +119,24 @@ class DiLoCoCallback(TrainerCallback):
             if step < max_steps and self.args.eval_strategy != "no":
                 control.should_evaluate = True
             control.should_training_stop = True
-        self._align_to_syncs(control, at_boundary)
+        if not self.timed:
+            self._align_to_syncs(control, at_boundary)
+
+    def _decide_at_syncs(self, state, control, at_boundary: bool) -> None:
+        """Time-budget rounds: Trainer decided saves and evaluations from this replica's own step count; they are
+        decided again at each sync, from the agreed step, alike on every replica (a multiple of save_steps or
+        eval_steps passed since the last sync, or the end)."""
+        control.should_save = control.should_evaluate = False
+        if not at_boundary:
+            return
+        args, before, now = self.args, self.boundary_step, state.global_step
+        self.boundary_step = now
+
+        def passed(every) -> bool:
+            return bool(every) and (now // every > before // every or now >= state.max_steps)
+
+        control.should_evaluate = args.eval_strategy == "steps" and now >= args.eval_delay and passed(state.eval_steps)
+        control.should_save = args.save_strategy == "steps" and passed(state.save_steps)
 
     def _align_to_syncs(self, control, at_boundary: bool) -> None:
         """Postpone saves and evaluations that fall between sync boundaries to the next one."""

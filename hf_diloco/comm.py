@@ -459,6 +459,25 @@ class ReplicaComm:
         cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * 4, self.group_size)
         return gathered.view(self.group_size, self.num_replicas, -1).cpu()
 
+    def replica_table(self, tokens: float, row: list[float]) -> tuple[torch.Tensor, int]:
+        """One small all-reduce over every process: an M x (1 + len(row)) float64 table whose row r holds replica
+        r's tokens (the sum over its members) and its first member's `row`; and the bytes this process sent. Every
+        process gets the same table: what a time-budget sync agrees on before its exchange.
+
+        >>> ReplicaComm().replica_table(128, [7.0, 0.0])[0].tolist()
+        [[128.0, 7.0, 0.0]]
+        """
+        table = torch.zeros(self.num_replicas, 1 + len(row), dtype=torch.float64)
+        table[self.replica_index, 0] = float(tokens)
+        if self.member == 0:
+            table[self.replica_index, 1:] = torch.tensor(row, dtype=torch.float64)
+        if not self.distributed:
+            return table, 0
+        on_device = table.to(self.device)
+        dist.all_reduce(on_device)
+        world = self.num_replicas * self.group_size
+        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, world)
+
     def replica_total(self, values: list[float]) -> list[float]:
         """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
         products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""

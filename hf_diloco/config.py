@@ -256,8 +256,11 @@ class DiLoCoConfig(TrainingArguments):
     )
     round_seconds: float = field(
         default=0.0,
-        metadata={"help": "torchft: end each round after this many seconds of inner steps instead of after H steps, "
-                          "so a slower replica takes fewer steps instead of making the others wait (0: off)."},
+        metadata={"help": "End each round after this many seconds of inner steps instead of after H steps, so a "
+                          "slower replica takes fewer steps instead of making the others wait (0: off). The run still "
+                          "ends at max_steps, counted by the furthest replica: after each sync every replica "
+                          "continues at its step, and the merge weights each replica by the tokens it trained. On "
+                          "outer_backend torch it needs sync_delay 0."},
     )
     replica_address: str = field(
         default="",
@@ -378,9 +381,25 @@ class DiLoCoConfig(TrainingArguments):
         if self.final_sync == "staggered" and delay < 1:
             raise ConfigError("final_sync staggered overlaps each fragment's last sync with inner steps, so it needs "
                               "sync_delay 1 or more (or auto).")
+        checks.check(self, ["round_seconds"])
+        if self.round_seconds > 0 and self.outer_backend == "torch":
+            self._check_time_budget()
         if self.final_sync == "staggered" and self.outer_backend == "torchft":
             raise ConfigError("final_sync staggered needs outer_backend torch: torchft rounds are due by each "
                               "replica's own progress, not at fixed steps, so its last round syncs every fragment.")
+
+    def _check_time_budget(self) -> None:
+        """round_seconds on the torch backend: what time-budget rounds of a fixed group do not combine with yet."""
+        if self.sync_delay > 0:
+            raise ConfigError("round_seconds on outer_backend torch syncs blocking for now: set sync_delay 0 (its "
+                              "replicas reach each sync at the same moment, so there is little to overlap).")
+        if self.auto_inner_steps:
+            raise ConfigError("round_seconds sizes each round by time, so it does not combine with inner_steps auto; "
+                              "set one of them.")
+        for name in ("eval_strategy", "save_strategy"):
+            if getattr(self, name) == "epoch":
+                raise ConfigError(f"round_seconds on outer_backend torch counts saves and evaluations in steps (its "
+                                  f"replicas reach an epoch's end at different times): set {name} to steps or no.")
 
     @property
     def staggered_end(self) -> bool:

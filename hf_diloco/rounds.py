@@ -201,6 +201,8 @@ class RoundEngine:
         landing = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= max_steps)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
         due = self.backend.due(step, max_steps, self.progress)
+        if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight lands now
+            landing, stop = True, stop | self.land(self.in_flight, step, max_steps)
         if not landing and not due:
             return None
         # A stop learned from the sync that landed ends training here: no new sync is launched to be left in
@@ -226,7 +228,7 @@ class RoundEngine:
                         measured=self.schedule.exchanged[0], began=began)
         if not joining:
             self.comm.arrive(step)
-        fragments = [] if joining else self.backend.expected_fragments(step, max_steps)
+        fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         if self.args.sync_delay > 0 and step < max_steps and not joining:
             deltas = snapshot(self.outer, self.comm, self._buckets(fragments))
             if self.executor is None:
@@ -374,7 +376,8 @@ class RoundEngine:
                     self.trainer.is_world_process_zero():
                 logger.warning("DiLoCo: the run is too short for a staggered end (final_sync); every fragment "
                                "syncs at the last step.")
-        self.records.total_syncs = self.schedule.total_syncs(max_steps)
+        # With time-budget rounds how many syncs the run makes depends on the replicas' speeds: not shown.
+        self.records.total_syncs = None if self.args.round_seconds > 0 else self.schedule.total_syncs(max_steps)
 
     def _choose_inner_steps(self, stats: SyncStats, launched_at: int, max_steps: int) -> dict:
         """inner_steps auto from what the first syncs measured, the same on every replica; the new schedule
@@ -473,6 +476,8 @@ class RoundEngine:
         """What only this replica knows: the schedule's decisions, its error-feedback residuals and, when replicas
         may differ after a sync (several fragments, or α > 0), its own trainable parameters."""
         state = self.schedule.state_dict()
+        if self.backend is not None and self.backend.state_dict():  # a time-budget run's sync count
+            state["backend"] = self.backend.state_dict()
         if self.feedback is not None:
             state["error_feedback"] = self.feedback.state_dict()
         if self.outer is not None and (self.args.num_fragments > 1 or self.args.fragment_alpha > 0):
@@ -482,6 +487,7 @@ class RoundEngine:
     @torch.no_grad()
     def _load_replica_state(self, state: dict) -> None:
         self.schedule.load_state_dict(state, staggered=self.args.staggered_end)
+        self.backend.load_state_dict(state.get("backend", {}))
         if self.feedback is not None and "error_feedback" in state:
             self.feedback.load_state_dict(state["error_feedback"])
         for param, saved in zip(self.outer.params, state.get("params", []), strict=False):

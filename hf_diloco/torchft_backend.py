@@ -341,10 +341,16 @@ class TorchftRounds:
         total = self._total_syncs()
         return total is not None and self.global_sync >= total
 
-    def expected_fragments(self, step: int, max_steps: int) -> list[int]:
+    def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
         this replica heals in the quorum (see rounds.RoundEngine._launch_in_background)."""
         return self._fragments(self.global_sync + 1, step >= max_steps)
+
+    def state_dict(self) -> dict:
+        return {}  # the sync counter is healed from a live peer, not taken from a checkpoint
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def _fragments(self, number: int, last: bool) -> list[int]:
         return self.schedule.fragments_of_sync(number, self._total_syncs(), last)

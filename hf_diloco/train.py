@@ -289,8 +289,10 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         f"sent across replicas per process per round, M={shown}": f"{format_bytes(per_round)} with "
         f"compression {config.compression} ({by_codec['none'] / per_round:.1f}x fewer bytes than fp32)",
         "per round by codec": ", ".join(f"{name} {format_bytes(sent)}" for name, sent in by_codec.items()),
-        "streaming": f"{config.num_fragments} fragment(s), one sync every {config.inner_steps // config.num_fragments}"
-        f" steps of about {format_bytes(per_round / config.num_fragments)}, overlapped with "
+        "streaming": f"{config.num_fragments} fragment(s), one sync every "
+        + (f"{config.round_seconds / config.num_fragments:g} s" if config.round_seconds > 0
+           else f"{config.inner_steps // config.num_fragments} steps")
+        + f" of about {format_bytes(per_round / config.num_fragments)}, overlapped with "
         f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s); the end "
         + ("staggered (each fragment's last sync overlapped)" if config.staggered_end
            else "blocking (every fragment syncs at the last step)"),
@@ -306,6 +308,10 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         plan["outer backend"] = (
             f"torchft: replica {config.replica_id} of {config.num_replicas}, a round needs {config.min_replicas} "
             f"replica(s) then waits up to {config.sync_grace_seconds:g} s for the others; {length}")
+    elif config.round_seconds > 0:
+        plan["rounds"] = (f"time budget: each replica syncs after {config.round_seconds / config.num_fragments:g} s "
+                          f"of inner steps, however many it took; the merge weights replicas by their tokens, and "
+                          f"the run ends when its fastest replica reaches max_steps={config.max_steps}")
     if run.trainer == "ddp":  # the baseline has no rounds: what it sends is a gradient all-reduce every step
         plan = {key: value for key, value in plan.items() if key in DDP_PLAN_KEYS}
         plan["model"] = plan["model"].replace(" and synced", "")

@@ -303,3 +303,17 @@ def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text
     message = str(error.value)
     assert message.startswith(f"accelerate config {str(path)!r} ") and sentence in message, message
     assert "\n" not in message
+
+
+def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_overlap():
+    """`--round_seconds 4 --num_fragments 2` on the torch backend: the plan says a sync every 2 s of inner steps and
+    how the run ends; with `--sync_delay 1` the same run is refused in one sentence, exit 2."""
+    plan = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--num_fragments", "2", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "one sync every 2 s of about" in plan.stdout
+    assert "each replica syncs after 2 s of inner steps, however many it took" in plan.stdout
+    refused = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--sync_delay", "1", "--dry-run")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "hf-diloco: error: round_seconds on outer_backend torch syncs blocking for now: set sync_delay 0 (its "
+        "replicas reach each sync at the same moment, so there is little to overlap)."]

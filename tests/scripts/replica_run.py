@@ -6,13 +6,17 @@ of its parameters after every sync, and the bytes it wrote to its sockets during
 count of bytes written, /proc/self/io `wchar`); rank 0's final parameters go to `final.pt`. The setting
 `stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does); `seed_by_rank: true`
 builds each process's model from its own seed (replicas that do not start alike); `slow_sync_seconds: s` makes
-every all-reduce across replicas wait s seconds first (a slower link).
+every all-reduce across replicas wait s seconds first (a slower link); `cgroup_by_rank: {rank: folder}` moves
+that rank's process into a cgroup v1 `cpu` folder the test made (a real CPU quota: a slower replica). Per sync a rank
+also records the seconds it spent inside the sync (`sync_seconds`) and the inner steps it took since the sync before
+(`steps_between`), and its whole training time (`train_seconds`).
 """
 
 import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +33,9 @@ out = Path(settings.pop("out"))
 stop_at_step = settings.pop("stop_at_step", None)
 seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
 slow_sync_seconds = settings.pop("slow_sync_seconds", 0)  # every all-reduce between replicas takes this much longer
+cgroup = settings.pop("cgroup_by_rank", {}).get(os.environ.get("RANK", "0"))
+if cgroup:  # every thread of this process, and any it starts, runs under the group's CPU quota
+    Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
 
 # --- count every collective, whoever calls it (Trainer, accelerate, hf_diloco); DDP gradient all-reduces
 # inside a replica of several processes run in C++ and are not seen here ---
@@ -93,6 +100,7 @@ class Probe(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         current_step[0] = state.global_step + 1
+        own_steps[0] += 1
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == stop_at_step and dist.get_rank() == 0:
@@ -133,14 +141,19 @@ sync_digests = []
 
 
 sync_wire_bytes = []
+own_steps = [0]  # inner steps this replica took (its Trainer step may jump ahead at a time-budget sync)
+sync_seconds, steps_between, last_sync_steps = [], [], [0]
 
 
 def sync_and_record(step, max_steps):
-    before = bytes_written()
+    before, began = bytes_written(), time.perf_counter()
     stop = original_sync(step, max_steps)
-    if stop is not None:  # a round landed or was launched at this step
+    if stop is not None:  # a sync landed or was launched at this step
+        sync_seconds.append(time.perf_counter() - began)
+        steps_between.append(own_steps[0] - last_sync_steps[0])
+        last_sync_steps[0] = own_steps[0]
         sync_wire_bytes.append((step, bytes_written() - before))
-        sync_digests.append((step, digest(trainer.model)))
+        sync_digests.append((trainer.state.global_step, digest(trainer.model)))
     return stop  # None, or whether a replica asked to stop: the trainer acts on it
 
 
@@ -155,13 +168,17 @@ def recording_training_step(model, inputs, *args, **kwargs):
 
 
 trainer.training_step = recording_training_step
+train_began = time.perf_counter()
 trainer.train()
+train_seconds = time.perf_counter() - train_began
 rank = dist.get_rank()
 world = dist.get_world_size()
 (out / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "digests": sync_digests, "seen": seen_blocks,
                                                   "wire_bytes": sync_wire_bytes, "world_size": world,
                                                   "held_bytes": held_bytes(),
-                                                  "total_flos": trainer.state.total_flos}))
+                                                  "total_flos": trainer.state.total_flos,
+                                                  "sync_seconds": sync_seconds, "steps_between": steps_between,
+                                                  "train_seconds": train_seconds}))
 if config.sharded_replica or config.tensor_parallel:  # the whole model, gathered from replica 0 (every rank)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
