@@ -42,21 +42,32 @@ def slow_group():
     os.rmdir(folder)
 
 
-def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by_its_tokens(tmp_path, slow_group):
-    """Both replicas sync every ROUND_SECONDS of training: replica 0 takes more steps per round than replica 1,
-    neither spends more than 25% of its training time waiting inside syncs, both hold the same parameters after
-    every sync, every sync's merge weights are each replica's tokens over the most any replica trained (checked
-    against the steps each replica counted itself), and every replica continues at the furthest one's step, so the
-    run ends at max_steps on both."""
+@pytest.mark.parametrize("sync", [{}, {"num_fragments": 2, "compression": "int4", "error_feedback": True}],
+                         ids=["fp32", "2-fragments-int4+ef"])
+def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by_its_tokens(tmp_path, slow_group,
+                                                                                            sync):
+    """Both replicas sync every ROUND_SECONDS of training (every ROUND_SECONDS / 2 with two fragments): replica 0
+    takes more steps per round than replica 1, neither spends more than 25% of its training time waiting inside
+    syncs, every sync's merge weights are each replica's tokens over the most any replica trained (checked against
+    the steps each replica counted itself), and every replica continues at the furthest one's step, so the run
+    ends at max_steps on both. With one fragment both replicas hold the same parameters after every sync; with two,
+    the fragments sync in turn, the last sync carries both, and the replicas end identical."""
     settings = {"out": str(tmp_path), "inner_steps": 10, "round_seconds": ROUND_SECONDS, "max_steps": MAX_STEPS,
-                "cgroup_by_rank": {"1": str(slow_group)}}
+                "cgroup_by_rank": {"1": str(slow_group)}, **sync}
     result = accelerate_launch([SCRIPT, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     records = read_sync_rounds(tmp_path / "run")
 
     assert len(records) >= 3, records
-    assert ranks[0]["digests"] == ranks[1]["digests"], "identical parameters after every sync"
+    if sync:
+        assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]], records
+        assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1], "identical parameters at the end"
+        assert all(r["compression"] == "int4+ef" for r in records)
+    else:
+        assert ranks[0]["digests"] == ranks[1]["digests"], "identical parameters after every sync"
+    assert [(r["sync"], r["round"]) for r in records] == [(n, -(-n // (1 + bool(sync))))
+                                                         for n in range(1, len(records) + 1)]
     assert records[-1]["step"] == MAX_STEPS and ranks[0]["digests"][-1][0] == MAX_STEPS
     fast, slow = ranks[0]["steps_between"], ranks[1]["steps_between"]
     assert len(fast) == len(slow) == len(records)
