@@ -39,7 +39,7 @@ STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d977
                  "stopped": "#7c3aed", "failed": "#dc2626"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
-                 "sync s", "blocked s", "compute s", "tokens/s"]
+                 "sync s", "blocked s", "compute s", "tokens/s", "steps per replica"]
 MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
 REPLICA_COLUMNS = ["replica", "state", "restarts", "last round recorded"]
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
@@ -420,11 +420,19 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
         ids = r.get("fragments") or [0]
         return "" if fragments == 1 else "all" if len(ids) == fragments else ",".join(map(str, ids))
 
+    def steps(r: dict) -> str:  # each replica's inner steps since its last sync: unequal with time-budget rounds
+        if "replica_steps" in r:
+            return " · ".join(map(str, r["replica_steps"]))
+        if "members" in r:
+            return " · ".join(str(m.get("steps", 0)) if m.get("participated") else "–"
+                              for m in sorted(r["members"], key=lambda m: m["replica"]))
+        return ""
+
     rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4),
              round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
              round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), r.get("compression", "none"),
              ratio(r), round(r["sync_seconds"], 3), round(r.get("blocked_seconds", r["sync_seconds"]), 3),
-             round(r["compute_seconds"], 2), round(r["tokens_per_second"])] for r in reversed(rounds)]
+             round(r["compute_seconds"], 2), round(r["tokens_per_second"]), steps(r)] for r in reversed(rounds)]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 
