@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ACCELERATE_CPU_2PROC, accelerate_launch
+import torch
+from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch
 
 from hf_diloco.metrics import read_sync_rounds
 
@@ -24,6 +25,13 @@ QUOTA = 0.25  # of one core, for replica 1
 ROUND_SECONDS = 0.5
 MAX_STEPS = 600
 TOKENS_PER_STEP = 2 * 16  # per_device_train_batch_size 2 of tests/helpers.py pattern blocks of 16 tokens
+RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
+
+
+def train_cli(*arguments: str):
+    result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", RECIPE, *arguments])
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
 
 
 @pytest.fixture
@@ -83,3 +91,28 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
         assert waited <= 0.25 * rank["train_seconds"], (waited, rank["train_seconds"])
     steps = [r["step"] for r in records]
     assert steps == sorted(steps) and len(set(steps)) == len(steps), "every sync at a later agreed step"
+
+
+def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syncs_on(tmp_path):
+    """A time-budget run (no quota: two replicas at about the same speed) saves a checkpoint at every sync; resumed
+    from its first one it continues the sync count the checkpoint holds, every replica at the checkpoint's step, and
+    ends at max_steps. What is exact: the step, the sync numbering and the schedule. How many steps each replica
+    takes before a sync follows its clock, so the parameters are not compared with the uninterrupted run's (given
+    the same per-replica steps the merge is the same; tests/test_distributed.py checks the merge's arithmetic)."""
+    common = ["--max_steps", "60", "--round_seconds", "0.4", "--block_size", "64", "--per_device_train_batch_size",
+              "4", "--eval_strategy", "no", "--eval_on_start", "false", "--save_total_limit", "50",
+              "--disable_tqdm", "true", "--report_to", "none"]
+    full = tmp_path / "full"
+    train_cli("--output_dir", str(full), *common)
+    records = read_sync_rounds(full)
+    checkpoints = sorted(full.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
+    assert [int(c.name.split("-")[1]) for c in checkpoints] == [r["step"] for r in records], "a save every sync"
+    first = checkpoints[0]
+    state = torch.load(first / "process-1" / "diloco_replica.pt", weights_only=True)
+    assert state["backend"] == {"syncs": 1}
+    resumed = tmp_path / "resumed"
+    train_cli("--output_dir", str(resumed), "--resume_from_checkpoint", str(first), *common)
+    again = read_sync_rounds(resumed)
+    assert again[0]["sync"] == 2 and again[0]["step"] > records[0]["step"], again[0]
+    assert [r["sync"] for r in again] == list(range(2, len(again) + 2))
+    assert again[-1]["step"] == 60 and again[0]["resumed_from"] == str(first)
