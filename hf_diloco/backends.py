@@ -109,7 +109,8 @@ class FixedGroup:
     def due(self, step: int, max_steps: int, progress=None) -> bool:
         if not self.budget:
             return bool(self.schedule.due_fragments(step, max_steps))
-        return step >= max_steps or time.perf_counter() - progress.started >= self.budget
+        # The members of a replica agree: they enter the sync at the same step.
+        return self.comm.replica_any(step >= max_steps or time.perf_counter() - progress.started >= self.budget)
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.budget:

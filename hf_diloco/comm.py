@@ -487,6 +487,15 @@ class ReplicaComm:
         dist.all_reduce(tensor, group=self.replica_group)
         return tensor.tolist()
 
+    def replica_any(self, flag: bool) -> bool:
+        """True when `flag` holds on any member of this replica (a replica of several processes decides together
+        whether its time budget is spent: one tiny all-reduce inside the replica). Otherwise `flag`."""
+        if self.replica_group is None:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return bool(tensor.item() > 0)
+
     def replica_all(self, flag: bool) -> bool:
         """True when `flag` holds on every member of this replica (sharded replicas: each member checks its own
         shards, and the replica sits a round out as a whole). Otherwise `flag`."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch
+from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch
 
 from hf_diloco.metrics import read_sync_rounds
 
@@ -50,41 +50,52 @@ def slow_group():
     os.rmdir(folder)
 
 
-@pytest.mark.parametrize("sync", [{}, {"num_fragments": 2, "compression": "int4", "error_feedback": True}],
-                         ids=["fp32", "2-fragments-int4+ef"])
+LAYOUTS = {  # the round's settings, and the processes of each replica
+    "fp32": ({}, 1),
+    "2-fragments-int4+ef": ({"num_fragments": 2, "compression": "int4", "error_feedback": True}, 1),
+    "2x2-ddp-inside": ({"replica_group_size": 2}, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by_its_tokens(tmp_path, slow_group,
-                                                                                            sync):
+                                                                                            layout):
     """Both replicas sync every ROUND_SECONDS of training (every ROUND_SECONDS / 2 with two fragments): replica 0
-    takes more steps per round than replica 1, neither spends more than 25% of its training time waiting inside
+    takes more steps per round than replica 1, no process spends more than 25% of its training time waiting inside
     syncs, every sync's merge weights are each replica's tokens over the most any replica trained (checked against
     the steps each replica counted itself), and every replica continues at the furthest one's step, so the run
-    ends at max_steps on both. With one fragment both replicas hold the same parameters after every sync; with two,
-    the fragments sync in turn, the last sync carries both, and the replicas end identical."""
+    ends at max_steps on both. With one fragment every process holds the same parameters after every sync; with
+    two, the fragments sync in turn, the last sync carries both, and the replicas end identical. Replicas of two
+    processes (DDP inside; replica 1's two share the quota) enter each sync together."""
+    sync, group = LAYOUTS[layout]
+    slow_ranks = {str(rank): str(slow_group) for rank in range(group, 2 * group)}
     settings = {"out": str(tmp_path), "inner_steps": 10, "round_seconds": ROUND_SECONDS, "max_steps": MAX_STEPS,
-                "cgroup_by_rank": {"1": str(slow_group)}, **sync}
-    result = accelerate_launch([SCRIPT, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
+                "cgroup_by_rank": slow_ranks, **sync}
+    config = ACCELERATE_CPU_4PROC if group == 2 else ACCELERATE_CPU_2PROC
+    result = accelerate_launch([SCRIPT, json.dumps(settings)], config=config)
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * group)]
     records = read_sync_rounds(tmp_path / "run")
 
     assert len(records) >= 3, records
-    if sync:
+    if "num_fragments" in sync:
         assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]], records
         assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1], "identical parameters at the end"
         assert all(r["compression"] == "int4+ef" for r in records)
     else:
-        assert ranks[0]["digests"] == ranks[1]["digests"], "identical parameters after every sync"
-    assert [(r["sync"], r["round"]) for r in records] == [(n, -(-n // (1 + bool(sync))))
-                                                         for n in range(1, len(records) + 1)]
+        assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks), "identical after every sync"
+    fragments = sync.get("num_fragments", 1)
+    assert [(r["sync"], r["round"]) for r in records] == [(n, -(-n // fragments)) for n in range(1, len(records) + 1)]
     assert records[-1]["step"] == MAX_STEPS and ranks[0]["digests"][-1][0] == MAX_STEPS
-    fast, slow = ranks[0]["steps_between"], ranks[1]["steps_between"]
+    fast, slow = ranks[0]["steps_between"], ranks[group]["steps_between"]
     assert len(fast) == len(slow) == len(records)
+    assert all(rank["steps_between"] == ranks[r - r % group]["steps_between"] for r, rank in enumerate(ranks))
     # The last sync comes when replica 0 reaches max_steps, before its budget is spent: leave it out.
     assert all(f > 1.5 * s for f, s in zip(fast[:-1], slow[:-1], strict=True)), (fast, slow)
     for record, steps in zip(records, zip(fast, slow, strict=True), strict=True):
         assert record["replica_steps"] == list(steps), record
-        expected = [s / max(steps) for s in steps]  # tokens = steps x TOKENS_PER_STEP on both replicas
-        assert record["replica_tokens"] == [s * TOKENS_PER_STEP for s in steps], record
+        expected = [s / max(steps) for s in steps]  # tokens = steps x group x TOKENS_PER_STEP on both replicas
+        assert record["replica_tokens"] == [s * group * TOKENS_PER_STEP for s in steps], record
         assert record["replica_weights"] == pytest.approx(expected, abs=1e-12), record
     for rank in ranks:
         waited = sum(rank["sync_seconds"])
