@@ -50,10 +50,14 @@ def slow_group():
     os.rmdir(folder)
 
 
-LAYOUTS = {  # the round's settings, and the processes of each replica
+# The round's settings and the processes of each replica. A step of a sharded or split replica takes tens of times
+# longer on CPU: longer rounds, fewer steps.
+LAYOUTS = {
     "fp32": ({}, 1),
     "2-fragments-int4+ef": ({"num_fragments": 2, "compression": "int4", "error_feedback": True}, 1),
     "2x2-ddp-inside": ({"replica_group_size": 2}, 2),
+    "2x2-fsdp2-inside": ({"replica_group_size": 2, "fsdp": True, "round_seconds": 1.0, "max_steps": 80}, 2),
+    "2x2-tensor-parallel": ({"tp_size": 2, "round_seconds": 1.0, "max_steps": 80}, 2),
 }
 
 
@@ -66,11 +70,13 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     the steps each replica counted itself), and every replica continues at the furthest one's step, so the run
     ends at max_steps on both. With one fragment every process holds the same parameters after every sync; with
     two, the fragments sync in turn, the last sync carries both, and the replicas end identical. Replicas of two
-    processes (DDP inside; replica 1's two share the quota) enter each sync together."""
+    processes (DDP or FSDP2 inside, or split by tensor parallel; replica 1's two share the quota) enter each sync
+    together, and member j of both replicas holds the same shard after every sync."""
     sync, group = LAYOUTS[layout]
     slow_ranks = {str(rank): str(slow_group) for rank in range(group, 2 * group)}
     settings = {"out": str(tmp_path), "inner_steps": 10, "round_seconds": ROUND_SECONDS, "max_steps": MAX_STEPS,
                 "cgroup_by_rank": slow_ranks, **sync}
+    max_steps = settings["max_steps"]
     config = ACCELERATE_CPU_4PROC if group == 2 else ACCELERATE_CPU_2PROC
     result = accelerate_launch([SCRIPT, json.dumps(settings)], config=config)
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -80,18 +86,20 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     assert len(records) >= 3, records
     if "num_fragments" in sync:
         assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]], records
-        assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1], "identical parameters at the end"
+        assert ranks[0]["digests"][-1] == ranks[group]["digests"][-1], "identical parameters at the end"
         assert all(r["compression"] == "int4+ef" for r in records)
     else:
-        assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks), "identical after every sync"
+        # member j of every replica holds the same (its shard of the) parameters after every sync
+        assert all(rank["digests"] == ranks[r % group]["digests"] for r, rank in enumerate(ranks))
     fragments = sync.get("num_fragments", 1)
     assert [(r["sync"], r["round"]) for r in records] == [(n, -(-n // fragments)) for n in range(1, len(records) + 1)]
-    assert records[-1]["step"] == MAX_STEPS and ranks[0]["digests"][-1][0] == MAX_STEPS
+    assert records[-1]["step"] == max_steps and ranks[0]["digests"][-1][0] == max_steps
     fast, slow = ranks[0]["steps_between"], ranks[group]["steps_between"]
     assert len(fast) == len(slow) == len(records)
     assert all(rank["steps_between"] == ranks[r - r % group]["steps_between"] for r, rank in enumerate(ranks))
-    # The last sync comes when replica 0 reaches max_steps, before its budget is spent: leave it out.
-    assert all(f > 1.5 * s for f, s in zip(fast[:-1], slow[:-1], strict=True)), (fast, slow)
+    # The last sync comes when replica 0 reaches max_steps, before its budget is spent: leave it out. (A first
+    # round can hold one slow first step on both replicas: counted over the run.)
+    assert sum(fast[:-1]) > 1.5 * sum(slow[:-1]) and all(f >= s for f, s in zip(fast, slow, strict=True)), (fast, slow)
     for record, steps in zip(records, zip(fast, slow, strict=True), strict=True):
         assert record["replica_steps"] == list(steps), record
         expected = [s / max(steps) for s in steps]  # tokens = steps x group x TOKENS_PER_STEP on both replicas
