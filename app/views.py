@@ -198,7 +198,7 @@ def status_html(run: Run | None) -> str:
         blocked = sum(r.get("blocked_seconds", r["sync_seconds"]) for r in rounds)
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
-        present = f"{last['participants']} of {len(last['members'])}" if "members" in last else last["num_replicas"]
+        present = f"{last['participants']} of {len(last['members'])}" if is_torchft(last) else last["num_replicas"]
         # With streaming fragments a record is one fragment's sync: the round count is of whole rounds.
         counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} syncs)" if streamed(rounds) \
             else last["round"]
@@ -218,6 +218,11 @@ def status_html(run: Run | None) -> str:
     parts += [f"<span class='hfd-damaged'>{html.escape(sentence)}</span>" for sentence in damaged_files(run)]
     return "<div class='hfd-status' id='hfd-status' data-status='" + html.escape(run.status) + "'>" + \
         " &nbsp;|&nbsp; ".join(parts) + "</div>"
+
+
+def is_torchft(record: dict) -> bool:
+    """A torchft sync's record: its members are a quorum's, with a vote (a torch record's are every replica)."""
+    return record.get("outer_backend") == "torchft"
 
 
 def streamed(rounds: list[dict]) -> bool:
@@ -420,13 +425,12 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
         ids = r.get("fragments") or [0]
         return "" if fragments == 1 else "all" if len(ids) == fragments else ",".join(map(str, ids))
 
-    def steps(r: dict) -> str:  # each replica's inner steps since its last sync: unequal with time-budget rounds
-        if "replica_steps" in r:
-            return " · ".join(map(str, r["replica_steps"]))
-        if "members" in r:
-            return " · ".join(str(m.get("steps", 0)) if m.get("participated") else "–"
-                              for m in sorted(r["members"], key=lambda m: m["replica"]))
-        return ""
+    def steps(r: dict) -> str:  # each replica's inner steps since its last sync, where they differ (– : absent)
+        rows = sorted(r.get("members", []), key=lambda m: m["replica"])
+        if len({m.get("steps") for m in rows if m.get("participated")}) < 2 and all(m.get("participated")
+                                                                                  for m in rows):
+            return ""
+        return " · ".join(str(m.get("steps", 0)) if m.get("participated") else "–" for m in rows)
 
     rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4),
              round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
@@ -472,7 +476,7 @@ def membership_rows(rounds: list[dict], replicas: int = 0, states: list[dict] = 
     """Who took part in each torchft round, newest first: round, step, participants, whether it committed, then a
     cell per replica (at least `replicas` of them, the run's count); `states` (replicas.json) tells a replica whose
     process was down from one that was only late. Empty for any other run."""
-    torchft = [r for r in rounds if "members" in r]
+    torchft = [r for r in rounds if is_torchft(r)]
     ids = {m["replica"] for r in torchft for m in r["members"]}
     columns = [f"replica {i}" for i in range(max([replicas, *(i + 1 for i in ids)]))] if torchft else []
     down = {state["replica"]: _down_rounds(state, torchft) for state in states if "replica" in state}

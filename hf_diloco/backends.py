@@ -74,8 +74,6 @@ class Agreement:
     last: bool  # a replica reached max_steps: every fragment syncs and the run ends
     weight: float  # this replica's tokens relative to the most any replica trained
     fragments: list[int]
-    tokens: list[int]  # every replica's tokens since its last sync
-    steps: list[int]  # every replica's inner steps since its last sync
     bytes_sent: int  # what the agreement's all-reduce cost this process
 
 
@@ -116,14 +114,12 @@ class FixedGroup:
         if not self.budget:
             return self.schedule.due_fragments(step, max_steps)
         local = local or {}
-        table, sent = self.comm.replica_table(local.get("tokens", 0), [float(step), float(step >= max_steps),
-                                                                       float(local.get("steps", 0))])
+        table, sent = self.comm.replica_table(local.get("tokens", 0), [float(step), float(step >= max_steps)])
         tokens, last = table[:, 0], bool(table[:, 2].any())
         most = float(tokens.max())
         fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
         self.agreed = Agreement(step=int(table[:, 1].max()), launched_at=step, last=last,
                                 weight=float(tokens[self.replica]) / most if most > 0 else 1.0, fragments=fragments,
-                                tokens=[int(t) for t in tokens], steps=[int(s) for s in table[:, 3]],
                                 bytes_sent=sent)
         return fragments
 
@@ -143,7 +139,7 @@ class FixedGroup:
 
     def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
-        continue_at_step), and the record gets that step and each replica's own steps, tokens and weight."""
+        continue_at_step), and the record gets that step and the sync's number."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
             return record, False
@@ -151,11 +147,8 @@ class FixedGroup:
         self.over = agreed.last
         if agreed.step > step:
             self.continue_at_step(agreed.step)
-        if record:
-            most = max(agreed.tokens)
-            record.update(step=agreed.step, sync=self.syncs, round=self.schedule.round_of(self.syncs),
-                          replica_steps=agreed.steps, replica_tokens=agreed.tokens,
-                          replica_weights=[t / most if most > 0 else 1.0 for t in agreed.tokens])
+        if record:  # its members' rows (records.members) hold each replica's steps, tokens and weight
+            record.update(step=agreed.step, sync=self.syncs, round=self.schedule.round_of(self.syncs))
         return record, False
 
     def joined(self, start: RoundStart, step: int) -> None:

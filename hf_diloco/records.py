@@ -41,12 +41,20 @@ class ReplicaStats:
     previous_agreement: float = float("nan")
     previous_blocked_seconds: float = 0.0
     previous_exchange_seconds: float = 0.0  # how long this replica's previous exchange took (sync_delay auto)
+    arrived: float = 0.0  # when this replica launched the sync: the wall clock modulo ARRIVAL_PERIOD (see members)
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([float(x) for x in astuple(self)], dtype=torch.float64)
 
 
 STAT_NAMES = tuple(f.name for f in fields(ReplicaStats))
+# Statistics travel as float32: the wall clock is sent modulo 2^14 s (about 1 ms apart at most), and arrivals are
+# compared within half that period.
+ARRIVAL_PERIOD = 2.0**14
+
+
+def arrival_clock() -> float:
+    return time.time() % ARRIVAL_PERIOD
 
 
 class SyncStats:
@@ -115,6 +123,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
         "synced_parameters": synced_parameters,
         "collectives": cost.collectives,
     }
+    record["members"] = members(stats, result.weights)
     if result.committed and result.participants < num_replicas:
         record["non_finite_replicas"] = [r for r, ok in enumerate(result.healthy) if not ok]
         record["participants"] = result.participants
@@ -125,6 +134,33 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
         record["agreement_sync"] = sync_number - 1
         record["replica_agreement"] = previous  # cos(Δ_i, Δ) of sync `agreement_sync`, one per replica
     return record
+
+
+def members(stats: SyncStats, weights: list[float] | None) -> list[dict]:
+    """One row per replica, as the torchft backend's records hold them (one reader serves both): its steps since its
+    last sync, its tokens (its members' sum), its weight in the average (tokens relative to the most with
+    time-budget rounds, else 1; 0: it sat the sync out), its loss sum (its members' mean) and compute time (its
+    slowest member's), and `waited_seconds`: how long before the last replica it arrived at the sync, by the wall
+    clock (a blocking sync keeps it waiting that long; across machines the figure is off by their clocks' skew).
+
+    >>> rows = torch.stack([ReplicaStats(steps=9, tokens=90, arrived=10.0).tensor(),
+    ...                     ReplicaStats(steps=3, tokens=30, arrived=12.5).tensor()]).view(1, 2, -1)
+    >>> [(m["steps"], m["tokens"], m["waited_seconds"]) for m in members(SyncStats(rows), [1.0, 1 / 3])]
+    [(9, 90, 2.5), (3, 30, 0.0)]
+    """
+    half = ARRIVAL_PERIOD / 2
+    arrived = stats.arrived.amax(0)
+    after_first = [float((a - arrived[0] + half) % ARRIVAL_PERIOD - half) for a in arrived]
+    last = max(after_first)
+    rows = []
+    for r in range(arrived.numel()):
+        weight = float(stats.weight[0, r]) if weights is None else float(weights[r])
+        rows.append({"replica": r, "participated": weight > 0, "steps": int(stats.steps[:, r].max()),
+                     "tokens": int(stats.tokens[:, r].sum()), "weight": weight,
+                     "loss_sum": float(stats.loss_sum[:, r].mean()),
+                     "compute_seconds": float(stats.compute_seconds[:, r].max()),
+                     "waited_seconds": last - after_first[r]})
+    return rows
 
 
 def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,

@@ -47,7 +47,7 @@ from .outer import (
     pseudo_gradients,
     snapshot,
 )
-from .records import Records, ReplicaStats, SyncStats, sync_record
+from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -441,7 +441,7 @@ class RoundEngine:
                             compute_seconds=progress.compute_seconds, stop_requested=float(self.stop_requested),
                             previous_agreement=self.previous_agreement,
                             previous_blocked_seconds=self.previous_blocked,
-                            previous_exchange_seconds=self.schedule.exchanged[1])
+                            previous_exchange_seconds=self.schedule.exchanged[1], arrived=arrival_clock())
 
         def stats(local_norm_sq: float) -> torch.Tensor:
             mine.pseudo_grad_norm_sq = local_norm_sq

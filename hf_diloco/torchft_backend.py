@@ -484,12 +484,15 @@ class TorchftRounds:
         elif not start.joining:
             self.carried_tokens += tokens  # progress kept for the next sync
         members = []
-        for row in start.members:
+        largest = max((row["weight"] for row in start.members), default=0.0)
+        for row in start.members:  # weights as the merge used them: relative to the largest (as on torch)
             member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
+                      "weight": row["weight"] / largest if largest > 0 else 0.0,
                       "steps": int(row["steps"]), "tokens": int(row["tokens"]), "staleness": int(row["staleness"]),
                       "stop_requested": bool(row["stop_requested"]), "non_finite": bool(row["non_finite"])}
             for key in UNRECORDED:
                 del member[key]
+            member["waited_seconds"] = member.pop("quorum_seconds")  # as the torch backend's rows name it
             members.append(member)
         present = {m["replica"] for m in members}
         self.known |= present

@@ -1,6 +1,10 @@
 """Runs that tests of several files read: each is launched once per session, the first time a test asks for it."""
 
+import contextlib
 import json
+import os
+import uuid
+from pathlib import Path
 
 import pytest
 from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch
@@ -20,3 +24,33 @@ def paper_run(tmp_path_factory):
     result = accelerate_launch([REPLICA_RUN, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.fixture
+def cpu_quota():
+    """make(share) -> a cgroup v1 `cpu` folder whose processes get `share` of one core (a real CPU quota: a slower
+    replica); a process joins by writing its pid to the folder's cgroup.procs. The folders go afterwards. Skips with
+    one sentence where cgroups cannot be written (CI runs as root)."""
+    made = []
+
+    def make(share: float) -> Path:
+        folder = CPU_CGROUP / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir()
+            (folder / "cpu.cfs_period_us").write_text("100000")
+            (folder / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        except OSError as error:
+            pytest.skip(f"cgroups cannot be written here ({error.strerror}): a CPU quota needs root and cgroup v1 "
+                        f"cpu.")
+        made.append(folder)
+        return folder
+
+    yield make
+    for folder in made:
+        for pid in (folder / "cgroup.procs").read_text().split():  # none once the processes have ended
+            with contextlib.suppress(OSError):
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+        os.rmdir(folder)

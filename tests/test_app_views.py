@@ -299,13 +299,14 @@ def test_streaming_counts_whole_rounds_and_the_round_table_names_the_fragments_s
 
 
 def test_the_sync_table_shows_each_replicas_steps_where_they_differ():
-    """Time-budget rounds record each replica's steps since its last sync (replica_steps), torchft its members':
-    the table's last column shows them per replica (– for a replica absent from a torchft sync); rounds of H steps
-    leave it blank."""
-    timed = {**sync_record(1), "replica_steps": [90, 22]}
+    """Every record's members hold each replica's steps since its last sync (both backends): the table's last
+    column shows them per replica where they differ (time-budget rounds; – for a replica absent from a torchft
+    sync); rounds in which every replica took the same steps leave it blank."""
+    timed = {**sync_record(1), "members": [member(0, steps=90), member(1, steps=22)]}
     torchft = torchft_round(2, [member(0, steps=14), {"replica": 1, "participated": False}, member(2, steps=5)])
-    table = views.round_rows([timed, torchft, sync_record(3)])
-    assert table["steps per replica"].tolist() == ["", "14 · – · 5", "90 · 22"]
+    even = {**sync_record(3), "members": [member(0), member(1)]}
+    table = views.round_rows([timed, torchft, even, sync_record(4)])
+    assert table["steps per replica"].tolist() == ["", "", "14 · – · 5", "90 · 22"]
 
 
 def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path):

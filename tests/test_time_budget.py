@@ -9,8 +9,6 @@ however many steps it took, and the merge weights each by its tokens.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,6 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 from hf_diloco.metrics import read_sync_rounds
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "replica_run.py")
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 QUOTA = 0.25  # of one core, for replica 1
 ROUND_SECONDS = 0.5
 MAX_STEPS = 600
@@ -35,19 +32,9 @@ def train_cli(*arguments: str):
 
 
 @pytest.fixture
-def slow_group():
-    """A cgroup v1 `cpu` folder with a quota of QUOTA of a core; removed afterwards."""
-    folder = CPU_CGROUP / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
-    try:
-        folder.mkdir()
-        (folder / "cpu.cfs_period_us").write_text("100000")
-        (folder / "cpu.cfs_quota_us").write_text(str(int(QUOTA * 100000)))
-    except OSError as error:
-        pytest.skip(f"cgroups cannot be written here ({error.strerror}): a CPU quota needs root and cgroup v1 cpu.")
-    yield folder
-    for pid in (folder / "cgroup.procs").read_text().split():  # none once the launch has ended
-        (CPU_CGROUP / "cgroup.procs").write_text(pid)
-    os.rmdir(folder)
+def slow_group(cpu_quota):
+    """A cgroup v1 `cpu` folder with a quota of QUOTA of a core (tests/conftest.py)."""
+    return cpu_quota(QUOTA)
 
 
 # The round's settings and the processes of each replica. A step of a sharded or split replica takes tens of times
@@ -101,15 +88,45 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     # round can hold one slow first step on both replicas: counted over the run.)
     assert sum(fast[:-1]) > 1.5 * sum(slow[:-1]) and all(f >= s for f, s in zip(fast, slow, strict=True)), (fast, slow)
     for record, steps in zip(records, zip(fast, slow, strict=True), strict=True):
-        assert record["replica_steps"] == list(steps), record
+        members = record["members"]
+        assert [m["replica"] for m in members] == [0, 1] and all(m["participated"] for m in members), record
+        assert [m["steps"] for m in members] == list(steps), record
         expected = [s / max(steps) for s in steps]  # tokens = steps x group x TOKENS_PER_STEP on both replicas
-        assert record["replica_tokens"] == [s * group * TOKENS_PER_STEP for s in steps], record
-        assert record["replica_weights"] == pytest.approx(expected, abs=1e-12), record
+        assert [m["tokens"] for m in members] == [s * group * TOKENS_PER_STEP for s in steps], record
+        assert [m["weight"] for m in members] == pytest.approx(expected, abs=1e-6), record
     for rank in ranks:
         waited = sum(rank["sync_seconds"])
         assert waited <= 0.25 * rank["train_seconds"], (waited, rank["train_seconds"])
+    # Both arrive when their budget is spent: neither waited for the other longer than a step of the slow one (the
+    # budget is checked after each step) plus scheduling, save for the last sync, which replica 0 reaches early.
+    slow_step = ranks[group]["train_seconds"] / max(1, sum(slow))
+    assert all(m["waited_seconds"] <= 2 * slow_step + 0.1 for r in records[:-1] for m in r["members"]), \
+        ([[m["waited_seconds"] for m in r["members"]] for r in records], slow_step)
     steps = [r["step"] for r in records]
     assert steps == sorted(steps) and len(set(steps)) == len(steps), "every sync at a later agreed step"
+
+
+def test_with_rounds_of_h_steps_the_record_says_how_long_the_fast_replica_waited_for_the_slow_one(tmp_path,
+                                                                                                  slow_group):
+    """Without a time budget both replicas take H steps a round, and replica 0 waits at every sync for replica 1
+    (a quarter of a core). Each record's members say how long before the last replica each arrived
+    (`waited_seconds`); checked against what each process measured itself: both leave the sync together, so
+    replica 0's seconds inside the sync exceed replica 1's by its wait (up to the outer step and a quota period of
+    replica 1's)."""
+    # Rounds long enough that the quota's 100 ms period evens out: replica 1 is about 4 times slower per round.
+    settings = {"out": str(tmp_path), "inner_steps": 20, "max_steps": 200, "cgroup_by_rank": {"1": str(slow_group)}}
+    result = accelerate_launch([SCRIPT, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    records = read_sync_rounds(tmp_path / "run")
+    assert len(records) == len(fast["sync_seconds"]) == len(slow["sync_seconds"]) == 10, records
+    waits = [[m["waited_seconds"] for m in r["members"]] for r in records]
+    for (fast_waited, slow_waited), inside_fast, inside_slow in zip(waits, fast["sync_seconds"],
+                                                                    slow["sync_seconds"], strict=True):
+        assert slow_waited == 0.0, waits
+        assert fast_waited == pytest.approx(inside_fast - inside_slow, abs=0.1 + 0.1 * fast_waited), \
+            (waits, fast["sync_seconds"], slow["sync_seconds"])
+    assert sum(w for w, _ in waits) >= 0.4 * fast["train_seconds"], (waits, fast["train_seconds"])
 
 
 def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syncs_on(tmp_path):

@@ -9,7 +9,9 @@ by sleeping after every inner step; "pause": [n, seconds] sleeps once, after thi
 (counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s fills
 one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after global step s until the
 file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the tests
-hold the survivors of a kill until the restarted replica is up, so it finds them still running). The replica writes
+hold the survivors of a kill until the restarted replica is up, so it finds them still running); "pause_while":
+[flag, path] holds this replica after any step while the file `flag` exists and `path` does not (at most 300 s).
+"cgroup": folder moves this process into a cgroup v1 `cpu` folder the test made (a real CPU quota). The replica writes
 its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
 "die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
 a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
@@ -56,6 +58,8 @@ if settings.get("slow_sync_seconds"):
         return fast_all_reduce(self, buffer)
 
     TorchftComm._all_reduce = slow_all_reduce
+if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
+    Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
 out = Path(settings["out"])
 replica = settings.get("replica", 0)
 backend = settings.get("backend", "torchft")
@@ -75,6 +79,11 @@ class Pace(TrainerCallback):
         if settings.get("hold") and state.global_step == settings["hold"][0]:
             deadline = time.monotonic() + 300
             while not Path(settings["hold"][1]).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if settings.get("pause_while"):
+            flag, until = (Path(p) for p in settings["pause_while"])
+            deadline = time.monotonic() + 300
+            while flag.exists() and not until.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
         if settings.get("nan_at_step") == state.global_step:
             with torch.no_grad():
