@@ -1,22 +1,19 @@
-"""Goodput of 3 replicas when one dies or lags: `outer_backend: torch` (a round is a barrier; a death ends the
-launch, which `--max-restarts` starts again from the newest round checkpoint) against `torchft` (decoupled: a dead
-replica is left out and restarted, it heals from the live ones; a slow one takes fewer steps with round_seconds).
+"""Goodput of 3 replicas when one dies: `outer_backend: torch` (a round is a barrier; a death ends the launch, which
+`--max-restarts` starts again from the newest round checkpoint) against `torchft` (decoupled: a dead replica is left
+out and restarted, it heals from the live ones). Replicas of unequal speed: benchmarks/speeds.py (real CPU quotas).
 
 Scenarios, each run once per backend on the built-in corpus (tiny Llama, 3 replicas on this machine):
 - no fault;
-- kill: replica 2's training process is SIGKILLed every N rounds and started again;
-- straggler: replica 2 needs 3x as long per step (it spins after each step, so the shared cores stay as loaded);
-  the torch backend keeps H steps per round (everyone waits for it), torchft ends rounds by time (round_seconds =
-  the fault-free torchft run's time per round) so it takes about a third of the steps.
+- kill: replica 2's training process is SIGKILLed every N rounds and started again.
 
 Goodput = useful tokens ÷ (wall time × capacity). Useful tokens are those of the rounds the final model contains
 (torch: the rounds left after the last resume; torchft: the tokens merged in committed rounds). Wall time is the
 launch command's, start-up and restarts included. Capacity is what the replicas could train without waiting:
-3 × r for three full-speed replicas and (2 + 1/3) × r with the straggler, where r = tokens/s per replica of the
-torch backend's fault-free run in the same invocation (which therefore reads 100%). Eval loss is the final model's
-on the held-out blocks, compared with the same backend's fault-free run.
+3 × r, where r = tokens/s per replica of the torch backend's fault-free run in the same invocation (which
+therefore reads 100%). Eval loss is the final model's on the held-out blocks, compared with the same backend's
+fault-free run.
 
-Variants (`--variants`) run the same six scenarios with another round: `fp32` (plain DiLoCo) and
+Variants (`--variants`) run the same four scenarios with another round: `fp32` (plain DiLoCo) and
 `int4-ef-streaming` (int4 with error feedback, F = 2 fragments overlapped by τ = 2 steps), on both backends. Each
 row also gives the mean bytes a replica sent per round, to compare the backends at the same codec.
 
@@ -39,9 +36,7 @@ from common import RECIPE, REPO, free_port, markdown_table, pyplot, run_env, sav
 
 from hf_diloco.metrics import read_summary, run_rounds
 
-PACED = str(Path(__file__).resolve().parent / "paced.py")
 REPLICAS = 3
-SLOWDOWN = 3.0
 VARIANTS = {
     "fp32": [],
     "int4-ef-streaming": ["--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
@@ -54,7 +49,8 @@ def pid_of_replica(folder: Path, backend: str, replica: int) -> int | None:
     for process in psutil.process_iter(["cmdline"]):
         try:
             argv = process.info["cmdline"] or []
-            if PACED not in argv or "accelerate.commands.launch" in argv or str(folder) not in " ".join(argv):
+            if "hf_diloco.cli" not in argv or "accelerate.commands.launch" in argv or \
+                    str(folder) not in " ".join(argv):
                 continue
             if backend == "torchft":
                 if f"replica-{replica}" in " ".join(argv):
@@ -92,7 +88,7 @@ class Killer(threading.Thread):
 
 
 def command(backend: str, folder: Path, overrides: list[str]) -> list[str]:
-    train = [PACED, "train", "--config", str(RECIPE), "--disable_tqdm", "true", *overrides]
+    train = ["-m", "hf_diloco.cli", "train", "--config", str(RECIPE), "--disable_tqdm", "true", *overrides]
     if backend == "torch":
         return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(REPLICAS),
                 "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
@@ -100,15 +96,12 @@ def command(backend: str, folder: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, *train]
 
 
-def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int,
-        round_seconds: float = 0.0) -> dict:
+def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_every: int, total_rounds: int) -> dict:
     """One launch of a scenario, as a user would start it; returns its measurements."""
     from hf_diloco.launch import ReplicaSupervisor, replica_overrides, run_with_restarts, start_lighthouse
 
     env_before = dict(os.environ)
     os.environ.update(run_env(1))
-    if scenario == "straggler":
-        os.environ.update(BENCH_SLOW_REPLICA="2", BENCH_SLOWDOWN=str(SLOWDOWN))
     killer = Killer(folder, backend, kill_every, total_rounds) if scenario == "kill" else None
     restarts = total_rounds // kill_every + 1 if killer else 0
     started = time.perf_counter()
@@ -120,7 +113,7 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
         else:
             server = start_lighthouse("127.0.0.1:0", 2, 5.0, heartbeat_timeout_seconds=2.0)
             address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-            extra = ["--min_replicas", "2", "--sync_grace_seconds", "5", "--round_seconds", str(round_seconds)]
+            extra = ["--min_replicas", "2", "--sync_grace_seconds", "5"]
             commands = [command(backend, folder, replica_overrides([*overrides, *extra], r, REPLICAS, address,
                                                                    str(folder))) for r in range(REPLICAS)]
             try:
@@ -138,18 +131,12 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
     rounds = run_rounds(folder)
     lead = folder if backend == "torch" else folder / "replica-0"
     summary = read_summary(lead)
-    members = [m for r in rounds for m in r.get("members", []) if m.get("participated")]
-    slow_steps = [m["steps"] for m in members if m["replica"] == 2]
-    fast_steps = [m["steps"] for m in members if m["replica"] != 2]
     sent = [r["bytes_per_replica"] for r in rounds if r.get("committed", True) and r["bytes_per_replica"]]
     return {"backend": backend, "scenario": scenario, "wall_seconds": wall, "rounds": len(rounds),
             "bytes_per_round": sum(sent) / len(sent) if sent else 0.0,
             "useful_tokens": sum(r["tokens"] for r in rounds), "eval_loss": summary.get("eval_loss_final"),
             "kills": killer.kills if killer else [],
-            "round_compute_seconds": [r["compute_seconds"] for r in rounds],
-            # torch: each replica's inner-step seconds per round (the straggler's are ~3x the others')
-            "replica_compute_seconds": [r.get("replica_compute_seconds") for r in rounds],
-            "steps_per_round": {"replica 2": slow_steps, "others": fast_steps} if members else None}
+            "round_compute_seconds": [r["compute_seconds"] for r in rounds]}
 
 
 def main() -> None:
@@ -178,54 +165,37 @@ def main() -> None:
                  "--eval_on_start", "false", "--save_strategy", "no", "--logging_steps", str(steps),
                  "--sync_timeout", "120"]
     results = []
-    scenarios = ["no fault", "kill", "straggler"]
+    scenarios = ["no fault", "kill"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         plan = [(variant, backend, scenario) for variant in variants for scenario in scenarios
                 for backend in ("torch", "torchft")]
-        round_seconds: dict[str, float] = {}
         for i, (variant, backend, scenario) in enumerate(plan):
             print(f"[{i + 1}/{len(plan)}] {variant}, {backend}: {scenario} ...", flush=True)
             extra = ["--save_every_rounds", "1" if backend == "torch" and scenario == "kill" else "0",
                      *VARIANTS[variant]]
             result = run(backend, scenario, tmp / f"{variant}-{backend}-{scenario.replace(' ', '-')}",
-                         [*overrides, *extra], kill_every, total_rounds,
-                         round_seconds.get(variant, 0.0) if scenario == "straggler" else 0.0)
+                         [*overrides, *extra], kill_every, total_rounds)
             result["variant"] = variant
             results.append(result)
-            if backend == "torchft" and scenario == "no fault":
-                # The straggler's torchft rounds last as long as a fault-free round's inner steps; a little less,
-                # so that the full-speed replicas never reach max_steps before the last round. With F fragments a
-                # round_seconds budget covers the F fragment rounds of one H.
-                computes = result["round_compute_seconds"]
-                fragments = 2 if "--num_fragments" in VARIANTS[variant] else 1
-                round_seconds[variant] = round(0.9 * fragments * sorted(computes)[len(computes) // 2], 2)
     base = next(r for r in results if r["backend"] == "torch" and r["scenario"] == "no fault")
     rate = base["useful_tokens"] / (REPLICAS * base["wall_seconds"])  # tokens/s per full-speed replica
     reference_loss = {(r["variant"], r["backend"]): r["eval_loss"] for r in results if r["scenario"] == "no fault"}
     rows = []
     for r in results:
-        capacity = rate * ((REPLICAS - 1) + 1 / SLOWDOWN if r["scenario"] == "straggler" else REPLICAS)
-        r["goodput"] = r["useful_tokens"] / (r["wall_seconds"] * capacity)
+        r["goodput"] = r["useful_tokens"] / (r["wall_seconds"] * rate * REPLICAS)
         reference = reference_loss[(r["variant"], r["backend"])]
         loss_change = r["eval_loss"] / reference - 1 if r["eval_loss"] else float("nan")
-        per_round = r["steps_per_round"]
-        trained = {k: [n for n in v if n] for k, v in per_round.items()} if per_round else None  # not join rows
-        ratio = (sorted(trained["replica 2"])[len(trained["replica 2"]) // 2] /
-                 sorted(trained["others"])[len(trained["others"]) // 2]) if trained and trained["replica 2"] else None
         rows.append([r["variant"], r["backend"], r["scenario"], f"{r['goodput']:.1%}", f"{r['useful_tokens']:,}",
                      f"{r['wall_seconds']:.0f}", r["rounds"], f"{r['bytes_per_round'] / 1e6:.3f}",
                      f"{r['eval_loss'] or float('nan'):.4f}", f"{loss_change:+.2%}",
-                     ", ".join(map(str, r["kills"])) or "-", f"{ratio:.2f}" if ratio is not None else "-"])
+                     ", ".join(map(str, r["kills"])) or "-"])
     table = markdown_table(["round", "backend", "scenario", "goodput", "useful tokens", "wall s", "rounds",
-                            "MB per round", "eval loss", "vs its fault-free", "killed after rounds",
-                            "replica 2 steps ÷ others'"], rows)
-    budgets = ", ".join(f"{v} {t:g} s" for v, t in round_seconds.items())
+                            "MB per round", "eval loss", "vs its fault-free", "killed after rounds"], rows)
     table += (f"\n\n3 replicas, {steps} steps, H = {inner} ({total_rounds} rounds of H), 128-token blocks, batch 4; "
-              f"kill: replica 2 SIGKILLed every {kill_every} rounds and restarted; straggler: replica 2 at "
-              f"1/{SLOWDOWN:g} speed (torchft: round_seconds {budgets}). Goodput = useful tokens ÷ (wall × capacity), "
-              f"capacity = {REPLICAS} × {rate:,.0f} tokens/s (the first torch fault-free run's rate per replica; "
-              f"(2 + 1/3) × that with the straggler). MB per round: mean bytes a replica sent per committed round "
+              f"kill: replica 2 SIGKILLed every {kill_every} rounds and restarted. Goodput = useful tokens ÷ (wall × "
+              f"capacity), capacity = {REPLICAS} × {rate:,.0f} tokens/s (the first torch fault-free run's rate per "
+              f"replica). MB per round: mean bytes a replica sent per committed round "
               f"(a fragment round with streaming). One run per row.")
     plt = pyplot()
     figure, axes = plt.subplots(1, len(variants), figsize=(7 * len(variants), 3.2), squeeze=False)
@@ -233,15 +203,15 @@ def main() -> None:
         for offset, backend, color in ((-0.2, "torch", "#2563eb"), (0.2, "torchft", "#ea580c")):
             values = [next(r["goodput"] for r in results if r["backend"] == backend and r["scenario"] == s and
                            r["variant"] == variant) * 100 for s in scenarios]
-            axis.bar([i + offset for i in range(3)], values, width=0.38, color=color, label=backend)
-        axis.set_xticks(range(3), scenarios)
+            axis.bar([i + offset for i in range(len(scenarios))], values, width=0.38, color=color, label=backend)
+        axis.set_xticks(range(len(scenarios)), scenarios)
         axis.set_ylabel("goodput (%)")
         axis.axhline(90, color="#888", linestyle="--", linewidth=1)
         axis.legend()
-        axis.set_title(f"3 replicas ({variant}): goodput when one dies or lags")
+        axis.set_title(f"3 replicas ({variant}): goodput when one dies")
     name = "goodput" if variants == ["fp32"] else "goodput-variants"
-    save(name, table, {"results": results, "rate_per_replica": rate, "round_seconds": round_seconds,
-                       "steps": steps, "inner_steps": inner, "kill_every": kill_every, "variants": variants},
+    save(name, table, {"results": results, "rate_per_replica": rate, "steps": steps, "inner_steps": inner,
+                       "kill_every": kill_every, "variants": variants},
          figure, quick=args.quick, seconds=time.time() - begun)
 
 

@@ -78,10 +78,10 @@ SECTIONS = {
                      "The same method as the two-hosts table, with int8 and streaming (F = 5, τ = 2, int4 + error "
                      "feedback) beside fp32, 3 interleaved repeats (a separate full run; results/wan-variants.*)."),
     "goodput": ("Replicas that die or lag: torch against torchft", "python benchmarks/goodput.py",
-                "Three replicas on this machine; one replica killed every few rounds and restarted, or one at a "
-                "third of the speed; the torch backend (barrier, the launch restarted from the newest round "
-                "checkpoint) against torchft (the others go on, the restarted one heals; round_seconds for the "
-                "straggler)."),
+                "Three replicas on this machine; one replica killed every few rounds and restarted; the torch "
+                "backend (barrier, the launch restarted from the newest round checkpoint) against torchft (the "
+                "others go on, the restarted one heals). Replicas of unequal speed: \"Replicas of unequal speed "
+                "under real CPU quotas\" (benchmarks/speeds.py)."),
     "recovery": ("What a dead process costs a fixed-world launch", "python benchmarks/recovery.py",
                  "Two replicas under `hf-diloco launch --max-restarts 1` with round checkpoints; replica 1 "
                  "SIGKILLed half-way through a round, interleaved with undisturbed launches."),

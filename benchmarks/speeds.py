@@ -1,31 +1,42 @@
-"""Replicas of unequal speed under real CPU quotas: rounds of H steps against time-budget rounds (`round_seconds`).
+"""Replicas of unequal speed under real CPU quotas: rounds of H steps against time-budget rounds (`round_seconds`),
+on the torch backend and on torchft.
 
-Three replicas, one process each, in one `accelerate launch` of the peer task (torch backend, fp32, built-in tiny
-Llama and corpus, 128-token blocks, batch 4, so that a run fits the time). Each training process is put, before
-its first step, into a cgroup v1 `cpu` group of its own with a quota of 60%, 60% and 20% of a core (ranks 0, 1, 2;
-1.4 cores of this machine's 2): the benchmark polls the launcher's children, reads each training process's RANK
-from /proc/<pid>/environ and writes its pid into that rank's group (its threads go with it). Needs root and the
-cgroup v1 cpu controller at /sys/fs/cgroup/cpu; without them it says so and exits.
+Three replicas, one process each, of the peer task (fp32, built-in tiny Llama and corpus, 128-token blocks, batch
+4, so that a run fits the time): torch, one `accelerate launch`; torchft, three processes and a Lighthouse (min
+replicas 2, grace 5 s), as `hf-diloco launch` starts them. Each training process is put, before its first step,
+into a cgroup v1 `cpu` group of its own with a quota of 60%, 60% and 20% of a core (replicas 0, 1, 2; 1.4 cores of
+this machine's 2): the benchmark polls the processes whose command names the run's folder, takes the replica from
+`--replica_id` (torchft) or the RANK accelerate gave it (torch), and writes its pid into that replica's group (its
+threads go with it). Needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu; without them it says so and
+exits.
 
-Configurations, the same max_steps each, interleaved (fixed, budget, fixed, budget, ...), 3 repeats:
-- fixed H: a sync every H = 20 steps; the 60% replicas wait for the 20% one at every sync;
+Configurations, the same max_steps each, interleaved, 3 repeats:
+- fixed H: a sync every H = 20 steps; the 60% replicas wait for the 20% one at every sync (torchft's own DiLoCo,
+  whose outer loop the torchft backend's is bit-identical to, waits the same way: a quorum of all three);
 - time budget: `round_seconds` T, each replica syncs after T seconds of inner steps, the merge weights replicas
-  by their tokens, and the run ends when the fastest reaches max_steps. T = H × a 60%-quota replica's seconds per
-  step, measured by its solo run below, so a full-speed replica takes about H steps per round.
+  by their tokens. T = H × a 60%-quota replica's seconds per step, measured by its solo run below, so a full-speed
+  replica takes about H steps per round. torch: the run ends when the fastest replica reaches max_steps; torchft:
+  after ⌈max_steps / H⌉ committed syncs;
+- time budget with a quota drop: the same, and replica 1's quota falls from 60% to 20% of a core once replica 0 is a
+  third of the way to max_steps, and comes back at two thirds; nothing in the run's settings changes. Its capacity
+  is lowered by (60%'s solo rate − 20%'s) for the share of replica 0's loop window the drop lasted.
 
 Capacity = the sum over replicas of each one's solo rate under its own quota: each distinct quota (60%, 20%) runs
-once alone first (1 process, the same task and flags, M = 1), rate = its tokens ÷ its loop time over the rounds
-after the first (the first step's warm-up left out: capacity is what a replica sustains). Per run:
-- goodput = tokens trained by all replicas (Σ `tokens` of sync_rounds.jsonl) ÷ (loop time × capacity). Loop time
-  is replica 0's time in the training loop, Σ (its inner-step seconds + its blocked seconds) over the records:
-  the final evaluation and start-up are left out of it, as they are of the solo rates. Physics bounds it by 100%;
-  a row above 103% is flagged.
-- blocked share of replica 0: its measured blocked seconds ÷ its loop time. Replica 2's is not in the records
-  (only the main process's blocked time is); it is estimated as 1 − its inner-step seconds
-  (`replica_compute_seconds`) ÷ replica 0's loop time, the replicas leaving each sync together.
-- eval loss at the end (held-out blocks), tokens trained, syncs.
+once alone first (1 process, the same task and flags), rate = its tokens ÷ its loop time over the rounds after the
+first (the first step's warm-up left out: capacity is what a replica sustains). Per run, from replica 0's own
+records (sync_rounds.jsonl of the run, or of replica-0 on torchft):
+- loop seconds: replica 0's time in the training loop, Σ (its inner-step seconds, from its row of `members`, + its
+  blocked seconds); start-up and the final evaluation are left out, as they are of the solo rates;
+- goodput = tokens merged into the final model (Σ `tokens` of the committed syncs) ÷ (loop seconds × capacity).
+  Physics bounds it by 100%; a row above 103% is flagged;
+- replica 0 blocked: its blocked seconds (all the time its loop waited for syncs: arrival of the others, the
+  exchange, the outer step; torchft: the quorum too) ÷ its loop seconds;
+- waited, worst replica: the largest over replicas of Σ `waited_seconds` of its rows of `members` (torch: how long
+  before the last replica it arrived at each sync; torchft: the time it spent forming the quorum) ÷ replica 0's
+  loop seconds;
+- eval loss at the end (held-out blocks), tokens, syncs.
 
-    python benchmarks/speeds.py [--quick]
+    python benchmarks/speeds.py [--quick] [--backends torch,torchft]
 """
 
 from __future__ import annotations
@@ -40,10 +51,14 @@ import uuid
 from pathlib import Path
 
 import psutil
-from common import Processes, markdown_table, read_run, save, show, skip, spread, spread_bars, train_command
+from common import Processes, markdown_table, run_env, save, show, skip, spread, spread_bars, train_command
+
+from hf_diloco.files import read_json
+from hf_diloco.metrics import read_summary, read_sync_rounds, run_rounds
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 QUOTAS = (0.6, 0.6, 0.2)  # of one core, for ranks 0, 1, 2
+DROP_REPLICA, DROP_QUOTA = 1, 0.2  # the quota-drop rows: replica 1 at 20% for the middle third of the run
 INNER_STEPS = 20
 REPEATS = 3
 FLAGGED = 1.03  # goodput above this is beyond physics plus measurement noise
@@ -64,10 +79,13 @@ class QuotaGroups:
                 folder.mkdir()
                 self.folders.append(folder)
                 (folder / "cpu.cfs_period_us").write_text("100000")
-                (folder / "cpu.cfs_quota_us").write_text(str(int(quota * 100000)))
+                self.set_quota(rank, quota)
         except OSError:
             self.close()
             raise
+
+    def set_quota(self, rank: int, quota: float) -> None:
+        (self.folders[rank] / "cpu.cfs_quota_us").write_text(str(int(quota * 100000)))
 
     def put(self, pid: int, rank: int) -> None:
         (self.folders[rank] / "cgroup.procs").write_text(str(pid))
@@ -84,82 +102,148 @@ class QuotaGroups:
 
 
 class Placer(threading.Thread):
-    """Moves each training process under `launcher` into its rank's group as soon as it appears."""
+    """Moves each training process of the run in `folder` into its replica's group as soon as it appears."""
 
-    def __init__(self, launcher: int, groups: QuotaGroups, ranks: int):
+    def __init__(self, folder: Path, groups: QuotaGroups, replicas: int):
         super().__init__(daemon=True)
-        self.launcher, self.groups, self.ranks = launcher, groups, ranks
-        self.placed: dict[int, int] = {}  # rank -> pid
+        self.folder, self.groups, self.replicas = str(folder), groups, replicas
+        self.placed: dict[int, int] = {}  # replica -> pid
         self.done = threading.Event()
 
+    def replica_of(self, process: psutil.Process) -> int | None:
+        argv = process.cmdline()
+        if "hf_diloco.cli" not in argv or "accelerate.commands.launch" in argv or not any(
+                a == self.folder or a.startswith(self.folder + "/") for a in argv):
+            return None
+        if "--replica_id" in argv:
+            return int(argv[argv.index("--replica_id") + 1])
+        rank = process.environ().get("RANK")
+        return None if rank is None else int(rank)
+
     def run(self) -> None:
-        while not self.done.is_set() and len(self.placed) < self.ranks:
-            try:
-                children = psutil.Process(self.launcher).children(recursive=True)
-            except psutil.Error:
-                return
-            for child in children:
+        while not self.done.is_set() and len(self.placed) < self.replicas:
+            for process in psutil.process_iter():
                 try:
-                    argv = child.cmdline()
-                    if "hf_diloco.cli" not in argv or "accelerate.commands.launch" in argv:
-                        continue
-                    rank = child.environ().get("RANK")
+                    replica = self.replica_of(process)
                 except psutil.Error:
                     continue
-                if rank is not None and int(rank) not in self.placed:
-                    self.groups.put(child.pid, int(rank))
-                    self.placed[int(rank)] = child.pid
+                if replica is not None and replica not in self.placed:
+                    self.groups.put(process.pid, replica)
+                    self.placed[replica] = process.pid
             time.sleep(0.05)
 
 
-def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGroups, solo_rank: int = 0) -> dict:
-    """One run with its processes under their quotas (a solo run under rank `solo_rank`'s); what it left behind."""
-    run = Processes([train_command(processes, ["--output_dir", str(folder), *overrides])])
-    pid = run.procs[0].pid
+class QuotaDrop(threading.Thread):
+    """Replica DROP_REPLICA's quota falls from its own to DROP_QUOTA once replica 0 is a third of the way to
+    `steps` (its progress.json) and comes back at two thirds; `window` is when (Unix time), for the capacity."""
+
+    def __init__(self, folder: Path, backend: str, groups: QuotaGroups, steps: int):
+        super().__init__(daemon=True)
+        self.progress = (folder if backend == "torch" else folder / "replica-0") / "progress.json"
+        self.groups, self.steps = groups, steps
+        self.window: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        for fraction, quota in ((1 / 3, DROP_QUOTA), (2 / 3, QUOTAS[DROP_REPLICA])):
+            while not self.done.is_set() and read_json(self.progress, {}).get("step", 0) < fraction * self.steps:
+                time.sleep(0.05)
+            if self.done.is_set():
+                break
+            self.groups.set_quota(DROP_REPLICA, quota)
+            self.window.append(time.time())
+        if len(self.window) == 1:  # the run ended inside the slow phase
+            self.window.append(time.time())
+        self.groups.set_quota(DROP_REPLICA, QUOTAS[DROP_REPLICA])
+
+
+def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGroups, solo_rank: int = 0,
+           backend: str = "torch") -> None:
+    """One run with its processes under their quotas (a solo run under rank `solo_rank`'s)."""
+    from hf_diloco.launch import ReplicaSupervisor, replica_overrides, start_lighthouse
+
     if processes == 1:
-        groups.put(pid, solo_rank)
-        placer = None
-    else:
-        placer = Placer(pid, groups, processes)
-        placer.start()
-    try:
+        run = Processes([train_command(1, ["--output_dir", str(folder), *overrides])])
+        groups.put(run.procs[0].pid, solo_rank)
         run.wait()
+        return
+    placer = Placer(folder, groups, processes)
+    placer.start()
+    try:
+        if backend == "torch":
+            Processes([train_command(processes, ["--output_dir", str(folder), *overrides])]).wait()
+        else:
+            server = start_lighthouse("127.0.0.1:0", 2, 5.0, heartbeat_timeout_seconds=5.0)
+            address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+            extra = ["--min_replicas", "2", "--sync_grace_seconds", "5"]
+            commands = [train_command(1, replica_overrides([*overrides, *extra], r, processes, address, str(folder)))
+                        for r in range(processes)]
+            os.environ.update(run_env(1))
+            try:
+                code = ReplicaSupervisor(commands, str(folder), 0, linger_seconds=20).run()
+            finally:
+                server.shutdown()
+            if code != 0:
+                sys.exit(f"speeds: the torchft run in {folder} failed (exit {code}); its output is above.")
     finally:
-        if placer is not None:
-            placer.done.set()
-    if placer is not None and len(placer.placed) < processes:
-        sys.exit(f"speeds: only ranks {sorted(placer.placed)} were put under a quota; the run does not count.")
-    return read_run(folder)
+        placer.done.set()
+    if len(placer.placed) < processes:
+        sys.exit(f"speeds: only replicas {sorted(placer.placed)} were put under a quota; the run does not count.")
+
+
+def own_row(record: dict, replica: int = 0) -> dict:
+    return next(m for m in record["members"] if m["replica"] == replica)
 
 
 def loop_seconds(records: list[dict]) -> float:
-    """Replica 0's seconds in the training loop: its inner steps and its waits, evaluations left out."""
-    return sum(r["replica_compute_seconds"][0] + r["blocked_seconds"] for r in records)
+    """Replica 0's seconds in the training loop, from its own records: its inner steps and its waits, evaluations
+    left out."""
+    return sum(own_row(r)["compute_seconds"] + r["blocked_seconds"] for r in records)
 
 
-def measure(result: dict, capacity: float) -> dict:
-    records = result["rounds"]
-    loop = loop_seconds(records)
-    tokens = sum(r["tokens"] for r in records)
-    slow_compute = sum(r["replica_compute_seconds"][2] for r in records)
-    return {"tokens": tokens, "loop_seconds": loop, "goodput": tokens / (loop * capacity),
-            "blocked_share_0": sum(r["blocked_seconds"] for r in records) / loop,
-            "blocked_share_2_estimated": 1 - slow_compute / loop,
-            "eval_loss": result["summary"].get("eval_loss_final"), "syncs": len(records),
-            "train_seconds": result["summary"]["train_seconds"],
-            "replica_steps": [r.get("replica_steps") for r in records]}
+def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (), capacity_lost: float = 0.0) -> dict:
+    """`slowed`: [from, to] (Unix time) in which the capacity was `capacity_lost` lower (a quota drop)."""
+    lead = folder if backend == "torch" else folder / "replica-0"
+    own = read_sync_rounds(lead)
+    merged = [r for r in run_rounds(folder) if r.get("committed", True)]
+    loop = loop_seconds(own)
+    if slowed:  # the share of replica 0's loop window spent slowed lowers the capacity by that share
+        began = own[0]["time"] - own_row(own[0])["compute_seconds"] - own[0]["blocked_seconds"]
+        inside = max(0.0, min(slowed[1], own[-1]["time"]) - max(slowed[0], began))
+        capacity -= capacity_lost * inside / (own[-1]["time"] - began)
+    tokens = sum(r["tokens"] for r in merged)
+    waited: dict[int, float] = {}
+    for r in merged if backend == "torch" else [x for i in range(len(QUOTAS))
+                                                 for x in read_sync_rounds(folder / f"replica-{i}")]:
+        for m in r["members"]:
+            if m.get("participated") and (backend == "torch" or m["replica"] == r["replica"]):
+                waited[m["replica"]] = waited.get(m["replica"], 0.0) + m["waited_seconds"]
+    return {"tokens": tokens, "loop_seconds": loop, "goodput": tokens / (loop * capacity), "capacity": capacity,
+            "blocked_share_0": sum(r["blocked_seconds"] for r in own) / loop,
+            "waited_share_worst": max(waited.values()) / loop, "waited_seconds": waited,
+            "eval_loss": read_summary(lead).get("eval_loss_final"), "syncs": len(merged),
+            "replica_steps": [[m.get("steps") for m in r["members"]] for r in merged]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="80 steps instead of 200 (about 5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="80 steps instead of 200, 2 repeats")
+    parser.add_argument("--backends", default="torch,torchft", help="comma-separated: torch, torchft")
     args = parser.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or set(backends) - {"torch", "torchft"}:
+        sys.exit(f"speeds: --backends takes torch and/or torchft, not {args.backends!r}.")
+    if "torchft" in backends:
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            skip("speeds", "torchft is not installed (pip install -e '.[ft]').")
     try:
         groups = QuotaGroups(QUOTAS)
     except OSError as error:
         skip("speeds", f"a CPU quota needs root and the cgroup v1 cpu controller at {CPU_CGROUP} ({error}).")
     begun = time.time()
-    steps, solo_steps = (80, 60) if args.quick else (200, 100)
+    steps, solo_steps, repeats = (80, 60, 2) if args.quick else (200, 100, REPEATS)
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = Path(tmp_name)
@@ -169,59 +253,71 @@ def main() -> None:
                 if quota in solo:
                     continue
                 print(f"solo run under {quota:.0%} of a core ...", flush=True)
-                result = launch(tmp / f"solo-{rank}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
-                                                          str(INNER_STEPS), "--eval_steps", str(solo_steps)],
-                                groups, solo_rank=rank)
-                records = result["rounds"][1:]  # the first round holds the first step's warm-up
+                launch(tmp / f"solo-{rank}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
+                                                 str(INNER_STEPS), "--eval_steps", str(solo_steps)],
+                       groups, solo_rank=rank)
+                records = read_sync_rounds(tmp / f"solo-{rank}")[1:]  # the first holds the first step's warm-up
                 loop = loop_seconds(records)
                 solo[quota] = {"tokens_per_second": sum(r["tokens"] for r in records) / loop,
                                "seconds_per_step": loop / sum(r["sync_steps"] for r in records)}
             capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
             round_seconds = round(INNER_STEPS * solo[QUOTAS[0]]["seconds_per_step"], 2)
+            budget = ["--inner_steps", str(INNER_STEPS), "--round_seconds", str(round_seconds)]
             configurations = {
-                f"fixed H = {INNER_STEPS}": ["--inner_steps", str(INNER_STEPS)],
-                f"time budget {round_seconds:g} s": ["--inner_steps", str(INNER_STEPS), "--round_seconds",
-                                                     str(round_seconds)],
-            }
+                f"{backend}, {name}": (backend, extra, drop) for backend in backends for name, extra, drop in (
+                    (f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False),
+                    (f"time budget {round_seconds:g} s", budget, False),
+                    (f"time budget, replica {DROP_REPLICA} at {DROP_QUOTA:.0%} for a third", budget, True))}
+            lost = solo[QUOTAS[DROP_REPLICA]]["tokens_per_second"] - solo[DROP_QUOTA]["tokens_per_second"]
             runs: dict[str, list[dict]] = {name: [] for name in configurations}
-            for repeat in range(REPEATS):
-                for name, extra in configurations.items():
-                    print(f"[{repeat + 1}/{REPEATS}] {name} ...", flush=True)
-                    folder = tmp / f"{name.split()[0]}-{repeat}"
-                    result = launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(steps), "--eval_steps",
-                                                          str(steps), *extra], groups)
-                    runs[name].append(measure(result, capacity))
-                    print(f"  goodput {runs[name][-1]['goodput']:.1%}, {runs[name][-1]['tokens']:,} tokens", flush=True)
+            for repeat in range(repeats):
+                for i, (name, (backend, extra, drop)) in enumerate(configurations.items()):
+                    print(f"[{repeat + 1}/{repeats}] {name} ...", flush=True)
+                    folder = tmp / f"run-{i}-{repeat}"
+                    dropping = QuotaDrop(folder, backend, groups, steps) if drop else None
+                    if dropping:
+                        dropping.start()
+                    try:
+                        launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(steps), "--eval_steps", str(steps),
+                                                     *extra], groups, backend=backend)
+                    finally:
+                        if dropping:
+                            dropping.done.set()
+                            dropping.join()
+                    runs[name].append(measure(folder, backend, capacity, dropping.window if dropping else (), lost))
+                    print(f"  goodput {runs[name][-1]['goodput']:.1%}, {runs[name][-1]['tokens']:,} tokens",
+                          flush=True)
     finally:
         groups.close()
 
+    def percent(values: dict) -> str:
+        return show({k: 100 * v for k, v in values.items() if k != "values"}, "{:.1f}%")
+
     rows, spreads = [], {}
     for name, measured in runs.items():
-        s = {key: spread([m[key] for m in measured]) for key in ("goodput", "blocked_share_0",
-                                                                 "blocked_share_2_estimated", "eval_loss", "tokens",
-                                                                 "syncs", "loop_seconds")}
+        s = {key: spread([m[key] for m in measured]) for key in ("goodput", "blocked_share_0", "waited_share_worst",
+                                                                 "eval_loss", "tokens", "syncs", "loop_seconds")}
         spreads[name] = s
         flag = " FLAGGED: above 100%" if s["goodput"]["max"] > FLAGGED else ""
-        rows.append([name, show({k: 100 * v for k, v in s["goodput"].items() if k != "values"}, "{:.1f}%") + flag,
-                     show({k: 100 * v for k, v in s["blocked_share_0"].items() if k != "values"}, "{:.1f}%"),
-                     show({k: 100 * v for k, v in s["blocked_share_2_estimated"].items() if k != "values"},
-                          "{:.1f}%"),
-                     show(s["eval_loss"], "{:.4f}"), show(s["tokens"]), show(s["syncs"], "{:.0f}"),
-                     show(s["loop_seconds"], "{:.1f}")])
-    table = markdown_table(["rounds (3 replicas at 60%, 60%, 20% of a core)", "goodput", "replica 0 blocked",
-                            "replica 2 blocked (estimated)", "eval loss", "tokens", "syncs", "loop s"], rows)
+        rows.append([name, percent(s["goodput"]) + flag, percent(s["blocked_share_0"]),
+                     percent(s["waited_share_worst"]), show(s["eval_loss"], "{:.4f}"), show(s["tokens"]),
+                     show(s["syncs"], "{:.0f}"), show(s["loop_seconds"], "{:.1f}")])
+    table = markdown_table(["3 replicas at 60%, 60%, 20% of a core", "goodput", "replica 0 blocked",
+                            "waited, worst replica", "eval loss", "tokens", "syncs", "loop s"], rows)
     rates = ", ".join(f"{q:.0%}: {v['tokens_per_second']:,.0f} tokens/s ({v['seconds_per_step']:.3f} s/step)"
                       for q, v in solo.items())
-    table += (f"\n\n{steps} steps (max_steps; the time-budget run ends when its fastest replica gets there), "
-              f"128-token blocks, batch 4, fp32, torch backend, {REPEATS} repeats interleaved; median [min, max]. "
-              f"Solo rates under each quota: {rates}; capacity = {capacity:,.0f} tokens/s (their sum over the 3 "
-              f"replicas). round_seconds = {INNER_STEPS} × the 60% replica's solo seconds per step. Goodput = tokens "
-              f"÷ (replica 0's loop seconds × capacity); replica 2's blocked share is 1 − its inner-step seconds ÷ "
-              f"replica 0's loop seconds.")
+    table += (f"\n\n{steps} steps (max_steps; a torch time-budget run ends when its fastest replica gets there, a "
+              f"torchft one after ⌈max_steps / H⌉ committed syncs), 128-token blocks, batch 4, fp32, {repeats} "
+              f"repeats interleaved; median [min, max]. Solo rates under each quota: {rates}; capacity = "
+              f"{capacity:,.0f} tokens/s (their sum over the 3 replicas). round_seconds = {INNER_STEPS} × the 60% "
+              f"replica's solo seconds per step. Goodput = committed tokens ÷ (replica 0's loop seconds × "
+              f"capacity); waited: Σ waited_seconds of the replica that waited most (torch: its arrival before the "
+              f"last replica's; torchft: forming the quorum) ÷ replica 0's loop seconds.")
     labels = list(spreads)
+    palette = ["#2563eb", "#ea580c", "#059669", "#9333ea"]
     figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
-                                     for n in labels], ["#2563eb", "#ea580c"], "goodput (%)",
-                            "3 replicas at 60%, 60%, 20% of a core: goodput", (6, 3.2))
+                                     for n in labels], palette[:len(labels)], "goodput (%)",
+                            "3 replicas at 60%, 60%, 20% of a core: goodput", (7.5, 3.4))
     save("speeds", table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
                            "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
                            "capacity_tokens_per_second": capacity, "runs": runs, "spreads": spreads},
