@@ -7,8 +7,9 @@ replicas 2, grace 5 s), as `hf-diloco launch` starts them. Each training process
 into a cgroup v1 `cpu` group of its own with a quota of 60%, 60% and 20% of a core (replicas 0, 1, 2; 1.4 cores of
 this machine's 2): the benchmark polls the processes whose command names the run's folder, takes the replica from
 `--replica_id` (torchft) or the RANK accelerate gave it (torch), and writes its pid into that replica's group (its
-threads go with it). Needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu; without them it says so and
-exits.
+threads go with it; a torchft replica once its training begins, so that a slow replica's start-up does not leave
+it out of the first syncs: a torch launch's replicas wait for each other before the first step anyway). Needs root
+and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu; without them it says so and exits.
 
 Configurations, the same max_steps each, interleaved, 3 repeats:
 - fixed H: a sync every H = 20 steps; the 60% replicas wait for the 20% one at every sync (torchft's own DiLoCo,
@@ -102,11 +103,14 @@ class QuotaGroups:
 
 
 class Placer(threading.Thread):
-    """Moves each training process of the run in `folder` into its replica's group as soon as it appears."""
+    """Moves each training process of the run in `folder` into its replica's group: as soon as it appears, or with
+    `at_train_begin` once its replica folder's progress.json does (a torchft replica starts up at full speed, as the
+    replicas of a torch launch in effect do: they wait for each other before the first step)."""
 
-    def __init__(self, folder: Path, groups: QuotaGroups, replicas: int):
+    def __init__(self, folder: Path, groups: QuotaGroups, replicas: int, at_train_begin: bool = False):
         super().__init__(daemon=True)
         self.folder, self.groups, self.replicas = str(folder), groups, replicas
+        self.at_train_begin = at_train_begin
         self.placed: dict[int, int] = {}  # replica -> pid
         self.done = threading.Event()
 
@@ -126,6 +130,9 @@ class Placer(threading.Thread):
                 try:
                     replica = self.replica_of(process)
                 except psutil.Error:
+                    continue
+                if self.at_train_begin and replica is not None and \
+                        not Path(self.folder, f"replica-{replica}", "progress.json").exists():
                     continue
                 if replica is not None and replica not in self.placed:
                     self.groups.put(process.pid, replica)
@@ -167,7 +174,7 @@ def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGrou
         groups.put(run.procs[0].pid, solo_rank)
         run.wait()
         return
-    placer = Placer(folder, groups, processes)
+    placer = Placer(folder, groups, processes, at_train_begin=backend == "torchft")
     placer.start()
     try:
         if backend == "torch":

@@ -37,7 +37,6 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -108,7 +107,7 @@ class FixedGroup:
         if not self.budget:
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.replica_any(step >= max_steps or time.perf_counter() - progress.started >= self.budget)
+        return self.comm.replica_any(step >= max_steps or progress.budget_spent(self.budget))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.budget:

@@ -59,6 +59,20 @@ class Progress:
     def __init__(self):
         self.reset()
 
+    def budget_spent(self, budget: float) -> bool:
+        """A time-budget sync is due: the inner step whose end falls nearest `budget` seconds after the last launch
+        has been taken (its wall seconds per step so far tell when the next one would end). Ending at the nearest
+        step rather than the first past the budget brings every replica to the sync within half a step of the
+        budget, whatever its speed, so the faster ones wait less for the slowest.
+
+        >>> progress = Progress()
+        >>> progress.started, progress.steps = time.perf_counter() - 0.85, 2   # 0.425 s a step so far
+        >>> progress.budget_spent(1.0), progress.budget_spent(1.1)            # a third step would end at 1.275 s
+        (True, False)
+        """
+        elapsed = time.perf_counter() - self.started
+        return elapsed + (elapsed / self.steps if self.steps else 0.0) / 2 >= budget
+
     def reset(self) -> None:
         self.loss = torch.zeros(())
         self.steps = 0

@@ -329,7 +329,7 @@ class TorchftRounds:
         if step >= max_steps:
             return True
         if self.args.round_seconds > 0:
-            return time.perf_counter() - progress.started >= self.args.round_seconds / self.args.num_fragments
+            return progress.budget_spent(self.args.round_seconds / self.args.num_fragments)
         return progress.steps >= self.schedule.sync_every
 
     def _total_syncs(self) -> int | None:
