@@ -39,7 +39,8 @@ STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d977
                  "stopped": "#7c3aed", "failed": "#dc2626"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
-                 "sync s", "blocked s", "compute s", "tokens/s", "steps per replica"]
+                 "sync s", "blocked s", "compute s", "tokens/s", "steps per replica",
+                 "tokens per replica"]
 MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
 REPLICA_COLUMNS = ["replica", "state", "restarts", "last round recorded"]
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
@@ -425,18 +426,22 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
         ids = r.get("fragments") or [0]
         return "" if fragments == 1 else "all" if len(ids) == fragments else ",".join(map(str, ids))
 
-    def steps(r: dict) -> str:  # each replica's inner steps since its last sync, where they differ (– : absent)
-        rows = sorted(r.get("members", []), key=lambda m: m["replica"])
-        if len({m.get("steps") for m in rows if m.get("participated")}) < 2 and all(m.get("participated")
-                                                                                  for m in rows):
+    def per_replica(r: dict, key: str, shown=str) -> str:  # each replica's steps or tokens since its last sync,
+        rows = sorted(r.get("members", []), key=lambda m: m["replica"])  # where they differ (– : absent)
+        if len({m.get(key) for m in rows if m.get("participated")}) < 2 and all(m.get("participated")
+                                                                               for m in rows):
             return ""
-        return " · ".join(str(m.get("steps", 0)) if m.get("participated") else "–" for m in rows)
+        return " · ".join(shown(m.get(key, 0)) if m.get("participated") else "–" for m in rows)
+
+    def thousands(tokens: int) -> str:
+        return f"{tokens / 1000:.1f}k" if tokens >= 1000 else str(tokens)
 
     rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4),
              round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
              round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), r.get("compression", "none"),
              ratio(r), round(r["sync_seconds"], 3), round(r.get("blocked_seconds", r["sync_seconds"]), 3),
-             round(r["compute_seconds"], 2), round(r["tokens_per_second"]), steps(r)] for r in reversed(rounds)]
+             round(r["compute_seconds"], 2), round(r["tokens_per_second"]), per_replica(r, "steps"),
+             per_replica(r, "tokens", thousands)] for r in reversed(rounds)]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 

@@ -298,15 +298,16 @@ def test_streaming_counts_whole_rounds_and_the_round_table_names_the_fragments_s
     assert views.round_rows([sync_record(1), sync_record(2)])["fragments"].tolist() == ["", ""]
 
 
-def test_the_sync_table_shows_each_replicas_steps_where_they_differ():
-    """Every record's members hold each replica's steps since its last sync (both backends): the table's last
-    column shows them per replica where they differ (time-budget rounds; – for a replica absent from a torchft
-    sync); rounds in which every replica took the same steps leave it blank."""
+def test_the_sync_table_shows_each_replicas_steps_and_tokens_where_they_differ():
+    """Every record's members hold each replica's steps and tokens since its last sync (both backends): the table's
+    last two columns show them per replica where they differ (time-budget rounds; – for a replica absent from a
+    torchft sync); rounds in which every replica took the same steps leave them blank."""
     timed = {**sync_record(1), "members": [member(0, steps=90), member(1, steps=22)]}
     torchft = torchft_round(2, [member(0, steps=14), {"replica": 1, "participated": False}, member(2, steps=5)])
     even = {**sync_record(3), "members": [member(0), member(1)]}
     table = views.round_rows([timed, torchft, even, sync_record(4)])
     assert table["steps per replica"].tolist() == ["", "", "14 · – · 5", "90 · 22"]
+    assert table["tokens per replica"].tolist() == ["", "", "1.8k · – · 640", "11.5k · 2.8k"]  # 128 a step
 
 
 def test_a_stopped_run_says_which_checkpoint_it_kept_and_how_to_resume(tmp_path):
