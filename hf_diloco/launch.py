@@ -109,7 +109,8 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
                       output_dir: str | None = None, env: dict[str, str] | None = None) -> int:
     """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
     checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
-    it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with.
+    it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with;
+    from then on this process ignores SIGTERM/SIGINT (repeats of the same request) until it exits.
 
     The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
     Ctrl-C does) is passed on to it exactly once: the launcher hands it to every training process, which finish
@@ -144,7 +145,9 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
         return code
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            # After a stop, a repeat of the request may still be on its way (a scheduler signals the job's processes
+            # and their launcher): it is the same request, not a reason to end with a signal's status.
+            signal.signal(signum, signal.SIG_IGN if stopping else handler)
 
 
 def _stopped_since(output_dir: str, since: float) -> bool:

@@ -135,14 +135,15 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
 
     run = launch_sharded(out, "--max-restarts", "1")
 
-    def mid_round() -> bool:
+    def mid_round() -> bool:  # past a round checkpoint from step 20 on, before the next one and the end
         try:
             step = json.loads((out / "progress.json").read_text())["step"]
         except (OSError, ValueError, KeyError):
             return False
-        return step > 20 and step % 10 >= 3
+        saved = max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
+        return 20 <= saved < step < 60
 
-    wait_for(mid_round, timeout=400, what="step 23 or later, mid-round", every=0.2)
+    wait_for(mid_round, timeout=400, what="a step inside a round after checkpoint-20", every=0.2)
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
     os.kill(max(int(pid) for pid in workers.stdout.split()), signal.SIGKILL)
     finish(run)
