@@ -110,11 +110,11 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     """Run the launch; when it fails, start it again (up to `max_restarts` times) resuming from the newest complete
     checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
     it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with;
-    from then on this process ignores SIGTERM/SIGINT (repeats of the same request) until it exits.
+    once such a launch has ended, this process ignores SIGTERM/SIGINT (repeats of the same request) until it exits.
 
     The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
-    Ctrl-C does) is passed on to it exactly once: the launcher hands it to every training process, which finish
-    their round and save (given `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default here 900 s, before the launcher kills).
+    Ctrl-C does) is passed on to it: the launcher hands it to every training process, which finish their round
+    and save (given `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default here 900 s, before the launcher kills).
     `env` is added to this process's environment for the launch.
     """
     stopping: list[int] = []
