@@ -16,8 +16,8 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
   whose outer loop the torchft backend's is bit-identical to, waits the same way: a quorum of all three);
 - time budget: `round_seconds` T, each replica syncs after T seconds of inner steps, the merge weights replicas
   by their tokens. T = H × a 60%-quota replica's seconds per step, measured by its solo run below, so a full-speed
-  replica takes about H steps per round. torch: the run ends when the fastest replica reaches max_steps; torchft:
-  after ⌈max_steps / H⌉ committed syncs;
+  replica takes about H steps per round. On both backends the run ends when the fastest replica reaches
+  max_steps;
 - time budget with a quota drop: the same, and replica 1's quota falls from 60% to 20% of a core once replica 0 is a
   third of the way to max_steps, and comes back at two thirds; nothing in the run's settings changes. Its capacity
   is lowered by (60%'s solo rate − 20%'s) for the share of replica 0's loop window the drop lasted.
@@ -313,8 +313,8 @@ def main() -> None:
                             "waited, worst replica", "eval loss", "tokens", "syncs", "loop s"], rows)
     rates = ", ".join(f"{q:.0%}: {v['tokens_per_second']:,.0f} tokens/s ({v['seconds_per_step']:.3f} s/step)"
                       for q, v in solo.items())
-    table += (f"\n\n{steps} steps (max_steps; a torch time-budget run ends when its fastest replica gets there, a "
-              f"torchft one after ⌈max_steps / H⌉ committed syncs), 128-token blocks, batch 4, fp32, {repeats} "
+    table += (f"\n\n{steps} steps (max_steps; a time-budget run ends when its fastest replica gets there), "
+              f"128-token blocks, batch 4, fp32, {repeats} "
               f"repeats interleaved; median [min, max]. Solo rates under each quota: {rates}; capacity = "
               f"{capacity:,.0f} tokens/s (their sum over the 3 replicas). round_seconds = {INNER_STEPS} × the 60% "
               f"replica's solo seconds per step. Goodput = committed tokens ÷ (replica 0's loop seconds × "

@@ -29,6 +29,7 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
     finish(start, result, record, tokens, step) -> (record, restart)
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
+    may_overlap()                      whether the sync being launched may run in the background (sync_delay > 0)
     joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
                                        (what a checkpoint keeps of the backend)
     replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
@@ -74,6 +75,9 @@ class Agreement:
     weight: float  # this replica's tokens relative to the most any replica trained
     fragments: list[int]
     bytes_sent: int  # what the agreement's all-reduce cost this process
+    delay: int = 0  # the most steps any replica takes while the sync is in flight (its τ; 0: blocking everywhere)
+    window: tuple[int, int, int] | None = None  # (previous agreed step, this one, sync number) where a save or an
+    # evaluation falls: this sync is blocking everywhere, so every replica lands it at the same step
 
 
 class FixedGroup:
@@ -83,7 +87,7 @@ class FixedGroup:
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
 
     def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, round_seconds: float = 0.0,
-                 continue_at_step=None):
+                 continue_at_step=None, overlap: bool = False, step: int = 0, boundary_wanted=None):
         self.comm = comm
         self.outer = outer
         self.schedule = schedule
@@ -91,6 +95,12 @@ class FixedGroup:
         # seconds of inner steps before each sync (a round's budget shared among its fragments); 0: H steps a round
         self.budget = round_seconds / schedule.num_fragments if round_seconds > 0 else 0.0
         self.continue_at_step = continue_at_step
+        self.overlap = overlap  # sync_delay > 0: a sync before the last one lands τ of each replica's own steps later
+        # boundary_wanted(before, now, sync): whether a save or an evaluation falls in the steps (before, now] or at
+        # time-budget sync number `sync` (the callback's rule); `previous_step`: the last sync's agreed step
+        self.boundary_wanted = boundary_wanted
+        self.previous_step = step
+        self.window: tuple[int, int, int] | None = None  # the window of the sync that landed last, if it had one
         self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
@@ -113,14 +123,27 @@ class FixedGroup:
         if not self.budget:
             return self.schedule.due_fragments(step, max_steps)
         local = local or {}
-        table, sent = self.comm.replica_table(local.get("tokens", 0), [float(step), float(step >= max_steps)])
-        tokens, last = table[:, 0], bool(table[:, 2].any())
+        # τ: the steps this replica takes while the sync is in flight (its own choice, from its own speed)
+        delay = self.schedule.launch_delay(step, self.schedule.fragments_of_sync(self.syncs + 1, None, False)) \
+            if self.overlap and step < max_steps else 0
+        table, sent = self.comm.replica_table(local.get("tokens", 0),
+                                              [float(step), float(step >= max_steps), float(delay)])
+        tokens, last, now = table[:, 0], bool(table[:, 2].any()), int(table[:, 1].max())
         most = float(tokens.max())
         fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
-        self.agreed = Agreement(step=int(table[:, 1].max()), launched_at=step, last=last,
+        window = (self.previous_step, now, self.syncs + 1)
+        wanted = last or (self.boundary_wanted is not None and self.boundary_wanted(*window))
+        self.agreed = Agreement(step=now, launched_at=step, last=last,
                                 weight=float(tokens[self.replica]) / most if most > 0 else 1.0, fragments=fragments,
-                                bytes_sent=sent)
+                                bytes_sent=sent, delay=0 if wanted else int(table[:, 3].max()),
+                                window=window if wanted else None)
+        self.previous_step = now
         return fragments
+
+    def may_overlap(self) -> bool:
+        """Whether the sync being launched may run in the background: not where a save or an evaluation falls, nor
+        the last one (every replica must land it at the same step)."""
+        return self.agreed is None or self.agreed.window is None
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int], joining: bool = False,
               overlapped: bool = False) -> RoundStart:
@@ -138,16 +161,25 @@ class FixedGroup:
 
     def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
-        continue_at_step), and the record gets that step and the sync's number."""
+        continue_at_step), plus the steps it took while an overlapped sync was in flight; the record gets that
+        step and the sync's number."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
             return record, False
         self.syncs += 1
         self.over = agreed.last
-        if agreed.step > step:
-            self.continue_at_step(agreed.step)
+        self.window = agreed.window
+        # An overlapped sync lands τ of each replica's own steps after its launch; they all continue at the agreed
+        # step plus the largest τ, so saves, evaluations and the record fall at one step. (The last sync ends the
+        # run at the agreed step: a replica whose last sync overlapped drops the steps it took meanwhile, as the
+        # final model is θ_global.)
+        moved = agreed.step + agreed.delay  # (delay 0 where the sync has a window, or is the last)
+        if moved > step:
+            self.continue_at_step(moved)
         if record:  # its members' rows (records.members) hold each replica's steps, tokens and weight
-            record.update(step=agreed.step, sync=self.syncs, round=self.schedule.round_of(self.syncs))
+            record.update(step=max(step, moved), sync=self.syncs, round=self.schedule.round_of(self.syncs))
+            if moved != agreed.step:
+                record["launch_step"] = agreed.step
         return record, False
 
     def joined(self, start: RoundStart, step: int) -> None:
@@ -170,7 +202,7 @@ class FixedGroup:
 
 
 def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *, resumed: bool,
-                 continue_at_step):
+                 continue_at_step, step: int = 0, boundary_wanted=None):
     """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
     if args.outer_backend == "torchft":
         from .torchft_backend import TorchftRounds
@@ -178,4 +210,5 @@ def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, m
         return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
                              continue_at_step=continue_at_step)
     return FixedGroup(comm, outer, schedule, resumed, round_seconds=args.round_seconds,
-                      continue_at_step=continue_at_step)
+                      continue_at_step=continue_at_step, overlap=args.sync_delay > 0, step=step,
+                      boundary_wanted=boundary_wanted)

@@ -31,9 +31,13 @@ class DiLoCoCallback(TrainerCallback):
         self.reached_before_resume = 0
         self.deferred = {"should_save": False, "should_evaluate": False}
         self.saved_at_round = 0  # whole rounds landed by this process at its last save_every_rounds save
-        # Time-budget rounds on the fixed group: replicas take different numbers of steps between syncs, so Trainer's
-        # step-based saves and evaluations are decided here, at each sync, from the step every replica agreed on.
-        self.timed = self.args.round_seconds > 0 and self.args.outer_backend == "torch"
+        # Time-budget rounds: replicas take different numbers of steps between syncs, so Trainer's step-based saves
+        # and evaluations are decided here, at each sync, from the step every replica continues at.
+        self.timed = self.args.round_seconds > 0
+        if self.timed and self.args.outer_backend == "torch":
+            # The replicas agree on where saves and evaluations fall at each sync's start (that sync then lands
+            # everywhere at the same step, even with sync_delay > 0); a torchft replica saves on its own.
+            self.engine.boundary_wanted = self._boundary_wanted
         self.boundary_step = 0  # the agreed step of the last sync boundary (time-budget rounds)
         self.stopped_at: int | None = None  # the step at which a stop request (from any replica) ended training
 
@@ -100,7 +104,7 @@ class DiLoCoCallback(TrainerCallback):
         at_boundary = stop is not None and self.engine.in_flight is None
         if self.timed:
             self._decide_at_syncs(state, control, at_boundary)
-        if at_boundary:
+        if at_boundary and self.engine.boundary_wanted is None:
             # Whole rounds landed since this process started: F syncs make a round.
             landed = self.engine.syncs_landed // self.args.num_fragments
             every = self.args.save_every_rounds
@@ -124,19 +128,38 @@ class DiLoCoCallback(TrainerCallback):
 
     def _decide_at_syncs(self, state, control, at_boundary: bool) -> None:
         """Time-budget rounds: Trainer decided saves and evaluations from this replica's own step count; they are
-        decided again at each sync, from the agreed step, alike on every replica (a multiple of save_steps or
-        eval_steps passed since the last sync, or the end)."""
+        decided again at each sync, from the step every replica continues at (a multiple of save_steps or
+        eval_steps passed since the last sync, every save_every_rounds rounds, or the end). On the fixed group
+        the window is the one all replicas agreed on when the sync started (hf_diloco.backends.FixedGroup)."""
         control.should_save = control.should_evaluate = False
         if not at_boundary:
             return
-        args, before, now = self.args, self.boundary_step, state.global_step
+        if self.engine.boundary_wanted is not None:
+            window, self.engine.backend.window = self.engine.backend.window, None
+            if window is not None:
+                before, now, sync = window
+                control.should_evaluate, control.should_save = self._due(before, now, state.max_steps)
+                every = self.args.save_every_rounds * self.args.num_fragments
+                control.should_save |= bool(every) and (sync % every == 0 or now >= state.max_steps)
+            return
+        before, now = self.boundary_step, state.global_step
         self.boundary_step = now
+        control.should_evaluate, control.should_save = self._due(before, now, state.max_steps)
+
+    def _due(self, before: int, now: int, max_steps: int) -> tuple[bool, bool]:
+        """(evaluate, save): whether a multiple of eval_steps / save_steps lies in the steps (before, now], or now
+        is the end."""
+        args, state = self.args, self.trainer.state
 
         def passed(every) -> bool:
-            return bool(every) and (now // every > before // every or now >= state.max_steps)
+            return bool(every) and (now // every > before // every or now >= max_steps)
 
-        control.should_evaluate = args.eval_strategy == "steps" and now >= args.eval_delay and passed(state.eval_steps)
-        control.should_save = args.save_strategy == "steps" and passed(state.save_steps)
+        return (args.eval_strategy == "steps" and now >= args.eval_delay and passed(state.eval_steps),
+                args.save_strategy == "steps" and passed(state.save_steps))
+
+    def _boundary_wanted(self, before: int, now: int, sync: int) -> bool:
+        every = self.args.save_every_rounds * self.args.num_fragments
+        return any(self._due(before, now, self.trainer.state.max_steps)) or bool(every and sync % every == 0)
 
     def _align_to_syncs(self, control, at_boundary: bool) -> None:
         """Postpone saves and evaluations that fall between sync boundaries to the next one."""

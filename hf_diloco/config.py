@@ -382,30 +382,33 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError("final_sync staggered overlaps each fragment's last sync with inner steps, so it needs "
                               "sync_delay 1 or more (or auto).")
         checks.check(self, ["round_seconds"])
-        if self.round_seconds > 0 and self.outer_backend == "torch":
+        if self.round_seconds > 0:
             self._check_time_budget()
         if self.final_sync == "staggered" and self.outer_backend == "torchft":
             raise ConfigError("final_sync staggered needs outer_backend torch: torchft rounds are due by each "
                               "replica's own progress, not at fixed steps, so its last round syncs every fragment.")
 
     def _check_time_budget(self) -> None:
-        """round_seconds on the torch backend: what time-budget rounds of a fixed group do not combine with yet."""
-        if self.sync_delay > 0:
-            raise ConfigError("round_seconds on outer_backend torch syncs blocking for now: set sync_delay 0 (its "
-                              "replicas reach each sync at the same moment, so there is little to overlap).")
+        """What time-budget rounds do not combine with."""
+        for name in ("eval_strategy", "save_strategy"):
+            if getattr(self, name) == "epoch":
+                raise ConfigError(f"round_seconds counts saves and evaluations in steps (its replicas reach an "
+                                  f"epoch's end at different times): set {name} to steps or no.")
+        if self.final_sync == "staggered":
+            raise ConfigError("final_sync staggered places each fragment's last sync at a fixed step, which "
+                              "round_seconds does not have (the run ends when a replica reaches max_steps): set "
+                              "final_sync auto or blocking.")
+        if self.outer_backend != "torch":
+            return
         if self.auto_inner_steps:
             raise ConfigError("round_seconds sizes each round by time, so it does not combine with inner_steps auto; "
                               "set one of them.")
-        for name in ("eval_strategy", "save_strategy"):
-            if getattr(self, name) == "epoch":
-                raise ConfigError(f"round_seconds on outer_backend torch counts saves and evaluations in steps (its "
-                                  f"replicas reach an epoch's end at different times): set {name} to steps or no.")
 
     @property
     def staggered_end(self) -> bool:
         """Whether each fragment's last sync overlaps inner steps (see final_sync)."""
         if self.final_sync == "auto":
-            return self.sync_delay > 0 and self.outer_backend == "torch"
+            return self.sync_delay > 0 and self.outer_backend == "torch" and self.round_seconds == 0
         return self.final_sync == "staggered"
 
     @property

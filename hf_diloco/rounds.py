@@ -139,6 +139,9 @@ class RoundEngine:
         self.trainer = trainer
         self.records = records
         self.continue_at_step = continue_at_step
+        # boundary_wanted(before, now, sync): the callback's rule for where saves and evaluations fall (time-budget
+        # rounds on the fixed group make such a sync blocking, so every replica lands it at the same step)
+        self.boundary_wanted: Callable[[int, int, int], bool] | None = None
         self.schedule = Schedule(args.inner_steps, args.num_fragments, sync_delay=args.sync_delay)
         self.codec: Codec | None = None if args.compression == "none" else make_codec(
             args.compression, chunk=args.compression_chunk, sparse_k=args.sparse_k, sparse_chunk=args.sparse_chunk,
@@ -182,7 +185,8 @@ class RoundEngine:
             self.feedback = ErrorFeedback(args.error_feedback_decay, "cpu" if args.offload_outer_state
                                           else self.trainer.comm.device)
         self.backend = make_backend(args, self.trainer.comm, self.outer, self.feedback, self.schedule, max_steps,
-                                    resumed=outer_state is not None, continue_at_step=self.continue_at_step)
+                                    resumed=outer_state is not None, continue_at_step=self.continue_at_step,
+                                    step=step, boundary_wanted=self.boundary_wanted)
         self.comm = self.backend.comm
         # FSDP2's row cuts tell each member which values it syncs; a tensor-parallel member syncs what it holds.
         self.comm.bucket_shapes = None if args.tensor_parallel else self.outer.bucket_shapes()
@@ -243,7 +247,7 @@ class RoundEngine:
         if not joining:
             self.comm.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
-        if self.args.sync_delay > 0 and step < max_steps and not joining:
+        if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             deltas = snapshot(self.outer, self.comm, self._buckets(fragments))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
@@ -355,9 +359,7 @@ class RoundEngine:
             record["launch_step"] = flight.launched_at
         self.syncs_landed += 1
         if self.args.auto_sync_delay and stats is not None and flight.measured and step < max_steps:
-            record["sync_delay_auto"] = self.schedule.choose_delays(
-                list(flight.measured), exchange_seconds=float(stats.previous_exchange_seconds.max()),
-                step_seconds=_step_seconds(stats), sizes=[f.size for f in self.fragments])
+            record["sync_delay_auto"] = self._choose_delays(stats, list(flight.measured))
         if self.args.auto_inner_steps and self.schedule.auto_choice is None and stats is not None and \
                 self.syncs_landed >= 2 * self.args.num_fragments and step < max_steps:
             record["inner_steps_auto"] = self._choose_inner_steps(stats, flight.launched_at, max_steps)
@@ -392,6 +394,22 @@ class RoundEngine:
                                "syncs at the last step.")
         # With time-budget rounds how many syncs the run makes depends on the replicas' speeds: not shown.
         self.records.total_syncs = None if self.args.round_seconds > 0 else self.schedule.total_syncs(max_steps)
+
+    def _choose_delays(self, stats: SyncStats, measured: list[int]) -> dict:
+        """sync_delay auto from what the last exchange of the `measured` fragments took. With rounds of H steps
+        every replica lands at the same step, so τ covers the exchange in the slowest replica's steps; with
+        time-budget rounds each replica lands in its own steps, so τ is chosen from its own seconds per step, at
+        most the steps it took in this sync less one (its sync lands before the next budget is spent)."""
+        exchange_seconds = float(stats.previous_exchange_seconds.max())
+        sizes = [f.size for f in self.fragments]
+        if self.args.round_seconds <= 0:
+            return self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds,
+                                               step_seconds=_step_seconds(stats), sizes=sizes)
+        mine = self.comm.replica_index
+        steps = int(stats.steps[:, mine].max())
+        return self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds,
+                                           step_seconds=float(stats.compute_seconds[:, mine].max()) / max(1, steps),
+                                           sizes=sizes, most=max(1, steps - 1))
 
     def _choose_inner_steps(self, stats: SyncStats, launched_at: int, max_steps: int) -> dict:
         """inner_steps auto from what the first syncs measured, the same on every replica; the new schedule

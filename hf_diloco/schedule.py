@@ -203,11 +203,12 @@ class Schedule:
         return self.auto_choice
 
     def choose_delays(self, fragments: list[int], *, exchange_seconds: float, step_seconds: float,
-                      sizes: list[int]) -> dict:
+                      sizes: list[int], most: int | None = None) -> dict:
         """sync_delay auto for `fragments` (those of the exchange that took `exchange_seconds`): see
-        `choose_sync_delay`. A fragment not measured yet takes the τ that the same exchange, scaled by its size
-        (`sizes`: values each fragment syncs), would need, so that on a slow link only the first fragment's first
-        sync waits for its transfer. Returns the decision, as the sync's record shows it.
+        `choose_sync_delay` (`most`: the largest τ allowed, H/F − 1 unless given). A fragment not measured yet takes
+        the τ that the same exchange, scaled by its size (`sizes`: values each fragment syncs), would need, so that
+        on a slow link only the first fragment's first sync waits for its transfer. Returns the decision, as the
+        sync's record shows it.
 
         >>> s = Schedule(inner_steps=20, num_fragments=2, sync_delay=1)
         >>> s.choose_delays([0], exchange_seconds=0.25, step_seconds=0.1, sizes=[100, 300])
@@ -215,7 +216,7 @@ class Schedule:
         >>> s.delay(0), s.delay(1)
         (3, 8)
         """
-        most = self.sync_every - 1
+        most = self.sync_every - 1 if most is None else most
         chosen = choose_sync_delay(exchange_seconds, step_seconds, most=most)
         for fragment in fragments:
             self.delays[fragment] = chosen

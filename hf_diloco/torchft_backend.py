@@ -22,8 +22,11 @@ Design choices:
   the others it still hears heartbeats from. A replica that misses it keeps training and joins a later sync.
 - A (re)started replica asks for a quorum before its first inner step, heals from a live peer and takes part in
   that sync with weight 0, so it applies the same outer step as everyone and starts from the same θ_global.
-- The run ends after the schedule's number of committed syncs, ceil(max_steps / (H/F)) (the sync counter is
-  healed with the rest), so a replica that joined late stops with the others.
+- The run's length is the `torch` backend's: after each committed sync every participant continues at the
+  furthest participant's step, and the run ends with the sync that brings a participant to max_steps (the step
+  every replica continued at is healed with the rest, so a replica that joined late stops with the others). With
+  rounds of H steps that is ceil(max_steps / (H/F)) syncs, one fewer for each rolled-back sync (its steps ride
+  with the next one).
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ logger = logging.getLogger(__name__)
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
 # every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds", "stop_requested", "non_finite", "last", "digest")
-# Columns of the table that steer the sync but are not part of the record.
-UNRECORDED = ("last", "digest")
+                 "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest")
+# Columns of the table that steer the sync but are not part of the record (`at_step`: the participant's step).
+UNRECORDED = ("at_step", "digest")
 # The local numbers of a replica that brings no progress to a sync (it only hands over the final model).
 NOTHING_TRAINED = {"steps": 0, "tokens": 0, "loss_sum": 0.0, "compute_seconds": 0.0, "stop_requested": False}
 
@@ -223,6 +226,7 @@ class TorchftRounds:
         self.max_steps = max_steps
         self.continue_at_step = continue_at_step
         self.global_sync = 0  # committed syncs that moved θ_global (healed with the rest)
+        self.agreed_step = 0  # the step every participant continued at after the last commit (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
         self.healed_from_sync: int | None = None
         self.overlapped = False  # the sync being started runs in the background (no stash: the replica trains on)
@@ -289,7 +293,7 @@ class TorchftRounds:
         # the background while the inner loop moves on, and a healer given a later step would run its syncs that
         # many steps ahead of everyone's, and end one sync early.
         return {"outer": self.outer.state_dict(), "global_sync": self.global_sync,
-                "global_step": self.sync_step}
+                "global_step": self.sync_step, "agreed_step": self.agreed_step}
 
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
@@ -303,13 +307,14 @@ class TorchftRounds:
         self.healed_from_sync = self.global_sync
         outer.load_state_dict(state["outer"])
         self.global_sync = int(state["global_sync"])
+        self.agreed_step = int(state.get("agreed_step", 0))
         if self.feedback is not None:
             self.feedback.clear()  # its residuals were what it did not send against the base it left
         step = int(state["global_step"])
         if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
             # A replica that starts late continues at the others' step, so its schedule and its end match theirs.
             self.continue_at_step(step)
-            self.continued_at = step
+            self.continued_at = self.sync_step = step
 
     # --- one sync: who takes part, and what happens after the vote ---
 
@@ -332,28 +337,24 @@ class TorchftRounds:
             return progress.budget_spent(self.args.round_seconds / self.args.num_fragments)
         return progress.steps >= self.schedule.sync_every
 
-    def _total_syncs(self) -> int | None:
-        return self.schedule.total_syncs(self.max_steps)
+    def may_overlap(self) -> bool:
+        return True  # each replica saves and evaluates on its own: nothing needs its syncs to land together
 
     def run_over(self) -> bool:
-        """The run's last sync has committed (the sync counter is healed with the rest, so a replica that was
-        behind learns it from the peer it heals from)."""
-        total = self._total_syncs()
-        return total is not None and self.global_sync >= total
+        """The run's last sync has committed: the one that brought a participant to max_steps (the agreed step is
+        healed with the rest, so a replica that was behind learns it from the peer it heals from)."""
+        return self.agreed_step >= self.max_steps
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
         this replica heals in the quorum (see rounds.RoundEngine._launch_in_background)."""
-        return self._fragments(self.global_sync + 1, step >= max_steps)
+        return self.schedule.fragments_of_sync(self.global_sync + 1, None, step >= max_steps)
 
     def state_dict(self) -> dict:
         return {}  # the sync counter is healed from a live peer, not taken from a checkpoint
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-    def _fragments(self, number: int, last: bool) -> list[int]:
-        return self.schedule.fragments_of_sync(number, self._total_syncs(), last)
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> RoundStart:
@@ -397,7 +398,7 @@ class TorchftRounds:
         checking = joining and self.check_identical and not healed
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
-                float(not finite), float(step >= max_steps), self._digest() if checking else 0.0]
+                float(not finite), float(step), self._digest() if checking else 0.0]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             table[rank] = torch.tensor(mine, dtype=torch.float64)
@@ -410,8 +411,9 @@ class TorchftRounds:
             startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
-        # The run's last sync, or a participant at its last step: every fragment syncs, so the final model is global.
-        fragments = self._fragments(self.global_sync + 1, bool(table[:, MEMBER_FIELDS.index("last")].any()))
+        # A participant at its last step: every fragment syncs, so the final model is global.
+        last = bool((table[:participants, MEMBER_FIELDS.index("at_step")] >= max_steps).any())
+        fragments = self.schedule.fragments_of_sync(self.global_sync + 1, None, last)
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return RoundStart(
             weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
@@ -471,6 +473,13 @@ class TorchftRounds:
             if result.total_weight > 0:
                 self.global_sync += 1
                 self.last_members = {int(row["replica"]) for row in start.members}
+                # Every participant continues at the furthest one's step (the run's progress, as on torch), plus
+                # the steps it took while an overlapped sync was in flight, unless this sync ended the run.
+                self.agreed_step = max(self.agreed_step, *(int(row["at_step"]) for row in start.members))
+                moved = self.agreed_step + (0 if self.run_over() else step - self.sync_step)
+                if moved > step:
+                    step = moved
+                    self.continue_at_step(step)
             # A healed replica's training against the old base went into this sync: it starts from θ_global.
             restart = start.healed
             self.stash = None
@@ -504,7 +513,8 @@ class TorchftRounds:
         took_part = [m for m in members if m["participated"]]
         losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
         compute = record["compute_seconds"] + record["blocked_seconds"]
-        record.update(sync=self.global_sync, round=self.schedule.round_of(self.global_sync),
+        record.update(step=step, sync=self.global_sync,
+                      round=self.schedule.round_of(self.global_sync),
                       members=sorted(members, key=lambda m: m["replica"]),
                       committed=result.committed, participants=len(present), num_replicas=len(present),
                       quorum_seconds=start.quorum_seconds, outer_backend="torchft", replica=self.args.replica_id,

@@ -293,7 +293,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         + (f"{config.round_seconds / config.num_fragments:g} s" if config.round_seconds > 0
            else f"{config.inner_steps // config.num_fragments} steps")
         + f" of about {format_bytes(per_round / config.num_fragments)}, overlapped with "
-        f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s); the end "
+        f"{'auto (from 1)' if config.auto_sync_delay else config.sync_delay} inner step(s)"
+        + (" of each replica's own" if config.round_seconds > 0 and config.sync_delay > 0 else "") + "; the end "
         + ("staggered (each fragment's last sync overlapped)" if config.staggered_end
            else "blocking (every fragment syncs at the last step)"),
         f"DDP for the same {config.inner_steps} steps": format_bytes(
@@ -303,12 +304,13 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     if on_torchft:
         length = f"rounds of {config.round_seconds:g} s of inner steps" if config.round_seconds > 0 \
             else f"rounds of {config.inner_steps} steps"
-        if config.max_steps > 0:
-            length += f", {math.ceil(config.max_steps / config.inner_steps)} rounds in all"
+        if config.max_steps > 0 and config.round_seconds <= 0:
+            length += (f", {math.ceil(config.max_steps / config.inner_steps)} rounds in all (one fewer for each "
+                       f"that rolls back)")
         plan["outer backend"] = (
             f"torchft: replica {config.replica_id} of {config.num_replicas}, a round needs {config.min_replicas} "
             f"replica(s) then waits up to {config.sync_grace_seconds:g} s for the others; {length}")
-    elif config.round_seconds > 0:
+    if config.round_seconds > 0:
         plan["rounds"] = (f"time budget: each replica syncs after {config.round_seconds / config.num_fragments:g} s "
                           f"of inner steps, however many it took; the merge weights replicas by their tokens, and "
                           f"the run ends when its fastest replica reaches max_steps={config.max_steps}")

@@ -305,15 +305,20 @@ def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text
     assert "\n" not in message
 
 
-def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_overlap():
-    """`--round_seconds 4 --num_fragments 2` on the torch backend: the plan says a sync every 2 s of inner steps and
-    how the run ends; with `--sync_delay 1` the same run is refused in one sentence, exit 2."""
-    plan = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--num_fragments", "2", "--dry-run")
+def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a_staggered_end():
+    """`--round_seconds 4 --num_fragments 2 --sync_delay auto` on the torch backend: the plan says a sync every 2 s
+    of inner steps, overlapped with each replica's own steps, a blocking end, and how the run ends; with
+    `--final_sync staggered` the same run is refused in one sentence, exit 2."""
+    plan = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--num_fragments", "2", "--sync_delay",
+                     "auto", "--dry-run")
     assert plan.returncode == 0, plan.stderr
     assert "one sync every 2 s of about" in plan.stdout
+    assert "overlapped with auto (from 1) inner step(s) of each replica's own; the end blocking" in plan.stdout
     assert "each replica syncs after 2 s of inner steps, however many it took" in plan.stdout
-    refused = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--sync_delay", "1", "--dry-run")
+    refused = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--sync_delay", "1", "--final_sync",
+                        "staggered", "--dry-run")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [
-        "hf-diloco: error: round_seconds on outer_backend torch syncs blocking for now: set sync_delay 0 (its "
-        "replicas reach each sync at the same moment, so there is little to overlap)."]
+        "hf-diloco: error: final_sync staggered places each fragment's last sync at a fixed step, which "
+        "round_seconds does not have (the run ends when a replica reaches max_steps): set final_sync auto or "
+        "blocking."]

@@ -106,6 +106,49 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     assert steps == sorted(steps) and len(set(steps)) == len(steps), "every sync at a later agreed step"
 
 
+def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay_auto(tmp_path, slow_group):
+    """Two fragments in int4 + error feedback, streamed with `sync_delay: auto`, replica 1 under the quota: each
+    fragment's sync is launched when the budget is spent and lands τ of the replica's own steps later (save for
+    those where a save falls, which land at once, at the same step everywhere), τ chosen
+    from its own seconds per step (replica 0's choice is made from its step time, under half of replica 1's), so
+    neither replica spends more than 15% of its training time inside syncs. Every replica continues at the
+    furthest one's step plus the steps it took while the sync was in flight; the weights are each replica's tokens
+    over the most; the last sync, at max_steps, is blocking, carries both fragments, and the replicas end
+    identical."""
+    settings = {"out": str(tmp_path), "inner_steps": 10, "round_seconds": ROUND_SECONDS, "max_steps": MAX_STEPS,
+                "cgroup_by_rank": {"1": str(slow_group)}, "num_fragments": 2, "compression": "int4",
+                "error_feedback": True, "sync_delay": "auto"}
+    result = accelerate_launch([SCRIPT, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    records = read_sync_rounds(tmp_path / "run")
+    assert len(records) >= 4, records
+    assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]], records
+    assert [r["sync"] for r in records] == list(range(1, len(records) + 1))
+    assert records[-1]["step"] == MAX_STEPS and "launch_step" not in records[-1]
+    assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
+    # save_every_rounds 1 (the default) saves after every second sync: such a sync is blocking everywhere, so
+    # every replica lands it, and saves, at the same step; the others overlap.
+    overlapped = [r for r in records if "launch_step" in r]
+    assert [r["sync"] for r in records if "launch_step" not in r] == \
+        [r["sync"] for r in records if r["sync"] % 2 == 0 or r is records[-1]], records
+    assert (tmp_path / "run" / f"checkpoint-{records[-1]['step']}").is_dir()
+    # Landed after τ >= 1 of replica 0's own steps, beyond the step both continued at.
+    assert all(r["step"] > r["launch_step"] for r in overlapped)
+    chosen = [r["sync_delay_auto"] for r in records if "sync_delay_auto" in r]
+    slow_step = slow["train_seconds"] / max(1, slow["own_steps"])
+    assert chosen and all(c["step_seconds"] < slow_step / 2 for c in chosen), (chosen, slow_step)
+    for r in records:
+        members = r["members"]
+        most = max(m["tokens"] for m in members)
+        assert [m["tokens"] for m in members] == [TOKENS_PER_STEP * m["steps"] for m in members], members
+        assert [m["weight"] for m in members] == pytest.approx([m["tokens"] / most for m in members], abs=1e-6)
+    assert sum(m["steps"] for r in records for m in r["members"] if m["replica"] == 0) > \
+        1.5 * sum(m["steps"] for r in records for m in r["members"] if m["replica"] == 1)
+    for rank in (fast, slow):
+        assert sum(rank["sync_seconds"]) <= 0.15 * rank["train_seconds"], (rank["sync_seconds"], rank["train_seconds"])
+
+
 def test_with_rounds_of_h_steps_the_record_says_how_long_the_fast_replica_waited_for_the_slow_one(tmp_path,
                                                                                                   slow_group):
     """Without a time budget both replicas take H steps a round, and replica 0 waits at every sync for replica 1

@@ -383,13 +383,13 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
     of its budget. Replica 0, a fast one, is SIGKILLed mid-run and started again (the others are held, once they
     have synced twice without it, until it is up): it heals from a live peer, takes part again, and all three end
     with identical parameters."""
-    budget = 1.5
+    budget, max_steps = 1.5, 4000  # about 13 syncs of the fast replicas (300 steps per budget)
     quotas = [cpu_quota(0.6), cpu_quota(0.6), cpu_quota(0.2)]
     hold, back = tmp_path / "hold", tmp_path / "replica-0-is-back"
     with lighthouse(min_replicas=2, grace=2.0, log=tmp_path / "lighthouse.log") as address:
         def settings(r, **extra):
             return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
-                    "max_steps": 8000, "inner_steps": 1000, "round_seconds": budget, "cgroup": str(quotas[r]),
+                    "max_steps": max_steps, "inner_steps": 1000, "round_seconds": budget, "cgroup": str(quotas[r]),
                     **({} if r == 0 else {"pause_while": [str(hold), str(back)]}), **extra}
 
         logs = [tmp_path / f"replica{r}.log" for r in range(3)]
@@ -403,7 +403,8 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
         replicas[0] = start_replica(settings(0, announce=str(back)), logs[0])
         finish(replicas, logs)
     rounds = committed(tmp_path / "replica-1")
-    assert [r["round"] for r in rounds] == list(range(1, 9)), "ceil(8000 / 1000) committed syncs"
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    assert rounds[-1]["step"] == max_steps, "the run ends when a replica reaches max_steps"
     without = [r for r in rounds if not takes_part(r, 0)]
     again = [r for r in rounds if takes_part(r, 0) and r["round"] > without[-1]["round"]]
     assert len(without) >= 2 and again, [[m["replica"] for m in r["members"] if m["participated"]] for r in rounds]
@@ -538,8 +539,8 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
-    live replicas and rejoins, the launch exits 0 and all three replicas end with the same model. (40 rounds: the
-    restarted replica has been back by about round 11, killed after round 1.)"""
+    live replicas and rejoins, the launch exits 0 at step 400 and all three replicas end with the same model. (40
+    syncs of 10 steps: the restarted replica has been back by about round 11, killed after round 1.)"""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
@@ -551,9 +552,12 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_sync_rounds(out / "replica-0")
-    assert rounds[-1]["round"] == 40 and rounds[-1]["participants"] == 3
+    # A sync the kill rolled back carries its steps to the next one: 40 syncs, one fewer committed for each.
+    assert rounds[-1]["step"] == 400 and rounds[-1]["participants"] == 3
+    assert rounds[-1]["round"] == 40 - sum(not r["committed"] for r in rounds), \
+        [(r["round"], r["step"], r["committed"]) for r in rounds]
     assert any(r["participants"] == 2 for r in rounds), "a round went on without the killed replica"
-    assert (f"[diloco] the run ended at round 40 (step {rounds[-1]['step']}), committed by replica(s) 0, 1, 2; "
+    assert (f"[diloco] the run ended at round {rounds[-1]['round']} (step 400), committed by replica(s) 0, 1, 2; "
             "replica 0 exit 0, replica 1 exit 0, replica 2 exit 0") in text
     from safetensors.torch import load_file
 
@@ -600,7 +604,8 @@ def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_kill
     joins = [line for line in text.splitlines() if line.startswith("[diloco] replica 1 joined at round")]
     assert len(joins) == 2 and "healed from a live peer" in joins[1], joins
     rounds = read_sync_rounds(out / "replica-0")
-    assert rounds[-1]["round"] == steps // 10
+    assert rounds[-1]["step"] == steps  # a sync the kill rolled back carries its steps to the next one
+    assert rounds[-1]["round"] == steps // 10 - sum(not r["committed"] for r in rounds)
     together = [r["round"] for r in rounds if r["participants"] == 2]
     assert together and any(r["participants"] == 1 and r["round"] > together[0] for r in rounds), \
         "a round went on without the killed replica"

@@ -178,7 +178,7 @@ world = dist.get_world_size()
                                                   "held_bytes": held_bytes(),
                                                   "total_flos": trainer.state.total_flos,
                                                   "sync_seconds": sync_seconds, "steps_between": steps_between,
-                                                  "train_seconds": train_seconds}))
+                                                  "train_seconds": train_seconds, "own_steps": own_steps[0]}))
 if config.sharded_replica or config.tensor_parallel:  # the whole model, gathered from replica 0 (every rank)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
