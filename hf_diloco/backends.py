@@ -101,6 +101,7 @@ class FixedGroup:
         self.boundary_wanted = boundary_wanted
         self.previous_step = step
         self.window: tuple[int, int, int] | None = None  # the window of the sync that landed last, if it had one
+        self.max_steps = 0
         self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
@@ -128,6 +129,7 @@ class FixedGroup:
             if self.overlap and step < max_steps else 0
         table, sent = self.comm.replica_table(local.get("tokens", 0),
                                               [float(step), float(step >= max_steps), float(delay)])
+        self.max_steps = max_steps
         tokens, last, now = table[:, 0], bool(table[:, 2].any()), int(table[:, 1].max())
         most = float(tokens.max())
         fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
@@ -173,7 +175,8 @@ class FixedGroup:
         # step plus the largest τ, so saves, evaluations and the record fall at one step. (The last sync ends the
         # run at the agreed step: a replica whose last sync overlapped drops the steps it took meanwhile, as the
         # final model is θ_global.)
-        moved = agreed.step + agreed.delay  # (delay 0 where the sync has a window, or is the last)
+        # (delay 0 where the sync has a window, or is the last; never past max_steps, where the next sync is the last)
+        moved = min(agreed.step + agreed.delay, self.max_steps)
         if moved > step:
             self.continue_at_step(moved)
         if record:  # its members' rows (records.members) hold each replica's steps, tokens and weight

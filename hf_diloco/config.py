@@ -193,9 +193,9 @@ class DiLoCoConfig(TrainingArguments):
                           "launch, at most the sum of the fragments' tau in steps, is left out of the final model). "
                           "'blocking': every fragment syncs at the last step and the replicas wait for the whole "
                           "model's exchange. 'auto': staggered when syncs overlap (sync_delay > 0) on the torch "
-                          "backend, else blocking. On torchft the end is always blocking: its rounds are due by "
-                          "each replica's own progress, not at fixed steps, so there is no fixed window to stagger "
-                          "the last syncs in.",
+                          "backend with rounds of H steps, else blocking. On torchft and with round_seconds the end "
+                          "is always blocking: syncs are due by each replica's own progress, not at fixed steps, so "
+                          "there is no fixed window to stagger the last syncs in.",
                   "choices": list(FINAL_SYNCS)},
     )
     fragment_alpha: float = field(
@@ -259,8 +259,9 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "End each round after this many seconds of inner steps instead of after H steps, so a "
                           "slower replica takes fewer steps instead of making the others wait (0: off). The run still "
                           "ends at max_steps, counted by the furthest replica: after each sync every replica "
-                          "continues at its step, and the merge weights each replica by the tokens it trained. On "
-                          "outer_backend torch it needs sync_delay 0."},
+                          "continues at its step, and the merge weights each replica by the tokens it trained. With "
+                          "sync_delay each replica overlaps a sync with its own steps (auto: as many as cover the "
+                          "exchange at its own speed)."},
     )
     replica_address: str = field(
         default="",

@@ -476,7 +476,7 @@ class TorchftRounds:
                 # Every participant continues at the furthest one's step (the run's progress, as on torch), plus
                 # the steps it took while an overlapped sync was in flight, unless this sync ended the run.
                 self.agreed_step = max(self.agreed_step, *(int(row["at_step"]) for row in start.members))
-                moved = self.agreed_step + (0 if self.run_over() else step - self.sync_step)
+                moved = min(self.max_steps, self.agreed_step + (0 if self.run_over() else step - self.sync_step))
                 if moved > step:
                     step = moved
                     self.continue_at_step(step)
