@@ -86,6 +86,8 @@ FIELDS: dict[str, Allowed] = {
     "sparse_chunk": _at_least(2),
     "sparse_bits": Allowed("between 1 and 8", lambda v: 1 <= v <= 8, whole=True),
     "error_feedback_decay": Allowed("in (0, 1]", lambda v: 0 < v <= 1),
+    "outer_momentum_delay": _at_least(1, "a whole number of syncs, 1 (plain Nesterov) or more"),
+    "outer_delayed_scale": Allowed("in (0, 1]", lambda v: 0 < v <= 1),
     # streaming
     "num_fragments": _at_least(1),
     "sync_delay": _at_least(0, "a whole number of steps, 0 or more"),

@@ -84,6 +84,19 @@ class DiLoCoConfig(TrainingArguments):
         default=True,
         metadata={"help": "Use Nesterov momentum in the outer SGD optimizer (paper: true)."},
     )
+    outer_momentum_delay: int = field(
+        default=1,
+        metadata={"help": "Move the outer momentum only every this many syncs of a parameter, from the mean of their "
+                          "pseudo-gradients, and apply each pseudo-gradient alone (times outer_delayed_scale) in "
+                          "between: the delayed Nesterov of Asynchronous Local-SGD (arXiv 2401.09135), for replicas "
+                          "of unequal speed (round_seconds) whose single merges are small or stale. 1: plain "
+                          "Nesterov. Needs outer_optimizer sgd with outer_momentum > 0."},
+    )
+    outer_delayed_scale: float = field(
+        default=1.0,
+        metadata={"help": "With outer_momentum_delay N > 1: the factor c on each pseudo-gradient applied at every sync "
+                          "(θ ← θ − lr·c·Δ); 1/N makes N syncs together move like one Nesterov step on their mean."},
+    )
     outer_optimizer: str = field(
         default="sgd",
         metadata={"help": "Outer optimizer: 'sgd' (the paper's choice) or 'adamw' (for ablations).",
@@ -316,6 +329,10 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(
                 f"outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.outer_optimizer!r}."
             )
+        checks.check(self, ["outer_momentum_delay", "outer_delayed_scale"])
+        if self.outer_momentum_delay > 1 and (self.outer_optimizer != "sgd" or self.outer_momentum == 0):
+            raise ConfigError("outer_momentum_delay delays the outer SGD's momentum, so it needs outer_optimizer sgd "
+                              "with outer_momentum above 0; set outer_momentum_delay 1 or change those.")
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
             # torch's SGD refuses Nesterov without momentum; plain SGD is what the user means.
             self.outer_nesterov = False

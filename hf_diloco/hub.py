@@ -49,6 +49,8 @@ DILOCO_ROWS = (
     ("outer_lr", "outer learning rate", 0.7),
     ("outer_momentum", "outer momentum", 0.9),
     ("outer_nesterov", "Nesterov", True),
+    ("outer_momentum_delay", "syncs between outer momentum updates (delayed Nesterov)", 1),
+    ("round_seconds", "seconds of inner steps per round (time budget; 0: H steps)", 0.0),
     ("replica_group_size", "processes per replica", 1),
     ("sharded_replica", "each replica sharded over its processes by FSDP2", False),
     ("tp_size", "processes each layer is split over by tensor parallel", 1),

@@ -60,10 +60,62 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+class DelayedNesterov(torch.optim.Optimizer):
+    """Outer Nesterov SGD whose momentum moves only every `delay` steps of a parameter (after Asynchronous Local-SGD's
+    delayed Nesterov, arXiv 2401.09135: with replicas of unequal speed, momentum built from every single merge
+    amplifies the noise of small or stale contributions; here it is built from the mean of `delay` of them).
+
+    Per parameter θ, with lr η, momentum β, delay N and gradient scale c, each step with gradient g:
+
+        θ ← θ − η·c·g                          (every step: the pseudo-gradient itself)
+        a ← a + g;  k ← k + 1
+        if k = N:   m ← β·m + a/N;  θ ← θ − η·β·m;  a ← 0;  k ← 0      (every N-th step: the momentum)
+
+    With N = 1 and c = 1 this is torch's Nesterov SGD (m ← β·m + g; θ ← θ − η·(g + β·m)), to rounding.
+
+    >>> theta = nn.Parameter(torch.zeros(1))
+    >>> opt = DelayedNesterov([theta], lr=1.0, momentum=0.5, delay=2)
+    >>> for g in (1.0, 3.0):
+    ...     theta.grad = torch.tensor([g])
+    ...     opt.step()
+    >>> theta.item()    # −1 − 3, then m = 0.5·0 + (1 + 3)/2 = 2 and −0.5·2 = −1
+    -5.0
+    """
+
+    def __init__(self, params, lr: float, momentum: float, delay: int, scale: float = 1.0):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay, "scale": scale})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, beta, delay, scale = group["lr"], group["momentum"], group["delay"], group["scale"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+                    state["accumulated"] = torch.zeros_like(param)
+                    state["count"] = 0
+                grad = param.grad
+                param.add_(grad, alpha=-lr * scale)
+                state["accumulated"].add_(grad)
+                state["count"] += 1
+                if state["count"] >= delay:
+                    state["momentum_buffer"].mul_(beta).add_(state["accumulated"], alpha=1.0 / delay)
+                    param.add_(state["momentum_buffer"], alpha=-lr * beta)
+                    state["accumulated"].zero_()
+                    state["count"] = 0
+
+
 def build_outer_optimizer(
-    params: list[nn.Parameter], name: str, lr: float, momentum: float, nesterov: bool
+    params: list[nn.Parameter], name: str, lr: float, momentum: float, nesterov: bool, momentum_delay: int = 1,
+    delayed_scale: float = 1.0,
 ) -> torch.optim.Optimizer:
-    """The outer optimizer over θ_global: the paper's Nesterov SGD, or AdamW (beta1 = momentum) for ablations."""
+    """The outer optimizer over θ_global: the paper's Nesterov SGD (its momentum moved every `momentum_delay`
+    steps when above 1: DelayedNesterov), or AdamW (beta1 = momentum) for ablations."""
+    if name == "sgd" and momentum_delay > 1:
+        return DelayedNesterov(params, lr=lr, momentum=momentum, delay=momentum_delay, scale=delayed_scale)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
     if name == "adamw":
@@ -167,6 +219,8 @@ class OuterState:
         offload: bool = True,
         bucket_numel: int = 64 * 2**20,
         fragments: list[list[int]] | None = None,
+        momentum_delay: int = 1,
+        delayed_scale: float = 1.0,
     ):
         params = list(params)
         if not params:
@@ -182,7 +236,8 @@ class OuterState:
         self.global_params = [
             nn.Parameter(p.detach().to(device=state_device, dtype=torch.float32, copy=True)) for p in self.params
         ]
-        self.optimizer = build_outer_optimizer(self.global_params, optimizer, lr, momentum, nesterov)
+        self.optimizer = build_outer_optimizer(self.global_params, optimizer, lr, momentum, nesterov,
+                                               momentum_delay, delayed_scale)
         # Buckets never straddle fragments: fragment f syncs buckets fragment_buckets[f].
         fragments = fragments or [list(range(len(self.params)))]
         self.buckets: list[list[int]] = []

@@ -177,6 +177,7 @@ class RoundEngine:
         self.outer = OuterState(
             [p for _, p in named], lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
             optimizer=args.outer_optimizer, offload=args.offload_outer_state,
+            momentum_delay=args.outer_momentum_delay, delayed_scale=args.outer_delayed_scale,
             bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)), fragments=assigned)
         self.fragments = [Fragment(f, buckets, sum(self.outer.full_numels[i] for b in buckets
                                                    for i in self.outer.buckets[b]))

@@ -281,7 +281,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
         else str(config.inner_steps),
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
-        + (" Nesterov" if config.outer_nesterov else ""),
+        + (" Nesterov" if config.outer_nesterov else "")
+        + (f", its momentum moved every {config.outer_momentum_delay} syncs (pseudo-gradients × "
+           f"{config.outer_delayed_scale:g} in between)" if config.outer_momentum_delay > 1 else ""),
         "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
         f"warmup {config.warmup_steps}, {schedule}",
         "tokens per inner step per process": f"{tokens_per_step(run, config):,}",
@@ -353,7 +355,8 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
     gradients = sum(p.numel() * p.element_size() * share[n] for n, p in named if p.requires_grad)
     optim = str(getattr(config.optim, "value", config.optim))
     states = next((count for name, count in OPTIMIZER_STATES.items() if name in optim), None)
-    outer_buffers = 2 if config.outer_optimizer == "adamw" else int(config.outer_momentum > 0)
+    outer_buffers = 2 if config.outer_optimizer == "adamw" else \
+        int(config.outer_momentum > 0) + int(config.outer_momentum_delay > 1)  # the delayed momentum's sum
     outer = sum(p.numel() * share[n] for n, p in named if p.requires_grad) * 4 * (1 + outer_buffers)
     split = any(value < 1 for value in share.values())
     inner = "not estimated for " + optim if states is None else format_bytes(states * gradients)

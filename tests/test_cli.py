@@ -322,3 +322,18 @@ def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a
         "hf-diloco: error: final_sync staggered places each fragment's last sync at a fixed step, which "
         "round_seconds does not have (the run ends when a replica reaches max_steps): set final_sync auto or "
         "blocking."]
+
+
+def test_the_dry_run_names_the_delayed_outer_momentum_and_refuses_it_without_momentum():
+    """`--outer_momentum_delay 4 --outer_delayed_scale 0.25`: the plan says the momentum moves every 4 syncs;
+    with `--outer_momentum 0` there is no momentum to delay, refused in one sentence, exit 2."""
+    plan = hf_diloco("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_delayed_scale", "0.25",
+                     "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "its momentum moved every 4 syncs (pseudo-gradients × 0.25 in between)" in plan.stdout
+    refused = hf_diloco("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_momentum", "0",
+                        "--dry-run")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "hf-diloco: error: outer_momentum_delay delays the outer SGD's momentum, so it needs outer_optimizer sgd "
+        "with outer_momentum above 0; set outer_momentum_delay 1 or change those."]
