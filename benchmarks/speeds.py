@@ -59,6 +59,7 @@ from hf_diloco.metrics import read_summary, read_sync_rounds, run_rounds
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 QUOTAS = (0.6, 0.6, 0.2)  # of one core, for ranks 0, 1, 2
+DELAY = 2  # outer_momentum_delay of the --methods row
 DROP_REPLICA, DROP_QUOTA = 1, 0.2  # the quota-drop rows: replica 1 at 20% for the middle third of the run
 INNER_STEPS = 20
 REPEATS = 3
@@ -236,6 +237,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="80 steps instead of 200, 2 repeats")
     parser.add_argument("--backends", default="torch,torchft", help="comma-separated: torch, torchft")
+    parser.add_argument("--methods", action="store_true",
+                        help="instead of the quota-drop rows: time-budget rounds streamed (int4 + error feedback, 2 "
+                             "fragments, sync_delay auto) and with the delayed outer Nesterov (outer_momentum_delay "
+                             f"{DELAY}); results/speeds-methods-<backends>.*")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - {"torch", "torchft"}:
@@ -270,11 +275,16 @@ def main() -> None:
             capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
             round_seconds = round(INNER_STEPS * solo[QUOTAS[0]]["seconds_per_step"], 2)
             budget = ["--inner_steps", str(INNER_STEPS), "--round_seconds", str(round_seconds)]
-            configurations = {
-                f"{backend}, {name}": (backend, extra, drop) for backend in backends for name, extra, drop in (
-                    (f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False),
-                    (f"time budget {round_seconds:g} s", budget, False),
-                    (f"time budget, replica {DROP_REPLICA} at {DROP_QUOTA:.0%} for a third", budget, True))}
+            streamed = [*budget, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
+                        "--sync_delay", "auto"]
+            rows = ((f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False),
+                    (f"time budget {round_seconds:g} s", budget, False))
+            rows += (("time budget, int4 + EF, 2 fragments, τ auto", streamed, False),
+                     (f"time budget, delayed Nesterov N = {DELAY}", [*budget, "--outer_momentum_delay", str(DELAY)],
+                      False)) if args.methods else \
+                ((f"time budget, replica {DROP_REPLICA} at {DROP_QUOTA:.0%} for a third", budget, True),)
+            configurations = {f"{backend}, {name}": (backend, extra, drop) for backend in backends
+                              for name, extra, drop in rows}
             lost = solo[QUOTAS[DROP_REPLICA]]["tokens_per_second"] - solo[DROP_QUOTA]["tokens_per_second"]
             runs: dict[str, list[dict]] = {name: [] for name in configurations}
             for repeat in range(repeats):
@@ -321,11 +331,12 @@ def main() -> None:
               f"capacity); waited: Σ waited_seconds of the replica that waited most (torch: its arrival before the "
               f"last replica's; torchft: forming the quorum) ÷ replica 0's loop seconds.")
     labels = list(spreads)
-    palette = ["#2563eb", "#ea580c", "#059669", "#9333ea"]
+    palette = ["#2563eb", "#ea580c", "#059669", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
     figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
                                      for n in labels], palette[:len(labels)], "goodput (%)",
                             "3 replicas at 60%, 60%, 20% of a core: goodput", (7.5, 3.4))
-    save("speeds", table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
+    name = f"speeds-methods-{'-'.join(backends)}" if args.methods else "speeds"
+    save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
                            "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
                            "capacity_tokens_per_second": capacity, "runs": runs, "spreads": spreads},
          figure, quick=args.quick, seconds=time.time() - begun)

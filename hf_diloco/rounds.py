@@ -66,12 +66,20 @@ class Progress:
         budget, whatever its speed, so the faster ones wait less for the slowest.
 
         >>> progress = Progress()
-        >>> progress.started, progress.steps = time.perf_counter() - 0.85, 2   # 0.425 s a step so far
+        >>> progress.started = progress.origin = time.perf_counter() - 0.85
+        >>> progress.steps = 2                                                  # 0.425 s a step so far
         >>> progress.budget_spent(1.0), progress.budget_spent(1.1)            # a third step would end at 1.275 s
         (True, False)
         """
-        elapsed = time.perf_counter() - self.started
-        return elapsed + (elapsed / self.steps if self.steps else 0.0) / 2 >= budget
+        now = time.perf_counter()
+        per_step = (now - self.started) / self.steps if self.steps else 0.0
+        return now - self.origin + per_step / 2 >= budget
+
+    def align(self, moment: float) -> None:
+        """Count the budget from `moment` (a perf_counter time) if later than the launch: the instant an overlapped
+        sync's participants all took part (torchft: its quorum formed), the same on every replica, so a replica
+        that launched early does not keep a head start on the others' budgets at every later sync."""
+        self.origin = max(self.origin, moment)
 
     def reset(self) -> None:
         self.loss = torch.zeros(())
@@ -79,7 +87,7 @@ class Progress:
         self.tokens = 0
         self.compute_seconds = 0.0
         self.step_started: float | None = None
-        self.started = time.perf_counter()
+        self.started = self.origin = time.perf_counter()  # origin: where the time budget counts from
 
     def micro_batch(self, loss: torch.Tensor, inputs: dict) -> None:
         if self.loss.device != loss.device:
@@ -281,7 +289,7 @@ class RoundEngine:
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
-        began = time.perf_counter()
+        began = flight_started = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight
         if start.fragments != fragments or start.weight == 0:
@@ -294,7 +302,7 @@ class RoundEngine:
         else:
             landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
                               weight=weight)
-        return start, landed, time.perf_counter() - began
+        return start, landed, time.perf_counter() - began, flight_started
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
         """Finish `flight` at `step`: wait for its exchange (the time the inner loop waits is blocked time), apply
@@ -303,7 +311,9 @@ class RoundEngine:
             self.in_flight = None
             waited = time.perf_counter()
             with self.comm.naming_the_absent(flight.launched_at):
-                start, landed, exchange_seconds = flight.future.result()
+                start, landed, exchange_seconds, all_there = flight.future.result()
+            if self.args.round_seconds > 0:
+                self.progress.align(all_there)
             if start.empty:
                 self._finish(step, start, landed.result)
                 return start.stop_requested

@@ -54,6 +54,9 @@ MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", 
                  "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest")
 # Columns of the table that steer the sync but are not part of the record (`at_step`: the participant's step).
 UNRECORDED = ("at_step", "digest")
+# How long a lingering replica waits between quorums that brought no late replica (two that both finished would
+# otherwise form thousands of empty quorums a second between themselves).
+LINGER_PAUSE_SECONDS = 0.25
 # The local numbers of a replica that brings no progress to a sync (it only hands over the final model).
 NOTHING_TRAINED = {"steps": 0, "tokens": 0, "loss_sum": 0.0, "compute_seconds": 0.0, "stop_requested": False}
 
@@ -566,6 +569,8 @@ class TorchftRounds:
             arrived = {int(row["replica"]) for row in start.members} & waiting
             served += sorted(arrived)
             waiting -= arrived
+            if not arrived:  # only replicas that finished met here: give the late ones time to arrive, not a spin
+                time.sleep(min(LINGER_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
         if served and self.comm.member == 0:
             print(f"[diloco] replica {self.args.replica_id} handed the final model to replica(s) "
                   f"{', '.join(map(str, served))}, which missed the last sync", flush=True)
