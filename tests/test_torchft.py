@@ -379,10 +379,11 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
     """Three replicas under real CPU quotas (cgroups: 60%, 60% and 20% of a core, 1.4 of the machine's 2 cores),
     rounds of round_seconds 1.5 s. Every replica trains for the same time: replica 2 takes about a third of the
     others' steps per sync, each member's merge weight is its tokens relative to the most (independently: steps x
-    32 tokens), and in the syncs all three make without a heal no replica waits for the quorum longer than a third
-    of its budget. Replica 0, a fast one, is SIGKILLed mid-run and started again (the others are held, once they
-    have synced twice without it, until it is up): it heals from a live peer, takes part again, and all three end
-    with identical parameters."""
+    32 tokens), and in the syncs all three make without a heal (but the last, which the fast ones reach at
+    max_steps before their budget is spent) no replica waits for the quorum longer than a third of its budget.
+    Replica 0, a fast one, is SIGKILLed mid-run and started again (the others are held, once they have synced twice
+    without it, until it is up): it heals from a live peer, takes part again, and all three end with identical
+    parameters; the run ends when a replica reaches max_steps."""
     budget, max_steps = 1.5, 4000  # about 13 syncs of the fast replicas (300 steps per budget)
     quotas = [cpu_quota(0.6), cpu_quota(0.6), cpu_quota(0.2)]
     hold, back = tmp_path / "hold", tmp_path / "replica-0-is-back"
@@ -420,7 +421,8 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
                    for m in members), r["members"]
     # Syncs of all three with no heal, after one that committed (a rolled-back sync's tokens ride with the next):
     own = read_sync_rounds(tmp_path / "replica-1")
-    calm = [r for before, r in zip(own, own[1:], strict=False) if before["committed"] and r["committed"] and
+    # (The last sync is left out: the fast replicas reach max_steps before their budget is spent and wait there.)
+    calm = [r for before, r in zip(own, own[1:-1], strict=False) if before["committed"] and r["committed"] and
             r["participants"] == 3 and not any(m["healed"] for m in r["members"])]
     assert calm and all(m["tokens"] == 32 * m["steps"] for r in calm for m in r["members"]), \
         [r["members"] for r in calm]
