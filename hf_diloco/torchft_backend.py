@@ -310,7 +310,8 @@ class TorchftRounds:
         self.healed_from_sync = self.global_sync
         outer.load_state_dict(state["outer"])
         self.global_sync = int(state["global_sync"])
-        self.agreed_step = int(state.get("agreed_step", 0))
+        # From a peer: a whole number of steps, at most the run's length (a larger one would only end the run).
+        self.agreed_step = min(max(0, int(state.get("agreed_step", 0))), self.max_steps)
         if self.feedback is not None:
             self.feedback.clear()  # its residuals were what it did not send against the base it left
         step = int(state["global_step"])
