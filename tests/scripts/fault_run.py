@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import pattern_dataset, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
-from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer, launch  # noqa: E402
 
 settings = json.loads(sys.argv[1])
 out = Path(settings["out"])
@@ -65,4 +65,7 @@ trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=config, train_dataset=pat
                         data_collator=default_data_collator, callbacks=[probe])
 trainer.train()
 (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"finite_after_sync": probe.finite_after_sync}))
-dist.destroy_process_group()
+# Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
+# finished process (SIGABRT, "terminate called without an active exception").
+launch.destroy_process_groups()
+launch.exit_process(0)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import pattern_dataset, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
-from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer, launch  # noqa: E402
 from hf_diloco.comm import ReplicaComm  # noqa: E402
 
 settings = json.loads(sys.argv[1])
@@ -59,4 +59,7 @@ trainer.callback_handler.callbacks.sort(key=lambda c: not isinstance(c, SlowStep
 trainer.train()
 rank = dist.get_rank()
 (out / f"rank{rank}.json").write_text(json.dumps({"exchanges": exchanges, "step_ends": step_ends}))
-dist.destroy_process_group()
+# Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
+# finished process (SIGABRT, "terminate called without an active exception").
+launch.destroy_process_groups()
+launch.exit_process(0)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import pattern_dataset, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
-from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer, launch  # noqa: E402
 
 settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
@@ -187,4 +187,7 @@ else:
     final = trainer.model.state_dict()
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in final.items()}, out / "final.pt")
-dist.destroy_process_group()
+# Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
+# finished process (SIGABRT, "terminate called without an active exception").
+launch.destroy_process_groups()
+launch.exit_process(0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hf_diloco import launch
 from hf_diloco.comm import gather_into
 
 
@@ -42,4 +43,7 @@ for numel in (250_000, 1_000_000):
         "all_gather": measured(lambda values=values, gathered=gathered: gather_into(gathered, values)),
     })
 Path(sys.argv[1], f"wire{dist.get_rank()}.json").write_text(json.dumps({"world": world, "results": results}))
-dist.destroy_process_group()
+# Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
+# finished process (SIGABRT, "terminate called without an active exception").
+launch.destroy_process_groups()
+launch.exit_process(0)
