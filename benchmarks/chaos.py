@@ -17,7 +17,11 @@ the final eval loss against the fault-free run's, the rounds the survivors commi
 whether every replica ends with the same model, and whether every round checkpoint a replica saved is complete.
 The rounds use int4 with error feedback, so that a round fits a 1 Mbit/s link (0.37 MB per replica per round).
 
-    python benchmarks/chaos.py [--quick] [--seed N]
+`--round-seconds T` runs both with time-budget rounds of T seconds overlapped with `sync_delay: auto` instead of
+rounds of H steps (results/chaos-time-budget.*): during the slow phase the budget stretches to the slow link's
+exchange instead of every round waiting for it.
+
+    python benchmarks/chaos.py [--quick] [--seed N] [--round-seconds T]
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from common import REPO, markdown_table, pyplot, run_env, save, skip
 from netns import NamespaceError, star
 
 sys.path.insert(0, str(REPO))
-from hf_diloco.metrics import read_summary, run_rounds  # noqa: E402
+from hf_diloco.metrics import read_summary, read_sync_rounds, run_rounds  # noqa: E402
 
 REPLICAS = 3
 TORCHFT_RECIPE = REPO / "recipes" / "torchft-3.yaml"
@@ -150,20 +154,28 @@ def run(network, folder: Path, overrides: list[str], plan: list[tuple[float, str
             network.cut(r, False)
     rounds = committed(folder)
     summary = read_summary(folder / "replica-0")
+    own = read_sync_rounds(folder / "replica-0")
+    budgets = [r["sync_delay_auto"]["budget_seconds"] for r in own if "budget_seconds" in r.get("sync_delay_auto", {})]
     return {"codes": codes, "wall_seconds": wall, "rounds": len(rounds), "tokens": sum(r["tokens"] for r in rounds),
             "eval_loss": summary.get("eval_loss_final"), "digests": [model_digest(folder / f"replica-{r}")
                                                                      for r in range(REPLICAS)],
             "incomplete_checkpoints": incomplete_checkpoints(folder),
             "checkpoints": len(list(folder.glob("replica-*/checkpoint-*"))),
             "events": chaos.events if chaos else [], "cut_rounds": chaos.cut_rounds if chaos else None,
-            "participants": [r.get("participants") for r in rounds]}
+            "participants": [r.get("participants") for r in rounds],
+            "blocked_share_0": sum(r["blocked_seconds"] for r in own) / wall, "largest_budget": max(budgets, default=0)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps, the same faults closer together")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choice of replicas to kill")
+    parser.add_argument("--round-seconds", type=float, default=0.0,
+                        help="time-budget rounds of this many seconds, overlapped with sync_delay auto (0: rounds "
+                             "of H steps)")
     args = parser.parse_args()
+    if args.round_seconds < 0:
+        sys.exit(f"chaos: --round-seconds must be 0 or more, not {args.round_seconds:g}.")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -180,6 +192,8 @@ def main() -> None:
                  "--compression", "int4", "--error_feedback", "true", "--min_replicas", "2",
                  "--sync_grace_seconds", "5", "--sync_timeout", "20", "--save_strategy", "no",
                  "--save_every_rounds", "5", "--end_linger_seconds", "60"]
+    if args.round_seconds:
+        overrides += ["--round_seconds", str(args.round_seconds), "--sync_delay", "auto"]
     try:
         with tempfile.TemporaryDirectory() as tmp_name, star(REPLICAS) as network:
             tmp = Path(tmp_name)
@@ -196,28 +210,35 @@ def main() -> None:
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] else "-"
         change = f"{r['eval_loss'] / clean['eval_loss'] - 1:+.2%}" if r["eval_loss"] and clean["eval_loss"] else "-"
         during = (f"{r['cut_rounds'][1] - r['cut_rounds'][0]}" if r["cut_rounds"] else "-")
-        rows.append([name, f"{goodput:.1%}", f"{r['tokens']:,}", f"{r['wall_seconds']:.0f}", r["rounds"], loss,
+        rows.append([name, f"{goodput:.1%}", f"{r['blocked_share_0']:.1%}", f"{r['tokens']:,}",
+                     f"{r['wall_seconds']:.0f}", r["rounds"], loss,
                      change, during, "yes" if len(set(r["digests"])) == 1 and r["digests"][0] else "NO",
                      f"{r['checkpoints'] - len(r['incomplete_checkpoints'])} of {r['checkpoints']}",
                      " ".join(map(str, r["codes"]))])
-    table = markdown_table(["run", "goodput", "tokens merged", "wall s", "committed rounds", "eval loss",
-                            "vs no fault", "rounds committed during the 30 s cut", "replicas identical",
+    table = markdown_table(["run", "goodput", "replica 0 blocked", "tokens merged", "wall s", "committed rounds",
+                            "eval loss", "vs no fault", "rounds committed during the 30 s cut", "replicas identical",
                             "round checkpoints complete", "exit codes"], rows)
+    rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with sync_delay auto" \
+        if args.round_seconds else f"H = {inner}"
     events = "; ".join(f"{e['at']:.0f} s {e['action']} site {e['replica']}" + (f" ({e['skipped']})"
                                                                               if "skipped" in e else "")
                        for e in chaos["events"])
     table += (f"\n\n3 torchft replicas at 3 sites (network namespaces on one switch, 2 CPU cores shared), {steps} "
-              f"steps, H = {inner}, int4 + error feedback, min_replicas 2, a round checkpoint every 5 rounds, "
+              f"steps, {rounds}, int4 + error feedback, min_replicas 2, a round checkpoint every 5 rounds, "
               f"`--max-restarts 5` at each site. Faults (seconds after the first committed round): {events}. "
               f"Goodput = tokens merged in committed rounds ÷ (wall × 3 × {rate:,.0f} tokens/s, the fault-free "
-              f"run's rate per replica). One run each.")
+              f"run's rate per replica); replica 0 blocked: Σ its records' blocked_seconds ÷ wall. One run each.")
+    if args.round_seconds:
+        table += (f" The largest budget a sync stretched to: {clean['largest_budget']:.2f} s without faults, "
+                  f"{chaos['largest_budget']:.2f} s under chaos.")
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 3))
     for name, r, color in (("no fault", clean, "#2563eb"), ("chaos", chaos, "#ea580c")):
         axis.step(range(1, len(r["participants"]) + 1), r["participants"], where="mid", color=color, label=name)
     axis.set(xlabel="committed round", ylabel="replicas in the round", title="Who took part in each round")
     axis.legend()
-    save("chaos", table, {"clean": clean, "chaos": chaos, "plan": plan}, figure, quick=args.quick,
+    save("chaos-time-budget" if args.round_seconds else "chaos", table,
+         {"clean": clean, "chaos": chaos, "plan": plan, "round_seconds": args.round_seconds}, figure, quick=args.quick,
          seconds=time.time() - begun)
 
 

@@ -22,6 +22,12 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
   third of the way to max_steps, and comes back at two thirds; nothing in the run's settings changes. Its capacity
   is lowered by (60%'s solo rate − 20%'s) for the share of replica 0's loop window the drop lasted.
 
+`--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
+drop. `--quality` compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds,
+plain and with the delayed outer Nesterov, under 60%, 60%, 20% and under three quotas of 46.67% each (the same
+1.4 cores), the equal-speed runs' max_steps sized from the solo rates so that they train about as many tokens in
+about as many syncs (the same budget). `--period-ms` sets the CFS period the quotas are enforced over.
+
 Capacity = the sum over replicas of each one's solo rate under its own quota: each distinct quota (60%, 20%) runs
 once alone first (1 process, the same task and flags), rate = its tokens ÷ its loop time over the rounds after the
 first (the first step's warm-up left out: capacity is what a replica sustains). Per run, from replica 0's own
@@ -37,7 +43,7 @@ records (sync_rounds.jsonl of the run, or of replica-0 on torchft):
   loop seconds;
 - eval loss at the end (held-out blocks), tokens, syncs.
 
-    python benchmarks/speeds.py [--quick] [--backends torch,torchft]
+    python benchmarks/speeds.py [--quick] [--backends torch,torchft] [--methods | --quality] [--period-ms 100]
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 QUOTAS = (0.6, 0.6, 0.2)  # of one core, for ranks 0, 1, 2
 DELAY = 2  # outer_momentum_delay of the --methods row
 DROP_REPLICA, DROP_QUOTA = 1, 0.2  # the quota-drop rows: replica 1 at 20% for the middle third of the run
+EQUAL = round(sum(QUOTAS) / len(QUOTAS), 4)  # --quality: each replica's quota at equal speed, the same sum
 INNER_STEPS = 20
 REPEATS = 3
 FLAGGED = 1.03  # goodput above this is beyond physics plus measurement noise
@@ -69,25 +76,30 @@ TASK = ["--block_size", "128", "--per_device_train_batch_size", "4", "--save_str
 
 
 class QuotaGroups:
-    """One cgroup v1 `cpu` group per rank with its quota; `close` moves what is left back to the root group and
-    removes them."""
+    """One cgroup v1 `cpu` group per rank with its quota, enforced per period of `period_us` microseconds; `close`
+    moves what is left back to the root group and removes them."""
 
-    def __init__(self, quotas: tuple[float, ...]):
+    def __init__(self, quotas: tuple[float, ...], period_us: int = 100_000):
         self.folders: list[Path] = []
+        self.period_us = period_us
         tag = uuid.uuid4().hex[:8]
         try:
             for rank, quota in enumerate(quotas):
                 folder = CPU_CGROUP / f"hf-diloco-speeds-{tag}-rank{rank}"
                 folder.mkdir()
                 self.folders.append(folder)
-                (folder / "cpu.cfs_period_us").write_text("100000")
+                (folder / "cpu.cfs_period_us").write_text(str(period_us))
                 self.set_quota(rank, quota)
         except OSError:
             self.close()
             raise
 
     def set_quota(self, rank: int, quota: float) -> None:
-        (self.folders[rank] / "cpu.cfs_quota_us").write_text(str(int(quota * 100000)))
+        (self.folders[rank] / "cpu.cfs_quota_us").write_text(str(int(quota * self.period_us)))
+
+    def set_quotas(self, quotas: tuple[float, ...]) -> None:
+        for rank, quota in enumerate(quotas):
+            self.set_quota(rank, quota)
 
     def put(self, pid: int, rank: int) -> None:
         (self.folders[rank] / "cgroup.procs").write_text(str(pid))
@@ -241,7 +253,19 @@ def main() -> None:
                         help="instead of the quota-drop rows: time-budget rounds streamed (int4 + error feedback, 2 "
                              "fragments, sync_delay auto) and with the delayed outer Nesterov (outer_momentum_delay "
                              f"{DELAY}); results/speeds-methods-<backends>.*")
+    parser.add_argument("--quality", action="store_true",
+                        help="eval loss at equal tokens against the same replicas at equal speed: time-budget rounds "
+                             "(plain and delayed Nesterov) under 60%%, 60%%, 20%% and under three equal quotas of "
+                             "the same sum, sized to train as many tokens in as many syncs; "
+                             "results/speeds-quality-<backends>.*")
+    parser.add_argument("--period-ms", type=float, default=100.0,
+                        help="the CFS period the quotas are enforced over (default 100 ms, the kernel's; a 20%% "
+                             "replica is held up to 80 ms whenever its quota runs out, 8 ms at 10)")
     args = parser.parse_args()
+    if args.methods and args.quality:
+        sys.exit("speeds: --methods and --quality are separate tables; run one at a time.")
+    if not 1 <= args.period_ms <= 1000:
+        sys.exit(f"speeds: --period-ms must be between 1 and 1000, not {args.period_ms:g}.")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - {"torch", "torchft"}:
         sys.exit(f"speeds: --backends takes torch and/or torchft, not {args.backends!r}.")
@@ -251,7 +275,7 @@ def main() -> None:
         except ImportError:
             skip("speeds", "torchft is not installed (pip install -e '.[ft]').")
     try:
-        groups = QuotaGroups(QUOTAS)
+        groups = QuotaGroups(QUOTAS, period_us=int(args.period_ms * 1000))
     except OSError as error:
         skip("speeds", f"a CPU quota needs root and the cgroup v1 cpu controller at {CPU_CGROUP} ({error}).")
     begun = time.time()
@@ -261,47 +285,66 @@ def main() -> None:
             tmp = Path(tmp_name)
             # Each distinct quota alone: its tokens/s and seconds per step without anyone to wait for.
             solo: dict[float, dict] = {}
-            for rank, quota in enumerate(QUOTAS):
+            for quota in (*QUOTAS, *((EQUAL,) if args.quality else ())):
                 if quota in solo:
                     continue
                 print(f"solo run under {quota:.0%} of a core ...", flush=True)
-                launch(tmp / f"solo-{rank}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
-                                                 str(INNER_STEPS), "--eval_steps", str(solo_steps)],
-                       groups, solo_rank=rank)
-                records = read_sync_rounds(tmp / f"solo-{rank}")[1:]  # the first holds the first step's warm-up
+                groups.set_quota(0, quota)
+                launch(tmp / f"solo-{quota}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
+                                                  str(INNER_STEPS), "--eval_steps", str(solo_steps)],
+                       groups, solo_rank=0)
+                records = read_sync_rounds(tmp / f"solo-{quota}")[1:]  # the first holds the first step's warm-up
                 loop = loop_seconds(records)
                 solo[quota] = {"tokens_per_second": sum(r["tokens"] for r in records) / loop,
                                "seconds_per_step": loop / sum(r["sync_steps"] for r in records)}
+            groups.set_quotas(QUOTAS)
             capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
             round_seconds = round(INNER_STEPS * solo[QUOTAS[0]]["seconds_per_step"], 2)
             budget = ["--inner_steps", str(INNER_STEPS), "--round_seconds", str(round_seconds)]
             streamed = [*budget, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
                         "--sync_delay", "auto"]
-            rows = ((f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False),
-                    (f"time budget {round_seconds:g} s", budget, False))
-            rows += (("time budget, int4 + EF, 2 fragments, τ auto", streamed, False),
-                     (f"time budget, delayed Nesterov N = {DELAY}", [*budget, "--outer_momentum_delay", str(DELAY)],
-                      False)) if args.methods else \
-                ((f"time budget, replica {DROP_REPLICA} at {DROP_QUOTA:.0%} for a third", budget, True),)
-            configurations = {f"{backend}, {name}": (backend, extra, drop) for backend in backends
-                              for name, extra, drop in rows}
+            delayed = [*budget, "--outer_momentum_delay", str(DELAY)]
+            # (name, overrides, quota drop, quotas, max_steps)
+            rows = [(f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False, QUOTAS, steps),
+                    (f"time budget {round_seconds:g} s", budget, False, QUOTAS, steps)]
+            if args.methods:
+                rows += [("time budget, int4 + EF, 2 fragments, τ auto", streamed, False, QUOTAS, steps),
+                         (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps)]
+            elif args.quality:
+                # The same replicas at equal speed: three quotas of the same sum, max_steps sized so that they
+                # train as many tokens (the unequal run: two replicas to `steps`, the 20% one its share of them)
+                # and, with the same budget, make as many syncs.
+                fast = solo[QUOTAS[0]]["tokens_per_second"]
+                equal_steps = round(steps * sum(solo[q]["tokens_per_second"] for q in QUOTAS) / fast / len(QUOTAS))
+                equal = (EQUAL,) * len(QUOTAS)
+                rows = [rows[1], (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps),
+                        (f"time budget {round_seconds:g} s, equal speed", budget, False, equal, equal_steps),
+                        (f"time budget, delayed Nesterov N = {DELAY}, equal speed", delayed, False, equal,
+                         equal_steps)]
+            else:
+                rows += [(f"time budget, replica {DROP_REPLICA} at {DROP_QUOTA:.0%} for a third", budget, True,
+                          QUOTAS, steps)]
+            configurations = {f"{backend}, {name}": (backend, *row) for backend in backends
+                              for name, *row in rows}
             lost = solo[QUOTAS[DROP_REPLICA]]["tokens_per_second"] - solo[DROP_QUOTA]["tokens_per_second"]
             runs: dict[str, list[dict]] = {name: [] for name in configurations}
             for repeat in range(repeats):
-                for i, (name, (backend, extra, drop)) in enumerate(configurations.items()):
+                for i, (name, (backend, extra, drop, quotas, run_steps)) in enumerate(configurations.items()):
                     print(f"[{repeat + 1}/{repeats}] {name} ...", flush=True)
                     folder = tmp / f"run-{i}-{repeat}"
-                    dropping = QuotaDrop(folder, backend, groups, steps) if drop else None
+                    groups.set_quotas(quotas)
+                    dropping = QuotaDrop(folder, backend, groups, run_steps) if drop else None
                     if dropping:
                         dropping.start()
                     try:
-                        launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(steps), "--eval_steps", str(steps),
-                                                     *extra], groups, backend=backend)
+                        launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(run_steps), "--eval_steps",
+                                                     str(run_steps), *extra], groups, backend=backend)
                     finally:
                         if dropping:
                             dropping.done.set()
                             dropping.join()
-                    runs[name].append(measure(folder, backend, capacity, dropping.window if dropping else (), lost))
+                    available = sum(solo[q]["tokens_per_second"] for q in quotas)
+                    runs[name].append(measure(folder, backend, available, dropping.window if dropping else (), lost))
                     print(f"  goodput {runs[name][-1]['goodput']:.1%}, {runs[name][-1]['tokens']:,} tokens",
                           flush=True)
     finally:
@@ -319,7 +362,8 @@ def main() -> None:
         rows.append([name, percent(s["goodput"]) + flag, percent(s["blocked_share_0"]),
                      percent(s["waited_share_worst"]), show(s["eval_loss"], "{:.4f}"), show(s["tokens"]),
                      show(s["syncs"], "{:.0f}"), show(s["loop_seconds"], "{:.1f}")])
-    table = markdown_table(["3 replicas at 60%, 60%, 20% of a core", "goodput", "replica 0 blocked",
+    first = "3 replicas, quotas of 1.4 cores" if args.quality else "3 replicas at 60%, 60%, 20% of a core"
+    table = markdown_table([first, "goodput", "replica 0 blocked",
                             "waited, worst replica", "eval loss", "tokens", "syncs", "loop s"], rows)
     rates = ", ".join(f"{q:.0%}: {v['tokens_per_second']:,.0f} tokens/s ({v['seconds_per_step']:.3f} s/step)"
                       for q, v in solo.items())
@@ -329,15 +373,29 @@ def main() -> None:
               f"{capacity:,.0f} tokens/s (their sum over the 3 replicas). round_seconds = {INNER_STEPS} × the 60% "
               f"replica's solo seconds per step. Goodput = committed tokens ÷ (replica 0's loop seconds × "
               f"capacity); waited: Σ waited_seconds of the replica that waited most (torch: its arrival before the "
-              f"last replica's; torchft: forming the quorum) ÷ replica 0's loop seconds.")
+              f"last replica's; torchft: forming the quorum) ÷ replica 0's loop seconds. Quotas enforced per "
+              f"{args.period_ms:g} ms CFS period.")
+    if args.quality:
+        table += (f" Equal speed: every replica at {EQUAL:.1%} of a core (the same 1.4 cores; capacity "
+                  f"{len(QUOTAS) * solo[EQUAL]['tokens_per_second']:,.0f} tokens/s), max_steps {equal_steps} so that "
+                  f"the three train about as many tokens as the unequal run in about as many syncs.")
+        for backend in backends:
+            for method in (f"time budget {round_seconds:g} s", f"time budget, delayed Nesterov N = {DELAY}"):
+                unequal, same = spreads[f"{backend}, {method}"], spreads[f"{backend}, {method}, equal speed"]
+                table += (f"\n- {backend}, {method}: eval loss {unequal['eval_loss']['median']:.4f} at "
+                          f"{unequal['tokens']['median']:,.0f} tokens against {same['eval_loss']['median']:.4f} at "
+                          f"{same['tokens']['median']:,.0f} at equal speed: "
+                          f"{unequal['eval_loss']['median'] / same['eval_loss']['median'] - 1:+.2%} (medians).")
     labels = list(spreads)
     palette = ["#2563eb", "#ea580c", "#059669", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
     figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
                                      for n in labels], palette[:len(labels)], "goodput (%)",
                             "3 replicas at 60%, 60%, 20% of a core: goodput", (7.5, 3.4))
-    name = f"speeds-methods-{'-'.join(backends)}" if args.methods else "speeds"
+    name = f"speeds-{'methods' if args.methods else 'quality'}-{'-'.join(backends)}" \
+        if args.methods or args.quality else "speeds"
     save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
                            "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
+                           "period_ms": args.period_ms,
                            "capacity_tokens_per_second": capacity, "runs": runs, "spreads": spreads},
          figure, quick=args.quick, seconds=time.time() - begun)
 

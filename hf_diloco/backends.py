@@ -118,7 +118,7 @@ class FixedGroup:
         if not self.budget:
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.replica_any(step >= max_steps or progress.budget_spent(self.budget))
+        return self.comm.replica_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.budget:

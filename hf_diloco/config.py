@@ -274,7 +274,8 @@ class DiLoCoConfig(TrainingArguments):
                           "ends at max_steps, counted by the furthest replica: after each sync every replica "
                           "continues at its step, and the merge weights each replica by the tokens it trained. With "
                           "sync_delay each replica overlaps a sync with its own steps (auto: as many as cover the "
-                          "exchange at its own speed)."},
+                          "exchange at its own speed, and a budget too short for the exchange stretches until the "
+                          "exchanges fit again)."},
     )
     replica_address: str = field(
         default="",

@@ -52,6 +52,8 @@ from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
+FLIGHT_MARGIN = 1.25  # time-budget rounds, sync_delay auto: τ and the budget cover this times the time in flight
+
 
 class Progress:
     """This replica's inner steps since its last launch: what its next sync reports (local, no collective)."""
@@ -150,7 +152,8 @@ class RoundEngine:
         # boundary_wanted(before, now, sync): the callback's rule for where saves and evaluations fall (time-budget
         # rounds on the fixed group make such a sync blocking, so every replica lands it at the same step)
         self.boundary_wanted: Callable[[int, int, int], bool] | None = None
-        self.schedule = Schedule(args.inner_steps, args.num_fragments, sync_delay=args.sync_delay)
+        self.schedule = Schedule(args.inner_steps, args.num_fragments, sync_delay=args.sync_delay,
+                                 budget=args.round_seconds / args.num_fragments if args.round_seconds > 0 else 0.0)
         self.codec: Codec | None = None if args.compression == "none" else make_codec(
             args.compression, chunk=args.compression_chunk, sparse_k=args.sparse_k, sparse_chunk=args.sparse_chunk,
             sparse_bits=args.sparse_bits)
@@ -169,6 +172,7 @@ class RoundEngine:
         self.syncs_landed = 0  # syncs landed since this process started (inner_steps auto waits for 2F)
         self.last_sync_tokens = 0  # tokens of the sync launched last (torchft carries them over a rollback)
         self.max_steps = 0
+        self.own_pace = (0.0, 0.0)  # time-budget τ auto: this replica's decayed (compute seconds, steps)
 
     # --- the start of training ---
 
@@ -227,9 +231,14 @@ class RoundEngine:
             return None
         landing = self.in_flight is not None and (step >= self.in_flight.lands_at or step >= max_steps)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
+        # A time-budget sync that landed may have moved this replica's step (to the agreed one plus the largest τ,
+        # at most max_steps): what follows is decided at the step it continues at.
+        step = self.trainer.state.global_step if landing else step
         due = self.backend.due(step, max_steps, self.progress)
         if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight lands now
             landing, stop = True, stop | self.land(self.in_flight, step, max_steps)
+            step = self.trainer.state.global_step
+            due = self.backend.due(step, max_steps, self.progress)
         if not landing and not due:
             return None
         # A stop learned from the sync that landed ends training here: no new sync is launched to be left in
@@ -302,7 +311,8 @@ class RoundEngine:
         else:
             landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
                               weight=weight)
-        return start, landed, time.perf_counter() - began, flight_started
+        finished = time.perf_counter()
+        return start, landed, finished - began, flight_started, finished
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
         """Finish `flight` at `step`: wait for its exchange (the time the inner loop waits is blocked time), apply
@@ -311,7 +321,7 @@ class RoundEngine:
             self.in_flight = None
             waited = time.perf_counter()
             with self.comm.naming_the_absent(flight.launched_at):
-                start, landed, exchange_seconds, all_there = flight.future.result()
+                start, landed, exchange_seconds, all_there, finished = flight.future.result()
             if self.args.round_seconds > 0:
                 self.progress.align(all_there)
             if start.empty:
@@ -320,6 +330,9 @@ class RoundEngine:
             result = land(self.outer, landed, self.args.fragment_alpha,
                           healthy=landed.result.committed and self._healthy(landed.result))
             blocked = flight.launch_seconds + time.perf_counter() - waited
+            # What τ auto must cover is the whole time in flight: the backend's start (torchft: the quorum; time
+            # budgets: the agreement), then the exchange.
+            self.schedule.exchanged = (start.fragments, finished - flight.began)
         else:
             start = flight.start
             if start.empty:  # nobody brings progress (every participant is joining): only the vote
@@ -332,7 +345,7 @@ class RoundEngine:
             done = time.perf_counter()
             self.progress.reset()
             exchange_seconds, blocked = done - flight.exchange_began, done - flight.began
-        self.schedule.exchanged = (start.fragments, exchange_seconds)
+            self.schedule.exchanged = (start.fragments, exchange_seconds)
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
 
@@ -369,6 +382,13 @@ class RoundEngine:
         if flight.launched_at != step:
             record["launch_step"] = flight.launched_at
         self.syncs_landed += 1
+        if stats is not None:
+            # This replica's seconds per step over its recent syncs (each older sync counts half as much as the
+            # next; time-budget τ auto): a sync that waited at its landing holds a step or two, too few to time a
+            # step by.
+            mine = self.comm.replica_index
+            self.own_pace = (0.5 * self.own_pace[0] + float(stats.compute_seconds[:, mine].max()),
+                             0.5 * self.own_pace[1] + float(stats.steps[:, mine].max()))
         if self.args.auto_sync_delay and stats is not None and flight.measured and step < max_steps:
             record["sync_delay_auto"] = self._choose_delays(stats, list(flight.measured))
         if self.args.auto_inner_steps and self.schedule.auto_choice is None and stats is not None and \
@@ -410,17 +430,25 @@ class RoundEngine:
         """sync_delay auto from what the last exchange of the `measured` fragments took. With rounds of H steps
         every replica lands at the same step, so τ covers the exchange in the slowest replica's steps; with
         time-budget rounds each replica lands in its own steps, so τ is chosen from its own seconds per step, at
-        most the steps it took in this sync less one (its sync lands before the next budget is spent)."""
+        most the steps it takes in the next budget less one (its sync lands before that budget is spent). That
+        budget stretches while a measured fragment's time in flight would not fit in it (Schedule.stretch_budget)."""
         exchange_seconds = float(stats.previous_exchange_seconds.max())
         sizes = [f.size for f in self.fragments]
         if self.args.round_seconds <= 0:
             return self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds,
                                                step_seconds=_step_seconds(stats), sizes=sizes)
-        mine = self.comm.replica_index
-        steps = int(stats.steps[:, mine].max())
-        return self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds,
-                                           step_seconds=float(stats.compute_seconds[:, mine].max()) / max(1, steps),
-                                           sizes=sizes, most=max(1, steps - 1))
+        own_step = self.own_pace[0] / self.own_pace[1] if self.own_pace[1] > 0 else 0.0
+        # A time-budget sync's τ covers its time in flight with a margin: a sync that lands even slightly before
+        # its exchange is done waits for it, while one that lands a few steps late costs nothing.
+        exchange_seconds *= FLIGHT_MARGIN
+        budget = self.schedule.stretch_budget(measured, exchange_seconds, _step_seconds(stats))
+        # At most the steps the budget holds less one, from the budget rather than the steps this sync took: a
+        # sync that waited at its landing took few steps, and τ chosen from them would stay too short.
+        most = max(1, int(budget / own_step) - 1) if own_step > 0 else 1
+        choice = self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds, step_seconds=own_step,
+                                             sizes=sizes, most=most)
+        choice["budget_seconds"] = budget
+        return choice
 
     def _choose_inner_steps(self, stats: SyncStats, launched_at: int, max_steps: int) -> dict:
         """inner_steps auto from what the first syncs measured, the same on every replica; the new schedule

@@ -54,12 +54,44 @@ class Schedule:
     sync_delay: int = 0  # τ the run asked for; a fragment keeps it until sync_delay auto chooses its own
     delays: dict[int, int] = field(default_factory=dict)  # τ of each fragment chosen by sync_delay auto
     measured: set[int] = field(default_factory=set)  # fragments whose τ came from their own measured exchange
-    exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds
+    exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds (in
+    # flight, for an overlapped sync: the backend's start and the exchange)
     auto_choice: dict | None = None  # the inner_steps auto decision, once made
+    budget: float = 0.0  # time-budget rounds: seconds of inner steps before each sync (round_seconds / F); 0: off
+    stretched: float = 0.0  # a longer budget sync_delay auto chose while an exchange did not fit the set one
+    flights: dict[int, float] = field(default_factory=dict)  # each measured fragment's last time in flight
 
     @property
     def sync_every(self) -> int:
         return self.inner_steps // self.num_fragments
+
+    def sync_budget(self) -> float:
+        """Seconds of inner steps before the next time-budget sync: the set budget, or longer while exchanges
+        take longer than it allows (`stretch_budget`)."""
+        return max(self.budget, self.stretched)
+
+    def stretch_budget(self, fragments: list[int], exchange_seconds: float, slowest_step_seconds: float) -> float:
+        """sync_delay auto with time-budget rounds: a sync overlaps its exchange with at most the steps of one
+        budget less one, so an exchange longer than that (a slow link: a ring all-reduce runs at its slowest link
+        for everyone) would keep every replica waiting at the landing. Given that the last exchange of `fragments`
+        took `exchange_seconds`, the budget stretches to
+
+            T' = max over the measured fragments of t_exchange + 2 · t_step (the slowest replica's seconds per step)
+
+        so that every replica's τ covers the exchange with a step to spare, and goes back to the set budget as soon
+        as the exchanges fit again: the replicas sync less often while the link is slow, and nobody waits. Every
+        replica computes it from the same agreed numbers. Returns the budget of the next sync.
+
+        >>> s = Schedule(inner_steps=20, num_fragments=2, budget=1.0)
+        >>> s.stretch_budget([0], 3.0, 0.25), s.stretch_budget([1], 0.4, 0.25)  # fragment 0's 3 s still counts
+        (3.5, 3.5)
+        >>> s.stretch_budget([0], 0.4, 0.25)                                   # until the link recovers
+        1.0
+        """
+        self.flights.update({fragment: exchange_seconds for fragment in fragments})
+        wanted = max(self.flights.values(), default=0.0) + 2 * slowest_step_seconds
+        self.stretched = wanted if self.budget > 0 and wanted > self.budget else 0.0
+        return self.sync_budget()
 
     def delay(self, fragment: int) -> int:
         """τ of `fragment`'s next sync: sync_delay, or what sync_delay auto chose for it."""
@@ -249,7 +281,7 @@ class Schedule:
         state: dict = {}
         if self.delays:
             state["sync_delays"] = {"delays": dict(self.delays), "exchanged": list(self.exchanged),
-                                    "measured": sorted(self.measured)}
+                                    "measured": sorted(self.measured), "stretched_budget": self.stretched}
         if self.end is not None:  # the staggered end as placed, which stays once the last H steps begin
             state["final_window"] = {"launches": {str(k): list(v) for k, v in self.end.launches.items()},
                                      "last_regular": self.end.last_regular}
@@ -271,6 +303,7 @@ class Schedule:
             fragments, seconds = saved["exchanged"]
             self.exchanged = (list(fragments), float(seconds))
             self.measured = set(saved.get("measured", self.delays))
+            self.stretched = float(saved.get("stretched_budget", 0.0))
         if "final_window" in state and staggered:
             window = state["final_window"]
             self.end = FinalWindow(launches={int(k): tuple(v) for k, v in window["launches"].items()},
@@ -314,7 +347,8 @@ def choose_sync_delay(exchange_seconds: float, step_seconds: float, *, most: int
 
         τ = ceil(t_exchange / t_step), clamped to [1, H/F − 1]
 
-    with t_exchange the longest any replica's last exchange of that fragment took and t_step the slowest
+    with t_exchange the longest any replica's last exchange of that fragment took (for an overlapped sync, all its
+    time in flight: the backend's start, such as torchft's quorum, and the exchange) and t_step the slowest
     replica's seconds per inner step.
 
     >>> choose_sync_delay(0.25, 0.1, most=9)      # 2.5 steps of compute cover the transfer: 3

@@ -338,7 +338,7 @@ class TorchftRounds:
         if step >= max_steps:
             return True
         if self.args.round_seconds > 0:
-            return progress.budget_spent(self.args.round_seconds / self.args.num_fragments)
+            return progress.budget_spent(self.schedule.sync_budget())
         return progress.steps >= self.schedule.sync_every
 
     def may_overlap(self) -> bool:

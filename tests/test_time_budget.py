@@ -149,6 +149,41 @@ def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay
         assert sum(rank["sync_seconds"]) <= 0.15 * rank["train_seconds"], (rank["sync_seconds"], rank["train_seconds"])
 
 
+SLOW_LINK = 0.4  # seconds each all-reduce across replicas waits first (tests/scripts/replica_run.py)
+SHORT_BUDGET = 0.2  # round_seconds the slow link's exchange does not fit in
+
+
+def test_a_link_too_slow_for_the_time_budget_stretches_it_and_nobody_waits(tmp_path):
+    """A link too slow for the budget: every all-reduce across replicas first waits SLOW_LINK s, so a sync's
+    exchange takes longer than the steps of a SHORT_BUDGET s budget can cover (a ring all-reduce runs at its
+    slowest link for everyone). With `sync_delay: auto` the first exchanges keep the replicas waiting at their
+    landing; once one has been measured and agreed, the budget stretches to the exchange plus two of the slowest
+    replica's steps (Schedule.stretch_budget), τ covers the sync's time in flight (the agreement, then the
+    exchange) with a margin, and the later overlapped syncs keep replica 0 waiting under an eighth of SLOW_LINK at
+    the median and a quarter on average (without the stretch, about SLOW_LINK each: the wait eats the budget, the
+    next sync comes after a step or two, and τ chosen from them stays short). The replicas end identical."""
+    settings = {"out": str(tmp_path), "inner_steps": 10, "round_seconds": SHORT_BUDGET, "max_steps": 100_000,
+                "sync_delay": "auto", "slow_sync_seconds": SLOW_LINK, "save_every_rounds": 0,
+                "stop_after_syncs": 7}
+    result = accelerate_launch([SCRIPT, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
+    records = read_sync_rounds(tmp_path / "run")
+    assert len(records) >= 8, records
+    # The first sync waited for its exchange: the link is slow for this budget.
+    assert records[0]["blocked_seconds"] >= SLOW_LINK, records[0]
+    choices = [(r["sync"], r["sync_delay_auto"]) for r in records if "sync_delay_auto" in r]
+    stretched = [(n, c) for n, c in choices if c["budget_seconds"] > SHORT_BUDGET]
+    assert stretched and stretched[0][0] <= 3, choices
+    for _, choice in stretched:  # the budget holds the time in flight (with its margin) and more
+        assert choice["budget_seconds"] > choice["exchange_seconds"] >= SLOW_LINK, choices
+    settled = [r for r in records[:-1] if r["sync"] > stretched[0][0] + 1 and "launch_step" in r]
+    assert len(settled) >= 3, records
+    blocked = sorted(r["blocked_seconds"] for r in settled)
+    assert blocked[len(blocked) // 2] <= SLOW_LINK / 8 and sum(blocked) / len(blocked) <= SLOW_LINK / 4, settled
+
+
 def test_with_rounds_of_h_steps_the_record_says_how_long_the_fast_replica_waited_for_the_slow_one(tmp_path,
                                                                                                   slow_group):
     """Without a time budget both replicas take H steps a round, and replica 0 waits at every sync for replica 1

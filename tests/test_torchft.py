@@ -234,6 +234,35 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     assert max_difference(first, second) == 0.0
 
 
+def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_waits(tmp_path):
+    """Time-budget rounds of 0.2 s with `sync_delay: auto` over a link on which each all-reduce waits 0.6 s
+    first (a step 0.03 s): the exchange does not fit the budget, so once the first exchange's time has been agreed
+    the budget stretches to the sync's time in flight (the quorum, then the exchange) plus two steps, alike on both
+    replicas (Schedule.stretch_budget), and the later overlapped syncs keep replica 0 waiting at their landing under
+    an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s each).
+    The replicas end identical."""
+    settings = {"replicas": 2, "min_replicas": 2, "max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03,
+                "slow_sync_seconds": 0.6, "round": {"sync_delay": "auto"}}
+    with lighthouse(min_replicas=2, grace=5) as address:
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(tmp_path), "replica": r, "lighthouse": address, **settings}, logs[r])
+                    for r in range(2)]
+        finish(replicas, logs)
+    records = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(2)]
+    budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
+               for rounds in records]
+    assert budgets[0] and budgets[0] == budgets[1], budgets
+    stretched = [n for n, budget in budgets[0] if budget > 0.2]
+    assert stretched and stretched[0] <= 3, budgets
+    settled = [r for r in records[0][:-1] if r["sync"] > stretched[0] + 1 and "launch_step" in r]
+    assert len(settled) >= 3, records[0]
+    blocked = sorted(r["blocked_seconds"] for r in settled)
+    assert blocked[len(blocked) // 2] <= 0.6 / 8 and sum(blocked) / len(blocked) <= 0.6 / 4, settled
+    assert records[0][-1]["step"] == 240
+    first, second = (torch.load(tmp_path / f"params{r}.pt") for r in range(2))
+    assert max_difference(first, second) == 0.0
+
+
 @pytest.mark.parametrize("round_settings", [
     {},
     {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},

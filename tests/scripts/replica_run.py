@@ -4,7 +4,8 @@ Argument: a JSON object with the run's settings. Each rank writes `rank<r>.json`
 torch.distributed collective it made, tagged with the inner step it happened in (0 = before training), a digest
 of its parameters after every sync, and the bytes it wrote to its sockets during every sync (from the kernel's
 count of bytes written, /proc/self/io `wchar`); rank 0's final parameters go to `final.pt`. The setting
-`stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does); `seed_by_rank: true`
+`stop_at_step: N` makes rank 0 alone request a stop after step N (as the app's Stop does), `stop_after_syncs: N`
+once N syncs landed; `seed_by_rank: true`
 builds each process's model from its own seed (replicas that do not start alike); `slow_sync_seconds: s` makes
 every all-reduce across replicas wait s seconds first (a slower link); `cgroup_by_rank: {rank: folder}` moves
 that rank's process into a cgroup v1 `cpu` folder the test made (a real CPU quota: a slower replica). Per sync a rank
@@ -31,6 +32,7 @@ from hf_diloco import DiLoCoConfig, DiLoCoTrainer, launch  # noqa: E402
 settings = json.loads(sys.argv[1])
 out = Path(settings.pop("out"))
 stop_at_step = settings.pop("stop_at_step", None)
+stop_after_syncs = settings.pop("stop_after_syncs", None)
 seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
 slow_sync_seconds = settings.pop("slow_sync_seconds", 0)  # every all-reduce between replicas takes this much longer
 cgroup = settings.pop("cgroup_by_rank", {}).get(os.environ.get("RANK", "0"))
@@ -103,7 +105,8 @@ class Probe(TrainerCallback):
         own_steps[0] += 1
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == stop_at_step and dist.get_rank() == 0:
+        if dist.get_rank() == 0 and (state.global_step == stop_at_step or stop_after_syncs is not None and
+                                     trainer.diloco.engine.syncs_landed > stop_after_syncs):
             trainer.diloco.request_stop()
 
 
