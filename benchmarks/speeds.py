@@ -390,7 +390,7 @@ def main() -> None:
     palette = ["#2563eb", "#ea580c", "#059669", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
     figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
                                      for n in labels], palette[:len(labels)], "goodput (%)",
-                            "3 replicas at 60%, 60%, 20% of a core: goodput", (7.5, 3.4))
+                            f"{first}: goodput", (7.5, 3.4))
     name = f"speeds-{'methods' if args.methods else 'quality'}-{'-'.join(backends)}" \
         if args.methods or args.quality else "speeds"
     save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
