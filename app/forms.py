@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import yaml
+
 from hf_diloco import checks
 from hf_diloco.errors import ConfigError
 from hf_diloco.files import read_yaml
@@ -142,6 +144,11 @@ def check_recipe_keys(recipe: Path) -> dict:
         values = read_yaml(recipe, "recipe")
     except ConfigError as error:
         raise FormError(str(error)) from None
+    return check_recipe_values(values)
+
+
+def check_recipe_values(values: dict) -> dict:
+    """`values` (a recipe's), if every key is one a run started from the app may set; a FormError otherwise."""
     known = library_fields() | training_argument_fields()
     unknown = sorted(set(values) - known)
     if unknown:
@@ -326,6 +333,26 @@ def allowed(path: str | Path, roots: list[Path], what: str) -> Path:
         if resolved.is_relative_to(root.resolve()) and resolved.is_file():
             return resolved
     raise FormError(f"{what} {str(path)!r} is not a file in {' or '.join(str(r) for r in roots)}.")
+
+
+def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: Path) -> None:
+    """The instant check, run as the form is typed in: every refusal of Preview that the form's own values decide
+    (the knobs, a local model or dataset path, the recipe's keys as typed, H against max steps), without writing a
+    draft or asking the Hub. It refuses what Preview refuses for these, so whichever of the two answers last, the
+    sentence shown is the same."""
+    check_knobs(knobs)
+    for value, what in ((knobs.model_name_or_path, "model"), (knobs.dataset_name, "dataset")):
+        if str(value).strip() and Path(str(value).strip()).expanduser().exists():
+            check_source(str(value), what, ())
+    try:
+        chosen = allowed(RECIPES / recipe_name if recipe_name and "/" not in recipe_name else recipe_name,
+                         [RECIPES, runs_dir], "recipe")
+        values = yaml.safe_load(edited_yaml if edited_yaml.strip() else chosen.read_text())
+    except (FormError, OSError, yaml.YAMLError):
+        return  # the recipe itself: Preview names what is wrong with it
+    if isinstance(values, dict):
+        check_recipe_values(values)
+        check_rounds(knobs, values)
 
 
 def recipe_path(name: str, edited_yaml: str, runs_dir: Path) -> Path:

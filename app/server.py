@@ -133,10 +133,11 @@ class App:
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         return gr.update(placeholder=forms.auto_name(recipe_name or "", knobs))
 
-    def check(self, *knob_values):
-        """The instant check of the knobs, run as they are typed."""
+    def check(self, recipe_name, yaml_text, *knob_values):
+        """The instant check of the form, run as the knobs are typed (forms.check_as_typed)."""
         try:
-            forms.check_knobs(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]))
+            forms.check_as_typed(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]),
+                                 recipe_name or "", yaml_text or "", self.runs_dir)
         except forms.FormError as error:
             return f"**Cannot start:** {error}"
         return ""
@@ -438,7 +439,7 @@ def build(runs_dir: Path) -> gr.Blocks:
         recipe.input(app.config_for, [recipe, config], config, api_name=False)
         yaml_text.change(app.recipe_source, [recipe, yaml_text], recipe_note, api_name=False)
         for box in knob_inputs:
-            box.change(app.check, knob_inputs, form_message, api_name=False)
+            box.change(app.check, [recipe, yaml_text, *knob_inputs], form_message, api_name=False)
         for box in (recipe, *knob_inputs):
             box.change(app.default_name, [recipe, *knob_inputs], name, api_name=False)
         preview_button.click(app.preview, form, [command, form_message, planned], api_name="preview")

@@ -21,7 +21,6 @@ names it in one sentence with what to do (`damaged_files`), so one broken file n
 from __future__ import annotations
 
 import html
-import json
 import re
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import pandas as pd
 
 from hf_diloco import metrics
 from hf_diloco.errors import ConfigError, DamagedFile
-from hf_diloco.files import read_json, read_yaml
+from hf_diloco.files import read_json, read_jsonl, read_yaml
 from hf_diloco.hub import RUN_CONFIG_FILE
 from hf_diloco.metrics import SUMMARY_FILE, sync_number
 from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, STOPPED_FILE, TRAINER_LOG_FILE, Run
@@ -112,15 +111,7 @@ def read_trainer_log(run: Run | None) -> list[dict]:
     """Every dict Trainer logged (loss, eval_loss, learning_rate, ...), with its step."""
     if run is None:
         return []
-    path = lead_folder(run) / TRAINER_LOG_FILE
-    entries = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                break
-    return entries
+    return read_jsonl(lead_folder(run) / TRAINER_LOG_FILE)
 
 
 def _yaml(path: str | Path) -> dict:

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .errors import DamagedFile
-from .files import read_json, write_json
+from .files import append_jsonl, read_json, write_json
 from .runs import PROGRESS_FILE, STOP_FILE, STOPPED_FILE, TRAINER_LOG_FILE
 
 
@@ -97,8 +96,7 @@ class RunRecorder(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            with (self.folder / TRAINER_LOG_FILE).open("a") as f:
-                f.write(json.dumps({"step": state.global_step, "time": time.time(), **logs}) + "\n")
+            append_jsonl(self.folder / TRAINER_LOG_FILE, {"step": state.global_step, "time": time.time(), **logs})
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:

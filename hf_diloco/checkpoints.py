@@ -26,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -71,12 +72,29 @@ def finish_part(replica_dir: Path) -> None:
 
 def mark_complete(folder: Path, step: int, processes: int) -> None:
     """Write the marker (once every process's part is written), listing every file and its size; then drop the
-    note. A marker cut short by a kill does not parse, so the folder still reads as incomplete."""
-    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.relative_to(folder).as_posix() not in (SAVING_FILE, MARKER_FILE)}
+    note. A marker cut short by a kill does not parse, so the folder still reads as incomplete. Every listed file
+    and folder is flushed to disk (fsync) before the marker is written, and the marker after: after a power loss a
+    file the kernel had not written yet can come back zero-filled at its full size, which the size check alone
+    would take for complete."""
+    listed = [p for p in sorted(folder.rglob("*"))
+              if p.is_file() and p.relative_to(folder).as_posix() not in (SAVING_FILE, MARKER_FILE)]
+    for path in [*listed, *sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
+        _flush(path)
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in listed}
     marker = {"step": step, "processes": processes, "files": files}
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=1) + "\n")
+    _flush(folder / MARKER_FILE)
     (folder / SAVING_FILE).unlink(missing_ok=True)
+    _flush(folder)
+
+
+def _flush(path: Path) -> None:
+    """fsync a file or a folder (a folder's entries: the names of the files in it)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def is_complete(folder: Path) -> bool:

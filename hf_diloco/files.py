@@ -3,6 +3,10 @@
     read_json(path, default)    a JSON file of a run folder (run.json, progress.json, stopped.json, replicas.json,
                                 run_config.json, diloco_summary.json, ...)
     write_json(path, value)     written whole: a temporary file renamed over the old one
+    read_jsonl(path)            the records of a JSON-lines log (sync_rounds.jsonl, trainer_log.jsonl): every whole
+                                line; a damaged one is skipped with one warning naming it
+    append_jsonl(path, value)   one record more, on a line of its own even after a writer killed mid-line
+    replace_text(path, text)    a file rewritten whole, as write_json writes
     read_yaml(path, what)       a recipe or an accelerate config: a mapping of settings
 
 Design choices:
@@ -16,11 +20,14 @@ Design choices:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, DamagedFile, first_line
+
+logger = logging.getLogger(__name__)
 
 REQUIRED = object()  # read_json's default: a missing file is an error (FileNotFoundError)
 WHAT_TO_DO = "restore it from a copy, or move it out of the way to go on without it"
@@ -65,11 +72,70 @@ def read_json(path: str | os.PathLike, default: Any = REQUIRED, kind: type = dic
 
 def write_json(path: str | os.PathLike, value: Any, indent: int | None = 2) -> None:
     """Write `value` to `path` whole: readers (the app, a push) see the old file or the new one, never half of one."""
+    replace_text(path, json.dumps(value, indent=indent) + "\n")
+
+
+def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` whole, through a temporary file renamed over the old one: a reader, or a process
+    killed while writing, sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=indent) + "\n")
+    temporary.write_text(text)
     temporary.replace(path)
+
+
+_warned: set[tuple[str, int]] = set()  # (file, line) of damaged lines already reported by this process
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of the JSON-lines file `path`, in order ([] when there is none). A line that is not a JSON
+    object is skipped, once reported per process in one warning naming the file and the line, and the lines after
+    it are still read (a writer killed mid-line leaves a torn line, and the one restarted appends after it). A
+    last line without its newline is being written: left out, silently.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "log.jsonl"
+    >>> _ = path.write_text('{"step": 1}\\n{"st\\n{"step": 3}\\n{"step": 4')
+    >>> [r["step"] for r in read_jsonl(path)]   # line 2 torn by a kill, line 4 still being written
+    [1, 3]
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines) and (str(path), number) not in _warned:  # not the unfinished last line
+            _warned.add((str(path), number))
+            logger.warning("%s: line %d is damaged (not a JSON object); it is skipped and the lines after it are "
+                           "read.", path, number)
+    return records
+
+
+def append_jsonl(path: str | os.PathLike, value: dict) -> None:
+    """Append `value` to the JSON-lines file `path` as one line. A file whose last line has no newline (its writer
+    was killed mid-line) gets one first, so the new record is not glued to the torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as f:
+        if f.tell() > 0:
+            with path.open("rb") as tail:
+                tail.seek(-1, os.SEEK_END)
+                torn = tail.read(1) != b"\n"
+            if torn:
+                f.write(b"\n")
+        f.write((json.dumps(value) + "\n").encode())
 
 
 def read_yaml(path: str | os.PathLike, what: str, holds: str = "field names to values") -> dict:

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .files import read_json, write_json
+from .files import append_jsonl, read_json, read_jsonl, replace_text, write_json
 
 SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
 # Series keep their colour wherever they are drawn (the app's Live and Compare views, the model card's curve):
@@ -64,17 +64,9 @@ def _clean(value: Any) -> Any:
 
 
 def read_sync_rounds(output_dir: str | os.PathLike) -> list[dict]:
-    """All round records of a run, in order; tolerates a half-written last line of a live run."""
-    path = Path(output_dir) / SYNC_ROUNDS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
+    """All sync records of a run, in order: every whole line (hf_diloco.files.read_jsonl: a half-written last line
+    of a live run is left out, a line torn by a kill is skipped with a warning and the records after it read)."""
+    return read_jsonl(Path(output_dir) / SYNC_ROUNDS_FILE)
 
 
 REPLICA_PREFIX = "replica-"
@@ -197,14 +189,11 @@ class RoundWriter:
     def truncate_after(self, step: int) -> list[dict]:
         """Forget syncs past `step` (their steps are retrained after a resume); returns the records kept."""
         kept = [r for r in read_sync_rounds(self.path.parent) if r["step"] <= step]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
     def write(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        append_jsonl(self.path, {k: _clean(v) for k, v in record.items()})
 
 
 def write_summary(output_dir: str, summary: dict) -> None:

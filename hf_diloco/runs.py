@@ -107,6 +107,8 @@ class Run:
     name: str = ""
     reason: str = ""
     form: dict = field(default_factory=dict)  # the app's knobs as the user filled them in (a reload refills these)
+    # keys of run.json this version does not know (written by a newer one): kept as they were when it is rewritten
+    unknown: dict = field(default_factory=dict, repr=False)
 
     @property
     def folder(self) -> Path:
@@ -114,15 +116,19 @@ class Run:
 
 
 def _write(run_dir: Path, run: Run) -> None:
-    write_json(run_dir / RUN_FILE, asdict(run))  # atomic: readers never see half a file
+    values = asdict(run)
+    write_json(run_dir / RUN_FILE, {**values.pop("unknown"), **values})  # atomic: readers never see half a file
 
 
 def _read(run_dir: Path) -> Run:
-    """The run.json of `run_dir`; DamagedFile, naming it, when it cannot be read as a run."""
+    """The run.json of `run_dir`; DamagedFile, naming it, when it cannot be read as a run. Keys this version does
+    not know (a newer version wrote the file) are kept aside, not read, and written back as they were."""
     values = read_json(run_dir / RUN_FILE)
+    known = set(Run.__dataclass_fields__) - {"unknown"}
     try:
-        return Run(**values)
-    except TypeError as error:  # fields missing or unknown
+        return Run(**{k: v for k, v in values.items() if k in known},
+                   unknown={k: v for k, v in values.items() if k not in known})
+    except TypeError as error:  # fields missing
         raise DamagedFile(f"{run_dir / RUN_FILE} is not a run's record ({first_line(error)}); {WHAT_TO_DO}.") \
             from None
 

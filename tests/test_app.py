@@ -324,3 +324,28 @@ def test_a_reloaded_form_refills_what_the_user_chose_and_nothing_the_app_chose(t
 
     refilled = dict(zip([f.name for f in fields(forms.Knobs)], app.reattach()[5:], strict=True))
     assert refilled == {**dict.fromkeys(refilled, ""), "replicas": "3", "inner_steps": "7"}
+
+
+def test_the_instant_check_refuses_what_preview_refuses_for_the_forms_own_values(tmp_path):
+    """The check that runs as knobs are typed and Preview answer in either order, so they must agree: H above max
+    steps (knobs or the recipe as typed), a local dataset folder without data, and an unknown key in the recipe as
+    edited are refused by both, in the same sentence; a valid form passes both; the check writes no draft."""
+    from app.server import App
+
+    app = App(tmp_path / "runs")
+    empty = tmp_path / "my-data"
+    empty.mkdir()
+    cases = [(knobs(inner_steps=1000, max_steps=150), ""),
+             (knobs(dataset_name=str(empty)), ""),
+             (knobs(), TINY_YAML + "inner_stepz: 5\n"),
+             (knobs(), TINY_YAML.replace("max_steps: 400", "max_steps: 3"))]
+    for values, edited in cases:
+        preview = app.preview("", "tiny-pretrain.yaml", edited, "cpu-2proc.yaml", *values)[1]
+        assert preview.startswith("**Cannot start:**"), (values, edited, preview)
+        assert app.check("tiny-pretrain.yaml", edited, *values) == preview
+    assert app.check("tiny-pretrain.yaml", "", *knobs(inner_steps=5, max_steps=150)) == ""
+    assert "Form is valid" in app.preview("", "tiny-pretrain.yaml", "", "cpu-2proc.yaml",
+                                          *knobs(inner_steps=5, max_steps=150))[1]
+    drafts_before = sorted((tmp_path / "runs" / "drafts").glob("*"))
+    app.check("tiny-pretrain.yaml", TINY_YAML + "# edited\n", *knobs())
+    assert sorted((tmp_path / "runs" / "drafts").glob("*")) == drafts_before

@@ -74,6 +74,36 @@ def test_a_checkpoint_is_complete_only_with_its_marker_and_every_file_it_lists(t
     assert not checkpoints.is_complete(cut_marker), "a marker cut short by a kill does not parse"
 
 
+def test_every_file_and_folder_is_on_disk_before_the_marker_is_written(tmp_path, monkeypatch):
+    """After a power loss a file the kernel had not written yet can come back zero-filled at its full size: the
+    marker's size check would take it for whole. So every file the marker lists, and every folder, is fsynced
+    before the marker exists, and the marker and the folder after."""
+    import os
+
+    folder = written(tmp_path, 10)
+    synced: list[tuple[str, bool]] = []  # (path fsynced, whether the marker existed then)
+    real_fsync, opened = os.fsync, {}
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        descriptor = real_open(path, flags, *args, **kwargs)
+        opened[descriptor] = Path(path)
+        return descriptor
+
+    def recording_fsync(descriptor):
+        synced.append((opened[descriptor].relative_to(folder).as_posix(),
+                       (folder / checkpoints.MARKER_FILE).exists()))
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    checkpoints.mark_complete(folder, 10, processes=2)
+    listed = json.loads((folder / checkpoints.MARKER_FILE).read_text())["files"]
+    before = {path for path, marker in synced if not marker}
+    assert set(listed) | {"process-0", "process-1", "."} <= before, (listed, synced)
+    assert (checkpoints.MARKER_FILE, True) in synced and synced[-1] == (".", True), synced
+
+
 def test_an_earlier_versions_part_folder_is_read_where_it_is(tmp_path):
     """Checkpoints of earlier versions keep each process's part in replica-<rank>/; a resume finds it there."""
     old = earlier_version(tmp_path, 10)

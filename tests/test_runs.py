@@ -127,6 +127,23 @@ def test_a_run_whose_run_json_is_damaged_is_listed_as_failed_with_the_sentence_n
     assert runs.stop(bad).status == "failed" and (bad / runs.RUN_FILE).read_text() == ""
 
 
+def test_a_run_json_from_a_newer_version_is_read_and_keeps_its_unknown_keys_when_rewritten(tmp_path):
+    """A run.json with a key this version does not know (a newer version wrote it) is read as the run it is, and
+    a rewrite (here: a stop request on a finished run) leaves that key as it was."""
+    folder = tmp_path / "newer"
+    folder.mkdir()
+    runs._write(folder, runs.Run("newer", RECIPE, "x.yaml", [], ["true"], str(folder / "output"), status="finished"))
+    values = json.loads((folder / runs.RUN_FILE).read_text())
+    assert "unknown" not in values
+    (folder / runs.RUN_FILE).write_text(json.dumps({**values, "placement": {"site": "b"}}))
+    [run] = runs.list_runs(tmp_path)
+    assert (run.id, run.status, run.reason) == ("newer", "finished", "")
+    with runs._updating(folder) as changing:
+        changing.name = "renamed"
+    kept = json.loads((folder / runs.RUN_FILE).read_text())
+    assert kept["placement"] == {"site": "b"} and kept["name"] == "renamed" and "unknown" not in kept
+
+
 def test_the_app_and_the_modules_it_uses_do_not_import_torch():
     """The app lists and starts runs (hf_diloco.runs), checks its form (hf_diloco.checks) and pushes (hf_diloco.hub)
     in its own process; it must stay light."""
@@ -242,3 +259,32 @@ def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_repli
     assert [(s["state"], s["restarts"], s["exit_code"]) for s in states] == [("finished", 0, 0), ("exited", 1, 3)]
     assert [o["restarted"] for o in states[1]["outages"]] == [True, False]
     assert ReplicaSupervisor([fail, fail], str(tmp_path / "all"), max_restarts=0).run() == 3, "no replica finished"
+
+
+def test_a_line_torn_by_a_kill_hides_no_later_record_and_appends_start_on_a_line_of_their_own(tmp_path, caplog):
+    """A replica killed mid-write leaves a torn line; the one restarted appends after it (RoundWriter, the Trainer
+    log's writer). Every whole record before and after reads back, the torn line is reported once in a warning
+    naming the file and its line, and a resume's rewrite keeps the whole records only."""
+    from hf_diloco.files import append_jsonl
+    from hf_diloco.metrics import RoundWriter
+
+    writer = RoundWriter(str(tmp_path))
+    for step in (5, 10):
+        writer.write({"sync": step // 5, "step": step})
+    with writer.path.open("a") as f:
+        f.write('{"sync": 3, "st')  # killed here
+    for step in (15, 20):  # the restarted replica's records
+        writer.write({"sync": step // 5, "step": step})
+    with caplog.at_level("WARNING"):
+        first = read_sync_rounds(tmp_path)
+        again = read_sync_rounds(tmp_path)
+    assert [r["step"] for r in first] == [r["step"] for r in again] == [5, 10, 15, 20]
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert warnings == [f"{writer.path}: line 3 is damaged (not a JSON object); it is skipped and the lines after "
+                        "it are read."]
+    assert [r["step"] for r in writer.truncate_after(15)] == [5, 10, 15]
+    assert writer.path.read_text().count("\n") == 3 and not writer.path.with_name(writer.path.name + ".tmp").exists()
+    log = tmp_path / runs.TRAINER_LOG_FILE
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    append_jsonl(log, {"step": 3, "loss": 1.5})
+    assert log.read_text().splitlines()[-1] == '{"step": 3, "loss": 1.5}'
