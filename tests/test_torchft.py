@@ -204,6 +204,17 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
         assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * len(MEMBER_FIELDS) * 8
 
 
+def two_replicas_records(out: Path, settings: dict) -> list[list[dict]]:
+    """Two torchft replicas of `settings` with a Lighthouse (min replicas 2), run to their end in `out`; returns
+    each replica's sync records."""
+    with lighthouse(min_replicas=2, grace=5) as address:
+        logs = [out / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(out), "replica": r, "lighthouse": address, **settings}, logs[r])
+                    for r in range(2)]
+        finish(replicas, logs)
+    return [read_sync_rounds(out / f"replica-{r}") for r in range(2)]
+
+
 def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     """sync_delay auto on torchft over a slower link (each all-reduce waits 0.2 s, a step 0.05 s): the exchange times
     ride with the round's statistics as on the torch backend, so both replicas record the same τ (above 1) for the
@@ -212,12 +223,7 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     fragment."""
     settings = {"replicas": 2, "min_replicas": 2, "max_steps": 48, "inner_steps": 12, "step_sleep": 0.05,
                 "slow_sync_seconds": 0.2, "round": {"num_fragments": 2, "sync_delay": "auto"}}
-    with lighthouse(min_replicas=2, grace=5) as address:
-        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(tmp_path), "replica": r, "lighthouse": address, **settings}, logs[r])
-                    for r in range(2)]
-        finish(replicas, logs)
-    records = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(2)]
+    records = two_replicas_records(tmp_path, settings)
     choices = [[(r["sync"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
                 if "sync_delay_auto" in r] for rounds in records]
     assert choices[0] and choices[0] == choices[1], choices
@@ -243,12 +249,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     The replicas end identical."""
     settings = {"replicas": 2, "min_replicas": 2, "max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03,
                 "slow_sync_seconds": 0.6, "round": {"sync_delay": "auto"}}
-    with lighthouse(min_replicas=2, grace=5) as address:
-        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(tmp_path), "replica": r, "lighthouse": address, **settings}, logs[r])
-                    for r in range(2)]
-        finish(replicas, logs)
-    records = [read_sync_rounds(tmp_path / f"replica-{r}") for r in range(2)]
+    records = two_replicas_records(tmp_path, settings)
     budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
                for rounds in records]
     assert budgets[0] and budgets[0] == budgets[1], budgets
