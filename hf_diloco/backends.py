@@ -86,14 +86,12 @@ class FixedGroup:
 
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
 
-    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, round_seconds: float = 0.0,
-                 continue_at_step=None, overlap: bool = False, step: int = 0, boundary_wanted=None):
+    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, continue_at_step=None,
+                 overlap: bool = False, step: int = 0, boundary_wanted=None):
         self.comm = comm
         self.outer = outer
         self.schedule = schedule
         self.resumed = resumed
-        # seconds of inner steps before each sync (a round's budget shared among its fragments); 0: H steps a round
-        self.budget = round_seconds / schedule.num_fragments if round_seconds > 0 else 0.0
         self.continue_at_step = continue_at_step
         self.overlap = overlap  # sync_delay > 0: a sync before the last one lands τ of each replica's own steps later
         # boundary_wanted(before, now, sync): whether a save or an evaluation falls in the steps (before, now] or at
@@ -115,13 +113,13 @@ class FixedGroup:
         return self.comm.num_replicas
 
     def due(self, step: int, max_steps: int, progress=None) -> bool:
-        if not self.budget:
+        if not self.schedule.budget:  # rounds of H steps (schedule.budget: round_seconds / F)
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
         return self.comm.replica_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
-        if not self.budget:
+        if not self.schedule.budget:
             return self.schedule.due_fragments(step, max_steps)
         local = local or {}
         # τ: the steps this replica takes while the sync is in flight (its own choice, from its own speed)
@@ -198,7 +196,7 @@ class FixedGroup:
         pass
 
     def state_dict(self) -> dict:
-        return {"syncs": self.syncs} if self.budget else {}
+        return {"syncs": self.syncs} if self.schedule.budget else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = int(state.get("syncs", 0))
@@ -212,6 +210,6 @@ def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, m
 
         return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
                              continue_at_step=continue_at_step)
-    return FixedGroup(comm, outer, schedule, resumed, round_seconds=args.round_seconds,
+    return FixedGroup(comm, outer, schedule, resumed,
                       continue_at_step=continue_at_step, overlap=args.sync_delay > 0, step=step,
                       boundary_wanted=boundary_wanted)
