@@ -1,11 +1,12 @@
-"""Every remaining patch of an upstream API (transformers 5.24, accelerate 1.15), in one place.
+"""Every remaining patch of an upstream API (transformers 5.24, accelerate 1.15, torchft 0.2.0), in one place.
 
-DiLoCo needs Trainer and accelerate to do a few things they have no option for: keep a replica's processes apart
-from the other replicas' between syncs, and leave checkpoint rotation to a saver that knows when a checkpoint is
-whole. Each function here patches one upstream API for that, and its docstring says what it patches, why, and which
-upstream change would let it go. tests/test_compat.py has one test per patch that fails when upstream no longer
-behaves as the patch assumes: then the patch is either broken or no longer needed. Nothing else in hf_diloco writes
-to transformers' or accelerate's modules, objects or state.
+DiLoCo needs Trainer, accelerate and torchft to do a few things they have no option for: keep a replica's processes
+apart from the other replicas' between syncs, leave checkpoint rotation to a saver that knows when a checkpoint is
+whole, and listen only on the address a run was given. Each function here patches one upstream API for that, and
+its docstring says what it patches, why, and which upstream change would let it go. tests/test_compat.py has one
+test per patch that fails when upstream no longer behaves as the patch assumes: then the patch is either broken or
+no longer needed. Nothing else in hf_diloco writes to transformers', accelerate's or torchft's modules, objects or
+state.
 """
 
 from __future__ import annotations
@@ -191,3 +192,50 @@ def dispatch_log(trainer, logs: dict, step: int, skip: tuple[type, ...] = ()) ->
                             processing_class=trainer.processing_class, optimizer=trainer.optimizer,
                             lr_scheduler=trainer.lr_scheduler, train_dataloader=handler.train_dataloader,
                             eval_dataloader=handler.eval_dataloader)
+
+
+def bound_address(host: str, port: int | str) -> str:
+    """`host:port` as torchft's Rust servers and gRPC take it (an IPv6 address in brackets).
+
+    >>> bound_address("127.0.0.1", 0), bound_address("::1", 7)
+    ('127.0.0.1:0', '[::1]:7')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def torchft_listeners_on(host: str) -> Iterator[None]:
+    """While a torchft Manager and its checkpoint transport are built: their servers listen on `host` only.
+
+    Patches two module-level names torchft 0.2.0 binds through: `torchft.manager.ManagerServer`, which
+    `Manager.__init__` hands `bind="[::]:PORT"` (every interface, no argument to change it), with one that keeps the
+    port and binds `host`; and `torchft.checkpointing.http_transport._IPv6HTTPServer`, which `HTTPTransport.__init__`
+    builds on `("", 0)` (every interface) and starts serving, with a server of `host`'s address family bound to
+    `(host, PORT)`.
+    Why: a replica's manager takes unauthenticated gRPC calls (`Kill` ends the replica) and its transport serves the
+    model; on a shared network neither may be reachable beyond the address the run was given.
+    Waits for: `Manager` and `HTTPTransport` taking a bind address (torchft 0.2.0 takes none).
+    """
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    import torchft.checkpointing.http_transport as transport_module
+    import torchft.manager as manager_module
+
+    manager_server, http_server = manager_module.ManagerServer, transport_module._IPv6HTTPServer
+
+    def bound_manager_server(*args, bind: str, **kwargs):
+        return manager_server(*args, bind=bound_address(host, bind.rsplit(":", 1)[1]), **kwargs)
+
+    class BoundHTTPServer(ThreadingHTTPServer):
+        address_family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        request_queue_size = http_server.request_queue_size
+
+        def __init__(self, server_address, handler, *args, **kwargs):
+            super().__init__((host, server_address[1]), handler, *args, **kwargs)
+
+    manager_module.ManagerServer, transport_module._IPv6HTTPServer = bound_manager_server, BoundHTTPServer
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer, transport_module._IPv6HTTPServer = manager_server, http_server

@@ -279,8 +279,10 @@ class DiLoCoConfig(TrainingArguments):
     )
     replica_address: str = field(
         default="",
-        metadata={"help": "torchft: the address peers reach this replica at for healing and the sync (default: "
-                          "this machine's host name)."},
+        metadata={"help": "torchft: the address peers reach this replica at for healing and the sync, and the only "
+                          "one its listeners bind: manager, store, healing transfer, and gloo through the interface "
+                          "that holds the address unless GLOO_SOCKET_IFNAME names one (default: this machine's host "
+                          "name; `launch --replicas` on one machine: 127.0.0.1)."},
     )
     end_linger_seconds: float = field(
         default=60.0,

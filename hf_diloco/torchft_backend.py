@@ -31,6 +31,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -40,6 +41,7 @@ from datetime import timedelta
 
 import torch
 
+from . import compat
 from .backends import RoundStart
 from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
@@ -76,37 +78,20 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
     torchft's own (0.2.0) listens on every interface, advertises socket.gethostname() and loads what it receives
     with `weights_only=False`, i.e. unpickles it: whoever can reach a healing replica, or sit between two sites,
     could run code on it. This one:
-    - listens on `host` only (replica_address, or the host name's address), and advertises that address (a host
+    - listens on `host` only (replica_address, or the host name's address), from its first moment (torchft binds
+      and serves in the constructor: compat.torchft_listeners_on), and advertises that address (a host
       name that resolves to 127.0.0.1, as in network namespaces and many containers, would send a healing peer
       to itself);
     - loads with `weights_only=True`: tensors and plain values (what the outer state is), nothing that runs code.
       Anything else is refused with HealRefused, naming the sender; the sync then fails on the healing replica,
       which votes it down and asks again next sync.
     """
-    import threading
     import urllib.request
-    from http.server import ThreadingHTTPServer
 
     from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing import HTTPTransport
 
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-
-    class BoundServer(ThreadingHTTPServer):
-        address_family = family
-        request_queue_size = 1024
-
     class SafeTransport(HTTPTransport):
-        def __init__(self) -> None:
-            super().__init__(timeout=timeout, num_chunks=0)
-            # torchft binds ("", 0) and starts serving in its constructor: serve the same handler on `host` instead.
-            wildcard = self._server
-            self._server = BoundServer((host, 0), wildcard.RequestHandlerClass)
-            wildcard.shutdown()
-            wildcard.server_close()
-            self._thread = threading.Thread(target=self._serve, daemon=True)
-            self._thread.start()
-
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             shown = f"[{host}]" if ":" in host else host
@@ -122,7 +107,30 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
                                       f"more than tensors and plain values ({first_line(error)[:200]}), so loading "
                                       f"it could run code; heal only from replicas of this run.") from None
 
-    return SafeTransport()
+    with compat.torchft_listeners_on(host):  # torchft's constructor binds and starts serving
+        return SafeTransport(timeout=timeout, num_chunks=0)
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface of this machine that holds `address` (an address or a name), or None.
+
+    >>> interface_of("127.0.0.1"), interface_of("192.0.2.1")
+    ('lo', None)
+    """
+    import ipaddress
+
+    import psutil
+
+    try:
+        wanted = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(entry.address.split("%", 1)[0]) in wanted:
+                    return name
+    return None
 
 
 class QuorumFailed(RunError):
@@ -247,29 +255,36 @@ class TorchftRounds:
             raise ConfigError(NO_LIGHTHOUSE)
         # `replica`: this launch's g processes, one replica, its Manager ranks 0 .. g-1
         store_host, store_port = self._replica_store(replica, host)
+        if args.replica_address and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            # gloo listens on the interface GLOO_SOCKET_IFNAME names, else on the host name's address: the one
+            # that holds replica_address, unless the user named another.
+            interface = interface_of(args.replica_address)
+            if interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            checkpoint_transport=safe_checkpoint_transport(host, timeout),
-            pg=pg,
-            load_state_dict=self._load_healed,
-            state_dict=self._state_for_peer,
-            min_replica_size=args.min_replicas,
-            use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
-            rank=replica.member,
-            world_size=replica.group_size,
-            store_addr=store_host,
-            store_port=store_port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"replica_{args.replica_id}",
-            hostname=host,
-            # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the
-            # torch backend, they compare a digest of θ in the first sync's table and send it only if they differ
-            # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
-            init_sync=not self.check_identical,
-        )
+        with compat.torchft_listeners_on(host):  # the manager's gRPC server (rank 0 of the replica), on `host` only
+            self.manager = Manager(
+                checkpoint_transport=safe_checkpoint_transport(host, timeout),
+                pg=pg,
+                load_state_dict=self._load_healed,
+                state_dict=self._state_for_peer,
+                min_replica_size=args.min_replicas,
+                use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
+                rank=replica.member,
+                world_size=replica.group_size,
+                store_addr=store_host,
+                store_port=store_port,
+                lighthouse_addr=lighthouse,
+                replica_id=f"replica_{args.replica_id}",
+                hostname=host,
+                # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the
+                # torch backend, they compare a digest of θ in the first sync's table and send it only if they differ
+                # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
+                init_sync=not self.check_identical,
+            )
         self.comm = TorchftComm(self.manager, pg, replica)
 
     STORE_KEY = "hf_diloco/torchft_store"
@@ -281,7 +296,14 @@ class TorchftRounds:
         from torch.distributed import TCPStore
 
         if replica.member == 0:
-            self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            # TCPStore binds every interface unless handed a listening socket: bound here to `host` only (kept open
+            # for the store's life).
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            self.store_socket = socket.socket(family, socket.SOCK_STREAM)
+            self.store_socket.bind((host, 0))
+            self.store_socket.listen(128)
+            self.store = TCPStore(host, self.store_socket.getsockname()[1], is_master=True, wait_for_workers=False,
+                                  master_listen_fd=self.store_socket.fileno())
             address = (host, self.store.port)
             if replica.group_size > 1:
                 replica._store().set(self.STORE_KEY, f"{host}:{self.store.port}")

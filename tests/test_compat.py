@@ -267,3 +267,44 @@ def test_accelerate_still_reads_the_properties_replica_sharding_overrides():
     sharding = ReplicaSharding(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
     assert (sharding.fsdp_dim_names, sharding.tp_enabled, sharding.non_dp_dim_names) == (["dp_shard_cp"], False,
                                                                                           ["tp"])
+
+
+def listening(pid: int | None = None) -> set[tuple[str, int]]:
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_torchft_binds_its_manager_and_checkpoint_servers_through_the_module_level_names():
+    """torchft's Manager starts its gRPC server through `torchft.manager.ManagerServer` with `bind="[::]:PORT"`,
+    and its HTTPTransport serves on `torchft.checkpointing.http_transport._IPv6HTTPServer(("", 0), ...)`: unpatched
+    both listen on every interface; under compat.torchft_listeners_on("127.0.0.1") both listen on loopback only."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing import HTTPTransport
+    from torchft.coordination import LighthouseServer
+
+    timeout = timedelta(seconds=10)
+    before = listening()
+    wildcard = HTTPTransport(timeout=timeout, num_chunks=0)
+    assert {ip for ip, _ in listening() - before} == {"::"}
+    wildcard.shutdown()
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    before = listening()
+    try:
+        with compat.torchft_listeners_on("127.0.0.1"):
+            transport = HTTPTransport(timeout=timeout, num_chunks=0)
+            manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda _: None,
+                              state_dict=lambda: {}, min_replica_size=1, rank=0, world_size=1,
+                              store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse.address(),
+                              replica_id="compat", hostname="127.0.0.1", checkpoint_transport=transport)
+        opened = listening() - before
+        assert len(opened) >= 2 and {ip for ip, _ in opened} == {"127.0.0.1"}, opened  # the manager and transport
+        assert transport._server.server_address[0] == "127.0.0.1"
+        manager.shutdown(wait=False)
+    finally:
+        lighthouse.shutdown()
