@@ -350,15 +350,55 @@ class OuterState:
             "optimizer": self.optimizer.state_dict(),
         }
 
+    def mismatch(self, state: object) -> str | None:
+        """Why `state` cannot be this outer step's state (a clause), or None: it must hold `global_params` with a
+        tensor of this replica's shape and dtype per trainable parameter, and an `optimizer` state of the same
+        parameter groups whose tensors fit their parameters; every tensor and number in it finite. Nothing is
+        broadcast or converted: a checkpoint or a peer that disagrees in any of these is refused whole."""
+        if not isinstance(state, dict) or not isinstance(state.get("global_params"), list | tuple) \
+                or not isinstance(state.get("optimizer"), dict):
+            return "it is not an outer state (global_params and optimizer)"
+        saved, own = state["global_params"], self.global_params
+        if len(saved) != len(own):
+            return f"it holds {len(saved)} parameters where the model has {len(own)} trainable ones"
+        for i, (value, target) in enumerate(zip(saved, own, strict=True)):
+            if not isinstance(value, torch.Tensor):
+                return f"parameter {i} is a {type(value).__name__}, not a tensor"
+            if value.shape != target.shape or value.dtype != target.dtype:
+                return (f"parameter {i} is {value.dtype} {tuple(value.shape)} where this replica's is "
+                        f"{target.dtype} {tuple(target.shape)}")
+            if not bool(torch.isfinite(value).all()):
+                return f"parameter {i} holds NaN or infinite values"
+        optimizer = state["optimizer"]
+        groups, own_groups = optimizer.get("param_groups"), self.optimizer.state_dict()["param_groups"]
+        if not isinstance(groups, list) or [g.get("params") if isinstance(g, dict) else None for g in groups] \
+                != [g["params"] for g in own_groups]:
+            return "its optimizer state has other parameter groups than this replica's"
+        for group in groups:
+            for key, value in group.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    return f"its optimizer setting {key} is {value}"
+        entries = optimizer.get("state")
+        if not isinstance(entries, dict) or not set(entries) <= set(range(len(own))):
+            return "its optimizer state names parameters this replica does not have"
+        for i, entry in entries.items():
+            for key, value in (entry.items() if isinstance(entry, dict) else [("entry", entry)]):
+                if not isinstance(value, torch.Tensor):
+                    return f"the optimizer's {key} of parameter {i} is a {type(value).__name__}, not a tensor"
+                if value.dim() > 0 and (value.shape != own[i].shape or value.dtype != own[i].dtype):
+                    return (f"the optimizer's {key} of parameter {i} is {value.dtype} {tuple(value.shape)} where "
+                            f"the parameter is {own[i].dtype} {tuple(own[i].shape)}")
+                if not bool(torch.isfinite(value).all()):
+                    return f"the optimizer's {key} of parameter {i} holds NaN or infinite values"
+        return None
+
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        saved = state["global_params"]
-        if len(saved) != len(self.global_params):
-            raise ValueError(
-                f"the checkpoint's outer state holds {len(saved)} tensors but the model has "
-                f"{len(self.global_params)} trainable parameters"
-            )
-        for target, value in zip(self.global_params, saved, strict=True):
+        """Take a saved outer state, after `mismatch` found nothing wrong with it (else ValueError, naming what)."""
+        wrong = self.mismatch(state)
+        if wrong:
+            raise ValueError(f"the outer state does not fit this model: {wrong}")
+        for target, value in zip(self.global_params, state["global_params"], strict=True):
             target.copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
 

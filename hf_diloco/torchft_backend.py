@@ -170,7 +170,11 @@ class TorchftComm(ReplicaComm):
     def active(self) -> bool:
         return self.num_replicas > 1
 
+    refusal: str | None = None  # this sync's heal was refused: the replica votes the sync down (nothing to apply)
+
     def vote(self) -> bool:
+        if self.refusal is not None and self.manager.errored() is None:
+            self.manager.report_error(HealRefused(self.refusal))
         return bool(self.manager.should_commit())
 
     # Rounds on torchft never wait for a replica that is absent, so there is no one to name and nothing to hand over
@@ -247,6 +251,7 @@ class TorchftRounds:
         self.sync_step = 0  # the step the sync being formed started at (what a healing peer is given)
         self.sync_local_steps = 0  # this replica's inner steps since its last launch, as the sync started
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
+        self.heal_refused: str | None = None  # why this sync's heal was refused (heal_mismatch), as a sentence
         self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
         timeout = timedelta(seconds=args.sync_timeout)
         host = args.replica_address or socket.gethostname()
@@ -318,10 +323,42 @@ class TorchftRounds:
         # the background while the inner loop moves on, and a healer given a later step would run its syncs that
         # many steps ahead of everyone's, and end one sync early.
         return {"outer": self.outer.state_dict(), "global_sync": self.global_sync,
-                "global_step": self.sync_step, "agreed_step": self.agreed_step}
+                "global_step": self.sync_step, "agreed_step": self.agreed_step, "replica": self.args.replica_id}
+
+    def heal_mismatch(self, state: object) -> str | None:
+        """Why a peer's state cannot heal this replica (a clause), or None. Its outer state must fit this replica's
+        (names, shapes, dtypes, finite: OuterStep.mismatch); its sync counter must lie between this replica's and
+        the step the quorum agreed on (torchft's count of commits, which moves with every sync that moves θ_global
+        and never less often); its steps must be whole numbers within the run's length."""
+        if not isinstance(state, dict) or not {"outer", "global_sync", "global_step", "agreed_step"} <= set(state):
+            return "it is not a replica's state (outer, global_sync, global_step, agreed_step)"
+        wrong = self.outer.mismatch(state["outer"])
+        if wrong:
+            return f"its outer state does not fit this model: {wrong}"
+        numbers = {key: state[key] for key in ("global_sync", "global_step", "agreed_step")}
+        for key, value in numbers.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"its {key} is {value!r}, not a whole number"
+        agreed = self.manager.current_step()
+        if not self.global_sync <= numbers["global_sync"] <= agreed:
+            return (f"its sync counter {numbers['global_sync']} is outside {self.global_sync}..{agreed} (this "
+                    f"replica's, and the quorum's step)")
+        for key in ("global_step", "agreed_step"):
+            if not 0 <= numbers[key] <= self.max_steps:
+                return f"its {key} {numbers[key]} is outside the run's 0..{self.max_steps} steps"
+        return None
 
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
+        wrong = self.heal_mismatch(state)
+        if wrong:
+            # Nothing is taken: this replica sits the sync out (weight 0, its vote fails, see start) and heals
+            # again at the next sync, from whichever peer that quorum names.
+            sender = state.get("replica", "?") if isinstance(state, dict) else "?"
+            self.heal_refused = f"refused the state sent by replica {sender} to heal this one: {wrong}"
+            logger.warning("DiLoCo/torchft: %s; this replica sits the sync out and heals again at the next one.",
+                           self.heal_refused)
+            return
         outer = self.outer
         if self.sync_local_steps > 0 and self.stash is None and not self.overlapped:
             # Local progress made against the old base: kept, and brought to this sync with a staleness weight.
@@ -332,8 +369,7 @@ class TorchftRounds:
         self.healed_from_sync = self.global_sync
         outer.load_state_dict(state["outer"])
         self.global_sync = int(state["global_sync"])
-        # From a peer: a whole number of steps, at most the run's length (a larger one would only end the run).
-        self.agreed_step = min(max(0, int(state.get("agreed_step", 0))), self.max_steps)
+        self.agreed_step = int(state["agreed_step"])
         if self.feedback is not None:
             self.feedback.clear()  # its residuals were what it did not send against the base it left
         step = int(state["global_step"])
@@ -395,7 +431,7 @@ class TorchftRounds:
         if not joining and self.comm.group_size > 1:
             local = self._whole_replica(local)
         started = time.perf_counter()
-        self.healed_from_sync = None
+        self.healed_from_sync = self.heal_refused = None
         self.overlapped = overlapped
         self.sync_step = step
         try:
@@ -420,8 +456,11 @@ class TorchftRounds:
         # replica that diverged sits the sync out with weight 0 (it sends zeros) and takes θ_global after it.
         # (An overlapped sync's exchange checks its snapshot again; here the parameters have not moved yet.)
         finite = joining or over or self.stash is not None or local.get("finite", True)
-        weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) else 0.0
-        checking = joining and self.check_identical and not healed
+        refused = self.heal_refused is not None  # behind, and not healed: what it would send is against an old base
+        weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) and not refused \
+            else 0.0
+        self.comm.refusal = self.heal_refused
+        checking = joining and self.check_identical and not healed and not refused
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
                 float(not finite), float(step), self._digest() if checking else 0.0]
@@ -550,6 +589,8 @@ class TorchftRounds:
         non_finite = [m["replica"] for m in members if m.get("non_finite")]
         if non_finite:
             record["non_finite_replicas"] = non_finite
+        if self.heal_refused:
+            record["heal_refused"] = self.heal_refused
         if not result.committed:
             record["outer_step_skipped"] = True
             logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "

@@ -165,6 +165,46 @@ def test_state_dict_round_trip_continues_identically():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("spoil", "clause"), [
+    (lambda s: s["global_params"].pop(), "it holds 1 parameters where the model has 2 trainable ones"),
+    (lambda s: s["global_params"].__setitem__(0, torch.tensor(0.5)),
+     "parameter 0 is torch.float32 () where this replica's is torch.float32 (2,)"),
+    (lambda s: s["global_params"].__setitem__(1, torch.zeros(3, dtype=torch.float64)),
+     "parameter 1 is torch.float64 (3,) where this replica's is torch.float32 (3,)"),
+    (lambda s: s["global_params"][1].fill_(float("inf")), "parameter 1 holds NaN or infinite values"),
+    (lambda s: s["optimizer"]["state"][0]["momentum_buffer"].fill_(float("nan")),
+     "the optimizer's momentum_buffer of parameter 0 holds NaN or infinite values"),
+    (lambda s: s["optimizer"]["state"][1].__setitem__("momentum_buffer", torch.zeros(2)),
+     "the optimizer's momentum_buffer of parameter 1 is torch.float32 (2,) where the parameter is torch.float32 (3,)"),
+    (lambda s: s["optimizer"]["param_groups"][0].__setitem__("lr", float("nan")), "its optimizer setting lr is nan"),
+    (lambda s: s["optimizer"]["state"].__setitem__(5, {}), "its optimizer state names parameters this replica does"),
+])
+def test_an_outer_state_that_does_not_fit_is_refused_whole(spoil, clause):
+    """A saved or received outer state is checked against the replica's own (count, shape, dtype, finite values,
+    optimizer groups and state) before anything is copied: each spoiled state is refused naming what is wrong, and
+    θ_global and the optimizer are left as they were (a scalar is not broadcast, a NaN not taken)."""
+    params = [nn.Parameter(torch.tensor([1.0, -1.0])), nn.Parameter(torch.tensor([0.5, 0.25, 2.0]))]
+    outer = OuterState(params, lr=0.7, momentum=0.9, nesterov=True)
+    move_replica(params[0], [0.5, -0.5])
+    sync_alone(outer)
+    def copied() -> dict:  # state_dict hands out the live tensors: copies, to spoil one and compare with another
+        state = outer.state_dict()
+        state["global_params"] = [p.clone() for p in state["global_params"]]
+        entries = state["optimizer"]["state"]
+        state["optimizer"]["state"] = {i: {k: v.clone() for k, v in e.items()} for i, e in entries.items()}
+        return state
+
+    before, state = copied(), copied()
+    assert outer.mismatch(state) is None
+    spoil(state)
+    assert outer.mismatch(state).startswith(clause)
+    with pytest.raises(ValueError, match="the outer state does not fit this model: "):
+        outer.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(outer.global_params, before["global_params"], strict=True))
+    assert torch.equal(outer.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       before["optimizer"]["state"][0]["momentum_buffer"])
+
+
 def test_buckets_cover_every_parameter_once_and_respect_the_limit():
     numels = [5, 1, 7, 2, 2, 9, 1]
     buckets = partition_into_buckets(numels, bucket_numel=8)

@@ -327,6 +327,45 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     assert "healed from a live peer" in logs[2].read_text()
 
 
+def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on(tmp_path):
+    """Replica 0 runs alone, then replica 1 joins and must heal from it. The first three states replica 0 sends
+    are spoiled (its first parameter a scalar, which copy_ would broadcast; NaN; a global_step past the run's end):
+    replica 1 refuses each in one sentence naming what is wrong, takes nothing, sits that sync out with weight 0
+    and does not commit it, while replica 0's syncs with it commit without waiting for a timeout. The fourth state
+    is sound: replica 1 heals, takes part, and both end with the same finite parameters."""
+    ready = tmp_path / "replica-1-is-up"
+    with lighthouse(min_replicas=1, grace=1.0) as address:
+        def settings(r, **extra):
+            return {"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address, "min_replicas": 1,
+                    "max_steps": 48, "inner_steps": 4, "step_sleep": 0.05, "sync_timeout": 30, **extra}
+
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica(settings(0, hold=[8, str(ready)], bad_heals=["shape", "nan", "step"]), logs[0])]
+        wait_for(lambda: step_of(tmp_path, 0) >= 7, 120, "replica 0 to reach its hold at step 8")
+        replicas.append(start_replica(settings(1, announce=str(ready)), logs[1]))
+        finish(replicas, logs)
+    own = read_sync_rounds(tmp_path / "replica-1")
+    refusals = [r["heal_refused"] for r in own if "heal_refused" in r]
+    start = "refused the state sent by replica 0 to heal this one: "
+    assert refusals[:3] == [
+        start + "its outer state does not fit this model: parameter 0 is torch.float32 () where this replica's is "
+        f"torch.float32 {tuple(torch.load(tmp_path / 'params0.pt')[0].shape)}",
+        start + "its outer state does not fit this model: parameter 0 holds NaN or infinite values",
+        start + "its global_step 480 is outside the run's 0..48 steps"], refusals
+    assert len(refusals) == 3 and not any(r["committed"] for r in own if "heal_refused" in r)
+    assert len(logs[1].read_text().split(start + "its global_step 480")) == 3  # said once, and once as the vote
+    refused_steps = {r["step"] for r in own if "heal_refused" in r}
+    sender = read_sync_rounds(tmp_path / "replica-0")
+    with_1 = [r for r in sender if takes_part(r, 1)]
+    assert with_1 and all(r["committed"] for r in with_1)
+    at_weight_0 = [r for r in with_1 if any(m["replica"] == 1 and m["weight"] == 0 for m in r["members"])]
+    assert len(at_weight_0) >= 3 and max(r["sync_seconds"] for r in with_1) < 10, with_1
+    healed = [r for r in own if r["committed"] and any(m["replica"] == 1 and m["healed"] for m in r["members"])]
+    assert healed and healed[0]["step"] > max(refused_steps)
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    assert all(bool(torch.isfinite(p).all()) for p in final[1]) and max_difference(final[0], final[1]) == 0.0
+
+
 def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(tmp_path):
     """Three replicas, min_replicas 2, int4 with error feedback, F = 2 fragments overlapped by one step. Replica 2
     is SIGKILLed inside a round, after that round's all-to-all went through and before its all-gather: the

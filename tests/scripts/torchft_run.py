@@ -16,6 +16,8 @@ its final trainable parameters to `params<r>.pt` and, after every step, its step
 "die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
 a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
 "slow_sync_seconds": every cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
+"bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th
+way (its first parameter a scalar, its first parameter NaN, its global_step past the run's end); later ones are sound.
 """
 
 import json
@@ -58,6 +60,26 @@ if settings.get("slow_sync_seconds"):
         return fast_all_reduce(self, buffer)
 
     TorchftComm._all_reduce = slow_all_reduce
+if settings.get("bad_heals"):
+    from hf_diloco.torchft_backend import TorchftRounds
+
+    sound_state = TorchftRounds._state_for_peer
+    spoiled = list(settings["bad_heals"])
+
+    def spoiled_state(self):
+        state = sound_state(self)
+        if spoiled:
+            kind, params = spoiled.pop(0), list(state["outer"]["global_params"])
+            if kind == "shape":
+                params[0] = torch.tensor(0.5)
+            elif kind == "nan":
+                params[0] = torch.full_like(params[0], float("nan"))
+            else:
+                state = {**state, "global_step": 10 * self.max_steps}
+            state = {**state, "outer": {**state["outer"], "global_params": params}}
+        return state
+
+    TorchftRounds._state_for_peer = spoiled_state
 if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
     Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
 out = Path(settings["out"])
