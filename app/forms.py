@@ -9,7 +9,8 @@ Design choices:
   rules DiLoCoConfig itself applies, so the form and the config refuse the same values in the same sentence. Model
   and dataset paths are checked to exist before Preview says anything is valid, and then the
   form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a subprocess
-  (the app never imports torch), and its one-sentence error is shown beside the form.
+  (the app never imports torch) in the environment the run will get (`runs.training_env`: no Hub token, no app
+  password), and its one-sentence error is shown beside the form.
 - A recipe with `outer_backend: torchft` runs as `hf-diloco launch ... --replicas N` (a Lighthouse and N replicas on
   this machine): the replicas knob is N (blank: the recipe's num_replicas, else 3), the launcher sets each
   replica's Lighthouse, address and id, and the multi-node settings do not apply.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from hf_diloco import checks
+from hf_diloco import checks, runs
 from hf_diloco.errors import ConfigError
 from hf_diloco.files import read_yaml
 
@@ -404,7 +405,8 @@ def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | N
     cli = [sys.executable, "-m", "hf_diloco.cli", "launch", str(recipe), "--accelerate-config", str(config),
            "--dry-run", *(["--replicas", str(replicas)] if replicas is not None else []),
            *(["--port", str(port)] if port is not None else []), *launch, "--", *overrides]
-    result = subprocess.run(cli, capture_output=True, text=True, cwd=PROJECT, timeout=300)
+    # The run's environment (no Hub token, no app password): the check sees what the run will see.
+    result = subprocess.run(cli, capture_output=True, text=True, cwd=PROJECT, timeout=300, env=runs.training_env())
     if result.returncode != 0:
         # The CLI's own sentence ("hf-diloco: error: ..."), else the last error line (e.g. argparse's), never a dump.
         errors = [line.split("error:", 1)[1].strip() for line in result.stderr.splitlines() if "error:" in line]

@@ -260,15 +260,15 @@ class App:
         all_runs = runs.list_runs(self.runs_dir)
         chosen = next((r for r in all_runs if r.status in runs.ACTIVE), all_runs[0] if all_runs else None)
         form = [gr.update()] * (4 + len(fields(forms.Knobs)))
-        if chosen is not None:
+        if chosen is not None and chosen.recipe:  # a run whose run.json cannot be read names no recipe
             recipe = Path(chosen.recipe)
             knob_values = [chosen.form.get(f.name, "") for f in fields(forms.Knobs)]
             # A draft is shown as itself (its path under the runs folder), never as the recipe it was edited from.
             shown = recipe.name if recipe.parent == forms.RECIPES else str(recipe)
             # The name box stays blank, showing the default for the refilled form: a new Start is a new run, never
             # a second run under the old run's name.
-            form = ["", shown if recipe.exists() else gr.update(),
-                    recipe.read_text() if recipe.exists() else gr.update(), Path(chosen.accelerate_config).name,
+            form = ["", shown if recipe.is_file() else gr.update(),
+                    recipe.read_text() if recipe.is_file() else gr.update(), Path(chosen.accelerate_config).name,
                     *knob_values]
         return gr.update(choices=[r.id for r in all_runs], value=chosen.id if chosen else None), *form
 

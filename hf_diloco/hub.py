@@ -15,6 +15,12 @@ Design choices:
   caller says so (`allow_unfinished`, `--allow-unfinished`, a tick in the app), and its card says how it ended.
 - A torchft launch (`hf-diloco launch --replicas N`) keeps each replica in `replica-r/`: the card counts the
   launch's replicas and the rounds committed by any of them, as the app does (`metrics.run_rounds`).
+- Nothing private leaves: a local model or dataset is named by its base name only, in the card and in every pushed
+  file (`public_name`): run_config.json's settings, and the `*name_or_path` of a model, tokenizer or adapter config
+  (peft records its base model's path). A local path is never listed in the card's `datasets`/`base_model`
+  metadata, which only Hub ids belong in. The run folder keeps its files as they are.
+- The folder is checked before anything else is asked for: it holds a finished run, and every JSON and safetensors
+  file to upload loads (a damaged one is named in one sentence); then the repo id, then the token.
 - The token comes from the caller, HF_TOKEN, or the huggingface_hub login, in that order. It is only ever passed to
   huggingface_hub: never written to a file, a log or the card.
 - The endpoint follows huggingface_hub (HF_ENDPOINT); the tests push to a local server that speaks the Hub's
@@ -24,10 +30,11 @@ Design choices:
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, DamagedFile, first_line
 from .files import read_json
 from .metrics import SYNC_ROUNDS_FILE, launch_folder, outer_rounds, read_summary, replica_folders, run_rounds
 from .runs import PROGRESS_FILE, RUN_FILE, STOPPED_FILE
@@ -95,6 +102,69 @@ def resolve_token(token: str | None) -> str:
     if not token:
         raise ConfigError("no Hugging Face token: set HF_TOKEN, run `hf auth login`, or enter one in the app.")
     return token
+
+
+def local_path(value: str) -> bool:
+    """Whether `value`, a model or dataset as a run was given it, names a place on a machine rather than a Hub id or
+    a preset: it looks like a path (absolute, from the home or the current folder, with a backslash, or deeper than
+    a Hub id's `owner/name`), or it is one here (a relative `corpus.jsonl`). A URL is not a path.
+
+    >>> [local_path(v) for v in ("/home/alice/corpus.jsonl", "~/models/base", "../data", "data/shards/a.parquet")]
+    [True, True, True, True]
+    >>> [local_path(v) for v in ("roneneldan/TinyStories", "tiny-llama", "builtin", "http://10.0.0.9:29510")]
+    [False, False, False, False]
+    """
+    if not isinstance(value, str) or not value or "://" in value:
+        return False
+    if value.startswith(("/", "~", "./", "../")) or value in (".", "..") or "\\" in value or value.count("/") > 1:
+        return True
+    try:
+        return Path(value).exists()
+    except (OSError, ValueError):  # too long, or not a name at all
+        return False
+
+
+def public_name(value):
+    """What a pushed card or file says of a model, a dataset or any other setting: a local path by its base name
+    only (the folders above it say whose machine it was and how it is laid out, which is nobody else's business),
+    anything else as it is.
+
+    >>> public_name("/home/alice/private/corpus.jsonl"), public_name("~/models/tiny-base/")
+    ('corpus.jsonl', 'tiny-base')
+    >>> public_name("roneneldan/TinyStories"), public_name("tiny-llama"), public_name(0.7)
+    ('roneneldan/TinyStories', 'tiny-llama', 0.7)
+    """
+    return Path(value).name if local_path(value) else value
+
+
+def _public(value, every: bool, key: str = ""):
+    """`value` with `public_name` applied to every string in it (`every`), or to those under a `*name_or_path` key."""
+    if isinstance(value, dict):
+        return {k: _public(v, every, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_public(v, every, key) for v in value]
+    return public_name(value) if every or key.endswith("name_or_path") else value
+
+
+def upload_source(name: str, path: Path) -> str | bytes:
+    """What is uploaded as the repo file `name` from `path`, once it loads: the file itself, or for a JSON file that
+    names a local path a copy with its base name instead (every string of run_config.json, the `*name_or_path`
+    values of a model, tokenizer or adapter config). A file that does not load is a DamagedFile naming it."""
+    if name.endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "np"):  # reads and checks the header against the file's length
+                pass
+        except (SafetensorError, OSError) as error:
+            raise DamagedFile(f"{path} is not a whole safetensors file ({first_line(error)}); save the model again, "
+                              f"or push a run whose model is whole.") from None
+        return str(path)
+    if not name.endswith(".json"):
+        return str(path)
+    values = read_json(path)
+    public = _public(values, every=name == RUN_CONFIG_FILE)
+    return str(path) if public == values else (json.dumps(public, indent=2, ensure_ascii=False) + "\n").encode()
 
 
 TRAINING_KEYS = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size",
@@ -230,11 +300,11 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     metrics = read_json(output_dir / "run_metrics.json", {})
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
-    data = ModelCardData(
+    data = ModelCardData(  # Hub ids only: a preset, the builtin corpus or a local path is no repository
         library_name="transformers",
         tags=["diloco", "hf-diloco", "distributed-training"] if trainer == "diloco" else ["hf-diloco", "ddp-baseline"],
-        base_model=model if model and not model.startswith(PRESET_PREFIXES) and not Path(model).exists() else None,
-        datasets=[dataset] if dataset and dataset != "builtin" and not Path(dataset).exists() else None,
+        base_model=model if model and not model.startswith(PRESET_PREFIXES) and not local_path(model) else None,
+        datasets=[dataset] if dataset and dataset != "builtin" and not local_path(dataset) else None,
     )
     processes = settings.get("num_processes")
     group = diloco.get("replica_group_size", 1)
@@ -270,8 +340,8 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     committed = [r for r in rounds if r.get("committed", True) is not False]
     lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
     results = {
-        "model": model or "?",
-        "data": dataset or "?",
+        "model": public_name(model) or "?",
+        "data": public_name(dataset) or "?",
         "how the run ended": describe_outcome(outcome),
         "steps": max([summary.get("steps") or 0, *(r["step"] for r in committed)]) or metrics.get("global_step"),
         "outer rounds": outer_rounds(committed) if committed else summary.get("rounds"),
@@ -347,24 +417,26 @@ def push(output_dir: str | Path, repo_id: str, token: str | None = None, private
          allow_unfinished: bool = False, progress=print) -> str:
     """Create (or reuse) the repo and upload the run's model with its card in one commit; returns the repo URL.
 
-    A run that did not finish is refused unless `allow_unfinished`; `progress` gets one line per stage.
+    The folder is checked first (a finished run whose files all load; a run that did not finish is refused unless
+    `allow_unfinished`), then the repo id and the token; `progress` gets one line per stage.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     output_dir = Path(output_dir)
-    repo_id = check_repo_id(repo_id)
-    token = resolve_token(token)
     files = repo_files(output_dir, merge_lora)
     run_folder = files[next(n for n in files if n.endswith(".safetensors"))].parent
     run_folder = run_folder.parent if run_folder.name == "merged" else run_folder
     outcome = run_outcome(run_folder)
     if outcome["ended"] != "finished" and not allow_unfinished:
         raise UnfinishedRun(outcome)
+    sources = {name: upload_source(name, path) for name, path in files.items()}
+    repo_id = check_repo_id(repo_id)
+    card = model_card(run_folder, repo_id)
+    token = resolve_token(token)
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory() as staging:
         curve = write_training_curve(run_folder, Path(staging) / CURVE_FILE)
-        card = model_card(run_folder, repo_id)
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source) for name, source in sources.items()]
         operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
         if curve is not None:
             operations.append(CommitOperationAdd(path_in_repo=CURVE_FILE, path_or_fileobj=str(curve)))

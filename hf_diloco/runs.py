@@ -147,13 +147,15 @@ def _updating(run_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-# Secrets of the app's own process that a training process must not see: Hub tokens (only the push process gets
-# one) and the app's password. huggingface_hub is also told not to pick up a stored login by itself.
+# Secrets of the app's own process that no process it starts may see (a run, its supervisor and reaper, the form's
+# validation): Hub tokens (only the app's own push uses one) and the app's password. huggingface_hub is also told
+# not to pick up a stored login by itself.
 SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN", "HF_API_TOKEN", "HF_DILOCO_APP_AUTH")
 
 
 def training_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a run's processes get: the app's, less its secrets."""
+    """The environment of every process the app starts (a run and its supervisor, the reaper of a stopped run, the
+    form's validation): the app's, less its secrets, so a check sees what the run will see."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in SECRETS}
     return {**env, "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -299,6 +301,7 @@ def stop(run_dir: Path, grace_seconds: float = 600.0) -> Run:
     subprocess.Popen(
         [sys.executable, "-m", "hf_diloco.launch", "reap", str(run_dir), str(grace_seconds)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=training_env(),
     )
     return run
 

@@ -245,10 +245,16 @@ def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
 
 
 def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
+    """A finished run (a saved model of one tensor) pushed with a repo id that is not one, then with no token: a
+    sentence for each, and the run is left as it was."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     runs_dir = tmp_path / "runs"
     folder = runs_dir / "done"
     folder.mkdir(parents=True)
     (folder / "output").mkdir()
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(folder / "output" / "model.safetensors"))
     runs._write(folder, runs.Run("done", "r.yaml", "c.yaml", [], ["true"], str(folder / "output"), status="finished"))
     with app_server(runs_dir, {"HOME": str(tmp_path), "HF_TOKEN": ""}) as url:
         client = Client(url, verbose=False)
@@ -257,6 +263,105 @@ def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
     assert "repo id" in spaces and "not valid" in spaces
     assert "no Hugging Face token" in no_token
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+
+
+# Written into every Python process started with its folder on PYTHONPATH: the process's command line and
+# environment, as it sees them, in <HF_DILOCO_TEST_ENV_DUMP>/<pid>.json.
+DUMP_ENVIRONMENT = """import json, os
+folder = os.environ.get("HF_DILOCO_TEST_ENV_DUMP")
+if folder:
+    with open("/proc/self/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\\0")
+    with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+        json.dump({"argv": argv, "env": dict(os.environ)}, f)
+"""
+
+
+def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
+    """The app is started with a Hub token and its password in its environment. The check Preview runs
+    (`hf-diloco launch --dry-run`, a process of its own) gets the app's environment less those secrets: every
+    Python process started with the planted sitecustomize.py on PYTHONPATH writes down the environment it sees, and
+    the check's holds neither secret, while the app's own ordinary variables did reach it."""
+    hooks, seen = tmp_path / "hooks", tmp_path / "environments"
+    hooks.mkdir()
+    seen.mkdir()
+    (hooks / "sitecustomize.py").write_text(DUMP_ENVIRONMENT)
+    secrets = {"HF_TOKEN": "hf_planted_token_789", "HF_DILOCO_APP_AUTH": "alice:planted-password-789"}
+    with app_server(tmp_path / "runs", {**secrets, "PYTHONPATH": str(hooks), "HF_DILOCO_TEST_ENV_DUMP": str(seen)}) \
+            as url:
+        client = Client(url, auth=("alice", "planted-password-789"), verbose=False)
+        message = client.predict("", "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=50),
+                                 api_name="/preview")[1]
+        assert "Form is valid" in message, message
+    processes = [json.loads(p.read_text()) for p in seen.glob("*.json")]
+    app = [p for p in processes if "app.server" in p["argv"]]
+    assert app and app[0]["env"]["HF_TOKEN"] == secrets["HF_TOKEN"], "the app itself holds the planted secrets"
+    checks = [p for p in processes if "--dry-run" in p["argv"]]
+    assert checks, f"no process of the check wrote its environment: {[p['argv'] for p in processes]}"
+    for check in checks:
+        assert check["env"]["HF_DILOCO_TEST_ENV_DUMP"] == str(seen), "an ordinary variable of the app's arrives"
+        assert not set(secrets) & set(check["env"]), sorted(check["env"])
+        assert not [k for k, v in check["env"].items() if "planted" in v], "no secret under another name either"
+
+
+def plotted(values) -> list:
+    """The numbers of a Plotly trace's array as the page gets them: a list, or base64 bytes of a dtype (Plotly 6)."""
+    if isinstance(values, dict):
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+    return list(values)
+
+
+def test_the_app_serves_a_good_run_beside_run_json_files_it_cannot_read(tmp_path):
+    """A runs folder holds, beside one finished run (two syncs, written here as a run writes them), an empty
+    run.json, one holding a JSON list, one holding keys from elsewhere and none of a run's, and a run written by a
+    newer version (a run's keys plus some this version does not know). The server starts and lists them all: the
+    unreadable ones as failed, with the sentence naming their file; the newer one as what it says. The good run's
+    rounds and loss plot come as written, and a page load while a damaged run is the newest fails nothing."""
+    import os
+
+    from app.server import App
+
+    runs_dir = tmp_path / "runs"
+    recipe = str(REPO / "recipes" / "tiny-pretrain.yaml")
+    good = runs_dir / "good"
+    (good / "output").mkdir(parents=True)
+    written = [{"round": n, "step": 10 * n, "loss": 4.0 - n / 4, "replica_losses": [4.1 - n / 4, 3.9 - n / 4],
+                "pseudo_grad_norm": 0.5, "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000,
+                "ddp_bytes_per_replica": 40_000_000, "sync_seconds": 0.1, "compute_seconds": 3.0, "tokens": 10240,
+                "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 10} for n in (1, 2)]
+    (good / "output" / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    runs._write(good, runs.Run("good", recipe, "cpu-2proc.yaml", [], ["true"], str(good / "output"),
+                               status="finished", ended=time.time()))
+    newer = {**json.loads((good / "run.json").read_text()), "id": "newer", "output_dir": str(runs_dir / "newer" / "o"),
+             "priority": "high", "placement": {"rack": 3}}
+    bad = {"empty": "", "a-list": "[1, 2, 3]", "foreign": json.dumps({"name": "x", "colour": "blue"}),
+           "newer": json.dumps(newer)}
+    for name, text in bad.items():
+        (runs_dir / name).mkdir()
+        (runs_dir / name / "run.json").write_text(text)
+        os.utime(runs_dir / name / "run.json", (time.time() - 3600,) * 2)  # older than the good run
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        live = client.predict("good", api_name="/refresh")
+        listed = {row[0]: row for row in table(live[11])["data"]}
+        assert set(listed) == {"good", *bad}, listed
+        assert listed["good"][1] == listed["newer"][1] == "finished"
+        for name in ("empty", "a-list", "foreign"):
+            assert listed[name][1] == "failed" and str(runs_dir / name / "run.json") in listed[name][-1], listed[name]
+        assert "data-status='finished'" in live[0]
+        assert [row[:2] for row in table(live[6])["data"]] == [[2, 20], [1, 10]], "the good run's rounds, newest first"
+        drawn = {trace["name"]: plotted(trace["y"]) for trace in json.loads(live[1]["plot"])["data"]}
+        for replica in (0, 1):
+            assert drawn[f"replica {replica}"] == [r["replica_losses"][replica] for r in written], drawn
+        damaged = client.predict("empty", api_name="/refresh")[0]
+        assert "data-status='failed'" in damaged and "run.json is empty" in damaged, damaged
+    os.utime(runs_dir / "a-list" / "run.json")  # now the newest: the page opens on it
+    selected = App(runs_dir).reattach()[0]
+    assert selected["value"] == "a-list", selected
 
 
 TINY = TINY_YAML

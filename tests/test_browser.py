@@ -362,9 +362,17 @@ def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch)
 
 
 def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_path):
-    """A finished run of a single round (its folder written here, as a run writes it): the page still draws a
-    line per replica, and the model card preview shows the rendered card, not its YAML header or a broken image."""
+    """A finished run of a single round (its folder written here, as a run writes it), beside older folders whose
+    run.json is empty or holds a JSON list: the page still draws a line per replica, the Runs table lists the
+    damaged ones as failed, and the model card preview shows the rendered card, not its YAML header or a broken
+    image."""
+    import os
+
     runs_dir = tmp_path / "runs"
+    for name, text in (("empty", ""), ("a-list", "[1, 2, 3]")):
+        (runs_dir / name).mkdir(parents=True)
+        (runs_dir / name / "run.json").write_text(text)
+        os.utime(runs_dir / name / "run.json", (time.time() - 3600,) * 2)  # older: the page opens on the good run
     folder = runs_dir / "one-round"
     (folder / "output").mkdir(parents=True)
     record = {"round": 1, "step": 20, "loss": 4.0, "replica_losses": [4.1, 3.9], "pseudo_grad_norm": 0.5,
@@ -382,6 +390,10 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
         wait_for(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
                  "a line for each replica of the single round")
         assert page.evaluate(MARKS, ["norm-plot", "point"]) == 3, "one sync: one visible point per series"
+        page.get_by_role("tab", name="Runs").click()
+        for name in ("empty", "a-list"):
+            page.locator("#runs-table [role=gridcell]").filter(has_text=name).first.wait_for(timeout=20_000)
+        assert page.locator("#runs-table").inner_text().count("failed") == 2, page.locator("#runs-table").inner_text()
         page.get_by_role("tab", name="Push to Hub").click()
         page.get_by_role("button", name="Preview model card").click()
         page.locator("#card h1").wait_for(timeout=30_000)

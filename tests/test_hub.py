@@ -1,6 +1,7 @@
 """Pushing a finished run to a local server that speaks the Hub endpoints huggingface_hub uses."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -74,6 +75,94 @@ def test_bad_push_input_is_one_sentence(finished_run, repo_id, token, words, tmp
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert all(w in result.stderr for w in words), result.stderr
         assert hub.commits == []
+
+
+def test_a_pushed_run_names_its_local_model_and_data_by_their_base_names_only(finished_run, tmp_path):
+    """A LoRA run trained from a model and a dataset kept in a folder of one's own (`private-corpus-dir`), pushed
+    once that folder is gone (as from another machine, so nothing can be told by looking at the disk): no uploaded
+    file, card included, holds the folder's name (peft records its base model's path in adapter_config.json); the
+    card, run_config.json and adapter_config.json name model and data by their base names, and the card's metadata
+    lists neither as a Hub base model or dataset. The run folder keeps its own record whole, and a Hub id is listed
+    as what it is."""
+    from hf_diloco.hub import model_card
+
+    private = tmp_path / "private-corpus-dir"
+    base = private / "tiny-base"
+    base.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"):
+        shutil.copy(finished_run / name, base / name)
+    corpus = private / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"note {i}: the quick brown fox jumps over the lazy dog. " * 3})
+                              + "\n" for i in range(200)))
+    out = tmp_path / "out" / "run"
+    command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", RECIPE, "--output_dir", str(out),
+               "--model_name_or_path", str(base), "--dataset_name", str(corpus), "--max_steps", "3",
+               "--inner_steps", "3", "--block_size", "32", "--eval_strategy", "no", "--eval_on_start", "false",
+               "--disable_tqdm", "true", "--lora_r", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(base) in (out / "adapter_config.json").read_text(), "peft wrote down the base model's path"
+    shutil.rmtree(private)
+    with FakeHub() as hub:
+        result = push(out, hub, "--repo-id", "alice/private-data")
+        assert result.returncode == 0, result.stderr[-3000:]
+        files = hub.files["alice/private-data"]
+    assert {"README.md", "run_config.json", "adapter_model.safetensors", "adapter_config.json"} <= set(files), \
+        sorted(files)
+    leaked = [name for name, content in files.items() if b"private-corpus-dir" in content
+              or str(tmp_path).encode() in content]
+    assert leaked == [], f"these uploaded files name the private folder: {leaked}"
+    pushed = json.loads(files["run_config.json"])["run"]
+    assert (pushed["model_name_or_path"], pushed["dataset_name"]) == ("tiny-base", "corpus.jsonl")
+    assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == "tiny-base"
+    card = files["README.md"].decode()
+    assert "| model | tiny-base |" in card and "| data | corpus.jsonl |" in card, card
+    metadata = card.split("---")[1]
+    assert "datasets" not in metadata and "base_model" not in metadata, metadata
+    kept = json.loads((out / "run_config.json").read_text())["run"]
+    assert (kept["model_name_or_path"], kept["dataset_name"]) == (str(base), str(corpus)), "the local record is whole"
+
+    hub_ids = {"run": {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M", "dataset_name": "roneneldan/TinyStories"}}
+    card = model_card(out, "alice/x", curve=False, settings=hub_ids)
+    assert "base_model: HuggingFaceTB/SmolLM2-135M" in card and "datasets:\n- roneneldan/TinyStories" in card, card
+
+
+def test_push_of_a_missing_folder_says_so_before_asking_for_a_token(tmp_path, monkeypatch):
+    """With no token anywhere (no HF_TOKEN, no stored login), a push of a folder that does not exist says that the
+    folder does not exist, in one sentence, exit 2: the folder is checked before the token is looked for."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with FakeHub() as hub:
+        result = push(tmp_path / "no-such-run", hub, "--repo-id", "alice/model", token="")
+        assert hub.tokens == []
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"hf-diloco: error: output folder {str(tmp_path / 'no-such-run')!r} does not " \
+                                    f"exist.", result.stderr
+
+
+def truncate(path, keep: int = 40) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "config.json", "tokenizer_config.json", "../run.json"])
+def test_push_of_a_run_with_a_damaged_file_names_the_file(finished_run, tmp_path, monkeypatch, damaged):
+    """A copy of the finished run with one file cut short (the weights, a config, or the app's run.json beside the
+    output folder) is refused before any token is looked for or anything is sent: exit 2, one sentence that names
+    the file, no traceback."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = tmp_path / "run" / "output"
+    shutil.copytree(finished_run, out, ignore=shutil.ignore_patterns("checkpoint-*", "runs"))
+    run_json = {"id": "run", "recipe": RECIPE, "accelerate_config": "", "overrides": [], "command": ["true"],
+                "output_dir": str(out), "status": "finished"}
+    (out.parent / "run.json").write_text(json.dumps(run_json))
+    target = (out / damaged).resolve()
+    truncate(target)
+    with FakeHub() as hub:
+        result = push(out, hub, "--repo-id", "alice/model", token="")
+        assert hub.tokens == [] and hub.commits == []
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hf-diloco: error: "), result.stderr
+    assert str(target) in lines[0] and "Hugging Face token" not in lines[0], lines[0]
 
 
 def test_push_to_hub_from_python_writes_the_settings_from_the_trainer_args(tmp_path):
