@@ -239,3 +239,45 @@ def torchft_listeners_on(host: str) -> Iterator[None]:
         yield
     finally:
         manager_module.ManagerServer, transport_module._IPv6HTTPServer = manager_server, http_server
+
+
+@contextlib.contextmanager
+def rendezvous_store_on_its_address() -> Iterator[None]:
+    """While `accelerate launch` runs torchrun's agent in this process: the static rendezvous store listens on the
+    address the processes meet at (`main_process_ip`, else 127.0.0.1) only.
+
+    Patches `torch.distributed.elastic.rendezvous.static_tcp_rendezvous.TCPStore`, the name the static rendezvous
+    (every shipped accelerate config's `rdzv_backend`) builds its store through, with one that hands the machine of
+    rank 0's store a socket already bound to that address and listening (`master_listen_fd`); other machines'
+    agents connect as before.
+    Why: a TCPStore server binds every interface unless handed a socket, and its keys steer the launch's processes.
+    Waits for: torchrun's rendezvous taking a bind address (torch 2.13 takes none).
+    """
+    import torch.distributed.elastic.rendezvous.static_tcp_rendezvous as static_module
+
+    store_class = static_module.TCPStore
+
+    def bound_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
+        if is_master and "master_listen_fd" not in kwargs:
+            kwargs["master_listen_fd"], _ = listening_socket(host_name, port)
+        return store_class(host_name, port, world_size, is_master, *args, **kwargs)
+
+    static_module.TCPStore = bound_store
+    try:
+        yield
+    finally:
+        static_module.TCPStore = store_class
+
+
+def listening_socket(host: str, port: int = 0) -> tuple[int, int]:
+    """The file descriptor and port of a TCP socket bound to `host`:`port` (0: a free port) and listening, for a
+    TCPStore's `master_listen_fd`: the store owns it from then on (it closes it), so Python lets go of it here."""
+    import socket
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(socket.SOMAXCONN)
+    port = listener.getsockname()[1]
+    return listener.detach(), port

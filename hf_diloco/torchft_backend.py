@@ -301,14 +301,9 @@ class TorchftRounds:
         from torch.distributed import TCPStore
 
         if replica.member == 0:
-            # TCPStore binds every interface unless handed a listening socket: bound here to `host` only (kept open
-            # for the store's life).
-            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-            self.store_socket = socket.socket(family, socket.SOCK_STREAM)
-            self.store_socket.bind((host, 0))
-            self.store_socket.listen(128)
-            self.store = TCPStore(host, self.store_socket.getsockname()[1], is_master=True, wait_for_workers=False,
-                                  master_listen_fd=self.store_socket.fileno())
+            # TCPStore binds every interface unless handed a listening socket: one bound to `host` only.
+            listener, port = compat.listening_socket(host)
+            self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
             address = (host, self.store.port)
             if replica.group_size > 1:
                 replica._store().set(self.STORE_KEY, f"{host}:{self.store.port}")

@@ -308,3 +308,30 @@ def test_torchft_binds_its_manager_and_checkpoint_servers_through_the_module_lev
         manager.shutdown(wait=False)
     finally:
         lighthouse.shutdown()
+
+
+def test_torchruns_static_rendezvous_builds_its_store_through_the_module_level_tcpstore():
+    """The static rendezvous (every shipped accelerate config's) of torchrun's agent builds its store through
+    `static_tcp_rendezvous.TCPStore`: unpatched the store listens on every interface; under
+    compat.rendezvous_store_on_its_address on the rendezvous address only, and a worker's store reaches it."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    def serve(patched: bool) -> tuple[set[str], StaticTCPRendezvous, int]:
+        port, before = free_port(), listening()
+        rendezvous = StaticTCPRendezvous("127.0.0.1", port, rank=0, world_size=1, run_id="compat",
+                                         timeout=10)
+        if patched:
+            with compat.rendezvous_store_on_its_address():
+                info = rendezvous.next_rendezvous()
+        else:
+            info = rendezvous.next_rendezvous()
+        info.store.set("seen", "yes")
+        return {ip for ip, p in listening() - before if p == port}, rendezvous, port
+
+    everywhere, first, _ = serve(patched=False)
+    assert everywhere & {"::", "0.0.0.0"}, everywhere
+    bound, second, port = serve(patched=True)
+    assert bound == {"127.0.0.1"}
+    worker = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    assert worker.get("compat/seen") == b"yes"
