@@ -634,6 +634,12 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
 
     models = [load_file(out / f"replica-{r}" / "model.safetensors") for r in range(3)]
     assert all(float((models[0][k] - m[k]).abs().max()) == 0.0 for m in models[1:] for k in models[0])
+    # Finished means finished, whoever healed when: what `hf-diloco push` reads says so for the launch and each
+    # replica (push refuses any other outcome).
+    from hf_diloco.hub import run_outcome
+
+    for folder in (out, *(out / f"replica-{r}" for r in range(3))):
+        assert run_outcome(folder) == {"ended": "finished", "step": 400, "max_steps": 400, "checkpoint": None}
 
 
 # Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run.
