@@ -187,9 +187,11 @@ def check_rounds(knobs: Knobs, recipe_values: dict) -> None:
         return  # the baseline never syncs; a timed round ends by the clock, not after H steps
     inner = str(knobs.inner_steps).strip() or str(recipe_values.get("inner_steps", ""))
     steps = str(knobs.max_steps).strip() or str(recipe_values.get("max_steps", ""))
-    if inner.isdigit() and steps.isdigit() and int(steps) > 0 and int(inner) > int(steps):
-        raise FormError(f"H = {inner} inner steps is above max steps = {steps}, so the replicas would never sync "
-                        f"before the run ends; choose H at most {steps}.")
+    if inner.isdigit() and steps.lstrip("-").isdigit():  # the same rule and sentence as the CLI's (hf_diloco.checks)
+        try:
+            checks.check_rounds(int(inner), int(steps))
+        except ConfigError as error:
+            raise FormError(str(error)) from None
 
 
 def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:

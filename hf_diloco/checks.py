@@ -5,6 +5,7 @@ app's form all ask here, so a value is refused by each of them or by none, in th
     check(config, names)    raise ConfigError with the first refusal among `names`, read from `config`
     from_text(name, text)   a value typed into a form, as the field's type (refused in the field's own sentence)
     check_torchft(config)   the torchft fields (ranges, replica_id below num_replicas)
+    check_rounds(...)       H against max_steps: a replica must sync before the run ends
     require_torchft()       torchft is installed (asked of importlib, without importing it)
 
 Design choices:
@@ -160,6 +161,24 @@ def check_torchft(config: Any) -> None:
     if not 0 <= config.replica_id < max(config.num_replicas, 1):
         raise ConfigError(f"replica_id must be in [0, num_replicas={config.num_replicas}), got {config.replica_id}.")
     check(config, TORCHFT_FIELDS[1:])
+
+
+def check_rounds(inner_steps: int | str, max_steps: int, trainer: str = "diloco", round_seconds: float = 0.0) -> None:
+    """Refuse an H (`inner_steps`) above `max_steps`: no replica would sync before the run ends. Nothing to refuse
+    for the `ddp` baseline (it has no rounds), rounds of `round_seconds` (they end by the clock), H `auto` (chosen
+    as the run goes) or a run sized in epochs (`max_steps` 0 or less).
+
+    >>> check_rounds(50, 400), check_rounds(500, 400, trainer="ddp"), check_rounds("auto", 10)
+    (None, None, None)
+    >>> check_rounds(500, 400)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hf_diloco.errors.ConfigError: H = 500 inner steps is above max steps = 400, so ...; choose H at most 400.
+    """
+    if trainer == "ddp" or round_seconds > 0 or inner_steps == AUTO or max_steps <= 0 or inner_steps <= max_steps:
+        return
+    raise ConfigError(f"H = {inner_steps} inner steps is above max steps = {max_steps}, so the replicas would never "
+                      f"sync before the run ends; choose H at most {max_steps}.")
 
 
 def torchft_installed() -> bool:

@@ -9,7 +9,10 @@ Design choices:
 - Recipes are YAML files whose keys are DiLoCoConfig / RunArguments fields; flags override them. Both go through
   HfArgumentParser, so every field's help text is its `--help` and its documentation.
 - Errors a user can cause end in one sentence on stderr and exit status 2, never a traceback.
-- `launch` validates the recipe and the accelerate config in this process before starting anything.
+- `launch` validates the recipe, the accelerate config, the model and the data in this process before starting
+  anything, as a dry run does; bad input only a worker can find ends the launch with the worker's sentence, once,
+  exit status 2, and is never restarted (hf_diloco.launch.Launch).
+- A command is printed with its Hub token as `***` (hf_diloco.launch.redact); the process run gets the token.
 - This module parses and prints; what starts and watches processes (launches, torchft replicas, the Lighthouse,
   SLURM jobs, a worker's exit) is hf_diloco.launch's and hf_diloco.slurm's. The app is started as a program of its
   own (`python -m app.server`): the library never imports it.
@@ -188,9 +191,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print_plan(training.dry_run_plan(run, config, processes=layout["processes"], group=layout["group"],
                                          sharded=layout["sharded"] or config.sharded_replica,
                                          tp=max(layout["tp"], config.tp_size)))
-        print(" ".join(command), flush=True)
+        print(launch.shown(command), flush=True)
         return 0
-    print(" ".join(command), flush=True)
+    print(launch.shown(command), flush=True)
     return launch.run_with_restarts(command, args.max_restarts, output_dir=config.output_dir)
 
 
@@ -201,7 +204,7 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
     if not args.replicas:
         require_lighthouse(config)
         command = accelerate_command(args.recipe, args.accelerate_config, args.overrides, args.port)
-        print(" ".join(command), flush=True)
+        print(launch.shown(command), flush=True)
         return 0 if args.dry_run else launch.run_with_restarts(command, args.max_restarts, resume=False)
     if args.replicas < 1:
         raise CLIError(f"--replicas must be at least 1, got {args.replicas}.")
@@ -212,7 +215,7 @@ def launch_torchft(args: argparse.Namespace, config) -> int:
         commands = launch.replica_commands(args.recipe, args.accelerate_config, args.overrides, config, args.replicas,
                                            processes, lighthouse, args.port)
         for command in commands:
-            print(" ".join(command), flush=True)
+            print(launch.shown(command), flush=True)
         return 0 if args.dry_run else launch.supervise_replicas(commands, config, args.max_restarts)
 
 
@@ -265,7 +268,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "--eval_steps", str(args.inner_steps),
     ]
     command = accelerate_command(str(DEMO_RECIPE), str(DEMO_ACCELERATE_CONFIG), overrides, args.port)
-    print("$ " + " ".join(command), flush=True)
+    print("$ " + launch.shown(command), flush=True)
     started = time.time()
     code = launch.run_with_restarts(command, 0, resume=False, env={"OMP_NUM_THREADS": "1"})
     if code != 0:
@@ -503,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return args.func(args)
     except ConfigError as error:
-        print(f"hf-diloco: error: {error}", file=sys.stderr)
-        return 2
+        if not launch.report_input_error(str(error)):  # a worker of `hf-diloco launch` leaves it to its launcher
+            print(f"hf-diloco: error: {error}", file=sys.stderr)
+        return launch.INPUT_ERROR
     except RunError as error:  # the run itself could not go on (diverged, a replica lost): its reason, not a trace
         print(f"hf-diloco: error: {error}", file=sys.stderr)
         return 1

@@ -313,6 +313,12 @@ class DiLoCoConfig(TrainingArguments):
         # to the other processes at every step; each replica reads its own shard instead.
         self.accelerator_config.dispatch_batches = False
 
+    def __getstate__(self) -> dict:
+        """What a pickle of these arguments holds: every attribute, with a token (`hub_token`) left out as `to_dict`
+        leaves it out. Trainer pickles its arguments into `training_args.bin` beside the model and in every
+        checkpoint, so a run's folder holds no Hub token however it was given."""
+        return {name: None if name.endswith("_token") else value for name, value in self.__dict__.items()}
+
     def _validate_backend(self) -> None:
         if self.outer_backend not in OUTER_BACKENDS:
             raise ConfigError(f"outer_backend must be torch or torchft, got {self.outer_backend!r}.")
@@ -570,8 +576,9 @@ class RunArguments:
     )
     dry_run: bool = field(
         default=False,
-        metadata={"help": "Build the config, the model and the data pipeline description, print the plan (sizes, "
-                          "bytes per round) and exit without loading data or training."},
+        metadata={"help": "Check the arguments, the model (built from its config, with no weights) and a local "
+                          "dataset (its first row), print the plan (sizes, bytes per round) and exit without "
+                          "loading data or training."},
     )
 
     def __post_init__(self):

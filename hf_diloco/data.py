@@ -42,6 +42,33 @@ def load_text_dataset(name: str, config: str | None = None, text_column: str = "
     return dataset
 
 
+def check_dataset(run: RunArguments) -> None:
+    """What can be known of the corpus named by `run` without loading it, in the sentence training would end with:
+    the built-in corpus, or a local file or folder that exists, can be read and has `text_column` (asked of its
+    first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub dataset is not asked for: the processes
+    that train fetch it."""
+    name, path = run.dataset_name, os.path.expanduser(run.dataset_name)
+    if name == BUILTIN:
+        columns = builtin_corpus().column_names
+    elif os.path.exists(path) or name.startswith((".", "/", "~")):
+        dataset = _load(name, run.dataset_config, streaming=run.streaming or not _saved_to_disk(path))
+        columns = dataset.column_names
+        if columns is None:  # a streamed json or csv file names its columns in its rows
+            try:
+                first = next(iter(dataset), None)
+            except Exception as error:  # datasets raises many types; the user needs the one-line reason
+                raise ConfigError(f"could not load dataset {name!r}: {first_line(error)}.") from None
+            columns = list(first) if first else None  # an empty file: nothing to check
+    else:
+        return
+    _check_text_column(name, columns, run.text_column)
+
+
+def _saved_to_disk(path: str) -> bool:
+    """Whether `path` is a folder written by `Dataset.save_to_disk`."""
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json"))
+
+
 def _load(name: str, config: str | None, streaming: bool = False):
     """A local file (by extension), a `save_to_disk` folder, a data folder, or a Hub id; the train split."""
     path = os.path.expanduser(name)
@@ -53,7 +80,7 @@ def _load(name: str, config: str | None, streaming: bool = False):
                     f"dataset file {name!r} has an unknown extension; use one of {', '.join(FILE_BUILDERS)}."
                 )
             loaded = load_dataset(builder, data_files=path, streaming=streaming)
-        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")) and not streaming:
+        elif _saved_to_disk(path) and not streaming:
             loaded = load_from_disk(path)
         elif os.path.isdir(path) or not name.startswith((".", "/", "~")):
             loaded = load_dataset(path if os.path.isdir(path) else name, config, streaming=streaming)

@@ -1,7 +1,10 @@
 """Every process hf-diloco starts and watches, and every check that can run before they start, in one place.
 
     check_launch        what `hf-diloco launch` checks before starting anything (recipe, accelerate config and
-                        flags, checkpoint to resume, output folder)
+                        flags, model, data, checkpoint to resume, output folder)
+    Launch              one launch started and watched: its stderr passed on with tokens hidden, a worker's bad
+                        input reported once (report_input_error) and never started again
+    redact              a command as it may be printed or stored: Hub tokens read `***`
     run_with_restarts   one launch (`accelerate launch ...`), started again from the newest complete checkpoint
                         when it fails (`hf-diloco launch --max-restarts N`); a stop request passed on once
     ReplicaSupervisor   the N torchft replica launches of `hf-diloco launch --replicas N`, each started again
@@ -15,7 +18,12 @@
     free_port, wait_for what tests and benchmarks use to start and watch processes too
 
 Design choices:
-- Commands are argument lists, never a shell line.
+- Commands are argument lists, never a shell line. What is printed or stored of one goes through `redact`; the
+  process run gets every argument as given.
+- Bad input found inside a worker (exit status 2, as every hf-diloco command ends on bad input) cannot be fixed by
+  starting it again: the launch ends with the worker's sentence, once, and exit status 2. The workers hand the
+  sentence over in a file rather than each printing it, and the launcher's stderr after it (torchelastic's report
+  of the failed processes, some forty lines of traceback) is dropped: the sentence says everything.
 - A launch runs in a session of its own, so a signal sent to us is passed on exactly once (schedulers and Ctrl-C
   signal a whole process group; the launcher forwards its own copy to the workers).
 - The restart loop is ours rather than accelerate's `--max_restarts`: with accelerate's default static rendezvous
@@ -28,13 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +78,18 @@ STOP_GRACE_SECONDS = "900"
 
 def check_launch(run, config, accelerate_config: str, processes: int | None = None, machines: int | None = None,
                  rank: int | None = None, dry_run: bool = False) -> dict:
-    """Everything `hf-diloco launch` can check before it starts a process: the accelerate config with the launch
-    flags beside it (`processes`, `machines`, `rank`; None: the config's), the recipe's arguments, the checkpoint
-    to resume and (unless `dry_run`) that the output folder holds no other run. Returns the accelerate config's
-    settings; raises ConfigError in one sentence."""
+    """Everything `hf-diloco launch` can check before it starts a process, once for all of them (either backend,
+    any number of replicas): the accelerate config with the launch flags beside it (`processes`, `machines`,
+    `rank`; None: the config's), what a dry run checks (the recipe's arguments and their combinations, H against
+    max_steps among them; the model, built from its config on the meta device, with its LoRA targets; the dataset
+    and its text column, from its first row: `train.check_inputs`), the checkpoint to resume and (unless `dry_run`)
+    that the output folder holds no other run. Returns the accelerate config's settings; raises ConfigError in the
+    sentence a training process would end with."""
     from . import train as training
 
     values = training.check_accelerate_config(accelerate_config, config, processes=processes, machines=machines,
                                               rank=rank)
-    training.check_arguments(run, config)
+    training.check_inputs(run, config)
     training.resolve_checkpoint(config)
     if not dry_run:
         training.check_output_dir(config)
@@ -104,6 +118,134 @@ def check_torchft_launch(accelerate_config: str, config, launch_args: list[str])
 
 # --- one launch ------------------------------------------------------------------------------------------------------
 
+INPUT_ERROR = 2  # the exit status of bad input, a worker's (hf_diloco.cli) and a launch's
+INPUT_ERROR_FILE = "HF_DILOCO_INPUT_ERROR_FILE"  # where a worker of a Launch hands over the sentence of its bad input
+TOKEN_FLAGS = ("--hub_token", "--hub-token")
+HUB_TOKEN = re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{20,}")  # the shape of a Hugging Face access token
+HIDDEN = "***"
+
+
+def redact(command: list[str]) -> list[str]:
+    """`command` as it may be printed or stored: the value of `--hub_token` (either spelling, `--hub_token=...` too)
+    and anything shaped like a Hugging Face token (`hf_` then 20 or more letters and digits) read `***`.
+
+    >>> redact(["train", "--hub_token", "secret", "--hub-token=x", "--note", "a-hf_abcdefghijklmnopqrstuv"])
+    ['train', '--hub_token', '***', '--hub-token=***', '--note', 'a-***']
+    """
+    values = set(token_values(command))
+
+    def hide(word: str) -> str:
+        flag, equals, _ = word.partition("=")
+        if word in values:
+            return HIDDEN
+        if equals and flag in TOKEN_FLAGS:
+            return f"{flag}={HIDDEN}"
+        return HUB_TOKEN.sub(HIDDEN, word)
+
+    return [hide(word) for word in command]
+
+
+def token_values(command: list[str]) -> list[str]:
+    """The values `command` gives `--hub_token` (either spelling, `--hub_token=...` too)."""
+    return [word if previous in TOKEN_FLAGS else word.partition("=")[2]
+            for previous, word in pairwise(["", *command])
+            if previous in TOKEN_FLAGS or ("=" in word and word.partition("=")[0] in TOKEN_FLAGS)]
+
+
+def shown(command: list[str]) -> str:
+    """The line that shows `command` (redacted)."""
+    return " ".join(redact(command))
+
+
+def report_input_error(sentence: str) -> bool:
+    """In a worker of a `Launch`: hand the sentence of the bad input it ends on to its launcher, which prints it
+    once for all the workers; False anywhere else (the caller prints it)."""
+    path = os.environ.get(INPUT_ERROR_FILE)
+    if not path:
+        return False
+    try:
+        with open(path, "a") as report:  # one short append per worker: whole lines, whatever the order
+            report.write(" ".join(sentence.split()) + "\n")
+    except OSError:
+        return False
+    return True
+
+
+class Launch:
+    """One launch hf-diloco starts and watches (an `accelerate launch ...`, a torchft replica's), used like the
+    `subprocess.Popen` it holds.
+
+    Its stderr (the launcher's and every worker's) is passed on to this process's, line by line, with the Hub
+    token of its command hidden (`redact`; tokens a worker prints, say in a traceback, too). A worker that ends on
+    bad input hands its sentence over (`report_input_error`) instead of printing it: `input_error` is then that
+    sentence, `poll` and `wait` return INPUT_ERROR (2) whatever status the launcher ended with, and what the launch
+    writes to stderr after it (torchelastic's report of the failure, the other workers being stopped) is dropped,
+    so the sentence is said once, by whoever started the launch. (Its stderr is a pipe to this process: were this
+    process killed outright, the launch's next write to stderr would fail.)"""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None, new_session: bool = False):
+        handle, self._report = tempfile.mkstemp(prefix="hf-diloco-input-error-")
+        os.close(handle)
+        self.input_error: str | None = None
+        # In the stream, a value short enough to be ordinary text is left alone (a real token has the token's shape).
+        self._secrets = {value.encode() for value in token_values(command) if len(value) >= 8}
+        self.process = subprocess.Popen(command, env={**(os.environ if env is None else env),
+                                                      INPUT_ERROR_FILE: self._report},
+                                        stderr=subprocess.PIPE, start_new_session=new_session)
+        self.pid = self.process.pid
+        self._copier = threading.Thread(target=self._pass_stderr_on, daemon=True)
+        self._copier.start()
+
+    def _reported(self) -> str | None:
+        """The first whole sentence a worker handed over, once there is one."""
+        if self.input_error is None:
+            with contextlib.suppress(OSError):
+                with open(self._report) as report:
+                    first = report.readline()
+                if first.endswith("\n"):
+                    self.input_error = first.strip()
+        return self.input_error
+
+    def _pass_stderr_on(self) -> None:
+        pending = b""
+        with self.process.stderr as stream:
+            for chunk in iter(lambda: stream.read1(1 << 16), b""):
+                *lines, pending = re.split(rb"(?<=[\r\n])", pending + chunk)  # a progress bar's line ends in \r
+                self._write(b"".join(lines))
+        self._write(pending)
+
+    def _write(self, data: bytes) -> None:
+        if not data or self._reported():
+            return
+        for secret in self._secrets:
+            data = data.replace(secret, HIDDEN.encode())
+        data = HUB_TOKEN.sub(HIDDEN, data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        out = sys.__stderr__.buffer
+        out.write(data)
+        out.flush()
+
+    def _status(self, code: int | None) -> int | None:
+        if code is None:
+            return None
+        self._copier.join(timeout=10)  # the rest of its stderr (a process left behind may hold it open)
+        if code != 0 and self._reported():
+            code = INPUT_ERROR
+        with contextlib.suppress(OSError):
+            os.unlink(self._report)
+        return code
+
+    def poll(self) -> int | None:
+        return self._status(self.process.poll())
+
+    def wait(self) -> int:
+        return self._status(self.process.wait())
+
+    def send_signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        self.process.kill()
+
 
 def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True,
                       output_dir: str | None = None, env: dict[str, str] | None = None) -> int:
@@ -111,6 +253,8 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     checkpoint. A run that was asked to stop (SIGTERM/SIGINT to this process) is not restarted, and exits 0 when
     it did stop (its `<output_dir>/stopped.json` is from this launch), whatever status the launcher ends with;
     once such a launch has ended, this process ignores SIGTERM/SIGINT (repeats of the same request) until it exits.
+    A launch whose worker ended on bad input is not started again: ConfigError with the worker's sentence (see
+    `Launch`).
 
     The launch runs in a session of its own, and SIGTERM/SIGINT sent to this process (or its process group, as
     Ctrl-C does) is passed on to it: the launcher hands it to every training process, which finish their round
@@ -118,7 +262,7 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     `env` is added to this process's environment for the launch.
     """
     stopping: list[int] = []
-    child: list[subprocess.Popen] = []
+    child: list[Launch] = []
 
     def pass_stop_on(signum, _frame) -> None:
         stopping.append(signum)
@@ -131,8 +275,10 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
     previous = {signum: signal.signal(signum, pass_stop_on) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         for attempt in range(max_restarts + 1):
-            child.append(subprocess.Popen(command, env=env, start_new_session=True))
+            child.append(Launch(command, env=env, new_session=True))
             code = child[-1].wait()  # retried through the signals passed on meanwhile (PEP 475)
+            if child[-1].input_error:  # starting it again cannot fix its input
+                raise ConfigError(child[-1].input_error)
             if stopping and code != 0 and output_dir and _stopped_since(output_dir, started):
                 print("[diloco] stopped on request with a checkpoint", flush=True)
                 return 0
@@ -248,7 +394,9 @@ class ReplicaSupervisor:
 
     The run succeeds (exit 0) when any replica finished it: a replica exits 0 only after the run's last round
     committed (or after a stop), and a replica that died for good does not undo what the others committed. The
-    closing line names every replica's exit."""
+    closing line names every replica's exit. A replica whose worker ended on bad input is not started again
+    (`Launch`); when no replica finished, the run ends with that sentence (ConfigError) instead of the closing
+    line."""
 
     def __init__(self, commands: list[list[str]], output_dir: str, max_restarts: int, linger_seconds: float = 15.0):
         self.linger_seconds = linger_seconds  # how long a restarted replica may outlive the finished others
@@ -296,7 +444,7 @@ class ReplicaSupervisor:
                     process.send_signal(signum)
 
         previous = {s: signal.signal(s, note_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        processes = [subprocess.Popen(command) for command in self.commands]
+        processes = [Launch(command) for command in self.commands]
         codes: list[int | None] = [None] * len(processes)
         self._note(0)
         try:
@@ -314,11 +462,12 @@ class ReplicaSupervisor:
                 for r, process in enumerate(processes):
                     if codes[r] is not None or (code := process.poll()) is None:
                         continue
-                    if code != 0 and not self.stopping and self.restarts[r] < self.max_restarts:
+                    if code != 0 and not self.stopping and not processes[r].input_error \
+                            and self.restarts[r] < self.max_restarts:
                         self.restarts[r] += 1
                         print(f"[diloco] replica {r} exited with status {code}; starting it again (restart "
                               f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
-                        processes[r] = subprocess.Popen(self.commands[r])
+                        processes[r] = Launch(self.commands[r])
                         self._note(r, state="rejoining", restarts=self.restarts[r], exit_code=code,
                                    records_at_restart=len(read_sync_rounds(replica_folder(self.output_dir, r))),
                                    outages=[*self.states[r]["outages"], self._outage(restarted=True)])
@@ -336,6 +485,9 @@ class ReplicaSupervisor:
             first = next(path for path in stopped if path.exists())
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / STOPPED_FILE).write_text(first.read_text())
+        bad_input = next((process.input_error for process in processes if process.input_error), None)
+        if bad_input and 0 not in codes:
+            raise ConfigError(bad_input)
         print(self.ending(codes), flush=True)
         return 0 if 0 in codes else next(code for code in codes if code)
 
@@ -361,7 +513,7 @@ def supervise_run(run_dir: Path) -> int:
     run = _read(run_dir)
     env = {**training_env(), "HF_DILOCO_STOP_SIGNAL": "1"}
     with (run_dir / LOG_FILE).open("ab") as log:
-        log.write(("$ " + " ".join(run.command) + "\n").encode())
+        log.write(("$ " + shown(run.command) + "\n").encode())
         log.flush()
         code = subprocess.call(run.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
     with _updating(run_dir) as run:  # the app may have asked to stop meanwhile: its fields are kept

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from .config import ConfigError, first_line
 
@@ -55,24 +55,41 @@ def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: 
     if name_or_path in PRESETS:
         tokenizer = byte_tokenizer()
         return build_preset(name_or_path, tokenizer, max_positions, seed), tokenizer
-    # A Hub id is "name" or "owner/name"; anything else is meant as a path on this machine.
+    return _from_pretrained(_source(name_or_path), name_or_path)
+
+
+def load_model_config(name_or_path: str):
+    """The config of a model that is not a preset: a local directory's config.json, or a Hub model's (that file
+    alone is downloaded), read as `load_model_and_tokenizer` would read it; ConfigError in its sentence."""
+    source = _source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(_unloadable(name_or_path, error)) from None
+
+
+def _source(name_or_path: str) -> str:
+    """Where a model that is not a preset comes from: a local directory, else a Hub id. A Hub id is "name" or
+    "owner/name"; anything else is meant as a path on this machine, which must exist."""
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     path = os.path.expanduser(name_or_path)
     if os.path.isdir(path):
-        return _from_pretrained(path, name_or_path)
+        return path
     if looks_local or os.path.exists(path):
         raise ConfigError(f"model path {name_or_path!r} does not exist or is not a directory.")
-    return _from_pretrained(name_or_path, name_or_path)
+    return name_or_path
+
+
+def _unloadable(shown: str, error: BaseException) -> str:
+    return (f"could not load model {shown!r}: it is not a preset ({', '.join(PRESETS)}), not a local model "
+            f"directory, and the Hub did not provide it ({first_line(error)}).")
 
 
 def _from_pretrained(source: str, shown: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(source)
     except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"could not load model {shown!r}: it is not a preset ({', '.join(PRESETS)}), not a local model "
-            f"directory, and the Hub did not provide it ({first_line(error)})."
-        ) from None
+        raise ConfigError(_unloadable(shown, error)) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError):
@@ -80,4 +97,3 @@ def _from_pretrained(source: str, shown: str):
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-

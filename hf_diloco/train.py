@@ -12,6 +12,8 @@ Design choices:
   The CLI only parses arguments and prints.
 - Checks that need no model or data (`check_arguments`, `check_output_dir`, `resolve_checkpoint`,
   `check_accelerate_config`) run before anything is built, so bad input costs nothing and overwrites nothing.
+- `check_inputs` checks the model (built from its config on the meta device, with its LoRA adapters) and the data
+  (the dataset's first row) cheaply: a dry run and `hf-diloco launch` run it once, before any process starts.
 - `dry_run_plan` is the same assembly up to the model, with the byte maths of a round instead of training.
 - Every error a user can cause is a `ConfigError` with one sentence.
 """
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import checks
+from .checks import AUTO
 from .errors import ConfigError, first_line
 from .files import read_yaml, write_json
 
@@ -46,6 +50,8 @@ def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
             "data_sharding=non_iid needs the dataset's length to give each replica a contiguous slice, which a "
             "streamed dataset does not have; set streaming: false or data_sharding: iid."
         )
+    checks.check_rounds(AUTO if config.auto_inner_steps else config.inner_steps, config.max_steps, run.trainer,
+                        config.round_seconds)
 
 
 def restarted() -> bool:
@@ -192,43 +198,65 @@ def build_model(run: RunArguments):
 
 
 def add_lora(model, run: RunArguments):
-    """PEFT LoRA adapters on `run.lora_target_modules`; only they train, so only they are synced."""
+    """PEFT LoRA adapters on `run.lora_target_modules`, every one of which must name modules of the model; only
+    they train, so only they are synced."""
     from peft import LoraConfig, get_peft_model
 
     targets = [name.strip() for name in run.lora_target_modules.split(",") if name.strip()]
+    # PEFT adapts the modules that match any target and ignores the others: a misspelt one would go unnoticed.
+    names = [name for name, _ in model.named_modules()]
+    absent = [target for target in targets if not any(n == target or n.endswith("." + target) for n in names)]
+    if absent:
+        raise ConfigError(f"cannot add LoRA adapters: the model has no module named {', '.join(map(repr, absent))}; "
+                          f"set lora_target_modules to names of its modules (e.g. q_proj,v_proj).")
     try:
         return get_peft_model(
             model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
                               target_modules=targets, task_type="CAUSAL_LM")
         )
-    except ValueError as error:
-        raise ConfigError(f"cannot add LoRA adapters: {first_line(error)}.") from None
+    except ValueError as error:  # PEFT's first sentence says what is missing; the rest is ours
+        raise ConfigError(f"cannot add LoRA adapters: {first_line(error).split('. ')[0]}; set lora_target_modules to "
+                          f"names of the model's modules (e.g. q_proj,v_proj).") from None
 
 
 # --- dry run ---------------------------------------------------------------------------------------------------------
 
 
 def shape_only_model(run: RunArguments):
-    """The model a dry run measures: a preset or a local model folder (from its config.json alone) is built on the
-    meta device, with no memory and no weights read, whatever its size; LoRA and Hub models are built as usual."""
+    """The model a dry run measures and a launch checks, built on the meta device from its config alone (no memory
+    taken, no weights read, whatever its size) with its LoRA adapters: a preset from its settings, a local model
+    folder or a Hub model from its config.json (a Hub model's is downloaded, its weights are not). ConfigError in
+    the sentence training would end with when the model cannot be found or read, or a LoRA target is not among
+    its modules."""
     import torch
 
-    from .models import PRESETS
+    from .models import PRESETS, load_model_config
 
-    path = os.path.expanduser(run.model_name_or_path)
-    if run.lora_r == 0 and run.model_name_or_path in PRESETS:
+    if run.model_name_or_path in PRESETS:
         with torch.device("meta"):
             return build_model(run)[0]
-    if run.lora_r == 0 and os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import AutoConfig, AutoModelForCausalLM
+    config = load_model_config(run.model_name_or_path)
+    from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
         try:
-            config = AutoConfig.from_pretrained(path)
-            with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"could not read model {run.model_name_or_path!r}: {first_line(error)}.") from None
-    return build_model(run)[0]
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+        except ValueError as error:  # a config of no causal language model
+            raise ConfigError(f"could not load model {run.model_name_or_path!r}: {first_line(error)}.") from None
+        return add_lora(model, run) if run.lora_r > 0 else model
+
+
+def check_inputs(run: RunArguments, config: DiLoCoConfig):
+    """Everything a dry run checks before it measures, and `hf-diloco launch` before it starts a process: the
+    combinations of arguments (`check_arguments`), the model with its LoRA adapters (`shape_only_model`) and the
+    dataset (`data.check_dataset`), each refused in the sentence training would end with. Returns the model,
+    on the meta device."""
+    from .data import check_dataset
+
+    check_arguments(run, config)
+    model = shape_only_model(run)
+    check_dataset(run)
+    return model
 
 
 def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None = None,
@@ -240,8 +268,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     from .comm import ring_all_reduce_bytes, round_bytes
     from .metrics import format_bytes
 
-    check_arguments(run, config)
-    model = shape_only_model(run)
+    model = check_inputs(run, config)
     group = group or config.replica_group_size
     sharded = config.sharded_replica if sharded is None else sharded
     tp = config.tp_size if tp is None else tp
