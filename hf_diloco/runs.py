@@ -69,13 +69,17 @@ ERROR_PREFIX = "hf-diloco: error: "
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
 
+# `accelerate launch`, with torchrun's rendezvous store on the launch's own address (hf_diloco.accelerate_launch).
+LAUNCHER = "hf_diloco.accelerate_launch"
+
+
 def accelerate_command(recipe: str, accelerate_config: str, overrides: list[str], port: int | None = None,
                        launch_args: list[str] | None = None) -> list[str]:
     """The `accelerate launch ... -m hf_diloco.cli train --config RECIPE ...` command, as an argument list.
 
     `launch_args` are accelerate's own flags (e.g. --num_processes, --machine_rank); `overrides` are recipe fields.
     """
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
+    command = [sys.executable, "-m", LAUNCHER, "--config_file", accelerate_config]
     if port is not None:
         command += ["--main_process_port", str(port)]
     return command + [*(launch_args or []), "-m", "hf_diloco.cli", "train", "--config", recipe, *overrides]
@@ -281,7 +285,7 @@ def training_pids(run: Run) -> list[int]:
     if not run.supervisor_pid:
         return []
     return [pid for pid in _descendants(run.supervisor_pid)
-            if _alive(pid, "hf_diloco.cli train") and not _alive(pid, "accelerate.commands.launch")]
+            if _alive(pid, "hf_diloco.cli train") and not _alive(pid, LAUNCHER)]
 
 
 def stop(run_dir: Path, grace_seconds: float = 600.0) -> Run:

@@ -73,7 +73,7 @@ def _header(job: Job, nodes: int, array: str | None) -> list[str]:
 
 
 def _launch(job: Job) -> list[str]:
-    return [job.python, "-m", "accelerate.commands.launch", "--config_file", job.accelerate_config]
+    return [job.python, "-m", "hf_diloco.accelerate_launch", "--config_file", job.accelerate_config]
 
 
 def _train(job: Job) -> list[str]:

@@ -61,6 +61,48 @@ def pattern_dataset(n: int = 64, length: int = 16, vocab: int = 64):
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
+def is_launcher(argv: list[str]) -> bool:
+    """Whether a process's command line is an accelerate launcher's (as the tests or hf-diloco start one)."""
+    return "accelerate.commands.launch" in argv or "hf_diloco.accelerate_launch" in argv
+
+
+def listeners_while_running(launcher) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:
+    """Every listener of `launcher` (a Popen) and its processes, read with psutil every 0.1 s until it exits: the
+    addresses listened on, the ports of each training process (pid -> ports), and for each port whether a
+    connection to this machine's external address, tried as soon as the port was seen, was accepted."""
+    import contextlib
+    import socket
+    import time
+
+    import psutil
+
+    external = next(a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+                    if a.family == socket.AF_INET and not a.address.startswith("127."))
+    addresses: set[str] = set()
+    ports: dict[int, set[int]] = {}
+    reachable: dict[int, bool] = {}
+    try:
+        while launcher.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for process in [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        listening = [c.laddr for c in process.net_connections(kind="inet")
+                                     if c.status == psutil.CONN_LISTEN]
+                        addresses.update(a.ip for a in listening)
+                        for port in {a.port for a in listening} - reachable.keys():
+                            with socket.socket() as probe:
+                                probe.settimeout(2)
+                                reachable[port] = probe.connect_ex((external, port)) == 0
+                        argv = process.cmdline()
+                        if "train" in argv and not is_launcher(argv):
+                            ports.setdefault(process.pid, set()).update(a.port for a in listening)
+            time.sleep(0.1)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    return addresses, ports, reachable
+
+
 def replica_training_pid(output_dir: Path, replica: int) -> int | None:
     """The pid of a torchft replica's training process (not its accelerate launcher) writing
     `<output_dir>/replica-<replica>`."""
@@ -68,7 +110,7 @@ def replica_training_pid(output_dir: Path, replica: int) -> int | None:
 
     for process in psutil.process_iter(["cmdline"]):
         argv = process.info["cmdline"] or []
-        if "hf_diloco.cli" in argv and "train" in argv and "accelerate.commands.launch" not in argv \
+        if "hf_diloco.cli" in argv and "train" in argv and not is_launcher(argv) \
                 and str(Path(output_dir) / f"replica-{replica}") in argv:
             return process.pid
     return None

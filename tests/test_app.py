@@ -23,7 +23,7 @@ def test_launch_watch_stop_and_push(tmp_path):
         form = ["", "tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=400)]
         command, message = client.predict(*form, api_name="/preview")
         assert "Form is valid" in message
-        assert "--inner_steps 5" in command and "accelerate.commands.launch" in command
+        assert "--inner_steps 5" in command and "hf_diloco.accelerate_launch" in command
         assert "tiny-pretrain-H5-steps400" in message, "the default name: recipe plus the knobs changed"
 
         time.sleep(2)  # the run's clock starts at Start, not at Preview
@@ -362,6 +362,58 @@ def test_the_app_serves_a_good_run_beside_run_json_files_it_cannot_read(tmp_path
     os.utime(runs_dir / "a-list" / "run.json")  # now the newest: the page opens on it
     selected = App(runs_dir).reattach()[0]
     assert selected["value"] == "a-list", selected
+
+
+
+def test_the_live_view_and_compare_draw_sync_records_that_lack_optional_fields(tmp_path):
+    """A run whose first sync record was written by an older version (no `ddp_bytes_per_replica`,
+    `blocked_seconds`, `tokens`, `sync`) and whose second was written by hand (round, step, loss, replica losses
+    and bytes only): the live view's refresh and the Compare tab draw what the records hold instead of failing
+    (the refresh raised KeyError on the first). Status bar: round, loss, bytes sent, "—" for what the last record
+    lacks and for the seconds waited (unknown for the second sync); round table: both rounds, empty cells where a
+    field is missing; loss plot: each replica's losses; bytes plot: DiLoCo's bytes, with no DDP series; norm and
+    time plots: the first sync only. A torchft record without members or participants fills a membership row."""
+    from app import views
+    from app.server import App
+
+    runs_dir = tmp_path / "runs"
+    old = runs_dir / "old"
+    (old / "output").mkdir(parents=True)
+    written = [{"round": 1, "step": 10, "loss": 3.5, "replica_losses": [3.6, 3.4], "pseudo_grad_norm": 0.5,
+                "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000, "sync_seconds": 0.1,
+                "compute_seconds": 3.0, "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 10},
+               {"round": 2, "step": 20, "loss": 3.0, "replica_losses": [3.1, 2.9], "bytes_per_replica": 2_000_000}]
+    (old / "output" / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    runs._write(old, runs.Run("old", str(REPO / "recipes" / "tiny-pretrain.yaml"), "cpu-2proc.yaml", [], ["true"],
+                              str(old / "output"), status="finished", ended=time.time()))
+    app = App(runs_dir)
+    live = app.refresh("old", None)
+
+    bar = live[0]
+    assert "round 2 · loss 3.0000 · — tok/s · — replicas · sent 6.0 MB/replica, none" in bar, bar
+    assert "waited for syncs — s" in bar, bar
+    rounds = live[6]
+    assert rounds[["round", "step", "train loss"]].values.tolist() == [[2, 20, 3.0], [1, 10, 3.5]], rounds
+    assert rounds["MB sent"].tolist() == [2.0, 4.0] and rounds["Δ norm"].tolist()[1] == 0.5
+    assert rounds[["Δ norm", "sync s", "compute s", "tokens/s"]].iloc[0].isna().all(), "round 2's cells are empty"
+
+    def traces(figure) -> dict:
+        return {trace.name: (plotted(trace.x), plotted(trace.y)) for trace in figure.data}
+
+    losses = traces(live[1])
+    assert losses["replica 0"] == ([10, 20], [3.6, 3.1]) and losses["replica 1"] == ([10, 20], [3.4, 2.9]), losses
+    traffic = traces(live[4])
+    assert traffic == {"DiLoCo (cumulative)": ([10, 20], [4.0, 6.0]), "DiLoCo (this sync)": ([10, 20], [4.0, 2.0])}
+    assert {name: x for name, (x, _) in traces(live[2]).items()} == {"averaged Δ": [10], "replica 0": [10],
+                                                                      "replica 1": [10]}
+    assert {name: x for name, (x, _) in traces(live[5]).items()} == {"compute": [10], "blocked": [10]}
+    assert live[11]["run"].tolist() == ["old"] and live[11]["loss"].tolist() == [3.0]
+
+    _, compared = app.compare(["old"])
+    assert compared[["run", "MB sent per replica"]].values.tolist() == [["old", 6.0]], compared
+
+    torchft = {"round": 1, "step": 10, "loss": 3.0, "outer_backend": "torchft"}
+    assert views.membership_rows([torchft]).values.tolist() == [[1, 10, None, "yes"]]
 
 
 TINY = TINY_YAML

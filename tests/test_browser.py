@@ -89,7 +89,7 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "app-launch.png"), full_page=True)
-        assert "accelerate.commands.launch" in page.locator("#command").inner_text()
+        assert "hf_diloco.accelerate_launch" in page.locator("#command").inner_text()
 
         page.click("#start")
         page.get_by_text("Started").wait_for(timeout=60_000)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import REPO, hf_diloco
+from helpers import REPO, env, hf_diloco, listeners_while_running
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 
@@ -41,7 +41,8 @@ def bad_inputs(tmp_path):
 def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     args, words = bad_inputs[case]
     base = [] if "--config" in args else ["--config", RECIPE]
-    result = hf_diloco("train", *base, "--output_dir", bad_inputs["_out"], "--max_steps", "2", *args)
+    result = hf_diloco("train", *base, "--output_dir", bad_inputs["_out"], "--max_steps", "2", "--inner_steps", "2",
+                       *args)
     assert_one_sentence_error(result, *words)
 
 
@@ -50,7 +51,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
     out.mkdir()
     rounds = out / "sync_rounds.jsonl"
     rounds.write_text('{"round": 1}\n')
-    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(out), "--max_steps", "2")
+    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(out), "--max_steps", "2", "--inner_steps", "2")
     assert_one_sentence_error(result, "already holds a run")
     assert rounds.read_text() == '{"round": 1}\n'
 
@@ -66,10 +67,32 @@ def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
                        "--output_dir", str(tmp_path / "x"), "--inner_steps", "25")
     assert result.returncode == 0, result.stderr
     command = result.stdout.strip().splitlines()[-1].split()
-    assert command[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert command[1:4] == ["-m", "hf_diloco.accelerate_launch", "--config_file"]
     assert command[command.index("--config") + 1] == RECIPE
     assert command[-2:] == ["--inner_steps", "25"]
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
+
+
+def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
+    """`hf-diloco launch` of the torch backend (two replicas, cpu-2proc.yaml), read with psutil while it runs: every
+    listener of every process (torchrun's rendezvous store in the launcher, gloo in each training process) is on
+    127.0.0.1 and refuses a connection to this machine's external address; the store is among them (under plain
+    `accelerate launch` it binds every interface)."""
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
+         "accelerate_configs/cpu-2proc.yaml", "--output_dir", str(tmp_path / "run"), "--max_steps", "20",
+         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
+         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
+        cwd=REPO)
+    addresses, ports, reachable = listeners_while_running(launcher)
+    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    assert addresses == {"127.0.0.1"}, addresses
+    assert reachable and not any(reachable.values()), reachable
+    assert len(ports) == 2 and all(ports.values()), ports  # gloo in each training process
+    assert set(reachable) - set().union(*ports.values()), "the launcher's rendezvous store"
 
 
 def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_on(tmp_path):
@@ -105,7 +128,7 @@ def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_pat
     fine = hf_diloco("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out,
                      "--replica_group_size", "2")
     assert fine.returncode == 0, fine.stderr
-    commands = [line.split() for line in fine.stdout.splitlines() if "accelerate.commands.launch" in line]
+    commands = [line.split() for line in fine.stdout.splitlines() if "hf_diloco.accelerate_launch" in line]
     ports = [c[c.index("--main_process_port") + 1] for c in commands]
     assert len(commands) == 2 and len(set(ports)) == 2, ports
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
@@ -221,7 +244,7 @@ def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
                            str(REPO / "accelerate_configs" / "multi-gpu.yaml"), "--dry-run", "--",
                            "--output_dir", str(tmp_path / "out"))
         assert result.returncode == 0, result.stderr[-2000:]
-        assert "accelerate.commands.launch" in result.stdout
+        assert "hf_diloco.accelerate_launch" in result.stdout
         assert not (tmp_path / "out").exists()
         return
     if spelling == "recipe key":

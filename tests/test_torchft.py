@@ -23,6 +23,7 @@ from helpers import (
     env,
     free_port,
     hf_diloco,
+    listeners_while_running,
     replica_training_pid,
     wait_for,
 )
@@ -551,14 +552,14 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
 
 def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):
     no_lighthouse = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
-                              "--output_dir", str(tmp_path / "a"), "--max_steps", "1")
+                              "--output_dir", str(tmp_path / "a"), "--max_steps", "1", "--inner_steps", "1")
     assert no_lighthouse.returncode != 0
     assert no_lighthouse.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: outer_backend torchft needs "
                                                                      "a Lighthouse")
     for backend in ("torch", "torchft"):  # one process cannot hold a replica of two
         grouped = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", backend,
                             "--lighthouse", "http://127.0.0.1:1", "--replica_group_size", "2",
-                            "--output_dir", str(tmp_path / backend), "--max_steps", "1")
+                            "--output_dir", str(tmp_path / backend), "--max_steps", "1", "--inner_steps", "1")
         assert grouped.returncode == 2 and grouped.stderr.strip().splitlines()[-1] == (
             "hf-diloco: error: replica_group_size=2 does not divide the 1 launched process(es); launch a multiple of "
             "it (accelerate launch --num_processes)."), grouped.stderr
@@ -566,7 +567,7 @@ def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path
     # Two processes in one torchft launch are one replica of two, or nothing.
     two = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
                              "--outer_backend", "torchft", "--lighthouse", "http://127.0.0.1:1", "--max_steps", "1",
-                             "--output_dir", str(tmp_path / "two")])
+                             "--inner_steps", "1", "--output_dir", str(tmp_path / "two")])
     assert two.returncode != 0
     assert ("hf-diloco: error: outer_backend torchft starts one launch per replica, so the 2 processes of this launch "
             "are one replica: set replica_group_size 2 (or launch one process per replica).") in two.stderr
@@ -820,14 +821,6 @@ def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path)
     Lighthouse; each replica's torchft manager, store, process group and healing server) is on 127.0.0.1, and
     each replica's training process holds at least four of them (manager, store, gloo, healing). Each port, as
     soon as it is seen, refuses a connection to this machine's external address."""
-    import socket
-    import time
-
-    import psutil
-
-    external = next(a.address for addresses in psutil.net_if_addrs().values() for a in addresses
-                    if a.family == socket.AF_INET and not a.address.startswith("127."))
-
     out = tmp_path / "run"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
@@ -835,28 +828,7 @@ def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path)
          "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
          "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
         cwd=REPO)
-    addresses: set[str] = set()
-    ports: dict[int, set[int]] = {}  # training process -> ports it listened on
-    reachable: dict[int, bool] = {}  # port -> whether a connection to the external address was accepted
-    try:
-        while launcher.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for process in [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        listening = [c.laddr for c in process.net_connections(kind="inet")
-                                     if c.status == psutil.CONN_LISTEN]
-                        addresses.update(a.ip for a in listening)
-                        for port in {a.port for a in listening} - reachable.keys():
-                            with socket.socket() as probe:
-                                probe.settimeout(2)
-                                reachable[port] = probe.connect_ex((external, port)) == 0
-                        argv = process.cmdline()
-                        if "train" in argv and "accelerate.commands.launch" not in argv:
-                            ports.setdefault(process.pid, set()).update(a.port for a in listening)
-            time.sleep(0.1)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    addresses, ports, reachable = listeners_while_running(launcher)
     assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
     assert addresses == {"127.0.0.1"}, addresses
     assert reachable and not any(reachable.values()), reachable
