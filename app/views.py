@@ -16,6 +16,11 @@ one record per sync number, and everything else from the replica that is furthes
 
 A JSON file that cannot be read (empty, cut short) counts as absent in the plots and tables, and the status bar
 names it in one sentence with what to do (`damaged_files`), so one broken file never blanks the whole page.
+
+A sync record needs only `round`, `step` and `loss`; a record written by an older version or by hand may lack any
+other field (`ddp_bytes_per_replica`, timings, norms, ...). What it lacks is shown as "—" in the status bar and an
+empty cell in the tables, its point is left out of a plot, and a running total it breaks (bytes sent, seconds
+waited) is not shown at all rather than shown too small.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
                    "wall time"]
 PALETTE, FIXED_COLORS = metrics.PALETTE, metrics.SERIES_COLORS  # one colour per series in the app and the card
+MISSING = "—"  # a value a record does not hold, in text
 
 
 # --- reading a run folder -------------------------------------------------------------------------------------
@@ -165,6 +171,34 @@ def current_step(run: Run, rounds: list[dict], progress: dict) -> int:
     return max(progress.get("step") or 0, rounds[-1]["step"] if rounds else 0)
 
 
+# --- optional fields of a sync record ---------------------------------------------------------------------------
+
+
+def blocked_seconds(record: dict) -> float | None:
+    """Seconds the inner loop waited for the sync (records from before overlapped syncs: the whole sync)."""
+    return record.get("blocked_seconds", record.get("sync_seconds"))
+
+
+def known_sum(values) -> float | None:
+    """The sum, or None when a value is unknown: a total that skipped a record would be wrong."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def rounded(value, digits: int | None = None, scale: float = 1.0):
+    """`value / scale` rounded to `digits` (an int without), None when unknown (an empty table cell)."""
+    return None if value is None else round(value / scale, digits)
+
+
+def shown(value, spec: str, scale: float = 1.0) -> str:
+    """`value / scale` formatted with `spec`, "—" when unknown.
+
+    >>> shown(4_000_000, ",.1f", 1e6), shown(None, ",.1f")
+    ('4.0', '—')
+    """
+    return MISSING if value is None else format(value / scale, spec)
+
+
 # --- status bar -------------------------------------------------------------------------------------------------
 
 
@@ -186,17 +220,20 @@ def status_html(run: Run | None) -> str:
         parts.append(f"<progress value='{min(step, total)}' max='{total}'></progress> step {step}/{total}")
     if rounds:
         last = rounds[-1]
-        sent = sum(r["bytes_per_replica"] for r in rounds)
-        blocked = sum(r.get("blocked_seconds", r["sync_seconds"]) for r in rounds)
+        sent = known_sum(r.get("bytes_per_replica") for r in rounds)
+        blocked = known_sum(blocked_seconds(r) for r in rounds)
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
-        present = f"{last['participants']} of {len(last['members'])}" if is_torchft(last) else last["num_replicas"]
+        if is_torchft(last):
+            present = f"{last.get('participants', MISSING)} of {len(last['members']) if 'members' in last else MISSING}"
+        else:
+            present = last.get("num_replicas", MISSING)
         # With streaming fragments a record is one fragment's sync: the round count is of whole rounds.
         counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} syncs)" if streamed(rounds) \
             else last["round"]
-        parts.append(f"round {counted} · loss {last['loss']:.4f} · {last['tokens_per_second']:,.0f} tok/s"
-                     f" · {present} replicas · sent {sent / 1e6:,.1f} MB/replica, {codec}{ratio}"
-                     f" · waited for syncs {blocked:,.1f} s")
+        parts.append(f"round {counted} · loss {last['loss']:.4f} · {shown(last.get('tokens_per_second'), ',.0f')} "
+                     f"tok/s · {present} replicas · sent {shown(sent, ',.1f', 1e6)} MB/replica, {codec}{ratio}"
+                     f" · waited for syncs {shown(blocked, ',.1f')} s")
     elif trainer_kind(run) == "ddp":
         losses = [e["loss"] for e in log if "loss" in e]
         parts.append((f"loss {losses[-1]:.4f} · " if losses else "") + "DDP baseline: no syncs "
@@ -334,7 +371,8 @@ def loss_frame(rounds: list[dict], trainer_log: list[dict]) -> pd.DataFrame:
 
 def norm_frame(rounds: list[dict]) -> pd.DataFrame:
     """Pseudo-gradient norms per sync, at the sync's step (with streaming, one sync per fragment)."""
-    rows = [{"step": r["step"], "norm": r["pseudo_grad_norm"], "of": "averaged Δ"} for r in rounds]
+    rows = [{"step": r["step"], "norm": r["pseudo_grad_norm"], "of": "averaged Δ"} for r in rounds
+            if r.get("pseudo_grad_norm") is not None]
     rows += [{"step": r["step"], "norm": n, "of": f"replica {i}"}
              for r in rounds for i, n in enumerate(r.get("replica_pseudo_grad_norms", []))]
     return _frame(rows, "step", "norm", "of")
@@ -349,7 +387,7 @@ def agreement_frame(rounds: list[dict], summary: dict | None = None) -> pd.DataF
                 if "replica_agreement" in r]
     summary = summary or {}
     last = summary.get("last_sync_agreement") or summary.get("last_round_agreement")
-    if last:
+    if last and "replica_agreement" in last:
         measured.append((last.get("sync", last.get("round")), last["replica_agreement"]))
     rows = [{"step": steps[at], "cosine": c, "replica": f"replica {i}"} for at, values in measured if at in steps
             for i, c in enumerate(values)]
@@ -365,19 +403,24 @@ def time_frame(rounds: list[dict]) -> pd.DataFrame:
     """Per sync: inner compute seconds and the seconds the inner loop was blocked waiting for the sync (an
     overlapped sync's transfer hides behind compute and blocks only for what is left)."""
     rows = [{"step": r["step"], "seconds": value, "part": part} for r in rounds for part, value in (
-        ("compute", r["compute_seconds"]), ("blocked", r.get("blocked_seconds", r["sync_seconds"])))]
+        ("compute", r.get("compute_seconds")), ("blocked", blocked_seconds(r))) if value is not None]
     return _frame(rows, "step", "seconds", "part")
 
 
 def bytes_rows(rounds: list[dict]) -> pd.DataFrame:
-    """Cumulative MB sent per replica by DiLoCo, and what DDP would have sent for the same steps."""
-    rows, diloco, ddp = [], 0.0, 0.0
-    for r in rounds:
-        diloco += r["bytes_per_replica"] / 1e6
-        ddp += r["ddp_bytes_per_replica"] / 1e6
-        rows += [{"step": r["step"], "MB": diloco, "traffic": "DiLoCo (cumulative)"},
-                 {"step": r["step"], "MB": ddp, "traffic": "DDP for the same steps"},
-                 {"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this sync)"}]
+    """Cumulative MB sent per replica by DiLoCo, and what DDP would have sent for the same steps. A cumulative
+    series is drawn only when every record holds its field (a running total with a gap would be too small); a
+    sync's own bytes wherever its record has them."""
+    rows = []
+    cumulative = (("DiLoCo (cumulative)", "bytes_per_replica"), ("DDP for the same steps", "ddp_bytes_per_replica"))
+    for series, key in cumulative:
+        if all(r.get(key) is not None for r in rounds):
+            sent = 0.0
+            for r in rounds:
+                sent += r[key] / 1e6
+                rows.append({"step": r["step"], "MB": sent, "traffic": series})
+    rows += [{"step": r["step"], "MB": r["bytes_per_replica"] / 1e6, "traffic": "DiLoCo (this sync)"} for r in rounds
+             if r.get("bytes_per_replica") is not None]
     frame = _frame(rows, "step", "MB", "traffic")
     return frame[frame["MB"] > 0]  # nothing sent has no place on a log scale
 
@@ -427,12 +470,12 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
     def thousands(tokens: int) -> str:
         return f"{tokens / 1000:.1f}k" if tokens >= 1000 else str(tokens)
 
-    rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4),
-             round(r["eval_loss"], 4) if r.get("eval_loss") is not None else None,
-             round(r["pseudo_grad_norm"], 4), round(r["bytes_per_replica"] / 1e6, 2), r.get("compression", "none"),
-             ratio(r), round(r["sync_seconds"], 3), round(r.get("blocked_seconds", r["sync_seconds"]), 3),
-             round(r["compute_seconds"], 2), round(r["tokens_per_second"]), per_replica(r, "steps"),
-             per_replica(r, "tokens", thousands)] for r in reversed(rounds)]
+    rows = [[r["round"], r["step"], synced(r), round(r["loss"], 4), rounded(r.get("eval_loss"), 4),
+             rounded(r.get("pseudo_grad_norm"), 4), rounded(r.get("bytes_per_replica"), 2, 1e6),
+             r.get("compression", "none"), ratio(r), rounded(r.get("sync_seconds"), 3),
+             rounded(blocked_seconds(r), 3), rounded(r.get("compute_seconds"), 2),
+             rounded(r.get("tokens_per_second")), per_replica(r, "steps"), per_replica(r, "tokens", thousands)]
+            for r in reversed(rounds)]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 
@@ -461,7 +504,7 @@ def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
     for outage in state.get("outages", []):
         after = outage.get("after_sync", outage.get("after_round", 0))  # after_round: launches before the rename
         back = next((sync_number(r) for r in torchft if sync_number(r) > after and any(
-            m["replica"] == replica and m.get("participated") for m in r["members"])), None)
+            m["replica"] == replica and m.get("participated") for m in r.get("members", []))), None)
         for r in torchft:
             if sync_number(r) > after and (back is None or sync_number(r) < back):
                 down[sync_number(r)] = "down, restarting" if outage.get("restarted") else "down"
@@ -473,13 +516,13 @@ def membership_rows(rounds: list[dict], replicas: int = 0, states: list[dict] = 
     cell per replica (at least `replicas` of them, the run's count); `states` (replicas.json) tells a replica whose
     process was down from one that was only late. Empty for any other run."""
     torchft = [r for r in rounds if is_torchft(r)]
-    ids = {m["replica"] for r in torchft for m in r["members"]}
+    ids = {m["replica"] for r in torchft for m in r.get("members", [])}
     columns = [f"replica {i}" for i in range(max([replicas, *(i + 1 for i in ids)]))] if torchft else []
     down = {state["replica"]: _down_rounds(state, torchft) for state in states if "replica" in state}
     rows = []
     for r in reversed(torchft):
-        members = {m["replica"]: m for m in r["members"]}
-        rows.append([r["round"], r["step"], r["participants"], "yes" if r.get("committed", True) else "no",
+        members = {m["replica"]: m for m in r.get("members", [])}
+        rows.append([r["round"], r["step"], r.get("participants"), "yes" if r.get("committed", True) else "no",
                      *(member_cell(members.get(i), down.get(i, {}).get(sync_number(r), ""))
                        for i in range(len(columns)))])
     return pd.DataFrame(rows, columns=MEMBERSHIP_COLUMNS + columns)
@@ -562,14 +605,15 @@ def held_out_curve(run: Run) -> pd.DataFrame:
     counted = [r for r in rounds if r.get("committed", True) is not False and "tokens" in r]
     for step, loss in evals:
         if rounds:
-            sent = sum(r["bytes_per_replica"] for r in rounds if r["step"] <= step)
+            sent = known_sum(r.get("bytes_per_replica") for r in rounds if r["step"] <= step)
         else:
             sent = step * float(progress.get("ddp_bytes_per_step") or 0)
         # Tokens as trained: each round's record counts the tokens its replicas trained (a replica that was down or
         # absent trained none); a run without rounds (DDP) trains every process every step.
         tokens = sum(r["tokens"] for r in counted if r["step"] <= step) if counted else step * tokens_per_step
-        rows.append({"run": run.name or run.id, "step": step, "tokens": tokens, "MB": sent / 1e6, "loss": loss})
-    return pd.DataFrame(rows, columns=["run", "step", "tokens", "MB", "loss"])
+        rows.append({"run": run.name or run.id, "step": step, "tokens": tokens,
+                     "MB": sent / 1e6 if sent is not None else None, "loss": loss})
+    return pd.DataFrame(rows, columns=["run", "step", "tokens", "MB", "loss"]).astype({"MB": "float64"})
 
 
 def compare_figure(runs: list[Run]):
@@ -609,7 +653,8 @@ def compare_rows(runs: list[Run]) -> pd.DataFrame:
         else:
             speed = None
         sent = curve["MB"].iloc[-1] if len(curve) else (
-            sum(r["bytes_per_replica"] for r in rounds) / 1e6 if rounds else None)
+            rounded(known_sum(r.get("bytes_per_replica") for r in rounds), 2, 1e6) if rounds else None)
+        sent = None if pd.isna(sent) else sent  # NaN, None: unknown (a record without its bytes)
         wall = (run.ended or time.time()) - run.created
         rows.append([run.name or run.id, kind, recipe_value(run, "inner_steps") if kind == "diloco" else "",
                      replicas(run), round(curve["loss"].iloc[-1], 4) if len(curve) else None,

@@ -1,10 +1,12 @@
 """Push a finished run to the Hugging Face Hub with a DiLoCo model card.
 
 Design choices:
-- The card's settings come from the training arguments themselves (`run_settings`): `DiLoCoTrainer` passes its
-  own args, and `hf-diloco train` stores the same dict in run_config.json for `hf-diloco push` and the app, so
-  every path writes the same card: a table of the settings, the final metrics (diloco_summary.json,
-  run_metrics.json), a training-curve image, base model and datasets in the metadata.
+- One upload for every caller (`commit_run`): `hf-diloco push`, the app and `DiLoCoTrainer.push_to_hub` push the
+  same files with the same card. The card's settings come from the training arguments themselves
+  (`run_settings`): `DiLoCoTrainer` passes its own args, and `hf-diloco train` stores the same dict in
+  run_config.json for `hf-diloco push` and the app, so every path writes the same card: a table of the settings,
+  the final metrics (diloco_summary.json, run_metrics.json), a training-curve image, base model and datasets in the
+  metadata.
 - The card says what ran: a DiLoCo run is tagged `diloco` and described with its replicas and H; a `trainer: ddp`
   baseline is described as ordinary data-parallel training, with no DiLoCo settings.
 - Only what a model repo needs is uploaded, named one by one (`repo_files`): weights, model and generation config,
@@ -420,6 +422,21 @@ def push(output_dir: str | Path, repo_id: str, token: str | None = None, private
     The folder is checked first (a finished run whose files all load; a run that did not finish is refused unless
     `allow_unfinished`), then the repo id and the token; `progress` gets one line per stage.
     """
+    commit = commit_run(output_dir, repo_id, token=token, private=private, merge_lora=merge_lora,
+                        commit_message=commit_message, endpoint=endpoint, allow_unfinished=allow_unfinished,
+                        progress=progress)
+    return str(commit.repo_url)
+
+
+def commit_run(output_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool | None = False,
+               merge_lora: bool = False, commit_message: str = "Upload DiLoCo model", endpoint: str | None = None,
+               allow_unfinished: bool = False, progress=print, settings: dict | None = None,
+               revision: str | None = None, blocking: bool = True):
+    """What `push` does, for every caller (`hf-diloco push`, the app, `DiLoCoTrainer.push_to_hub`): the files of
+    `repo_files`, named by `public_name` (`upload_source`), and the card of `model_card` (from `settings`, else the
+    folder's run_config.json), in one commit on `revision` (default: main). Returns huggingface_hub's CommitInfo, or
+    a Future of it when not `blocking` (the repo is created before this returns; the commit runs in a thread).
+    """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     output_dir = Path(output_dir)
@@ -431,19 +448,20 @@ def push(output_dir: str | Path, repo_id: str, token: str | None = None, private
         raise UnfinishedRun(outcome)
     sources = {name: upload_source(name, path) for name, path in files.items()}
     repo_id = check_repo_id(repo_id)
-    card = model_card(run_folder, repo_id)
+    card = model_card(run_folder, repo_id, settings=settings)
     token = resolve_token(token)
     api = HfApi(endpoint=endpoint, token=token)
-    with tempfile.TemporaryDirectory() as staging:
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source) for name, source in sources.items()]
+    operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
+    with tempfile.TemporaryDirectory() as staging:  # read now: a commit in the background outlives the folder
         curve = write_training_curve(run_folder, Path(staging) / CURVE_FILE)
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source) for name, source in sources.items()]
-        operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
         if curve is not None:
-            operations.append(CommitOperationAdd(path_in_repo=CURVE_FILE, path_or_fileobj=str(curve)))
-        names = sorted(op.path_in_repo for op in operations)
-        progress(f"[push] {len(names)} files: {', '.join(names)}")
-        url = api.create_repo(repo_id, private=private, exist_ok=True)
-        progress(f"[push] repository {url}")
-        api.create_commit(repo_id, operations, commit_message=commit_message)
-    progress(f"[push] done: {url}")
-    return str(url)
+            operations.append(CommitOperationAdd(path_in_repo=CURVE_FILE, path_or_fileobj=curve.read_bytes()))
+    names = sorted(op.path_in_repo for op in operations)
+    progress(f"[push] {len(names)} files: {', '.join(names)}")
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    progress(f"[push] repository {url}")
+    commit = api.create_commit(url.repo_id, operations, commit_message=commit_message, revision=revision,
+                               run_as_future=not blocking)
+    progress(f"[push] done: {url}" if blocking else f"[push] committing to {url} in the background")
+    return commit

@@ -265,6 +265,45 @@ class DiLoCoTrainer(Trainer):
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
 
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    allow_unfinished: bool = True, **kwargs):
+        """Save the model and push what `hf-diloco push` pushes, through the same code (hf_diloco.hub.commit_run):
+        the model, config and tokenizer files, the sync log, run_config.json and the DiLoCo card from this
+        trainer's args, a local model or dataset named by its base name only. Not Trainer's upload of the whole
+        output folder: `training_args.bin` (a pickle holding the run's paths), checkpoints, progress files and
+        peft's own README stay local.
+
+        Arguments as `Trainer.push_to_hub`: the repo is `args.hub_model_id` (default: the output folder's name),
+        `token` defaults to `args.hub_token` (then HF_TOKEN, then the huggingface_hub login), `private` to
+        `args.hub_private_repo`, `revision` to `args.hub_revision`. Trainer's model-card arguments (`tags`,
+        `license`, ...) are not used: the card is hf_diloco.hub's. Unlike `hf-diloco push`, a run that did not
+        finish (pushed mid-training, or after a stop) is pushed by default, since this call is explicit; its card
+        says how the run ended. `allow_unfinished=False` refuses it instead (hf_diloco.hub.UnfinishedRun).
+
+        Every process saves (as Trainer's does); the main process pushes and returns huggingface_hub's CommitInfo,
+        or a Future of it when not `blocking`; the others return None.
+
+        >>> trainer.train()  # doctest: +SKIP
+        >>> trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url  # doctest: +SKIP
+        """
+        from .hub import commit_run, trainer_settings
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        if kwargs:
+            logger.warning(f"push_to_hub: the DiLoCo card does not use {', '.join(sorted(kwargs))}.")
+        self._finish_current_push()  # a checkpoint push that Trainer started, if any
+        repo_id = self.hub_model_id or self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+        return commit_run(
+            self.args.output_dir, repo_id, token=token if token is not None else self.args.hub_token,
+            private=private if private is not None else self.args.hub_private_repo,
+            commit_message=commit_message or "End of training", allow_unfinished=allow_unfinished,
+            settings=trainer_settings(self), revision=revision if revision is not None else self.args.hub_revision,
+            blocking=blocking, progress=logger.info)
+
     def create_model_card(self, *args, **kwargs) -> None:
         """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
 

@@ -165,16 +165,33 @@ def test_push_of_a_run_with_a_damaged_file_names_the_file(finished_run, tmp_path
     assert str(target) in lines[0] and "Hugging Face token" not in lines[0], lines[0]
 
 
-def test_push_to_hub_from_python_writes_the_settings_from_the_trainer_args(tmp_path):
-    """`DiLoCoTrainer.push_to_hub()` from Python (no CLI, no run_config.json): the card's settings table is the
-    trainer's own args."""
-    out = tmp_path / "python-run"
+def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
+    """`DiLoCoTrainer.push_to_hub()` from Python (no CLI, no run_config.json), for a LoRA run whose base model and
+    corpus lie in a folder of one's own (`private-corpus-dir`, tests/scripts/python_push.py): it uploads, in one
+    commit with the given message, what `hf-diloco push` uploads and nothing else (not Trainer's whole output
+    folder: `training_args.bin` is a pickle of the run's paths, peft's README names the base model's path), no
+    uploaded file names the private folder or where the run lay, and it returns huggingface_hub's CommitInfo. The
+    card's settings table is the trainer's own args."""
+    out, private = tmp_path / "python-run", tmp_path / "private-corpus-dir"
     with FakeHub() as hub:
-        result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "python_push.py"), str(out)],
-                                capture_output=True, text=True, cwd=REPO, timeout=300,
+        result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "python_push.py"), str(out),
+                                 str(private)], capture_output=True, text=True, cwd=REPO, timeout=300,
                                 env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_py", "HF_HUB_OFFLINE": "0"})
         assert result.returncode == 0, result.stderr[-3000:]
         files = hub.files["alice/from-python"]
+        assert [c["header"]["summary"] for c in hub.commits] == ["DiLoCo from Python"]
+        assert f"push_to_hub returned CommitInfo {hub.url}/alice/from-python/commit/1" in result.stdout
+    assert sorted(files) == ["README.md", "adapter_config.json", "adapter_model.safetensors", "run_config.json",
+                             "sync_rounds.jsonl", "training_curve.png"]
+    # What Trainer.push_to_hub would have sent holds the paths: the pickled args, peft's README and config.
+    assert str(out).encode() in (out / "training_args.bin").read_bytes()
+    assert str(private) in (out / "README.md").read_text() and str(private) in (out / "adapter_config.json").read_text()
+    leaked = [name for name, content in files.items()
+              if b"private-corpus-dir" in content or str(tmp_path).encode() in content]
+    assert leaked == [], f"these uploaded files name the private folder or the run's place: {leaked}"
+    assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == "tiny-base"
+    assert json.loads(files["run_config.json"])["run"]["model_name_or_path"] == "tiny-base"
+    assert "base_model" not in files["README.md"].decode().split("---")[1]
     # The trainer recorded its own settings, so the folder also gets the full card from `hf-diloco push` (which
     # reads the folder, not a live trainer) and from the app.
     from hf_diloco.hub import model_card
@@ -185,9 +202,10 @@ def test_push_to_hub_from_python_writes_the_settings_from_the_trainer_args(tmp_p
                     "| outer momentum (`outer_momentum`) | 0.8 | 0.9 |",
                     "| replicas | 1 | 8 |",
                     "| inner learning_rate | 0.002 | |",
-                    "| inner max_steps | 8 | |"):
+                    "| inner max_steps | 8 | |",
+                    "| model | tiny-base |"):
             assert row in card, card
-    assert "- diloco" in card and "model.safetensors" in files
+        assert "- diloco" in card
 
 
 def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
