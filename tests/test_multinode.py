@@ -28,19 +28,32 @@ def two_nodes():
 
 
 def test_two_node_diloco_over_veth_ends_with_identical_parameters(two_nodes, tmp_path):
+    """Two nodes, one process each, launched as `hf-diloco launch` launches (hf_diloco.accelerate_launch): the
+    replicas end with identical digests, and every listener of each node (read with ss while it runs: node 0's
+    rendezvous store, each node's gloo) is on that node's own address, none on every interface."""
+    import time
+
     port = str(free_port())
     settings = json.dumps({"out": str(tmp_path), "inner_steps": 3, "max_steps": 7})
     procs = []
     for rank, host in enumerate(two_nodes):
         command = [
-            *host.exec_prefix(), sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+            *host.exec_prefix(), sys.executable, "-m", "hf_diloco.accelerate_launch", "--multi_gpu",
             "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
             "--main_process_ip", two_nodes[0].address, "--main_process_port", port,
             "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT, settings,
         ]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                                       cwd=REPO))
+    seen = [set(), set()]
+    while any(p.poll() is None for p in procs):
+        for host, found in zip(two_nodes, seen, strict=True):
+            found |= listeners(host)
+        time.sleep(0.2)
     outputs = [p.communicate(timeout=300) for p in procs]
+    assert f"{two_nodes[0].address}:{port}" in seen[0], seen[0]  # the rendezvous store, on node 0's address
+    for host, found in zip(two_nodes, seen, strict=True):
+        assert found and {a.rsplit(":", 1)[0] for a in found} == {host.address}, found
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -90,7 +103,8 @@ def test_a_two_site_torchft_run_over_wireguard_keeps_every_connection_on_the_ove
     overlay address and whose gloo uses the overlay interface. Both replicas take part in every round and end with
     identical models, the tunnels carried at least the bytes the rounds report, and every listener of each site
     (read with ss while it runs) is on that site's overlay address: none on the link address or every interface,
-    gloo included with no GLOO_SOCKET_IFNAME given (it follows replica_address)."""
+    gloo included with no GLOO_SOCKET_IFNAME given (it follows replica_address); each port refuses a connection to
+    the site's link address (tried from inside the site, past its firewall, as soon as the port is seen)."""
     from netns import close_all_but_overlay, wireguard
 
     try:
@@ -132,9 +146,14 @@ def run_two_sites(hosts, overlay, tmp_path):
             replicas.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                              env=env(), cwd=REPO))
         seen = [set(), set()]
+        accepted = [{}, {}]  # per site: port -> whether a connection to the site's link address was accepted
         while any(p.poll() is None for p in replicas):
-            for host, found in zip(hosts, seen, strict=True):
+            for host, found, answers in zip(hosts, seen, accepted, strict=True):
                 found |= listeners(host)
+                for opened in {a.rsplit(":", 1)[1] for a in found} - answers.keys():
+                    probe = subprocess.run(["ip", "netns", "exec", host.namespace, "timeout", "2", "bash", "-c",
+                                            f"exec 3<>/dev/tcp/{host.address}/{opened}"], capture_output=True)
+                    answers[opened] = b"Connection refused" not in probe.stderr
             time.sleep(0.5)
         outputs = [p.communicate()[0] for p in replicas]
     finally:
@@ -151,6 +170,7 @@ def run_two_sites(hosts, overlay, tmp_path):
     reported = sum(r["bytes_per_replica"] for r in rounds[0])
     assert min(overlay.transfer(i, host)[1] for i, host in enumerate(hosts)) >= reported, "the rounds went through"
     assert f"{overlay.addresses[0]}:{port}" in seen[0], f"the Lighthouse on the overlay: {seen[0]}"
-    for address, found in zip(overlay.addresses, seen, strict=True):
+    for address, found, answers in zip(overlay.addresses, seen, accepted, strict=True):
         assert len(found) >= 4, f"the manager, store, gloo and healing transfer: {found}"
         assert {a.rsplit(":", 1)[0] for a in found} == {address}, f"a listener off the overlay address: {found}"
+        assert answers and not any(answers.values()), f"a port reachable on the link address: {answers}"
