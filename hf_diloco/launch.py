@@ -515,7 +515,11 @@ def supervise_run(run_dir: Path) -> int:
     with (run_dir / LOG_FILE).open("ab") as log:
         log.write(("$ " + shown(run.command) + "\n").encode())
         log.flush()
-        code = subprocess.call(run.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its stdout goes to the log; its stderr passes through this process's, which is the log too (runs.start).
+        launched = Launch(run.command, env=env)
+        code = launched.wait()
+        if launched.input_error:  # a worker's bad input: its sentence once, as the CLI says it
+            log.write(f"hf-diloco: error: {launched.input_error}\n".encode())
     with _updating(run_dir) as run:  # the app may have asked to stop meanwhile: its fields are kept
         run.exit_code = code
         run.ended = time.time()

@@ -101,6 +101,25 @@ def test_a_failed_run_keeps_its_one_sentence_reason(tmp_path):
     assert final.status == "failed" and final.reason == 'model "m" does not exist.'
 
 
+def test_a_run_whose_workers_found_bad_input_says_it_once_without_a_traceback(tmp_path):
+    """A run started from the app whose two workers end on the same bad input (each hands its sentence over, then
+    the launcher fails with torchelastic's traceback): the run's log holds the sentence once as the CLI says it and
+    no traceback, and the run failed with that reason and exit status 2."""
+    folder = tmp_path / "bad-input"
+    sentence = 'dataset file "corpus.jsonl" does not exist.'
+    script = ("import sys; from hf_diloco import launch\n"
+              f"for _ in range(2): launch.report_input_error({sentence!r})\n"
+              "print('Traceback (most recent call last):', file=sys.stderr, flush=True)\n"
+              "print('torch.distributed.elastic.multiprocessing.errors.ChildFailedError:', file=sys.stderr)\n"
+              "sys.exit(1)")
+    runs.start_planned(runs.Run("bad-input", RECIPE, "c.yaml", [], [sys.executable, "-c", script],
+                                str(folder / "output")))
+    final = wait_for(lambda: (r := runs.load(folder)).status not in runs.ACTIVE and r, 60, "the run to end")
+    assert (final.status, final.exit_code, final.reason) == ("failed", 2, sentence)
+    log = (folder / runs.LOG_FILE).read_text().split("sys.exit(1)\n", 1)[1]  # after the "$ command" line
+    assert log.count(sentence) == 1 and f"hf-diloco: error: {sentence}" in log and "Traceback" not in log, log
+
+
 def test_a_run_whose_supervisor_died_reads_as_failed(tmp_path):
     folder = tmp_path / "ghost"
     folder.mkdir()
