@@ -308,6 +308,9 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     hands it to sbatch."""
     from . import slurm
 
+    if launch.token_values(args.overrides):
+        raise CLIError("a --hub_token given to hf-diloco slurm would be written into the job's script; export "
+                       "HF_TOKEN in the shell that runs sbatch instead (the job inherits its environment).")
     run, config = parse_train_args(args.recipe, args.overrides, checking_only=True)
     per_node = slurm.check_job(run, config, args.accelerate_config, args.nodes, args.replicas, args.first_replica)
     output_dir = Path(config.output_dir).resolve()
