@@ -1,12 +1,12 @@
 """Push a finished run to the Hugging Face Hub with a DiLoCo model card.
 
 Design choices:
-- One upload for every caller (`commit_run`): `hf-diloco push`, the app and `DiLoCoTrainer.push_to_hub` push the
-  same files with the same card. The card's settings come from the training arguments themselves
-  (`run_settings`): `DiLoCoTrainer` passes its own args, and `hf-diloco train` stores the same dict in
-  run_config.json for `hf-diloco push` and the app, so every path writes the same card: a table of the settings,
-  the final metrics (diloco_summary.json, run_metrics.json), a training-curve image, base model and datasets in the
-  metadata.
+- One upload for every caller (`commit_run`): `hf-diloco push`, the app and `DiLoCoTrainer.push_to_hub` (and its
+  pushes during training) push the same files with the same card. The card's settings come from the training
+  arguments themselves (`run_settings`): `DiLoCoTrainer` passes its own args, and `hf-diloco train` stores the same
+  dict in run_config.json for `hf-diloco push` and the app, so every path writes the same card: a table of the
+  settings, the final metrics (diloco_summary.json, run_metrics.json), a training-curve image, base model and
+  datasets in the metadata.
 - The card says what ran: a DiLoCo run is tagged `diloco` and described with its replicas and H; a `trainer: ddp`
   baseline is described as ordinary data-parallel training, with no DiLoCo settings.
 - Only what a model repo needs is uploaded, named one by one (`repo_files`): weights, model and generation config,
@@ -151,7 +151,9 @@ def _public(value, every: bool, key: str = ""):
 def upload_source(name: str, path: Path) -> str | bytes:
     """What is uploaded as the repo file `name` from `path`, once it loads: the file itself, or for a JSON file that
     names a local path a copy with its base name instead (every string of run_config.json, the `*name_or_path`
-    values of a model, tokenizer or adapter config). A file that does not load is a DamagedFile naming it."""
+    values of a model, tokenizer or adapter config). A file that does not load is a DamagedFile naming it. Weights
+    are passed by path; every other file is small and read now, so that a commit in the background sends what was
+    there when it was asked for (a live run appends to its sync log)."""
     if name.endswith(".safetensors"):
         from safetensors import SafetensorError, safe_open
 
@@ -163,10 +165,10 @@ def upload_source(name: str, path: Path) -> str | bytes:
                               f"or push a run whose model is whole.") from None
         return str(path)
     if not name.endswith(".json"):
-        return str(path)
+        return path.read_bytes()
     values = read_json(path)
     public = _public(values, every=name == RUN_CONFIG_FILE)
-    return str(path) if public == values else (json.dumps(public, indent=2, ensure_ascii=False) + "\n").encode()
+    return path.read_bytes() if public == values else (json.dumps(public, indent=2, ensure_ascii=False) + "\n").encode()
 
 
 TRAINING_KEYS = ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size",
@@ -265,12 +267,14 @@ def describe_outcome(outcome: dict) -> str:
     'stopped on request at step 40 of 200; its checkpoint-40 was kept'
     >>> describe_outcome({"ended": "failed", "step": None, "max_steps": None, "checkpoint": None})
     'failed'
+    >>> describe_outcome({"ended": "training", "step": 40, "max_steps": 200, "checkpoint": None})
+    'was still training at step 40 of 200'
     """
     at = ""
     if outcome.get("step") is not None:
         at = f" at step {outcome['step']}" + (f" of {outcome['max_steps']}" if outcome.get("max_steps") else "")
     words = {"finished": "finished", "stopped": "stopped on request", "failed": "failed",
-             "unfinished": "did not finish"}[outcome["ended"]]
+             "unfinished": "did not finish", "training": "was still training"}[outcome["ended"]]
     kept = f"; its {outcome['checkpoint']} was kept" if outcome.get("checkpoint") else ""
     return words + at + kept
 
@@ -286,11 +290,13 @@ def trainer_settings(trainer) -> dict:
 
 
 def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool = True,
-               settings: dict | None = None) -> str:
+               settings: dict | None = None, outcome: dict | None = None) -> str:
     """The model card of a run folder, as markdown with YAML metadata (huggingface_hub's `ModelCard`).
 
-    `settings` is `run_settings(...)` of the run; without it, the run_config.json that `hf-diloco train` wrote. For
-    a replica folder of a torchft launch, replicas and rounds are the launch's (every replica folder beside it).
+    `settings` is `run_settings(...)` of the run; without it, the run_config.json that `hf-diloco train` wrote.
+    `outcome` is how the run ended (`run_outcome`, read from the folder unless given: a live trainer knows it is
+    still training). For a replica folder of a torchft launch, replicas and rounds are the launch's (every replica
+    folder beside it).
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -316,7 +322,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         replicas = len(replica_folders(root))
     else:
         replicas = summary.get("num_replicas") or (processes // group if processes else "?")
-    outcome = run_outcome(output_dir)
+    outcome = outcome or run_outcome(output_dir)
     lines = [f"# {repo_id or output_dir.name}", ""]
     if outcome["ended"] != "finished":
         lines += [f"> **This run {describe_outcome(outcome)}.** The weights are those it had then.", ""]
@@ -431,11 +437,12 @@ def push(output_dir: str | Path, repo_id: str, token: str | None = None, private
 def commit_run(output_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool | None = False,
                merge_lora: bool = False, commit_message: str = "Upload DiLoCo model", endpoint: str | None = None,
                allow_unfinished: bool = False, progress=print, settings: dict | None = None,
-               revision: str | None = None, blocking: bool = True):
-    """What `push` does, for every caller (`hf-diloco push`, the app, `DiLoCoTrainer.push_to_hub`): the files of
-    `repo_files`, named by `public_name` (`upload_source`), and the card of `model_card` (from `settings`, else the
-    folder's run_config.json), in one commit on `revision` (default: main). Returns huggingface_hub's CommitInfo, or
-    a Future of it when not `blocking` (the repo is created before this returns; the commit runs in a thread).
+               revision: str | None = None, blocking: bool = True, outcome: dict | None = None):
+    """What `push` does, for every caller (`hf-diloco push`, the app, `DiLoCoTrainer.push_to_hub` and its pushes
+    during training): the files of `repo_files`, named by `public_name` (`upload_source`), and the card of
+    `model_card` (from `settings`, else the folder's run_config.json; `outcome`, else `run_outcome`), in one commit
+    on `revision` (default: main). Returns huggingface_hub's CommitInfo, or a Future of it when not `blocking` (the
+    repo is created and every file but the weights read before this returns; the commit runs in a thread).
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -443,12 +450,12 @@ def commit_run(output_dir: str | Path, repo_id: str, *, token: str | None = None
     files = repo_files(output_dir, merge_lora)
     run_folder = files[next(n for n in files if n.endswith(".safetensors"))].parent
     run_folder = run_folder.parent if run_folder.name == "merged" else run_folder
-    outcome = run_outcome(run_folder)
+    outcome = outcome or run_outcome(run_folder)
     if outcome["ended"] != "finished" and not allow_unfinished:
         raise UnfinishedRun(outcome)
     sources = {name: upload_source(name, path) for name, path in files.items()}
     repo_id = check_repo_id(repo_id)
-    card = model_card(run_folder, repo_id, settings=settings)
+    card = model_card(run_folder, repo_id, settings=settings, outcome=outcome)
     token = resolve_token(token)
     api = HfApi(endpoint=endpoint, token=token)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source) for name, source in sources.items()]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import HubStrategy, SaveStrategy
+from transformers.utils import PushInProgress
 
 from . import checkpoints, compat, parallel
 from .callback import DiLoCoCallback
@@ -44,6 +47,7 @@ from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler
+from .errors import first_line
 from .files import read_json, write_json
 from .runs import PROGRESS_FILE
 
@@ -136,6 +140,9 @@ class DiLoCoTrainer(Trainer):
         self.add_callback(self.diloco)
         # DiLoCo stops at a round boundary, all replicas together, whichever replica was asked.
         self.stopper.attach(self.diloco.request_stop, lambda: self.diloco.stopped_at)
+        if args.push_to_hub and args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            logger.warning(f"hub_strategy {args.hub_strategy.value}: DiLoCoTrainer pushes each checkpoint's model, "
+                           f"never the checkpoint folder (its optimizer and outer state stay local).")
 
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
 
@@ -290,12 +297,12 @@ class DiLoCoTrainer(Trainer):
         from .hub import commit_run, trainer_settings
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        self._finish_current_push()  # a push during training reads the output folder's weights until it is done
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
         if kwargs:
             logger.warning(f"push_to_hub: the DiLoCo card does not use {', '.join(sorted(kwargs))}.")
-        self._finish_current_push()  # a checkpoint push that Trainer started, if any
         repo_id = self.hub_model_id or self.args.hub_model_id or Path(self.args.output_dir).absolute().name
         return commit_run(
             self.args.output_dir, repo_id, token=token if token is not None else self.args.hub_token,
@@ -303,6 +310,55 @@ class DiLoCoTrainer(Trainer):
             commit_message=commit_message or "End of training", allow_unfinished=allow_unfinished,
             settings=trainer_settings(self), revision=revision if revision is not None else self.args.hub_revision,
             blocking=blocking, progress=logger.info)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The push at a save during training (`args.push_to_hub`, unless `hub_strategy` is "end"): what
+        `push_to_hub()` pushes, through hf_diloco.hub.commit_run, with the checkpoint's model, committed in the
+        background as "Training in progress, step N" (or "epoch N"). Its card says that the run was still training
+        at that step.
+
+        As Trainer's: the main process alone, from inside `_save_checkpoint`, with no collective (the checkpoint's
+        model and tokenizer files are copied into the output folder, not saved again); while a push is still in
+        progress the next one is skipped unless `hub_always_push`; `push_in_progress` is what `train()` waits for at
+        its end. Unlike Trainer's, whatever `hub_strategy` (checkpoint, all_checkpoints too), no checkpoint folder
+        is uploaded: its optimizer and outer state are the run's own, and its model is what this pushes; nor the
+        output folder's other files (`training_args.bin`, peft's README, local paths). A push that fails is a
+        warning, as Trainer's background upload is: training goes on.
+        """
+        from .hub import commit_run, repo_files, trainer_settings
+
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        step = self.state.global_step
+        at = f"step {step}" if self.args.save_strategy == SaveStrategy.STEPS else f"epoch {int(self.state.epoch)}"
+        # The sync of this step waits in the records for its evaluation, which Trainer ran before this save: written
+        # now, it is in the pushed sync log, curve and card.
+        self.diloco.records.flush()
+        try:
+            for name, path in repo_files(Path(checkpoint_folder)).items():
+                shutil.copy(path, Path(self.args.output_dir) / name)
+            job = commit_run(
+                self.args.output_dir, self.hub_model_id, token=self.args.hub_token,
+                private=self.args.hub_private_repo, commit_message=f"Training in progress, {at}",
+                allow_unfinished=True, settings=trainer_settings(self), revision=self.args.hub_revision,
+                blocking=False, progress=logger.info,
+                outcome={"ended": "training", "step": step, "max_steps": self.state.max_steps, "checkpoint": None})
+        except Exception as error:  # whatever stops a push must not stop the training
+            logger.warning(f"the push of {at} to the Hub failed ({first_line(error)}); training goes on.")
+            return
+
+        def say_if_failed(done) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                logger.warning(f"the push of {at} to the Hub failed ({first_line(done.exception())}).")
+
+        job.add_done_callback(say_if_failed)
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress([job])
+        else:
+            self.push_in_progress.jobs.append(job)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.

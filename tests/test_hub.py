@@ -165,6 +165,13 @@ def test_push_of_a_run_with_a_damaged_file_names_the_file(finished_run, tmp_path
     assert str(target) in lines[0] and "Hugging Face token" not in lines[0], lines[0]
 
 
+def python_push(out, private, hub, *extra):
+    """tests/scripts/python_push.py, pushing to `hub`."""
+    return subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "python_push.py"), str(out),
+                           str(private), *extra], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_py", "HF_HUB_OFFLINE": "0"})
+
+
 def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
     """`DiLoCoTrainer.push_to_hub()` from Python (no CLI, no run_config.json), for a LoRA run whose base model and
     corpus lie in a folder of one's own (`private-corpus-dir`, tests/scripts/python_push.py): it uploads, in one
@@ -174,9 +181,7 @@ def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
     card's settings table is the trainer's own args."""
     out, private = tmp_path / "python-run", tmp_path / "private-corpus-dir"
     with FakeHub() as hub:
-        result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "python_push.py"), str(out),
-                                 str(private)], capture_output=True, text=True, cwd=REPO, timeout=300,
-                                env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_py", "HF_HUB_OFFLINE": "0"})
+        result = python_push(out, private, hub)
         assert result.returncode == 0, result.stderr[-3000:]
         files = hub.files["alice/from-python"]
         assert [c["header"]["summary"] for c in hub.commits] == ["DiLoCo from Python"]
@@ -206,6 +211,52 @@ def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
                     "| model | tiny-base |"):
             assert row in card, card
         assert "- diloco" in card
+
+
+class EveryUpload(dict):
+    """A repo's files on the FakeHub that also keeps every upload as (index of its commit, name, content): the fake
+    Hub stores a commit's files, then appends the commit to `commits`."""
+
+    def __init__(self, commits: list):
+        super().__init__()
+        self.commits, self.uploads = commits, []
+
+    def __setitem__(self, name, content):
+        self.uploads.append((len(self.commits), name, content))
+        super().__setitem__(name, content)
+
+
+def test_push_to_hub_during_training_pushes_what_push_to_hub_pushes(tmp_path):
+    """`push_to_hub=True` in the args of a DiLoCoTrainer from Python makes Trainer push at every save during
+    training (tests/scripts/python_push.py --push-while-training: LoRA on a base model and corpus in a private
+    folder, a checkpoint every 4 of 8 steps, hub_strategy all_checkpoints, then `push_to_hub()`). Each such commit,
+    "Training in progress, step N", holds what `push_to_hub()` pushes, with the checkpoint's weights, its sync log
+    and a card that says the run was still training; never what Trainer's own push sends: the whole output folder
+    (`training_args.bin`, a run_config.json and configs with the private folder's path) and the checkpoint folders
+    (optimizer and outer state). Every upload of every commit is checked, not only the files the repo ends with: a
+    later commit overwrites an earlier one's."""
+    out, private = tmp_path / "python-run", tmp_path / "private-corpus-dir"
+    with FakeHub() as hub:
+        hub.files["alice/from-python"] = received = EveryUpload(hub.commits)  # kept by the repo's creation
+        result = python_push(out, private, hub, "--push-while-training")
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries = [c["header"]["summary"] for c in hub.commits]
+    leaked = [(summaries[commit], name) for commit, name, content in received.uploads
+              if name == "training_args.bin" or name.startswith(("checkpoint-", "last-checkpoint")) or "/" in name
+              or b"private-corpus-dir" in content or str(tmp_path).encode() in content]
+    assert leaked == [], f"uploaded during training, and not by push_to_hub(): {leaked}"
+    # Step 4's push always happens; step 8's is skipped while step 4's is still committing (Trainer's rule), and
+    # train() waits for the last one before it returns.
+    assert summaries[0] == "Training in progress, step 4" and summaries[-1] == "DiLoCo from Python", summaries
+    assert set(summaries[1:-1]) <= {"Training in progress, step 8"}, summaries
+    at_step_4 = {name: content for commit, name, content in received.uploads if commit == 0}
+    assert sorted(at_step_4) == ["README.md", "adapter_config.json", "adapter_model.safetensors", "run_config.json",
+                                 "sync_rounds.jsonl", "training_curve.png"]
+    assert at_step_4["adapter_model.safetensors"] == (out / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
+    assert [json.loads(line)["step"] for line in at_step_4["sync_rounds.jsonl"].decode().splitlines()] == [4]
+    assert at_step_4["adapter_model.safetensors"] != received["adapter_model.safetensors"], "step 8 trained on"
+    assert "> **This run was still training at step 4 of 8.**" in at_step_4["README.md"].decode()
+    assert "| how the run ended | finished |" in received["README.md"].decode()
 
 
 def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
