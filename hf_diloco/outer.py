@@ -383,6 +383,10 @@ class OuterState:
             return "its optimizer state names parameters this replica does not have"
         for i, entry in entries.items():
             for key, value in (entry.items() if isinstance(entry, dict) else [("entry", entry)]):
+                if isinstance(value, int | float) and not isinstance(value, bool):  # a count (delayed Nesterov)
+                    if not math.isfinite(value):
+                        return f"the optimizer's {key} of parameter {i} is {value}"
+                    continue
                 if not isinstance(value, torch.Tensor):
                     return f"the optimizer's {key} of parameter {i} is a {type(value).__name__}, not a tensor"
                 if value.dim() > 0 and (value.shape != own[i].shape or value.dtype != own[i].dtype):
