@@ -465,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'user:password' required to use the app (default: $HF_DILOCO_APP_AUTH)")
     app.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     app.set_defaults(func=cmd_app)
+    from . import plan  # `hf-diloco plan`: its flags and command live in hf_diloco.plan
+
+    plan.add_subcommand(sub)
     return parser
 
 
