@@ -410,11 +410,55 @@ def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | N
     # The run's environment (no Hub token, no app password): the check sees what the run will see.
     result = subprocess.run(cli, capture_output=True, text=True, cwd=PROJECT, timeout=300, env=runs.training_env())
     if result.returncode != 0:
-        # The CLI's own sentence ("hf-diloco: error: ..."), else the last error line (e.g. argparse's), never a dump.
-        errors = [line.split("error:", 1)[1].strip() for line in result.stderr.splitlines() if "error:" in line]
-        lines = result.stderr.strip().splitlines()
-        raise FormError(errors[-1] if errors else lines[-1] if lines else f"the check failed ({result.returncode}).")
+        raise cli_error(result, "the check")
     printed = [line for line in result.stdout.splitlines() if line.startswith(sys.executable + " ")]
     if command is not None and replicas is None and printed[-1:] != [" ".join(command)]:
         raise FormError("the command line checks would run differs from the one Start runs; this is a bug, please "
                         "report it with the recipe.")
+
+
+def plan_replicas(knobs: Knobs, recipe_values: dict, config: Path) -> int:
+    """M for the plan across sites: the replicas knob, else a torchft recipe's num_replicas (3 if none), else the
+    accelerate config's processes over the recipe's replica_group_size."""
+    if str(knobs.replicas).strip():
+        return int(str(knobs.replicas).strip())
+    torchft = torchft_replicas(knobs, recipe_values)
+    if torchft is not None:
+        return torchft
+    processes = read_yaml(config, "accelerate config").get("num_processes", 1) if config.is_file() else 1
+    return max(1, int(processes or 1) // group_size(recipe_values))
+
+
+def predict(recipe: Path, config: Path, knobs: Knobs, recipe_values: dict, link: str, latency_ms: str = "",
+            speed: str = "") -> dict:
+    """`hf-diloco plan RECIPE --json` for the form's recipe, replicas, H and model over `link` (a rate such as
+    100mbit; `latency_ms` one way per hop, blank: the planner's default; `speed` a GPU kind or tokens per second,
+    blank: the planner's default), run as a subprocess (the app never imports torch). Its one-sentence refusal is
+    a FormError."""
+    import json
+
+    check_knobs(knobs)
+    command = [sys.executable, "-m", "hf_diloco.cli", "plan", str(recipe), "--replicas",
+               str(plan_replicas(knobs, recipe_values, config)), "--link", link.strip(), "--json"]
+    if latency_ms.strip():
+        command += ["--latency-ms", latency_ms.strip()]
+    if speed.strip():
+        number = speed.strip().replace("_", "").replace(",", "")
+        command += ["--tokens-per-second", number] if number.replace(".", "", 1).isdigit() else ["--gpu", speed.strip()]
+    if str(knobs.inner_steps).strip():
+        command += ["--inner-steps", str(knobs.inner_steps).strip()]
+    if str(knobs.model_name_or_path).strip():
+        command += ["--model", str(knobs.model_name_or_path).strip()]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT, timeout=300,
+                            env=runs.training_env())
+    if result.returncode != 0:
+        raise cli_error(result, "the plan")
+    return json.loads(result.stdout)
+
+
+def cli_error(result: subprocess.CompletedProcess, what: str) -> FormError:
+    """A failed CLI call as the form shows it: the CLI's own sentence ("hf-diloco: error: ..."), else the last
+    error line (e.g. argparse's), never a dump."""
+    errors = [line.split("error:", 1)[1].strip() for line in result.stderr.splitlines() if "error:" in line]
+    lines = result.stderr.strip().splitlines()
+    return FormError(errors[-1] if errors else lines[-1] if lines else f"{what} failed ({result.returncode}).")

@@ -152,6 +152,19 @@ class App:
         return command_text(plan.command), f"Form is valid. **Start** runs exactly this command as run " \
             f"**{plan.id}**.", {"plan": asdict(plan), "form": signature}
 
+    def predict(self, recipe_name, yaml_text, config_name, link, latency_ms, speed, *knob_values):
+        """What `hf-diloco plan` predicts for the form's recipe over the link typed in (blank link: nothing)."""
+        if not str(link or "").strip():
+            return ""
+        knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
+        try:
+            recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
+            prediction = forms.predict(recipe, forms.config_path(config_name), knobs, forms.check_recipe_keys(recipe),
+                                       str(link), str(latency_ms or ""), str(speed or ""))
+        except (forms.FormError, ConfigError) as error:
+            return f"**Cannot plan:** {error}"
+        return views.plan_markdown(prediction)
+
     def start(self, planned, name, recipe_name, yaml_text, config_name, *knob_values):
         """Start the previewed plan (or plan again if the form changed or its run id was taken meanwhile)."""
         signature = [name, recipe_name, yaml_text, config_name, *knob_values]
@@ -381,6 +394,15 @@ def build(runs_dir: Path) -> gr.Blocks:
                     preview_button = gr.Button("Preview command", elem_id="preview")
                     start_button = gr.Button("Start a new run", variant="primary", elem_id="start")
                 command = gr.Code(label="Command (exactly what Start runs)", language="shell", elem_id="command")
+                with gr.Accordion("Across sites: Preview also predicts each round over this link (hf-diloco plan)",
+                                  open=False):
+                    with gr.Row():
+                        link = gr.Textbox(label="Link between sites (e.g. 100mbit, 1gbit; blank: no prediction)",
+                                          elem_id="plan-link")
+                        latency = gr.Textbox(label="Latency per hop, ms (blank: 25)", elem_id="plan-latency")
+                        speed = gr.Textbox(value="h100", label="GPU kind (h100, a100, ...) or measured tokens/s "
+                                           "per replica", elem_id="plan-speed")
+                    prediction = gr.Markdown(elem_id="plan")
             with gr.Tab("Live", id="live"):
                 with gr.Row():
                     loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
@@ -442,7 +464,9 @@ def build(runs_dir: Path) -> gr.Blocks:
             box.change(app.check, [recipe, yaml_text, *knob_inputs], form_message, api_name=False)
         for box in (recipe, *knob_inputs):
             box.change(app.default_name, [recipe, *knob_inputs], name, api_name=False)
-        preview_button.click(app.preview, form, [command, form_message, planned], api_name="preview")
+        preview_button.click(app.preview, form, [command, form_message, planned], api_name="preview").then(
+            app.predict, [recipe, yaml_text, config, link, latency, speed, *knob_inputs], prediction,
+            api_name="predict")
         start_button.click(app.start, [planned, *form], [form_message, run_select, command, planned],
                            api_name="start")
         stop_button.click(app.stop, run_select, stop_message, api_name="stop")

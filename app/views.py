@@ -683,3 +683,31 @@ def card_preview(card: str) -> tuple[str, str]:
         metadata, body = card[4:].split("\n---\n", 1)
     body = "\n".join(line for line in body.splitlines() if not re.match(r"\s*!\[[^\]]*\]\([^)]*\)\s*$", line))
     return metadata.strip(), body.strip()
+
+
+def plan_markdown(prediction: dict) -> str:
+    """`hf-diloco plan --json` as the Launch tab shows it: what a round costs, one row per way to sync, and the
+    cheapest setting that meets the target."""
+    def mb(value: float) -> str:
+        return f"{value / 1e6:,.2f}"
+
+    rows = ["| method | codec | streamed | H | F | τ | MB per replica per round | wire s | blocked s | utilisation |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in prediction["rows"]:
+        tau = row.get("sync_delay")
+        rows.append(f"| {row['method']} | {row['codec']} | {'yes' if row['streaming'] else 'no'} | "
+                    f"{row.get('inner_steps', '')} | {row.get('fragments', '')} | {'' if tau is None else tau} | "
+                    f"{mb(row['bytes_per_replica_per_round'])} | {row['wire_seconds']:.2f} | "
+                    f"{row['blocked_seconds']:.2f} | {100 * row['utilisation']:.1f}% |")
+    best = prediction["recommendation"]
+    verdict = "meets" if best.get("meets_target") else "is the best found; nothing tried meets"
+    link = prediction["link"]
+    header = (f"**Predicted** for {prediction['replicas']} replica(s) over {link['bits_per_second'] / 1e6:g} Mbit/s "
+              f"with {1000 * link['latency_seconds']:g} ms a hop: "
+              f"{prediction['compute_seconds_per_round']:.2f} s of compute per round, "
+              f"memory per device {prediction['memory_per_device']}.")
+    advice = (f"**Recommended:** H = {best['inner_steps']}, codec {best['codec']}, F = {best['fragments']}, "
+              f"τ = {best['sync_delay'] if best.get('sync_delay') is not None else 0}: "
+              f"{100 * best['utilisation']:.1f}% utilisation, {mb(best['bytes_per_replica_per_round'])} MB per "
+              f"replica per round; it {verdict} the {100 * prediction['target_utilisation']:.0f}% target.")
+    return "\n".join([header, "", *rows, "", advice])

@@ -214,6 +214,32 @@ def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_noth
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 
+def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_path):
+    """With a link typed in, Preview shows what `hf-diloco plan --json` predicts for the form's recipe, replicas and
+    H (every row's utilisation and bytes as the CLI computes them, and its recommendation); a link of 0 is refused
+    in the planner's sentence, and a blank link predicts nothing."""
+    recipe = tmp_path / "recipe.yaml"  # the form's recipe text, as the app saves it
+    recipe.write_text(TINY_YAML)
+    cli = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "plan", str(recipe), "--replicas",
+                          "3", "--link", "10mbit", "--tokens-per-second", "15000", "--inner-steps", "20", "--json"],
+                         capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    expected = json.loads(cli.stdout)
+    with app_server(tmp_path / "runs") as url:
+        client = Client(url, verbose=False)
+        form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml"]
+        shown = client.predict(*form, "10mbit", "", "15000", *knobs(replicas=3, inner_steps=20), api_name="/predict")
+        refused = client.predict(*form, "0mbit", "", "15000", *knobs(), api_name="/predict")
+        blank = client.predict(*form, "", "", "15000", *knobs(), api_name="/predict")
+    assert shown.startswith("**Predicted** for 3 replica(s) over 10 Mbit/s with 25 ms a hop"), shown
+    for row in expected["rows"]:
+        assert (f"| {row['bytes_per_replica_per_round'] / 1e6:,.2f} | {row['wire_seconds']:.2f} | "
+                f"{row['blocked_seconds']:.2f} | {100 * row['utilisation']:.1f}% |") in shown, (row, shown)
+    best = expected["recommendation"]
+    assert f"**Recommended:** H = {best['inner_steps']}, codec {best['codec']}" in shown
+    assert refused.startswith("**Cannot plan:** ") and "link" in refused and "Traceback" not in refused, refused
+    assert blank == ""
+
+
 def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
     """Online, a model or dataset id that is no local path must exist on the Hub (here: the local stand-in that
     speaks the Hub's repo-info endpoint) before Preview calls the form valid; an unreachable Hub leaves it to the

@@ -134,7 +134,7 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
 
 def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unknown_recipe_key(browser, tmp_path):
     """Fresh app: three forms that would fail a minute into the run are refused by Preview, each with its sentence
-    shown beside the form, and nothing is started."""
+    shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table."""
     runs_dir = tmp_path / "runs"
     empty = tmp_path / "my-data"
     empty.mkdir()
@@ -168,6 +168,14 @@ def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unkno
         fill(page, "knob-dataset_name", str(empty))
         refused(f"dataset folder '{empty}' holds no data file")
         fill(page, "knob-dataset_name", "")
+        # Across sites: with a link typed in, Preview also shows the planner's table for the form as it is.
+        page.get_by_text("Across sites: Preview also predicts").click()
+        fill(page, "plan-link", "10mbit")
+        fill(page, "plan-speed", "15000")
+        page.click("#preview")
+        plan = page.locator("#plan")
+        plan.get_by_text("Recommended:").wait_for(timeout=90_000)
+        assert plan.locator("table tr").count() >= 10 and "Predicted for" in plan.inner_text(), plan.inner_text()
         page.get_by_text("Recipe YAML").click()
         editor = page.locator("#recipe-yaml .cm-content")
         editor.click()
