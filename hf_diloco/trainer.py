@@ -291,8 +291,8 @@ class DiLoCoTrainer(Trainer):
         Every process saves (as Trainer's does); the main process pushes and returns huggingface_hub's CommitInfo,
         or a Future of it when not `blocking`; the others return None.
 
-        >>> trainer.train()  # doctest: +SKIP
-        >>> trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url  # doctest: +SKIP
+        For example, after `trainer.train()`: `trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url`
+        (tested against a local server that speaks the Hub's endpoints, tests/test_hub.py).
         """
         from .hub import commit_run, trainer_settings
 
