@@ -66,6 +66,19 @@ def is_launcher(argv: list[str]) -> bool:
     return "accelerate.commands.launch" in argv or "hf_diloco.accelerate_launch" in argv
 
 
+def launch_reading_listeners(tmp_path, *args: str) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:
+    """`hf-diloco launch ARGS` of a short tiny run into tmp_path/run, its listeners read while it runs
+    (listeners_while_running); asserts that it exited 0."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hf_diloco.cli", "launch", *args, "--output_dir", str(tmp_path / "run"),
+         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
+         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
+        cwd=REPO)
+    found = listeners_while_running(launcher)
+    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    return found
+
+
 def listeners_while_running(launcher) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:
     """Every listener of `launcher` (a Popen) and its processes, read with psutil every 0.1 s until it exits: the
     addresses listened on, the ports of each training process (pid -> ports), and for each port whether a

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import REPO, env, hf_diloco, listeners_while_running
+from helpers import REPO, hf_diloco, launch_reading_listeners
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 
@@ -78,17 +78,8 @@ def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
     listener of every process (torchrun's rendezvous store in the launcher, gloo in each training process) is on
     127.0.0.1 and refuses a connection to this machine's external address; the store is among them (under plain
     `accelerate launch` it binds every interface)."""
-    import subprocess
-    import sys
-
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
-         "accelerate_configs/cpu-2proc.yaml", "--output_dir", str(tmp_path / "run"), "--max_steps", "20",
-         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
-         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
-        cwd=REPO)
-    addresses, ports, reachable = listeners_while_running(launcher)
-    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    addresses, ports, reachable = launch_reading_listeners(
+        tmp_path, RECIPE, "--accelerate-config", "accelerate_configs/cpu-2proc.yaml", "--max_steps", "20")
     assert addresses == {"127.0.0.1"}, addresses
     assert reachable and not any(reachable.values()), reachable
     assert len(ports) == 2 and all(ports.values()), ports  # gloo in each training process

@@ -23,7 +23,7 @@ from helpers import (
     env,
     free_port,
     hf_diloco,
-    listeners_while_running,
+    launch_reading_listeners,
     replica_training_pid,
     wait_for,
 )
@@ -821,15 +821,9 @@ def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path)
     Lighthouse; each replica's torchft manager, store, process group and healing server) is on 127.0.0.1, and
     each replica's training process holds at least four of them (manager, store, gloo, healing). Each port, as
     soon as it is seen, refuses a connection to this machine's external address."""
-    out = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
-         "accelerate_configs/torchft-replica.yaml", "--replicas", "2", "--output_dir", str(out), "--max_steps", "30",
-         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
-         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
-        cwd=REPO)
-    addresses, ports, reachable = listeners_while_running(launcher)
-    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    addresses, ports, reachable = launch_reading_listeners(
+        tmp_path, "recipes/torchft-3.yaml", "--accelerate-config", "accelerate_configs/torchft-replica.yaml",
+        "--replicas", "2", "--max_steps", "30")
     assert addresses == {"127.0.0.1"}, addresses
     assert reachable and not any(reachable.values()), reachable
     assert len(ports) >= 2 and all(len(p) >= 4 for p in ports.values()), ports
