@@ -52,7 +52,7 @@ from typing import Any
 from .checks import require_torchft
 from .errors import ConfigError
 from .files import read_json, write_json
-from .metrics import read_sync_rounds, run_rounds, sync_number
+from .metrics import read_sync_rounds, sync_number
 from .runs import (
     ACTIVE,
     LOG_FILE,
@@ -389,7 +389,7 @@ class ReplicaSupervisor:
     What each replica's launch is doing goes to `<output_dir>/replicas.json` whenever it changes (the app shows it):
     per replica its `state` ("running"; "rejoining" once started again, until `records_at_restart` is passed by its
     sync log; "finished"; "exited" with no restart left; "ended" when started again too late), `restarts`,
-    `exit_code` and its `outages` (`after_sync`: the run's newest committed sync when it went down, and whether it
+    `exit_code` and its `outages` (`after_sync`: the newest sync it took part in before it went down, and whether it
     was started again).
 
     The run succeeds (exit 0) when any replica finished it: a replica exits 0 only after the run's last round
@@ -410,9 +410,13 @@ class ReplicaSupervisor:
                         "outages": []}
                        for r in range(len(commands))]
 
-    def _outage(self, restarted: bool) -> dict:
-        """A replica went down now: after the run's newest committed sync, and whether it is being started again."""
-        syncs = [sync_number(r) for r in run_rounds(self.output_dir) if r.get("committed", True)]
+    def _outage(self, replica: int, restarted: bool) -> dict:
+        """A replica went down: after the newest sync it took part in (read from its own sync log, not the run's
+        newest: the others go on syncing while its launcher notices the death), and whether it is being started
+        again."""
+        records = read_sync_rounds(replica_folder(self.output_dir, replica))
+        syncs = [sync_number(r) for r in records if any(
+            m.get("replica") == replica and m.get("participated") for m in r.get("members", []))]
         return {"after_sync": max(syncs, default=0), "restarted": restarted}
 
     def _note(self, replica: int, **changes) -> None:
@@ -470,10 +474,10 @@ class ReplicaSupervisor:
                         processes[r] = Launch(self.commands[r])
                         self._note(r, state="rejoining", restarts=self.restarts[r], exit_code=code,
                                    records_at_restart=len(read_sync_rounds(replica_folder(self.output_dir, r))),
-                                   outages=[*self.states[r]["outages"], self._outage(restarted=True)])
+                                   outages=[*self.states[r]["outages"], self._outage(r, restarted=True)])
                         continue
                     codes[r] = code
-                    outages = self.states[r]["outages"] + ([self._outage(restarted=False)] if code else [])
+                    outages = self.states[r]["outages"] + ([self._outage(r, restarted=False)] if code else [])
                     self._note(r, state="finished" if code == 0 else "exited", exit_code=code, outages=outages)
                     if code == 0 and self.finished_at is None:
                         self.finished_at = time.monotonic()

@@ -263,6 +263,7 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
     import os
     import signal
 
+    import psutil
     from app_helpers import TORCHFT_YAML
 
     runs_dir = tmp_path / "runs"
@@ -283,7 +284,16 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         wait_for(lambda: len(read_sync_rounds(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
         pid = replica_training_pid(output, 1)
         assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        # Its launcher is held while replica 0 syncs twice alone (a restart can be quicker than a sync here), then
+        # let go: it finds its worker dead and the supervisor starts the replica again.
+        launcher = psutil.Process(pid).parent()
+        launcher.suspend()
+        try:
+            os.kill(pid, signal.SIGKILL)
+            alone = len(read_sync_rounds(output / "replica-0")) + 2
+            wait_for(lambda: len(read_sync_rounds(output / "replica-0")) >= alone, 180, "two syncs of replica 0 alone")
+        finally:
+            launcher.resume()
         wait_for(lambda: table.count() and "restarting" in table.inner_text(), 60, "replica 1 shown restarting")
         wait_for(lambda: "rejoined" in table.inner_text(), 240, "replica 1 shown rejoined")
         page.screenshot(path=str(ARTIFACTS / "app-replica-rejoined.png"), full_page=True)
