@@ -44,12 +44,12 @@ STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d977
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
                  "sync s", "blocked s", "compute s", "tokens/s", "steps per replica",
-                 "tokens per replica"]
+                 "tokens per replica", "left out"]
 MEMBERSHIP_COLUMNS = ["round", "step", "participants", "committed"]  # then one column per replica
 REPLICA_COLUMNS = ["replica", "state", "restarts", "last round recorded"]
 RUN_COLUMNS = ["run", "status", "trainer", "H", "replicas", "step", "compression", "loss", "started", "reason"]
 COMPARE_COLUMNS = ["run", "trainer", "H", "replicas", "final held-out loss", "tokens/s", "MB sent per replica",
-                   "wall time"]
+                   "wall time", "contributions left out"]
 PALETTE, FIXED_COLORS = metrics.PALETTE, metrics.SERIES_COLORS  # one colour per series in the app and the card
 MISSING = "—"  # a value a record does not hold, in text
 
@@ -190,6 +190,29 @@ def rounded(value, digits: int | None = None, scale: float = 1.0):
     return None if value is None else round(value / scale, digits)
 
 
+def rule(reason: str) -> str:
+    """The contribution check that left a replica out, from the record's sentence (its words before the colon).
+
+    >>> rule("apart: it agrees with the others far less than they with each other")
+    'apart'
+    """
+    return reason.split(":", 1)[0]
+
+
+def left_out(record: dict) -> str:
+    """The contributions a sync left out, "replica 2 (apart)", and those a check only flagged (contribution_checks:
+    warn), "replica 2 (apart, flagged)"; empty when none, or for a record from before the checks."""
+    return ", ".join(f"replica {e['replica']} ({rule(e['reason'])}{mark})"
+                     for key, mark in (("excluded", ""), ("flagged", ", flagged")) for e in record.get(key) or [])
+
+
+def left_out_count(rounds: list[dict]) -> int | None:
+    """Contributions the checks left out over the syncs; None when no record says (a run from before the checks)."""
+    if not any("excluded" in r for r in rounds):
+        return None
+    return sum(len(r.get("excluded") or []) for r in rounds)
+
+
 def shown(value, spec: str, scale: float = 1.0) -> str:
     """`value / scale` formatted with `spec`, "—" when unknown.
 
@@ -203,7 +226,8 @@ def shown(value, spec: str, scale: float = 1.0) -> str:
 
 
 def status_html(run: Run | None) -> str:
-    """The bar at the top of the page: run, state, phase, progress, loss, throughput, bytes, and why it failed."""
+    """The bar at the top of the page: run, state, phase, progress, loss, throughput, bytes, contributions left out
+    (when any were), and why it failed."""
     if run is None:
         return "<div class='hfd-status'><b>No run selected.</b> Start one from the Launch tab.</div>"
     rounds, progress, log = read_rounds(run), read_progress(run), read_trainer_log(run)
@@ -231,9 +255,11 @@ def status_html(run: Run | None) -> str:
         # With streaming fragments a record is one fragment's sync: the round count is of whole rounds.
         counted = f"{metrics.outer_rounds(rounds)} ({len(rounds)} syncs)" if streamed(rounds) \
             else last["round"]
+        excluded = left_out_count(rounds)
         parts.append(f"round {counted} · loss {last['loss']:.4f} · {shown(last.get('tokens_per_second'), ',.0f')} "
                      f"tok/s · {present} replicas · sent {shown(sent, ',.1f', 1e6)} MB/replica, {codec}{ratio}"
-                     f" · waited for syncs {shown(blocked, ',.1f')} s")
+                     f" · waited for syncs {shown(blocked, ',.1f')} s"
+                     + (f" · {excluded} contribution{'s' if excluded > 1 else ''} left out" if excluded else ""))
     elif trainer_kind(run) == "ddp":
         losses = [e["loss"] for e in log if "loss" in e]
         parts.append((f"loss {losses[-1]:.4f} · " if losses else "") + "DDP baseline: no syncs "
@@ -450,6 +476,7 @@ def live_figures(run: Run | None, rounds: list[dict], trainer_log: list[dict], s
 
 
 def round_rows(rounds: list[dict]) -> pd.DataFrame:
+    """The sync table (ROUND_COLUMNS), newest first; its last column names the contributions each sync left out."""
     def ratio(r: dict):
         value = r.get("compression_ratio")
         return round(value, 1) if value else None
@@ -474,15 +501,19 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
              rounded(r.get("pseudo_grad_norm"), 4), rounded(r.get("bytes_per_replica"), 2, 1e6),
              r.get("compression", "none"), ratio(r), rounded(r.get("sync_seconds"), 3),
              rounded(blocked_seconds(r), 3), rounded(r.get("compute_seconds"), 2),
-             rounded(r.get("tokens_per_second")), per_replica(r, "steps"), per_replica(r, "tokens", thousands)]
+             rounded(r.get("tokens_per_second")), per_replica(r, "steps"), per_replica(r, "tokens", thousands),
+             left_out(r)]
             for r in reversed(rounds)]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
 
 
 def member_cell(member: dict | None, down: str = "") -> str:
     """One replica in one torchft round: "✓ 14 steps", "healed" (it took θ_global from a live peer), "✓ 9 steps,
-    1 sync late" (its base was behind), "absent" (alive but not in time), or, with `down`, why its process was
-    not there at all ("down, restarting", "down")."""
+    1 sync late" (its base was behind), "excluded (apart)" (in time, but a contribution check left it out, by the
+    rule named), "absent" (alive but not in time), or, with `down`, why its process was not there at all
+    ("down, restarting", "down")."""
+    if member and member.get("excluded"):
+        return f"excluded ({rule(member['excluded'])})"
     if not member or not member.get("participated"):
         return down or "absent"
     healed, late = member.get("healed"), member.get("staleness", 0)
@@ -499,12 +530,13 @@ def read_replica_states(run: Run | None) -> list[dict]:
 
 def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
     """The rounds in which a replica's process was down, with why: from each outage (the run's round when it went
-    down) to the first round it took part in again."""
+    down) to the first round it was back in (it took part, or a contribution check left it out)."""
     replica, down = state.get("replica"), {}
     for outage in state.get("outages", []):
         after = outage.get("after_sync", outage.get("after_round", 0))  # after_round: launches before the rename
         back = next((sync_number(r) for r in torchft if sync_number(r) > after and any(
-            m["replica"] == replica and m.get("participated") for m in r.get("members", []))), None)
+            m["replica"] == replica and (m.get("participated") or m.get("excluded")) for m in r.get("members", []))),
+            None)
         for r in torchft:
             if sync_number(r) > after and (back is None or sync_number(r) < back):
                 down[sync_number(r)] = "down, restarting" if outage.get("restarted") else "down"
@@ -659,7 +691,7 @@ def compare_rows(runs: list[Run]) -> pd.DataFrame:
         rows.append([run.name or run.id, kind, recipe_value(run, "inner_steps") if kind == "diloco" else "",
                      replicas(run), round(curve["loss"].iloc[-1], 4) if len(curve) else None,
                      round(speed) if speed else None, round(sent, 2) if sent is not None else None,
-                     _duration(wall)])
+                     _duration(wall), left_out_count(rounds)])
     return pd.DataFrame(rows, columns=COMPARE_COLUMNS)
 
 

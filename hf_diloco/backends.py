@@ -63,6 +63,7 @@ class RoundStart:
     extra_bytes: int = 0  # bytes of the membership exchange, beside the sync's own
     error: str | None = None  # why the quorum failed, when it did
     startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
+    excluded: dict[int, str] = field(default_factory=dict)  # replicas a contribution check found out, and why
 
 
 @dataclass

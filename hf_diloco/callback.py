@@ -90,7 +90,7 @@ class DiLoCoCallback(TrainerCallback):
         self.engine.progress.step_began()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.engine.progress.step_ended()
+        self.engine.progress.step_ended(_learning_rate(kwargs.get("optimizer")))
         self._step_end(state, control)
 
     def sync(self, step: int, max_steps: int) -> bool | None:
@@ -197,3 +197,9 @@ class DiLoCoCallback(TrainerCallback):
                     "num_fragments": args.num_fragments, "sync_delay": args.sync_delay,
                     "auto_sync_delay": args.auto_sync_delay}
         self.records.close(args.output_dir, state.global_step, settings, last_agreement)
+
+
+def _learning_rate(optimizer) -> float:
+    """The inner optimizer's learning rate now (its first parameter group's), 0 when there is none."""
+    groups = getattr(optimizer, "param_groups", None)
+    return float(groups[0].get("lr", 0.0)) if groups else 0.0

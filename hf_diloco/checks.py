@@ -33,6 +33,7 @@ FINAL_SYNCS = ("auto", "staggered", "blocking")
 DATA_SHARDINGS = ("iid", "non_iid")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 OUTER_BACKENDS = ("torch", "torchft")
+CHECK_MODES = ("exclude", "warn", "off")  # contribution_checks (hf_diloco.contributions)
 AUTO = "auto"  # inner_steps and sync_delay may be chosen from measurements (see DiLoCoConfig)
 
 INSTALL_HINT = "outer_backend torchft needs torchft: pip install -e '.[ft]' (or pip install torchft==0.2.0)."
@@ -93,6 +94,14 @@ FIELDS: dict[str, Allowed] = {
     "num_fragments": _at_least(1),
     "sync_delay": _at_least(0, "a whole number of steps, 0 or more"),
     "fragment_alpha": Allowed("in [0, 1)", lambda v: 0 <= v < 1),
+    # contribution checks
+    "contribution_adam_ratio": _positive(),
+    "contribution_norm_ratio": Allowed("above 1", lambda v: 1 < v < math.inf),
+    "contribution_min_agreement": Allowed("in [-1, 1]", lambda v: -1 <= v <= 1),
+    "contribution_agreement_gap": Allowed("in (0, 2]", lambda v: 0 < v <= 2),
+    "contribution_faulty_after": _at_least(1),
+    "contribution_loss_batch": _at_least(1),
+    "contribution_loss_margin": _not_negative(),
     # torchft
     "min_replicas": _at_least(1, "at least 1"),
     "sync_grace_seconds": _not_negative(),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from . import checks
-from .checks import DATA_SHARDINGS, FINAL_SYNCS, FRAGMENT_PATTERNS, OUTER_BACKENDS, OUTER_OPTIMIZERS
+from .checks import CHECK_MODES, DATA_SHARDINGS, FINAL_SYNCS, FRAGMENT_PATTERNS, OUTER_BACKENDS, OUTER_OPTIMIZERS
 from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
 
@@ -237,6 +237,59 @@ class DiLoCoConfig(TrainingArguments):
                           "with an error."},
     )
 
+    contribution_checks: str = field(
+        default="exclude",
+        metadata={"help": "Check every replica's pseudo-gradient before it is merged (its norm against the learning "
+                          "rate and the others', its agreement with the others; README: \"Contributions that do not "
+                          "belong\"). exclude: a replica found out is left out of the sync (weight 0) and named in "
+                          "the record's `excluded`; warn: named in `flagged` and on the console, still merged; off: "
+                          "no checks (and no check exchange on the torch backend)."},
+    )
+    contribution_adam_ratio: float = field(
+        default=2.0,
+        metadata={"help": "Contribution check `size` (AdamW-family inner optimizers): leave out a replica whose "
+                          "pseudo-gradient norm is more than this many times √P·Ση (P values synced, Ση the agreed "
+                          "learning rates over the round)."},
+    )
+    contribution_norm_ratio: float = field(
+        default=2.3,
+        metadata={"help": "Contribution check `outlier` (3 or more replicas): leave out a replica whose "
+                          "pseudo-gradient norm is more than this many times the median replica's."},
+    )
+    contribution_min_agreement: float = field(
+        default=-0.3,
+        metadata={"help": "Contribution check `opposed` (3 or more replicas): leave out a replica whose leave-one-out "
+                          "agreement cos(Δ_i, Σ_{j≠i} w_j Δ_j) in its last sync was below this."},
+    )
+    contribution_agreement_gap: float = field(
+        default=0.35,
+        metadata={"help": "Contribution check `apart` (3 or more replicas): leave out a replica whose leave-one-out "
+                          "agreement was this far below the others' median in each of its last two syncs."},
+    )
+    contribution_loss_check: bool = field(
+        default=False,
+        metadata={"help": "Also score each replica's round by the loss it removes on a held-out batch (the same "
+                          "`contribution_loss_batch` examples on every replica): its parameters against the global "
+                          "ones the round started from, two forward passes a sync. A replica whose round raised that "
+                          "loss by more than `contribution_loss_margin` while the median replica's did not is left out "
+                          "(rule `loss`; works at 2 replicas). Needs num_fragments 1, sync_delay 0, fragment_alpha 0 "
+                          "and an evaluation set."},
+    )
+    contribution_loss_batch: int = field(
+        default=8,
+        metadata={"help": "Held-out examples the loss check scores each round on (the evaluation set's first)."},
+    )
+    contribution_loss_margin: float = field(
+        default=0.05,
+        metadata={"help": "The loss check leaves out a replica whose round raised the held-out batch's loss by more "
+                          "than this (nats) below what the median replica's did."},
+    )
+    contribution_faulty_after: int = field(
+        default=3,
+        metadata={"help": "A replica left out of this many syncs in a row is reported faulty on the console (it "
+                          "stays in the run at weight 0 and is taken back once its numbers agree again)."},
+    )
+
     outer_backend: str = field(
         default="torch",
         metadata={"help": "torch: a fixed set of replicas started by one launch, a round is a barrier over all of "
@@ -358,6 +411,19 @@ class DiLoCoConfig(TrainingArguments):
                 f"data_sharding must be one of {', '.join(DATA_SHARDINGS)}, got {self.data_sharding!r}."
             )
         checks.check(self, ["sync_bucket_mb", "save_every_rounds", "sync_timeout", "max_bad_rounds"])
+        if self.contribution_checks not in CHECK_MODES:
+            raise ConfigError(f"contribution_checks must be one of {', '.join(CHECK_MODES)}, got "
+                              f"{self.contribution_checks!r}.")
+        checks.check(self, ["contribution_adam_ratio", "contribution_norm_ratio", "contribution_min_agreement",
+                            "contribution_agreement_gap", "contribution_faulty_after", "contribution_loss_batch",
+                            "contribution_loss_margin"])
+        if self.contribution_loss_check and (self.num_fragments != 1 or self.sync_delay != 0 or
+                                             self.fragment_alpha != 0 or self.contribution_checks == "off"):
+            raise ConfigError(
+                "contribution_loss_check scores a round against the global parameters it started from, so it needs "
+                "num_fragments 1, sync_delay 0, fragment_alpha 0 and contribution_checks exclude or warn; got "
+                f"num_fragments {self.num_fragments}, sync_delay {self.sync_delay}, fragment_alpha "
+                f"{self.fragment_alpha}, contribution_checks {self.contribution_checks}.")
         if self.save_every_rounds and self.save_total_limit is None:
             self.save_total_limit = 2
         self._validate_compression()

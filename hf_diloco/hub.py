@@ -71,6 +71,8 @@ DILOCO_ROWS = (
     ("auto_sync_delay", "τ chosen per fragment from its measured exchanges", False),
     ("staggered_end", "last syncs staggered, so the end waits for no exchange", False),
     ("fragment_alpha", "mixing when a sync lands (α)", 0.0),
+    ("contribution_checks", "contributions checked before each merge", "off"),
+    ("contribution_loss_check", "contributions also scored by held-out loss", False),
 )
 
 
@@ -362,6 +364,8 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         "bytes DDP would have sent": summary.get("ddp_bytes_per_replica"),
         "seconds the inner loop waited for syncs": summary.get("blocked_seconds"),
         "tokens/s (all replicas)": summary.get("tokens_per_second"),
+        "contributions left out by the checks": sum(len(r.get("excluded") or []) for r in committed)
+        if any("excluded" in r for r in committed) else None,
     }
     for key, value in results.items():
         if value is not None:

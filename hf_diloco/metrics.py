@@ -52,6 +52,8 @@ def reported_metrics(record: dict) -> dict[str, float]:
     for rank, loss in enumerate(record.get("replica_losses", [])):
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             metrics[f"diloco/replica_{rank}/loss"] = float(loss)
+    if isinstance(record.get("excluded"), list):  # contributions left out by a check
+        metrics["diloco/excluded"] = float(len(record["excluded"]))
     return metrics
 
 
@@ -177,6 +179,10 @@ def format_sync(record: dict, total_syncs: int | None, num_fragments: int = 1) -
     )
     if record.get("eval_loss") is not None:
         line += f" | eval loss {record['eval_loss']:.4f}"
+    for key, said in (("excluded", "left out"), ("flagged", "flagged")):
+        named = [f"replica {e['replica']} ({e['reason'].split(':')[0]})" for e in record.get(key) or []]
+        if named:
+            line += f" | {said}: {', '.join(named)}"
     return line
 
 

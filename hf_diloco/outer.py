@@ -419,6 +419,8 @@ class RoundResult:
     local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the sync's buckets
     average_norm_sq: float = 0.0  # ‖Δ‖²
     dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
+    unsent_norm_sq: float = 0.0  # a replica of weight 0: ‖Δ_i‖² and Δ_i · Δ of what it did not send (its checks)
+    unsent_dot: float = 0.0
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
@@ -436,10 +438,11 @@ class RoundResult:
     def total_weight(self) -> float:
         return sum(self.weights) if self.weights is not None else 0.0
 
-    @property
-    def agreement(self) -> float:
-        norms = math.sqrt(self.local_norm_sq * self.average_norm_sq)
-        return self.dot / norms if norms > 0 else float("nan")
+    def own_terms(self, weight: float) -> tuple[float, float]:
+        """(‖Δ_i‖², Δ_i · Δ) of this replica's own, unweighted pseudo-gradient, whatever weight it sent with."""
+        if weight > 0:
+            return self.local_norm_sq / weight**2, self.dot / weight
+        return self.unsent_norm_sq, self.unsent_dot
 
     def add_cost(self, cost: SyncCost, fp32_bytes: int) -> None:
         self.cost.payload_bytes += cost.payload_bytes
@@ -523,6 +526,9 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
     delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
     result.average_norm_sq += _counted_dot(comm, index, delta, delta)
     result.dot += _counted_dot(comm, index, sent, delta)
+    if weight <= 0:
+        result.unsent_norm_sq += _counted_dot(comm, index, delta_i, delta_i)
+        result.unsent_dot += _counted_dot(comm, index, delta_i, delta)
     result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
     return delta
 
@@ -544,6 +550,14 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
                       stats=stats, weight=weight, finite=finite)
     return land(outer, landed, alpha, healthy=finite and weight > 0)
+
+
+def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor]) -> float:
+    """‖Δ_i‖ of this replica over `buckets` (a sharded replica's members add their shards' squares)."""
+    total = sum(_counted_dot(comm, index, delta, delta) for index, delta in zip(buckets, deltas, strict=True))
+    if comm.sharded:
+        total = comm.replica_total([total])[0]
+    return math.sqrt(total) if total >= 0 else float("nan")
 
 
 def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:

@@ -185,6 +185,7 @@ def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval
         "bytes_per_replica": sum(r["bytes_per_replica"] for r in syncs),
         "startup_bytes": sum(r.get("startup_bytes", 0) for r in syncs),
         "ddp_bytes_per_replica": sum(r["ddp_bytes_per_replica"] for r in syncs),
+        "contributions_excluded": sum(len(r.get("excluded") or []) for r in syncs),
     }
 
 

@@ -35,6 +35,7 @@ import torch
 from .backends import RoundStart, make_backend
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
+from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
 from .errors import RunError
 from .outer import (
     Exchange,
@@ -44,6 +45,7 @@ from .outer import (
     exchange,
     is_finite,
     land,
+    norm,
     pseudo_gradients,
     snapshot,
 )
@@ -85,6 +87,7 @@ class Progress:
 
     def reset(self) -> None:
         self.loss = torch.zeros(())
+        self.lr_sum = 0.0  # Σ η over the steps (the contribution checks' `size` rule)
         self.steps = 0
         self.tokens = 0
         self.compute_seconds = 0.0
@@ -102,7 +105,8 @@ class Progress:
     def step_began(self) -> None:
         self.step_started = time.perf_counter()
 
-    def step_ended(self) -> None:
+    def step_ended(self, lr: float = 0.0) -> None:
+        self.lr_sum += lr
         if self.step_started is not None:
             self.compute_seconds += time.perf_counter() - self.step_started
             self.step_started = None
@@ -173,6 +177,17 @@ class RoundEngine:
         self.last_sync_tokens = 0  # tokens of the sync launched last (torchft carries them over a rollback)
         self.max_steps = 0
         self.own_pace = (0.0, 0.0)  # time-budget τ auto: this replica's decayed (compute seconds, steps)
+        self.base_loss = float("nan")  # contribution_loss_check: the held-out batch's loss where the round started
+        self.loss_batch: dict | None = None
+        self.unlanded = (0, 0.0)  # steps and Σ η of syncs since this replica's base that were rolled back
+        self.launch_basis = (0, 0.0)  # the same, with the sync launched last
+        self.checks = ContributionChecks(
+            args.contribution_checks, Limits(adam_ratio=args.contribution_adam_ratio,
+                                             norm_ratio=args.contribution_norm_ratio,
+                                             min_agreement=args.contribution_min_agreement,
+                                             agreement_gap=args.contribution_agreement_gap,
+                                             loss_margin=args.contribution_loss_margin),
+            faulty_after=args.contribution_faulty_after)
 
     # --- the start of training ---
 
@@ -218,6 +233,8 @@ class RoundEngine:
         # A late replica's heal may have moved Trainer's step (continue_at_step): the sync lands at the new one.
         self.land(flight, self.trainer.state.global_step, self.max_steps)
         self.progress.reset()
+        if self.args.contribution_loss_check and self.comm.num_replicas > 1:
+            self.base_loss = self._held_out_loss()
         self.backend.joined(flight.start, step)
         return flight.start
 
@@ -265,8 +282,12 @@ class RoundEngine:
         if not joining:
             self.comm.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
+        checking = self._checking(joining)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             deltas = snapshot(self.outer, self.comm, self._buckets(fragments))
+            if checking:
+                local["checks"] = self.checks.row(norm(self.comm, self._buckets(fragments), deltas),
+                                                  *self._since_base())
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
             flight.future = self.executor.submit(self._launch_in_background, step, max_steps, local, fragments,
@@ -276,7 +297,13 @@ class RoundEngine:
             self.in_flight = flight
             self.progress.reset()
             return flight
+        if checking:
+            buckets = self._buckets(fragments)
+            local["checks"] = self.checks.row(norm(self.comm, buckets, pseudo_gradients(self.outer, self.comm,
+                                                                                         buckets)),
+                                              *self._since_base(), self._loss_gain())
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
+        self._judge(flight.start, local)
         if not flight.start.empty:
             flight.exchange_began = time.perf_counter()
             buckets = self._buckets(flight.start.fragments)
@@ -293,11 +320,71 @@ class RoundEngine:
                                                weight=flight.start.weight, finite=finite)
         return flight
 
+    def _checking(self, joining: bool) -> bool:
+        """Whether this sync's contributions are checked: not the joining one, and only with peers to compare."""
+        return self.checks.active and not joining and self.comm.num_replicas > 1
+
+    def _since_base(self) -> tuple[int, float]:
+        """The inner steps Δ_i covers and the sum of their learning rates: this sync's, plus those of syncs since
+        the replica's base that did not land (torchft keeps a rolled-back sync's progress for the next)."""
+        self.launch_basis = (self.unlanded[0] + self.progress.steps, self.unlanded[1] + self.progress.lr_sum)
+        return self.launch_basis
+
+    def _loss_gain(self) -> float:
+        """contribution_loss_check: the loss this replica's round removed from the held-out batch (its loss at
+        θ_global when the round started, less its loss at the replica's parameters now); NaN without the check."""
+        return self.base_loss - self._held_out_loss() if self.args.contribution_loss_check else float("nan")
+
+    @torch.no_grad()
+    def _held_out_loss(self) -> float:
+        """The model's loss now on the check's held-out batch: the evaluation set's first contribution_loss_batch
+        examples, the same on every replica (every member of a sharded replica runs the forward pass)."""
+        trainer = self.trainer
+        if self.loss_batch is None:
+            if trainer.eval_dataset is None or len(trainer.eval_dataset) == 0:
+                raise ConfigError("contribution_loss_check scores each round on held-out examples, and this run has "
+                                  "no evaluation set: set eval_fraction above 0 or pass one.")
+            examples = [trainer.eval_dataset[i] for i in range(min(self.args.contribution_loss_batch,
+                                                                   len(trainer.eval_dataset)))]
+            self.loss_batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        model = trainer.model
+        training = model.training
+        model.eval()
+        try:
+            return float(model(**self.loss_batch).loss)
+        finally:
+            model.train(training)
+
+    def _judge(self, start: RoundStart, local: dict) -> None:
+        """The contribution checks (hf_diloco.contributions): every replica's row (torchft: in the membership table
+        its start exchanged; torch: one small all-reduce, its bytes counted with the sync's), the same verdict on
+        every replica, and weight 0 for this one if it is found out (mode exclude)."""
+        if "checks" not in local or start.empty or start.joining:
+            return
+        if start.members:
+            rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
+        else:
+            table, sent = self.comm.replica_table(0.0, local["checks"])
+            start.extra_bytes += sent
+            rows = {r: table[r, 1:].tolist() for r in range(table.shape[0])}
+        parameters = sum(self.fragments[f].size for f in start.fragments)
+        start.excluded = judge(rows, parameters, self._adam(), self.checks.limits)
+        if self.checks.mode == "exclude" and self.backend.replica in start.excluded:
+            start.weight = 0.0
+
+    def _adam(self) -> bool:
+        """Whether the inner optimizer is AdamW-like (the `size` check bounds its steps by the learning rate)."""
+        optimizer = self.trainer.optimizer
+        while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
+            optimizer = optimizer.optimizer
+        return "adam" in type(optimizer).__name__.lower()
+
     def _launch_in_background(self, step, max_steps, local, fragments, deltas, stats):
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
+        self._judge(start, local)
         began = flight_started = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight
@@ -362,11 +449,27 @@ class RoundEngine:
         # kept the replica waiting is known after it: both are sent with the NEXT sync's statistics, so they cost
         # no collective of their own.
         if self.comm.sharded:  # each member measured its own shards: the replica's norms are their sums
-            result.local_norm_sq, result.average_norm_sq, result.dot = self.comm.replica_total(
-                [result.local_norm_sq, result.average_norm_sq, result.dot])
-        self.previous_agreement = result.agreement
+            (result.local_norm_sq, result.average_norm_sq, result.dot, result.unsent_norm_sq,
+             result.unsent_dot) = self.comm.replica_total([result.local_norm_sq, result.average_norm_sq, result.dot,
+                                                           result.unsent_norm_sq, result.unsent_dot])
+        if self.checks.active and result.committed and result.weights is not None and not start.joining:
+            weight = result.weights[self.comm.replica_index]
+            norm_sq, dot = result.own_terms(weight)
+            self.checks.landed(leave_one_out(result.total_weight, weight, dot=dot, norm_sq=norm_sq,
+                                             average_norm_sq=result.average_norm_sq),
+                               left_out=self.backend.replica in start.excluded)
+        if result.committed and self.backend.replica in start.excluded and self.checks.mode == "exclude":
+            self.outer.copy_global_to_replica()  # left out: it starts from θ_global, as a replica that diverged
+        if result.committed and self.args.contribution_loss_check:
+            self.base_loss = self._held_out_loss()  # the replica holds θ_global now (F = 1, α = 0, τ = 0)
+        # cos(Δ_i, Δ) of its own Δ_i, whatever weight it sent with (a replica left out has one too)
+        own_norm_sq, own_dot = result.own_terms(result.weights[self.comm.replica_index]) \
+            if result.weights is not None else (result.local_norm_sq, result.dot)
+        scale = math.sqrt(own_norm_sq * result.average_norm_sq)
+        self.previous_agreement = own_dot / scale if scale > 0 else float("nan")
         self.previous_blocked = blocked
         result.cost.bytes_sent += start.extra_bytes
+        result.fp32_bytes_sent += start.extra_bytes  # an fp32 sync sends the same tables: the codec's ratio is its own
         cumulative = self.records.add_bytes(result.cost.bytes_sent)
         stats = SyncStats(result.stats) if result.stats is not None else None
         outer = self.outer
@@ -404,8 +507,13 @@ class RoundEngine:
         replica starts again from θ_global), then the record is queued. A sync with nothing exchanged (every
         participant joining) has no record."""
         record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
+        self.unlanded = (0, 0.0) if result.committed or restart or start.joining else self.launch_basis
         if restart:
             self.outer.copy_global_to_replica()
+        if record and not start.empty:
+            for line in self.checks.record(start.excluded, record):
+                if self.comm.member == 0:
+                    print(line, flush=True)
         if start.startup_bytes is not None:  # what starting from identical parameters cost: in the first record
             self.records.carry(startup_bytes=start.startup_bytes)
         if start.empty or not record:

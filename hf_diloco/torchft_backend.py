@@ -45,6 +45,7 @@ from . import compat
 from .backends import RoundStart
 from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
+from .contributions import CHECK_FIELDS
 from .errors import ConfigError, RunError, first_line
 from .schedule import Schedule
 
@@ -53,9 +54,10 @@ logger = logging.getLogger(__name__)
 # One row per participant, summed across replicas (each writes only its own row). A stop request rides along, so
 # every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
-                 "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest")
-# Columns of the table that steer the sync but are not part of the record (`at_step`: the participant's step).
-UNRECORDED = ("at_step", "digest")
+                 "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest", *CHECK_FIELDS)
+# Columns of the table that steer the sync but are not part of the record (`at_step`: the participant's step;
+# the contribution checks' numbers, hf_diloco.contributions).
+UNRECORDED = ("at_step", "digest", *CHECK_FIELDS)
 # How long a lingering replica waits between quorums that brought no late replica (two that both finished would
 # otherwise form thousands of empty quorums a second between themselves).
 LINGER_PAUSE_SECONDS = 0.25
@@ -458,7 +460,8 @@ class TorchftRounds:
         checking = joining and self.check_identical and not healed and not refused
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
-                float(not finite), float(step), self._digest() if checking else 0.0]
+                float(not finite), float(step), self._digest() if checking else 0.0,
+                *local.get("checks", [float("nan")] * len(CHECK_FIELDS))]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             table[rank] = torch.tensor(mine, dtype=torch.float64)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +129,20 @@ def replica_training_pid(output_dir: Path, replica: int) -> int | None:
                 and str(Path(output_dir) / f"replica-{replica}") in argv:
             return process.pid
     return None
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Path | None = None):
+    """`hf-diloco lighthouse` on a free port of 127.0.0.1, logging to a file; yields its address."""
+    port = free_port()
+    log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"lighthouse-{port}.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hf_diloco.cli", "lighthouse", "--host", "127.0.0.1", "--port", str(port),
+         "--min-replicas", str(min_replicas), "--grace-seconds", str(grace), "--heartbeat-timeout", str(heartbeat)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        wait_for(lambda: "Lighthouse on" in log.read_text(), 60, "the Lighthouse to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)

@@ -330,3 +330,77 @@ def test_a_damaged_json_file_is_named_in_the_status_bar_and_the_rest_still_draws
     assert "sent 4.0 MB/replica" in bar, "the rounds are still read"
     assert bar.count(f"{progress} is empty; restore it from a copy") == 1, bar
     assert views.read_progress(run) == {} and progress.exists()
+
+
+APART = ("apart: it agrees with the others far less than they with each other (leave-one-out agreement 0.05 against "
+         "their median 0.60; the check leaves out a gap above 0.35 twice running, and keeps out until two syncs agree)")
+OUTLIER = "outlier: its pseudo-gradient norm 9 is 7.5x the median replica's (1.2); the check leaves out above 2.3x"
+SIZE = ("size: its pseudo-gradient norm 40 is 9.1x what 10 AdamW steps at the agreed learning rate 0.001 can make; "
+        "the check leaves out above 2x: is its learning rate the others'?")
+
+
+def left_out_member(replica, reason):
+    """A member's row as a sync writes it when a contribution check leaves the replica out: it trained its steps,
+    but took no part in the merge."""
+    return {**member(replica), "participated": False, "weight": 0.0, "excluded": reason}
+
+
+def checked(record, excluded=(), flagged=()):
+    """`record` as written with contribution checks: `excluded` (mode exclude) or `flagged` (mode warn) name
+    replicas with the sentence why."""
+    record = {**record, "excluded": [{"replica": r, "reason": reason} for r, reason in excluded]}
+    if flagged:
+        record["flagged"] = [{"replica": r, "reason": reason} for r, reason in flagged]
+    return record
+
+
+def test_a_left_out_contribution_is_named_per_sync_for_both_backends_and_per_replica_for_torchft():
+    """Sync 1 (torch backend) left replica 2 out by `outlier`, sync 2 (torchft) replica 2 by `apart`, sync 3 (mode
+    warn) only flagged replica 1 by `size` and merged it, sync 4 was written before the checks. The sync table's
+    "left out" column names each replica with its rule, "flagged" for a warning, nothing for sync 4; the
+    membership table (torchft) shows the left-out replica's cell as excluded by its rule, not absent."""
+    torch = checked({**sync_record(1), "num_replicas": 3,
+                     "members": [member(0), member(1), left_out_member(2, OUTLIER)]}, excluded=[(2, OUTLIER)])
+    torchft = checked(torchft_round(2, [member(0), member(1), left_out_member(2, APART)]), excluded=[(2, APART)])
+    warned = checked({**sync_record(3), "members": [member(0), member(1), member(2)]}, flagged=[(1, SIZE)])
+    rounds = [torch, torchft, warned, sync_record(4)]
+    table = views.round_rows(rounds)
+    assert table.columns[-1] == "left out"
+    assert table["left out"].tolist() == ["", "replica 1 (size, flagged)", "replica 2 (apart)", "replica 2 (outlier)"]
+    assert table["steps per replica"].tolist() == ["", "", "10 · 10 · –", "10 · 10 · –"], "left out: no steps merged"
+    membership = views.membership_rows(rounds, replicas=3)
+    assert membership.values.tolist() == [[2, 20, 2, "yes", "✓ 10 steps", "✓ 10 steps", "excluded (apart)"]]
+    both = checked(sync_record(5), excluded=[(0, SIZE), (2, OUTLIER)])
+    assert views.left_out(both) == "replica 0 (size), replica 2 (outlier)"
+
+
+def test_a_replica_left_out_in_the_sync_it_came_back_is_no_longer_shown_down():
+    """Replica 1 went down after sync 1; in sync 2 it was back in the quorum but a check left it out, in sync 3 it
+    was late: sync 2 shows it excluded and sync 3 absent, not "down, restarting"."""
+    rounds = [torchft_round(1, [member(0), member(1)]),
+              torchft_round(2, [member(0), left_out_member(1, SIZE)]),
+              torchft_round(3, [member(0), {"replica": 1, "participated": False}])]
+    states = [{"replica": 0, "outages": []}, {"replica": 1, "outages": [{"after_sync": 1, "restarted": True}]}]
+    table = views.membership_rows(rounds, replicas=2, states=states)
+    assert table["replica 1"].tolist() == ["absent", "excluded (size)", "✓ 10 steps"]
+
+
+def test_the_status_bar_and_compare_table_count_the_contributions_left_out(tmp_path):
+    """Three contributions left out over two syncs: the status bar and the Compare table count 3. A run whose
+    checks left nothing out counts 0 in the table and says nothing in the bar; a run written before the checks
+    leaves the table's cell empty."""
+    import pandas as pd
+
+    runs = {}
+    for name, rounds in (("three", [checked(sync_record(1), excluded=[(1, SIZE)]),
+                                    checked(sync_record(2), excluded=[(0, OUTLIER), (2, APART)])]),
+                         ("none", [checked(sync_record(1)), checked(sync_record(2), flagged=[(1, SIZE)])]),
+                         ("old", [sync_record(1), sync_record(2)])):
+        (tmp_path / name).mkdir()
+        runs[name] = make_run(tmp_path / name, rounds=rounds)
+    assert "waited for syncs 0.2 s · 3 contributions left out" in views.status_html(runs["three"])
+    assert "left out" not in views.status_html(runs["none"]) and "left out" not in views.status_html(runs["old"])
+    table = views.compare_rows(list(runs.values()))
+    assert table.columns[-1] == "contributions left out"
+    counted = table["contributions left out"].tolist()
+    assert counted[:2] == [3, 0] and pd.isna(counted[2]), counted

@@ -12,10 +12,14 @@ import torch
 from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, GATHER, REPO, accelerate_launch
 
 from hf_diloco.codecs import make_codec
+from hf_diloco.contributions import CHECK_FIELDS
 from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.records import STAT_NAMES as ROUND_STATS
 
 REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
+# Before each sync, the contribution checks' table: M = 2 rows of (tokens, CHECK_FIELDS) in float64, all-reduced over
+# 2 processes (a ring sends 2 (w - 1) / w of it: all of it, once).
+CHECK_TABLE = 2 * (1 + len(CHECK_FIELDS)) * 8
 OVERLAP_RUN = str(REPO / "tests" / "scripts" / "overlap_run.py")
 
 
@@ -53,22 +57,23 @@ def test_int4_sync_is_a_reduce_scatter_and_an_all_gather_and_nothing_between(int
     for rank in ranks:
         by_step = collectives_by_step(rank)
         for step in range(1, 13):
-            expected = ["all_to_all_single", GATHER] if step in (4, 8, 12) else []
+            expected = ["all_reduce", "all_to_all_single", GATHER] if step in (4, 8, 12) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step)}"
 
 
 def test_int4_reported_bytes_are_the_payload_arithmetic(int4_run):
-    """Per sync and process, with M = 2: one encoded shard out in the all-to-all, one encoded averaged shard plus
-    the k round statistics (fp32) out in the all-gather. The ratio is against an fp32 all-reduce of the same."""
+    """Per sync and process, with M = 2: the checks' table, one encoded shard out in the all-to-all, one encoded
+    averaged shard plus the k round statistics (fp32) out in the all-gather. The ratio is against an fp32 all-reduce
+    of the same (which sends the same table)."""
     _, _, rounds = int4_run
     codec = make_codec("int4")
     k = len(ROUND_STATS)
     for record in rounds:
         n = record["synced_parameters"]
         shard = math.ceil(n / 2)
-        expected = codec.encoded_bytes(shard) + codec.encoded_bytes(shard) + 4 * k
+        expected = codec.encoded_bytes(shard) + codec.encoded_bytes(shard) + 4 * k + CHECK_TABLE
         assert record["bytes_per_replica"] == expected
-        fp32 = (n + 2 * k) * 4  # ring all-reduce with M = 2 sends the payload once
+        fp32 = (n + 2 * k) * 4 + CHECK_TABLE  # ring all-reduce with M = 2 sends the payload once
         assert record["compression_ratio"] == pytest.approx(fp32 / expected)
         assert record["compression"] == "int4+ef"
         assert record["compression_ratio"] > 7
@@ -99,10 +104,10 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
     codec = make_codec("sparse", sparse_k=256, sparse_chunk=1024)
     for record in rounds:
-        payload = codec.encoded_bytes(record["synced_parameters"]) + 4 * len(ROUND_STATS)
+        payload = codec.encoded_bytes(record["synced_parameters"]) + 4 * len(ROUND_STATS) + CHECK_TABLE
         assert record["bytes_per_replica"] == payload  # M = 2: the payload goes to the one other replica
     for rank in ranks:
-        assert collectives_by_step(rank)[4] == [GATHER]
+        assert collectives_by_step(rank)[4] == ["all_reduce", GATHER]
 
 
 def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):

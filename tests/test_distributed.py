@@ -22,10 +22,20 @@ from helpers import (
     tiny_llama,
 )
 
+from hf_diloco.contributions import CHECK_FIELDS  # noqa: E402
 from hf_diloco.records import STAT_NAMES as ROUND_STATS  # noqa: E402
 
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values
+
+
+def check_table_bytes(world: int) -> int:
+    """The contribution checks' table before each sync: M = 2 rows of (tokens, CHECK_FIELDS) in float64, all-reduced
+    over the launch's `world` processes (a ring sends 2 (world - 1) / world of it)."""
+    return 2 * (world - 1) * (2 * (1 + len(CHECK_FIELDS)) * 8) // world
+
+
+CHECK_TABLE_BYTES = check_table_bytes(2)
 
 
 def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
@@ -44,7 +54,8 @@ def test_replicas_hold_bit_identical_parameters_after_every_sync(paper_run):
 
 
 def test_no_collective_between_syncs_and_one_per_sync(paper_run):
-    """Counted in the real run: nothing crosses replicas during inner steps; a sync is exactly one all-reduce.
+    """Counted in the real run: nothing crosses replicas during inner steps; a sync is exactly two all-reduces: the
+    contribution checks' table (M rows of a few numbers), then the pseudo-gradient with its statistics.
 
     Trainer logs every step in this run (logging_steps=1), so a hidden loss gather would show up here.
     """
@@ -56,7 +67,7 @@ def test_no_collective_between_syncs_and_one_per_sync(paper_run):
         # Before step 1: one all-reduce of the parameters' digests; the replicas share a seed, so nothing else.
         assert by_step.get(0, []) == ["all_reduce"], f"only the start-up check before step 1: {by_step.get(0)}"
         for step in range(1, 13):
-            expected = ["all_reduce"] if step in (5, 10, 12) else []
+            expected = ["all_reduce", "all_reduce"] if step in (5, 10, 12) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
 
 
@@ -72,7 +83,7 @@ def test_loss_goes_down_and_rounds_are_reported(paper_run):
         assert r["loss"] == pytest.approx(sum(r["replica_losses"]) / 2, rel=1e-9)
         numel = r["synced_parameters"]
         # Ring all-reduce of the fp32 pseudo-gradient plus M x k metric slots: 2 (M-1)/M x payload = payload.
-        assert r["bytes_per_replica"] == (numel + SLOTS) * 4
+        assert r["bytes_per_replica"] == (numel + SLOTS) * 4 + CHECK_TABLE_BYTES
         assert r["ddp_bytes_per_replica"] == r["sync_steps"] * numel * 4
 
 
@@ -204,14 +215,15 @@ def test_replica_groups_all_processes_identical_after_every_sync(grouped_run):
 
 
 def test_replica_groups_sync_is_one_sliced_all_reduce_and_one_all_gather(grouped_run):
-    """Across replicas only the sync; inside a replica only DDP (not visible here) and the slice all-gather."""
+    """Across replicas only the sync (the contribution checks' table, then the sliced pseudo-gradient); inside a replica
+    only DDP (not visible here) and the slice all-gather."""
     _, ranks = grouped_run
     for rank in ranks:
         by_step: dict[int, list[str]] = {}
         for step, name in rank["calls"]:
             by_step.setdefault(step, []).append(name)
         for step in range(1, 8):
-            expected = ["all_reduce", GATHER] if step in (3, 6, 7) else []
+            expected = ["all_reduce", "all_reduce", GATHER] if step in (3, 6, 7) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
 
 
@@ -233,8 +245,8 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
     grouped = rounds["grouped"][0]
     assert grouped["replica_group_size"] == 2 and grouped["num_replicas"] == 2
     # Main process: half the fp32 pseudo-gradient (padded to even length) plus M x k metric slots, ring factor 1.
-    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + SLOTS) * 4
-    assert rounds["single"][0]["bytes_per_replica"] == (numel + SLOTS) * 4
+    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + SLOTS) * 4 + check_table_bytes(4)
+    assert rounds["single"][0]["bytes_per_replica"] == (numel + SLOTS) * 4 + check_table_bytes(2)
     # The all-gather inside the replica sends this member's half and its metric slots: (g - 1) / g of the result.
     assert grouped["intra_replica_bytes"] == ((numel + numel % 2) // 2 + SLOTS) * 4
     assert len(grouped["replica_losses"]) == 2
@@ -377,7 +389,7 @@ def test_replica_groups_with_nesterov_momentum_and_several_buckets(tmp_path):
     assert buckets >= 4
     for rank in ranks:
         at_sync = [name for step, name in rank["calls"] if step == 3]
-        assert at_sync.count("all_reduce") == buckets, at_sync
+        assert at_sync.count("all_reduce") == buckets + 1, f"the checks' table, then a bucket at a time: {at_sync}"
     want = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2, outer_lr=0.7, momentum=0.9,
                             nesterov=True)
     worst = max_difference(torch.load(tmp_path / "final.pt"), want)

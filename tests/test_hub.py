@@ -301,3 +301,26 @@ def test_card_of_a_slow_link_run_lists_its_codec_and_streaming_settings(tmp_path
     assert "| streaming fragments (`num_fragments`) | 5 | 1 |" in card
     assert "| sync overlapped with inner steps (τ) (`sync_delay`) | 2 | 0 |" in card
     assert "| last syncs staggered, so the end waits for no exchange (`staggered_end`) | True | False |" in card
+
+
+def test_card_counts_the_contributions_the_checks_left_out(tmp_path):
+    """The results give the `excluded` entries of every committed sync; the settings say the checks' mode. A run
+    whose records predate the checks has no such row."""
+    from hf_diloco import DiLoCoConfig
+    from hf_diloco.hub import model_card, run_settings
+
+    args = DiLoCoConfig(output_dir=str(tmp_path), report_to="none")
+    left_out = [{"replica": 2, "reason": "apart: far from the others"}]
+    rounds = [{"round": 1, "step": 10, "loss": 3.0, "bytes_per_replica": 100, "excluded": left_out},
+              {"round": 2, "step": 20, "loss": 2.5, "bytes_per_replica": 100, "excluded": []},
+              {"round": 3, "step": 30, "loss": 2.4, "bytes_per_replica": 100, "excluded": left_out * 2},
+              {"round": 4, "step": 40, "loss": 2.3, "bytes_per_replica": 100, "excluded": left_out,
+               "committed": False}]
+    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    card = model_card(tmp_path, settings=run_settings(args, trainer="diloco"), curve=False)
+    assert "| contributions left out by the checks | 3 |" in card
+    assert "| contributions checked before each merge (`contribution_checks`) | exclude | off |" in card
+    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "excluded"})
+                                                        + "\n" for r in rounds))
+    assert "contributions left out" not in model_card(tmp_path, settings=run_settings(args, trainer="diloco"),
+                                                      curve=False)

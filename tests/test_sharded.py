@@ -194,7 +194,8 @@ def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
         assert a["replica_pseudo_grad_norms"] == pytest.approx(b["replica_pseudo_grad_norms"], rel=1e-5)
         held = ranks[0]["held_bytes"]["parameters"]
-        assert held <= a["bytes_per_replica"] <= held + 200, "its fp32 pieces and the round's statistics"
+        assert held <= a["bytes_per_replica"] <= held + 500, \
+            "its fp32 pieces, the round's statistics and the contribution checks' table: a few numbers each"
     for rank in range(8):
         for part, size in ddp_ranks[rank % 4]["held_bytes"].items():
             assert 0 < ranks[rank]["held_bytes"][part] <= 0.3 * size, (rank, part)

@@ -82,7 +82,8 @@ def test_each_process_holds_about_half_and_sends_what_it_holds(fp32_layouts):
     held = tp_ranks[0]["held_bytes"]["parameters"]  # fp32: 4 bytes a value, as the sync sends them
     for record in rounds_of(fp32_layouts["tp"][0]):
         stats = record["bytes_per_replica"] - held
-        assert 0 <= stats < 200, (record["bytes_per_replica"], held)  # the statistics riding along: a few numbers
+        # the statistics riding along and the contribution checks' table: a few numbers each
+        assert 0 <= stats < 400, (record["bytes_per_replica"], held)
         assert record["intra_replica_bytes"] < 1000
 
 

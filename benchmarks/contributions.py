@@ -1,0 +1,176 @@
+"""Contribution checks: each injected fault with and without the checks, and what the checks cost a sync.
+
+    python benchmarks/contributions.py            # 3 replicas, 80 rounds of H = 5 (400 steps) a run (about 12 min)
+    python benchmarks/contributions.py --quick    # 20 rounds of H = 5, cost repeated twice (about 4 min)
+
+Every run is `hf-diloco launch` of the peer task (recipes/tiny-pretrain.yaml, block 32, batch 4) with 3 replicas
+on the torch backend, each reading its own third of the built-in corpus (non_iid), held-out loss every 10 rounds.
+One replica goes wrong the way a site would: its third of the data is random characters (`garbage`) or every
+character permuted (`permuted`, data read with another tokenizer), or through the test hook
+(tests/scripts/contribution_hook) its learning rate is 100x (`lr x100`), its Δ_i is sent 3 times over (`scaled x3`)
+or negated (`sign flip`). Each fault runs with `contribution_checks exclude` and `off`, and the reference is the run
+without that replica: the same launch, same data, with that replica left out from the first sync (the hook).
+
+Columns: held-out loss at the end, with and without the checks, against the reference; rounds to recovery: the
+first evaluated round from which the run's held-out loss stays within 2% of the reference's at the same round
+(`never` when it does not); syncs the faulty replica was left out of, and how many of the healthy ones were.
+Cost: a clean run with the checks and without them, interleaved and repeated: the record's bytes per sync (the
+checks' table, exact) and the seconds a sync kept the inner loop waiting (median [min, max] over the repeats of
+each run's median), beside the bound the bytes set on a 1 Gbit/s link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, markdown_table, pyplot, run_env, save, show, spread
+
+from hf_diloco.data import builtin_corpus
+from hf_diloco.launch import free_port
+from hf_diloco.metrics import read_sync_rounds
+
+HOOK = REPO / "tests" / "scripts" / "contribution_hook"
+WORK = Path("/tmp/hf-diloco-bench-contributions")
+H = 5
+FAULTS = {  # name: (data, hook environment, the faulty replica)
+    "garbage": ("garbage", {}, 0),
+    "permuted": ("permuted", {}, 0),
+    "lr x100": ("clean", {"CONTRIBUTION_HOOK_LR": "100", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
+    "scaled x3": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
+    "sign flip": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
+}
+
+
+def corpora(folder: Path) -> dict[str, Path]:
+    """The built-in corpus as JSON lines, with replica 0's third (the first 30% of the text) random characters,
+    or permuted character by character."""
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = list(builtin_corpus()["text"])
+    rng, total, seen = random.Random(0), sum(map(len, texts)), 0
+    codes = list(range(32, 127))
+    random.Random(1).shuffle(codes)
+    mapping = {chr(32 + i): chr(c) for i, c in enumerate(codes)}
+    garbage, permuted = [], []
+    for text in texts:
+        seen += len(text)
+        first = seen <= 0.30 * total
+        garbage.append("".join(chr(rng.randint(32, 126)) for _ in text) if first else text)
+        permuted.append("".join(mapping.get(ch, ch) for ch in text) if first else text)
+    paths = {}
+    for name, corpus in (("clean", texts), ("garbage", garbage), ("permuted", permuted)):
+        paths[name] = folder / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
+    return paths
+
+
+def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str) -> list[dict]:
+    steps = rounds * H
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/tiny-pretrain.yaml", "--accelerate-config",
+               "accelerate_configs/cpu-4proc.yaml", "--num_processes", "3", "--port", str(free_port()), "--",
+               "--max_steps", str(steps), "--inner_steps", str(H), "--block_size", "32",
+               "--per_device_train_batch_size", "4", "--eval_strategy", "steps", "--eval_steps", str(10 * H),
+               "--eval_on_start", "false", "--save_every_rounds", "0", "--disable_tqdm", "true", "--report_to", "none",
+               "--data_sharding", "non_iid", "--dataset_name", str(data), "--contribution_checks", checks,
+               "--output_dir", str(out)]
+    started = time.time()
+    result = subprocess.run(command, cwd=REPO, env=run_env(1, PYTHONPATH=str(HOOK), **hook), capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark run failed: {' '.join(command)}\n{result.stderr[-3000:]}")
+    print(f"  {out.name}: {time.time() - started:.0f} s", flush=True)
+    return read_sync_rounds(out)
+
+
+def evals(records: list[dict]) -> dict[int, float]:
+    return {r["round"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
+
+
+def recovery(run: dict[int, float], reference: dict[int, float]) -> int | None:
+    """The first evaluated round from which `run` stays within 2% of `reference`."""
+    rounds = sorted(set(run) & set(reference))
+    for i, r in enumerate(rounds):
+        if all(run[s] <= 1.02 * reference[s] for s in rounds[i:]):
+            return r
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="20 rounds a run, cost repeated twice")
+    args = parser.parse_args()
+    rounds, repeats = (20, 2) if args.quick else (80, 3)
+    began = time.time()
+    work = WORK / ("quick" if args.quick else "full")
+    if work.exists():
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+    data = corpora(work / "data")
+    references: dict[tuple[str, int], list[dict]] = {}
+    rows, raw = [], {"rounds": rounds, "inner_steps": H, "faults": {}, "cost": {}}
+    curves = {}
+    for name, (corpus, hook, faulty) in FAULTS.items():
+        print(f"{name}:", flush=True)
+        key = (corpus, faulty)
+        if key not in references:
+            references[key] = launch(work / f"without-{corpus}-{faulty}", data[corpus], rounds,
+                                     {"CONTRIBUTION_HOOK_LEAVE_OUT": str(faulty)}, "exclude")
+        slug = name.replace(" ", "-")
+        checked = launch(work / f"{slug}-checks", data[corpus], rounds, hook, "exclude")
+        unchecked = launch(work / f"{slug}-off", data[corpus], rounds, hook, "off")
+        reference = evals(references[key])
+        left_out = [r["round"] for r in checked if any(e["replica"] == faulty for e in r["excluded"])]
+        healthy_out = sum(1 for r in checked for e in r["excluded"] if e["replica"] != faulty)
+        with_checks, without_checks = evals(checked), evals(unchecked)
+        last = max(reference)
+        back = [recovery(with_checks, reference), recovery(without_checks, reference)]
+        rows.append([name, f"{with_checks[last]:.4f}", f"{without_checks[last]:.4f}", f"{reference[last]:.4f}",
+                     *[str(b) if b is not None else "never" for b in back],
+                     f"{len(left_out)} of {len(checked)} (first: {min(left_out) if left_out else '-'})",
+                     healthy_out])
+        raw["faults"][name] = {"with_checks": with_checks, "without_checks": without_checks, "reference": reference,
+                               "left_out_rounds": left_out, "healthy_left_out": healthy_out,
+                               "recovery": back}
+        curves[name] = (with_checks, without_checks, reference)
+    print("cost:", flush=True)
+    waits = {"exclude": [], "off": []}
+    sent = {}
+    for repeat in range(repeats):
+        for checks in ("exclude", "off"):
+            records = launch(work / f"cost-{checks}-{repeat}", data["clean"], rounds, {}, checks)
+            waits[checks].append(statistics.median(r["blocked_seconds"] for r in records))
+            sent[checks] = statistics.median(r["bytes_per_replica"] for r in records)
+            if checks == "exclude":
+                assert all(not r["excluded"] for r in records), "a clean run left a contribution out"
+    extra = sent["exclude"] - sent["off"]
+    cost = [["bytes a replica sends per sync", f"{sent['exclude']:,.0f}", f"{sent['off']:,.0f}", f"{extra:+,.0f}"],
+            ["seconds a sync keeps the inner loop waiting", show(spread(waits["exclude"]), "{:.4f}"),
+             show(spread(waits["off"]), "{:.4f}"),
+             f"{statistics.median(waits['exclude']) - statistics.median(waits['off']):+.4f}"],
+            ["the extra bytes' time on a 1 Gbit/s link (bound)", "", "", f"{extra * 8 / 1e9:.2e} s"]]
+    raw["cost"] = {"bytes": sent, "blocked_seconds": {k: spread(v) for k, v in waits.items()}}
+    table = (f"### Faults, 3 replicas, {rounds} rounds of H = {H} (held-out loss every 10 rounds)\n\n"
+             + markdown_table(["fault", "held-out loss, checks", "no checks", "without the replica",
+                               "rounds to recovery, checks", "no checks", "faulty replica left out (syncs)",
+                               "healthy ones left out"], rows)
+             + f"\n\n### What the checks cost a sync (clean run, {repeats} interleaved repeats each)\n\n"
+             + markdown_table(["", "checks", "off", "difference"], cost))
+    figure, axes = pyplot().subplots(1, len(curves), figsize=(4 * len(curves), 3.4), sharey=True)
+    for ax, (name, (checked, unchecked, reference)) in zip(axes, curves.items(), strict=True):
+        for curve, label, color in ((reference, "without the replica", "#222"), (unchecked, "no checks", "#d62728"),
+                                    (checked, "checks", "#1f77b4")):
+            ax.plot(sorted(curve), [curve[r] for r in sorted(curve)], label=label, color=color, marker=".")
+        ax.set_title(name)
+        ax.set_xlabel("round")
+    axes[0].set_ylabel("held-out loss")
+    axes[0].legend(fontsize=8)
+    save("contributions", table, raw, figure, quick=args.quick, seconds=time.time() - began)
+
+
+if __name__ == "__main__":
+    main()

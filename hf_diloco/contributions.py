@@ -1,0 +1,214 @@
+"""Contribution checks: a replica whose pseudo-gradient does not belong is left out of the merge, and named.
+
+Before each sync's exchange every replica's numbers go round in one small table (torchft: four more columns of the
+membership table it exchanges anyway; torch backend: one all-reduce of M rows of four numbers). Each row holds
+
+    norm        ‖Δ_i‖ of the sync (taken before a codec: the rules judge what the replica trained)
+    steps       its inner steps since its last sync
+    lr          its mean inner learning rate over those steps (its own schedule)
+    loo         λ_i of its last sync: the leave-one-out agreement cos(Δ_i, Σ_{j≠i} w_j Δ_j)
+    loo_before  λ_i of the sync before that
+    left_out    1 if it was left out of its last sync
+    loss_gain   with contribution_loss_check: the held-out batch's loss at the global parameters the round started
+                from, less its loss at the replica's parameters now (NaN without the check)
+
+and every replica applies the same rules to the same table (`judge`), so every replica reaches the same verdict
+without a vote. A replica found out sends weight 0 (the others divide by the weight that took part, its
+error-feedback residual is left alone, it takes θ_global after the sync, as a replica with a non-finite
+pseudo-gradient does) and every record names it in `excluded`. The rules, with the thresholds' defaults:
+
+    size      ‖Δ_i‖ > 2.0 · √P · steps_i · η  where P is the number of values synced and η the median replica's
+              mean learning rate (of two replicas the smaller: too low a learning rate only slows a replica, too high
+              a one spoils the merge), for an AdamW-family inner optimizer: AdamW moves each value by about η a
+              step at most, so a replica far beyond that trained with a wrong learning rate (or sends something
+              else). Works at M = 2. Not applied when every replica is beyond it (then the run's own learning rate
+              is what is too high).
+    outlier   M ≥ 3: ‖Δ_i‖ > 2.3 · the median of every reporting replica's norm (itself included).
+    opposed   M ≥ 3: λ_i < −0.3 in its last sync: it pulled against the others.
+    apart     M ≥ 3: median_{j≠i} λ_j − λ_i > 0.35 in each of its last two syncs: it agrees with the others far
+              less than they agree with each other (a replica reading other data than the rest). A replica left out
+              of its last sync stays out while either of its last two syncs was that far apart: it is taken back
+              after two syncs that agree.
+    loss      with contribution_loss_check, M ≥ 2: its round raised the held-out batch's loss by more than 0.05
+              below min(0, the median replica's gain): its training made the model worse where the others' did not
+              (the Gauntlet's idea, scored by each replica on its own parameters, so no Δ_i is sent apart).
+
+At M = 2 there is no majority: the two replicas' agreement λ is the same number for both, and a norm ratio says
+that the two differ, not which one is wrong; only `size`, measured against the learning rate every replica was
+given, names a replica there. Comparing a replica with its own past was measured and left out: a clean replica's
+norm moves 2x between syncs during warm-up, and a replica wrong from the start has no clean past.
+
+The numbers are each replica's own account of itself: the checks catch a site's mistakes (a wrong learning rate,
+corrupted or foreign data, a bug), not a site that lies about its numbers; that needs every Δ_i sent apart (M times
+the bytes of an all-reduce), which the checks do not do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
+                "check_loss_gain")
+MIN_MAJORITY = 3  # replicas reporting, for the rules that compare a replica with the others
+
+
+@dataclass
+class Limits:
+    """The rules' thresholds (DiLoCoConfig's contribution_* fields)."""
+
+    adam_ratio: float = 2.0
+    norm_ratio: float = 2.3
+    min_agreement: float = -0.3
+    agreement_gap: float = 0.35
+    loss_margin: float = 0.05
+
+
+def leave_one_out(total_weight: float, weight: float, dot: float, norm_sq: float, average_norm_sq: float) -> float:
+    """λ_i = cos(Δ_i, Σ_{j≠i} w_j Δ_j) from what a replica knows after a sync: W = Σ w_j, its own w_i, Δ_i · Δ,
+    ‖Δ_i‖² and ‖Δ‖², where Δ = Σ w_j Δ_j / W (so Σ_{j≠i} w_j Δ_j = WΔ − w_i Δ_i). NaN when the others sent nothing.
+
+    >>> round(leave_one_out(2.0, 1.0, dot=0.5, norm_sq=1.0, average_norm_sq=0.5), 6)  # Δ_0 = e1, Δ_1 = e2
+    0.0
+    >>> round(leave_one_out(2.0, 0.0, dot=-1.0, norm_sq=1.0, average_norm_sq=1.0), 6)  # left out: cos(Δ_i, Δ)
+    -1.0
+    """
+    others_sq = total_weight**2 * average_norm_sq - 2 * total_weight * weight * dot + weight**2 * norm_sq
+    if not (others_sq > 1e-12 * max(1.0, total_weight**2 * average_norm_sq) and norm_sq > 0):
+        return float("nan")
+    return (total_weight * dot - weight * norm_sq) / math.sqrt(norm_sq * others_sq)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Limits) -> dict[int, str]:
+    """The replicas to leave out of this sync, each with one sentence why, from every replica's row (replica id →
+    CHECK_FIELDS values; NaN where a replica has no such number: its first syncs, a heal). `parameters`: the number
+    of values the sync carries; `adam`: whether the inner optimizer is AdamW-like (the `size` rule). Never every
+    replica that reports: when all would be left out, none can be told from the others and none is.
+
+    >>> rows = {0: [1.0, 10, 0.01, 0.6, 0.6, 0], 1: [1.2, 10, 0.01, 0.5, 0.7, 0], 2: [9.0, 10, 0.01, 0.6, 0.5, 0]}
+    >>> judge(rows, parameters=400, adam=False, limits=Limits())
+    {2: "outlier: its pseudo-gradient norm 9 is 7.5x the median replica's (1.2); the check leaves out above 2.3x"}
+    """
+    norms = {r: row[0] for r, row in rows.items() if math.isfinite(row[0]) and row[0] > 0}
+    verdicts: dict[int, str] = {}
+    rates = [row[2] for r, row in rows.items() if r in norms and math.isfinite(row[2]) and row[2] > 0]
+    if adam and rates and parameters > 0:
+        # The agreed learning rate: the median replica's, or of two the smaller (too low a rate only slows a
+        # replica down; too high a one spoils the merge)
+        rate = _median(rates) if len(rates) >= MIN_MAJORITY else min(rates)
+        bound = {r: math.sqrt(parameters) * max(rows[r][1], 1.0) * rate for r in norms}
+        over = {r: n / bound[r] for r, n in norms.items() if n / bound[r] > limits.adam_ratio}
+        if len(over) < len(norms):
+            for r, ratio in over.items():
+                verdicts[r] = (f"size: its pseudo-gradient norm {norms[r]:.4g} is {ratio:.1f}x what {rows[r][1]:.0f} "
+                               f"AdamW steps at the agreed learning rate {rate:.3g} can make; the check leaves out "
+                               f"above {limits.adam_ratio:g}x: is its learning rate the others'?")
+    if len(norms) >= MIN_MAJORITY:
+        middle = _median(list(norms.values()))
+        for r, n in norms.items():
+            if r not in verdicts and middle > 0 and n / middle > limits.norm_ratio:
+                verdicts[r] = (f"outlier: its pseudo-gradient norm {n:.4g} is {n / middle:.1f}x the median "
+                               f"replica's ({middle:.4g}); the check leaves out above {limits.norm_ratio:g}x")
+        loo = {r: rows[r][3] for r in norms if math.isfinite(rows[r][3])}
+        before = {r: rows[r][4] for r in norms if math.isfinite(rows[r][4])}
+        for r, value in loo.items():
+            if r in verdicts:
+                continue
+            if value < limits.min_agreement:
+                verdicts[r] = (f"opposed: in its last sync its pseudo-gradient pointed against the others' "
+                               f"(leave-one-out agreement {value:.2f}; the check leaves out below "
+                               f"{limits.min_agreement:g})")
+                continue
+            gaps = [_gap(values, r) for values in (loo, before)]
+            apart = [g is not None and g[0] > limits.agreement_gap for g in gaps]
+            if all(apart) or (rows[r][5] > 0 and any(apart)):
+                shown = gaps[0] if apart[0] else gaps[1]
+                verdicts[r] = (f"apart: it agrees with the others far less than they with each other (leave-one-out "
+                               f"agreement {shown[1] - shown[0]:.2f} against their median {shown[1]:.2f}; the check "
+                               f"leaves out a gap above {limits.agreement_gap:g} twice running, and keeps out until "
+                               f"two syncs agree)")
+    gains = {r: rows[r][6] for r in norms if len(rows[r]) > 6 and math.isfinite(rows[r][6])}
+    if len(gains) >= 2:
+        floor = min(0.0, _median(list(gains.values()))) - limits.loss_margin
+        for r, gain in gains.items():
+            if r not in verdicts and gain < floor:
+                verdicts[r] = (f"loss: its round raised the held-out batch's loss by {-gain:.3f} where the median "
+                               f"replica's changed it by {-_median(list(gains.values())):+.3f}; the check leaves out "
+                               f"{limits.loss_margin:g} below the median (or below no change)")
+    if verdicts and len(verdicts) >= len(norms):
+        return {}
+    return verdicts
+
+
+def _gap(loo: dict[int, float], replica: int) -> tuple[float, float] | None:
+    """(median of the others' λ − this replica's, the others' median), with at least two others; else None."""
+    others = [value for r, value in loo.items() if r != replica]
+    if replica not in loo or len(others) < MIN_MAJORITY - 1:
+        return None
+    middle = _median(others)
+    return middle - loo[replica], middle
+
+
+class ContributionChecks:
+    """One replica's side of the checks: its row for the table, what it remembers of its last two syncs (λ), and
+    how many syncs in a row each replica was left out (`faulty_after` in a row: said once on the console)."""
+
+    def __init__(self, mode: str, limits: Limits, faulty_after: int):
+        self.mode = mode
+        self.limits = limits
+        self.faulty_after = faulty_after
+        self.loo = [float("nan"), float("nan")]  # λ of this replica's last sync, and of the one before
+        self.left_out = False  # whether it was left out of its last sync
+        self.streaks: dict[int, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+    def row(self, norm: float, steps: int, lr_sum: float, loss_gain: float = float("nan")) -> list[float]:
+        return [norm, float(steps), lr_sum / steps if steps else float("nan"), *self.loo, float(self.left_out),
+                loss_gain]
+
+    def landed(self, loo: float, left_out: bool) -> None:
+        self.loo = [loo, self.loo[0]]
+        self.left_out = left_out
+
+    def record(self, verdicts: dict[int, str], record: dict) -> list[str]:
+        """Put the sync's verdicts in its record (`excluded`, or with mode "warn" `flagged`, with the members' rows
+        marked) and return the console lines it calls for: each verdict in warn mode, and a replica reported
+        faulty when it has been left out `faulty_after` syncs in a row."""
+        listed = [{"replica": r, "reason": reason} for r, reason in sorted(verdicts.items())]
+        excluding = self.mode == "exclude"
+        record["excluded"] = listed if excluding else []
+        if not excluding and listed:
+            record["flagged"] = listed
+        for member in record.get("members", []):
+            reason = verdicts.get(member.get("replica"))
+            if reason is not None and excluding:
+                member.update(participated=False, weight=0.0, excluded=reason)
+        if excluding and "non_finite_replicas" in record:  # left out by a check, not for a NaN
+            record["non_finite_replicas"] = [r for r in record["non_finite_replicas"] if r not in verdicts]
+            if not record["non_finite_replicas"]:
+                del record["non_finite_replicas"]
+        lines = []
+        present = {m.get("replica") for m in record.get("members", [])} or set(verdicts)
+        for replica in present | set(self.streaks):
+            self.streaks[replica] = self.streaks.get(replica, 0) + 1 if replica in verdicts else 0
+            if excluding and self.streaks[replica] == self.faulty_after:
+                lines.append(f"[diloco] replica {replica} looks faulty: its contribution was left out of "
+                             f"{self.faulty_after} syncs in a row ({verdicts[replica]}). Check its data and "
+                             f"settings; it stays in the run at weight 0 and is taken back once its numbers agree "
+                             f"with the others' again.")
+        if not excluding:
+            lines += [f"[diloco] sync {record.get('sync')}: replica {r} would be left out ({reason})"
+                      for r, reason in sorted(verdicts.items())]
+        return lines

@@ -1,0 +1,312 @@
+"""Contribution checks (hf_diloco.contributions): the rules against tables built by hand and an independent
+computation, then real runs on both backends where one replica goes wrong the way a user's site would.
+
+The real runs share one setting (the tiny-llama recipe, block 32, batch 4, H = 10, 200 steps: 20 syncs, one held-out
+evaluation at the end) and the built-in corpus written out as JSON lines, so that a corrupted copy can be handed to
+one replica. "The run without that replica" is the same launch in which every replica's checks leave that replica
+out from the first sync (the test hook in tests/scripts/contribution_hook), or on torchft the other two sites alone:
+the healthy replicas read the same shards in both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, env, free_port, lighthouse
+
+from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
+from hf_diloco.metrics import read_sync_rounds
+
+HOOK = REPO / "tests" / "scripts" / "contribution_hook"
+SETTINGS = ["--max_steps", "200", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
+            "--eval_strategy", "steps", "--eval_steps", "200", "--disable_tqdm", "true", "--report_to", "none"]
+
+
+# --- the rules ------------------------------------------------------------------------------------------------------
+
+
+def test_leave_one_out_agreement_matches_the_vectors_it_comes_from():
+    """λ_i from (W, w_i, Δ_i·Δ, ‖Δ_i‖², ‖Δ‖²) against cos(Δ_i, Σ_{j≠i} w_j Δ_j) formed from the vectors, for weights
+    of 1, unequal weights and a replica of weight 0 (left out: its agreement with the average of the others)."""
+    generator = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(200, generator=generator, dtype=torch.float64) for _ in range(4)]
+    deltas[1] += deltas[0]  # some agreement, some not
+    for weights in ([1.0, 1.0, 1.0, 1.0], [1.0, 0.4, 0.7, 0.2], [1.0, 0.0, 0.5, 1.0]):
+        total = sum(weights)
+        average = sum(w * d for w, d in zip(weights, deltas, strict=True)) / total
+        for i, (w, d) in enumerate(zip(weights, deltas, strict=True)):
+            others = sum(weights[j] * deltas[j] for j in range(4) if j != i)
+            want = float(d @ others / (d.norm() * others.norm()))
+            got = leave_one_out(total, w, dot=float(d @ average), norm_sq=float(d @ d),
+                                average_norm_sq=float(average @ average))
+            assert got == pytest.approx(want, abs=1e-9), (weights, i)
+
+
+def rows(*replicas: tuple) -> dict[int, list[float]]:
+    """Check rows from (norm, η over one step, λ last, λ before, left out of the last sync): NaN for a λ not given,
+    0 for the last."""
+    table = {}
+    for r, values in enumerate(replicas):
+        padded = [*values[:4], *[float("nan")] * (4 - len(values[:4]))]
+        table[r] = [float(padded[0]), 1.0, *map(float, padded[1:])] + [float(values[4]) if len(values) > 4 else 0.0]
+    return table
+
+
+def test_each_rule_leaves_out_the_replica_it_is_about_and_no_other():
+    limits = Limits()
+    p = 10_000  # √P = 100; Ση = 0.01: AdamW steps make a norm of about 1 at most
+    # size: 30x what AdamW can make at the agreed rate, at M = 2 as well (the smaller of two rates is agreed)
+    assert list(judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=True, limits=limits)) == [1]
+    assert judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=True, limits=limits)[1].startswith("size: ")
+    assert judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=False, limits=limits) == {}, "size is for AdamW only"
+    unequal = {0: [0.3, 3.0, 0.01, *[float("nan")] * 2, 0.0], 1: [9.0, 10.0, 0.01, *[float("nan")] * 2, 0.0]}
+    assert judge(unequal, p, adam=True, limits=limits) == {}, "bounded by each replica's own steps (time budgets)"
+    assert judge(rows((30.0, 0.01), (31.0, 0.01)), p, adam=True, limits=limits) == {}, \
+        "every replica beyond it: the run's own rate is too high, nobody is told apart"
+    # outlier: needs three replicas reporting; a NaN norm (a joining or diverged replica) does not report
+    three = rows((1.0, 0.01), (1.2, 0.01), (2.9, 0.01))
+    assert list(judge(three, p, adam=False, limits=limits)) == [2]
+    assert judge(rows((1.0, 0.01), (2.9, 0.01)), p, adam=False, limits=limits) == {}
+    assert judge(rows((1.0, 0.01), (float("nan"), 0.01), (2.9, 0.01)), p, adam=False, limits=limits) == {}
+    assert judge(rows((1.0, 0.01), (1.2, 0.01), (2.2, 0.01)), p, adam=False, limits=limits) == {}, "under 2.3x"
+    # opposed: λ below -0.3 in the last sync, at M >= 3 only (at M = 2 both replicas have the same λ)
+    opposed = judge(rows((1, .01, .6, .6), (1, .01, -.5, .6), (1, .01, .5, .5)), p, adam=False, limits=limits)
+    assert list(opposed) == [1] and opposed[1].startswith("opposed: ")
+    assert judge(rows((1, .01, -.5, .6), (1, .01, -.5, .6)), p, adam=False, limits=limits) == {}
+    # apart: a gap above 0.35 to the others' median in each of the last two syncs; once is not enough, unless the
+    # replica was left out of its last sync (it is taken back after two syncs that agree)
+    twice = rows((1, .01, .6, .6), (1, .01, .7, .5), (1, .01, .1, .1))
+    assert list(judge(twice, p, adam=False, limits=limits)) == [2]
+    once = rows((1, .01, .6, .6), (1, .01, .7, .5), (1, .01, .1, .5))
+    assert judge(once, p, adam=False, limits=limits) == {}
+    kept_out = rows((1, .01, .6, .6), (1, .01, .7, .5), (1, .01, .6, .1, 1))
+    assert list(judge(kept_out, p, adam=False, limits=limits)) == [2]
+    # loss (contribution_loss_check): its round raised the held-out loss by more than the margin below min(0, median
+    # gain); works at M = 2, where the other replica's gain sets the median
+    def gains(*values: float) -> dict[int, list[float]]:
+        return {r: [1.0, 10.0, 0.01, *[float("nan")] * 2, 0.0, g] for r, g in enumerate(values)}
+
+    assert list(judge(gains(0.3, -1.0), p, adam=False, limits=limits)) == [1]
+    assert judge(gains(0.3, -1.0), p, adam=False, limits=limits)[1].startswith("loss: its round raised the held-out "
+                                                                               "batch's loss by 1.000")
+    assert judge(gains(-0.5, -0.54), p, adam=False, limits=limits) == {}, "both worse alike: the run's own doing"
+    assert judge(gains(0.3, -0.04), p, adam=False, limits=limits) == {}, "within the margin of no change"
+    assert list(judge(gains(0.3, 0.2, -0.3), p, adam=False, limits=limits)) == [2]
+    # never everyone: three replicas all opposed to each other tell nothing apart
+    assert judge(rows((1, .01, -.5), (1, .01, -.6), (1, .01, -.7)), p, adam=False, limits=limits) == {}
+
+
+def test_a_verdict_goes_into_the_record_and_a_replica_left_out_three_times_is_called_faulty():
+    checks = ContributionChecks("exclude", Limits(), faulty_after=3)
+    lines = []
+    for sync in (1, 2, 3, 4):
+        record = {"sync": sync, "members": [{"replica": r, "participated": True, "weight": 1.0} for r in range(3)],
+                  "non_finite_replicas": [2], "participants": 2}
+        lines += checks.record({2: "outlier: too large"}, record)
+        assert record["excluded"] == [{"replica": 2, "reason": "outlier: too large"}]
+        assert record["members"][2] == {"replica": 2, "participated": False, "weight": 0.0,
+                                        "excluded": "outlier: too large"}
+        assert "non_finite_replicas" not in record, "left out by a check, not for a NaN"
+    assert len(lines) == 1 and lines[0].startswith("[diloco] replica 2 looks faulty: its contribution was left out "
+                                                   "of 3 syncs in a row (outlier: too large)")
+    warned = ContributionChecks("warn", Limits(), faulty_after=3)
+    record = {"sync": 5, "members": [{"replica": 0, "participated": True, "weight": 1.0}]}
+    assert warned.record({0: "size: too large"}, record) == ["[diloco] sync 5: replica 0 would be left out "
+                                                              "(size: too large)"]
+    assert record["excluded"] == [] and record["flagged"] == [{"replica": 0, "reason": "size: too large"}]
+    assert record["members"][0]["participated"] is True
+
+
+# --- real runs ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, Path]:
+    """The built-in corpus as JSON lines, and its corrupted copies: `garbage`, the documents that make up replica 0's
+    third of the blocks (non_iid) replaced by random printable characters of the same length (the other replicas'
+    blocks and the held-out set, the last 5%, are untouched); `garbage-half`, the same for replica 0's half at M = 2;
+    `permuted`, every character mapped through one fixed permutation, as data read with another tokenizer would be."""
+    from hf_diloco.data import builtin_corpus
+
+    folder = tmp_path_factory.mktemp("corpora")
+    texts = list(builtin_corpus()["text"])
+    rng = random.Random(0)
+    total, seen, garbage, half = sum(map(len, texts)), 0, [], []
+    for text in texts:
+        seen += len(text)
+        noise = "".join(chr(rng.randint(32, 126)) for _ in text)
+        garbage.append(noise if seen <= 0.30 * total else text)
+        half.append(noise if seen <= 0.45 * total else text)
+    codes = list(range(32, 127))
+    random.Random(1).shuffle(codes)
+    mapping = {chr(32 + i): chr(c) for i, c in enumerate(codes)}
+    permuted = ["".join(mapping.get(ch, ch) for ch in text) for text in texts]
+    paths = {}
+    for name, corpus in (("clean", texts), ("garbage", garbage), ("garbage-half", half), ("permuted", permuted)):
+        paths[name] = folder / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus))
+    return paths
+
+
+def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *extra: str,
+                 replicas: int = 3) -> list[dict]:
+    """`hf-diloco launch` of `replicas` on the torch backend, each reading its own slice (non_iid); its records."""
+    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/tiny-pretrain.yaml", "--accelerate-config",
+               "accelerate_configs/cpu-4proc.yaml", "--num_processes", str(replicas), "--port", str(free_port()), "--",
+               *SETTINGS, "--output_dir", str(out), "--eval_on_start", "false", "--save_every_rounds", "0",
+               "--data_sharding", "non_iid", "--dataset_name", str(data), *extra]
+    result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK), **(hook or {})},
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (out / "console.log").write_text(result.stdout + result.stderr)
+    return read_sync_rounds(out)
+
+
+def left_out(records: list[dict], key: str = "excluded") -> dict[int, list[int]]:
+    """sync → the replicas the record names under `key`."""
+    return {r["sync"]: [e["replica"] for e in r[key]] for r in records if r.get(key)}
+
+
+def assert_found_out(records: list[dict], replica: int, by_sync: int, key: str = "excluded") -> None:
+    """`replica` alone is named, first by `by_sync`, then in at least two syncs of every three after it."""
+    named = left_out(records, key)
+    assert all(who == [replica] for who in named.values()), named
+    assert min(named, default=99) <= by_sync, named
+    after = [r["sync"] for r in records if r["sync"] >= by_sync]
+    assert sum(s in named for s in after) >= 2 / 3 * len(after), named
+
+
+def final_eval(records: list[dict]) -> float:
+    assert records[-1]["step"] == 200 and records[-1].get("eval_loss") is not None
+    return records[-1]["eval_loss"]
+
+
+def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_it(tmp_path, corpora):
+    """Replica 0 reads random characters (its third of a local dataset is garbage): from its third sync on it is
+    left out (its agreement with the others is far below theirs), the records say why, and the run's held-out loss
+    ends no more than 2% above the same launch with replica 0 left out from the first sync."""
+    faulty = torch_launch(tmp_path / "garbage", corpora["garbage"])
+    without = torch_launch(tmp_path / "without", corpora["garbage"], {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"})
+    assert_found_out(faulty, 0, by_sync=4)
+    reasons = {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
+    assert reasons <= {"apart", "opposed", "outlier"} and "apart" in reasons, reasons
+    first = next(r for r in faulty if r["excluded"])
+    assert [m["participated"] for m in first["members"]] == [False, True, True]
+    assert first["members"][0]["excluded"] == first["excluded"][0]["reason"]
+    assert sum(len(r["excluded"]) for r in faulty) == json.loads(
+        (tmp_path / "garbage" / "diloco_summary.json").read_text())["contributions_excluded"]
+    assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
+    console = (tmp_path / "garbage" / "console.log").read_text()
+    assert "left out: replica 0 (apart)" in console and "[diloco] replica 0 looks faulty" in console
+
+
+def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(tmp_path, corpora):
+    """At M = 3, replica 1 sends 3 Δ_1 (a test hook): left out from the first sync, as an outlier. Replica 1 sends
+    −Δ_1 with contribution_checks warn: flagged from its second sync on (its agreement in the first is negative),
+    named on the console, and still merged (every replica's weight stays 1)."""
+    scaled = torch_launch(tmp_path / "scaled", corpora["clean"],
+                          {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"})
+    assert_found_out(scaled, 1, by_sync=1)
+    assert scaled[0]["excluded"][0]["reason"].startswith("outlier: ")
+    flipped = torch_launch(tmp_path / "flipped", corpora["clean"],
+                           {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
+                           "--contribution_checks", "warn")
+    assert_found_out(flipped, 1, by_sync=2, key="flagged")
+    assert all(r["excluded"] == [] and all(m["weight"] == 1.0 for m in r["members"]) for r in flipped)
+    assert "opposed" in flipped[1]["flagged"][0]["reason"]
+    assert "sync 2: replica 1 would be left out (opposed:" in (tmp_path / "flipped" / "console.log").read_text()
+
+
+def test_a_clean_run_of_80_rounds_leaves_nothing_out(tmp_path, corpora):
+    """Three replicas on their own thirds (non_iid), 80 rounds of H = 10 (800 steps, learning-rate warm-up and decay
+    included): no contribution is left out or flagged, and every replica takes part in every sync."""
+    records = torch_launch(tmp_path / "clean", corpora["clean"], None, "--max_steps", "800", "--eval_steps", "800")
+    assert len(records) == 80
+    assert all(r["excluded"] == [] and "flagged" not in r for r in records)
+    assert all(m["participated"] for r in records for m in r["members"])
+
+
+def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
+    """At M = 2 no gradient statistic says which replica reads garbage; with contribution_loss_check the replica whose
+    rounds raise the held-out batch's loss is left out (rule `loss`) from its fifth sync on, in most syncs, and the
+    healthy one never. A setting the check cannot serve is refused in one sentence before anything starts."""
+    records = torch_launch(tmp_path / "loss", corpora["garbage-half"], None, "--contribution_loss_check", "true",
+                           replicas=2)
+    assert_found_out(records, 0, by_sync=6)
+    assert {e["reason"].split(":")[0] for r in records for e in r["excluded"]} == {"loss"}
+    refused = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
+                              "--contribution_loss_check", "true", "--sync_delay", "1", "--output_dir",
+                              str(tmp_path / "refused")], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: contribution_loss_check scores a "
+                                                                 "round against the global parameters it started from")
+
+
+def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
+    """Sites started one by one as the README's "Across machines or sites" shows: a Lighthouse, then one
+    `hf-diloco launch ... --replica_id k --num_replicas 3` per site (`sites`: id → its extra arguments); each
+    site's console."""
+    logs = {}
+    out.mkdir(parents=True)
+    with lighthouse(min_replicas=len(sites), grace=5, log=out / "lighthouse.log") as address:
+        processes = {}
+        for k, extra in sites.items():
+            logs[k] = out / f"site-{k}.log"
+            processes[k] = subprocess.Popen(
+                [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
+                 "accelerate_configs/torchft-replica.yaml", "--lighthouse", address, "--replica_id", str(k),
+                 "--num_replicas", "3", "--", *SETTINGS, "--min_replicas", str(len(sites)),
+                 "--output_dir", str(out / f"replica-{k}"), *extra],
+                cwd=REPO, env=env(), stdout=logs[k].open("w"), stderr=subprocess.STDOUT)
+        for k, process in processes.items():
+            assert process.wait(timeout=400) == 0, logs[k].read_text()[-3000:]
+    return {k: log.read_text() for k, log in logs.items()}
+
+
+def test_torchft_a_site_with_100x_the_learning_rate_or_a_corrupted_copy_is_left_out(tmp_path, corpora):
+    """Three torchft sites against one Lighthouse; site 2 is started with --learning_rate 0.1 (100x the recipe's),
+    then, in a second run, reading a corrupted copy of the data (every character permuted). Each time site 2 is
+    left out from the first syncs on (the learning rate: from the very first, by the size rule), every site's
+    records name it, its launch says it looks faulty, and the run ends no more than 2% above sites 0 and 1 alone."""
+    data = ["--dataset_name", str(corpora["clean"])]
+    alone = torchft_sites(tmp_path / "alone", {0: data, 1: data})
+    without = read_sync_rounds(tmp_path / "alone" / "replica-0")
+    assert all(r["excluded"] == [] for r in without), "two clean sites: nothing left out"
+    for fault, extra, by_sync in (("learning-rate", ["--learning_rate", "0.1"], 1),
+                                  ("corrupted", ["--dataset_name", str(corpora["permuted"])], 4)):
+        out = tmp_path / fault
+        consoles = torchft_sites(out, {0: data, 1: data, 2: [*data, *extra]})
+        for k in (0, 1, 2):
+            records = [r for r in read_sync_rounds(out / f"replica-{k}") if r.get("committed", True)]
+            assert_found_out(records, 2, by_sync=by_sync)
+            if k != 2:  # site 2 evaluates on its own copy of the data
+                assert final_eval(records) <= 1.02 * final_eval(without), (fault, final_eval(records))
+            assert all(next(m for m in r["members"] if m["replica"] == 2)["weight"] == 0 for r in records
+                       if r["excluded"])
+            if fault == "learning-rate":
+                assert records[0]["excluded"][0]["reason"].startswith("size: ")
+        assert "[diloco] replica 2 looks faulty" in consoles[2], consoles[2][-2000:]
+    assert "left out" not in alone[0] + alone[1]
+
+
+def test_the_checks_settings_are_refused_in_one_sentence(tmp_path):
+    from hf_diloco.config import ConfigError, DiLoCoConfig
+
+    said = {}
+    for name, value in (("contribution_checks", "maybe"), ("contribution_norm_ratio", 0.5),
+                        ("contribution_faulty_after", 0), ("contribution_loss_check", True)):
+        with pytest.raises(ConfigError) as error:
+            DiLoCoConfig(output_dir=str(tmp_path), use_cpu=True, **{name: value},
+                         **({"num_fragments": 2, "inner_steps": 4} if name == "contribution_loss_check" else {}))
+        said[name] = str(error.value)
+    assert said["contribution_checks"] == "contribution_checks must be one of exclude, warn, off, got 'maybe'."
+    assert said["contribution_norm_ratio"] == "contribution_norm_ratio must be above 1, got 0.5."
+    assert said["contribution_faulty_after"] == "contribution_faulty_after must be a whole number of at least 1, got 0."
+    assert said["contribution_loss_check"].startswith("contribution_loss_check scores a round against the global "
+                                                      "parameters it started from, so it needs num_fragments 1")
