@@ -118,6 +118,8 @@ def test_round_metrics_reach_the_trackers_of_report_to(paper_run):
         scalars = events.Scalars(f"train/diloco/{key}")
         assert [s.step for s in scalars] == [r["step"] for r in rounds]
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in rounds], rel=1e-6)
+    excluded = events.Scalars("train/diloco/excluded")  # contributions the checks left out: none here
+    assert [s.value for s in excluded] == [len(r["excluded"]) for r in rounds] == [0] * len(rounds)
     replica_1 = events.Scalars("train/diloco/replica_1/loss")
     assert [s.value for s in replica_1] == pytest.approx([r["replica_losses"][1] for r in rounds], rel=1e-6)
     assert "train/loss" in events.Tags()["scalars"], "Trainer's own metrics are there too"
