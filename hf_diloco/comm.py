@@ -478,6 +478,22 @@ class ReplicaComm:
         world = self.num_replicas * self.group_size
         return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, world)
 
+    def replica_rows(self, row: list[float]) -> tuple[torch.Tensor, int]:
+        """Every replica's `row` (each member of a replica gives the same one): an M x len(row) float64 table,
+        all-reduced over this member's slice group, which carries the sync timeout (a replica that never arrives
+        is named, as in the sync's own collectives); and the bytes this process sent.
+
+        >>> ReplicaComm().replica_rows([7.0, 0.5])[0].tolist()
+        [[7.0, 0.5]]
+        """
+        table = torch.zeros(self.num_replicas, len(row), dtype=torch.float64)
+        table[self.replica_index] = torch.tensor(row, dtype=torch.float64)
+        if not self.active:
+            return table, 0
+        on_device = table.to(self.device)
+        dist.all_reduce(on_device, group=self.slice_group)
+        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, self.num_replicas)
+
     def replica_total(self, values: list[float]) -> list[float]:
         """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
         products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""

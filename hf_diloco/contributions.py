@@ -1,10 +1,11 @@
 """Contribution checks: a replica whose pseudo-gradient does not belong is left out of the merge, and named.
 
-Before each sync's exchange every replica's numbers go round in one small table (torchft: four more columns of the
-membership table it exchanges anyway; torch backend: one all-reduce of M rows of four numbers). Each row holds
+Before each sync's exchange every replica's numbers go round in one small table (torchft: seven more columns of the
+membership table it exchanges anyway; torch backend: one all-reduce of M rows of eight float64 numbers, its tokens
+slot unused). Each row holds
 
     norm        ‖Δ_i‖ of the sync (taken before a codec: the rules judge what the replica trained)
-    steps       its inner steps since its last sync
+    steps       the inner steps Δ_i covers (since its base: a rolled-back torchft sync's steps count too)
     lr          its mean inner learning rate over those steps (its own schedule)
     loo         λ_i of its last sync: the leave-one-out agreement cos(Δ_i, Σ_{j≠i} w_j Δ_j)
     loo_before  λ_i of the sync before that
@@ -35,8 +36,9 @@ pseudo-gradient does) and every record names it in `excluded`. The rules, with t
 
 At M = 2 there is no majority: the two replicas' agreement λ is the same number for both, and a norm ratio says
 that the two differ, not which one is wrong; only `size`, measured against the learning rate every replica was
-given, names a replica there. Comparing a replica with its own past was measured and left out: a clean replica's
-norm moves 2x between syncs during warm-up, and a replica wrong from the start has no clean past.
+given, and `loss`, measured against where the round started, name a replica there. Comparing a replica with its
+own past was measured and left out: a clean replica's norm moves 2x between syncs during warm-up, and a replica
+wrong from the start has no clean past.
 
 The numbers are each replica's own account of itself: the checks catch a site's mistakes (a wrong learning rate,
 corrupted or foreign data, a bug), not a site that lies about its numbers; that needs every Δ_i sent apart (M times
@@ -45,11 +47,8 @@ the bytes of an all-reduce), which the checks do not do.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
                 "check_loss_gain")

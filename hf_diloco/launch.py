@@ -415,8 +415,8 @@ class ReplicaSupervisor:
         newest: the others go on syncing while its launcher notices the death), and whether it is being started
         again."""
         records = read_sync_rounds(replica_folder(self.output_dir, replica))
-        syncs = [sync_number(r) for r in records if any(
-            m.get("replica") == replica and m.get("participated") for m in r.get("members", []))]
+        syncs = [sync_number(r) for r in records if any(  # took part, or was there and left out by a check
+            m.get("replica") == replica and (m.get("participated") or m.get("excluded")) for m in r.get("members", []))]
         return {"after_sync": max(syncs, default=0), "restarted": restarted}
 
     def _note(self, replica: int, **changes) -> None:

@@ -303,7 +303,8 @@ class RoundEngine:
                                                                                          buckets)),
                                               *self._since_base(), self._loss_gain())
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
-        self._judge(flight.start, local)
+        with self.comm.naming_the_absent(step):
+            self._judge(flight.start, local)
         if not flight.start.empty:
             flight.exchange_began = time.perf_counter()
             buckets = self._buckets(flight.start.fragments)
@@ -357,16 +358,16 @@ class RoundEngine:
 
     def _judge(self, start: RoundStart, local: dict) -> None:
         """The contribution checks (hf_diloco.contributions): every replica's row (torchft: in the membership table
-        its start exchanged; torch: one small all-reduce, its bytes counted with the sync's), the same verdict on
-        every replica, and weight 0 for this one if it is found out (mode exclude)."""
+        its start exchanged; torch: one small all-reduce over the sync's groups, its bytes counted with the sync's),
+        the same verdict on every replica, and weight 0 for this one if it is found out (mode exclude)."""
         if "checks" not in local or start.empty or start.joining:
             return
         if start.members:
             rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
         else:
-            table, sent = self.comm.replica_table(0.0, local["checks"])
+            table, sent = self.comm.replica_rows(local["checks"])
             start.extra_bytes += sent
-            rows = {r: table[r, 1:].tolist() for r in range(table.shape[0])}
+            rows = {r: table[r].tolist() for r in range(table.shape[0])}
         parameters = sum(self.fragments[f].size for f in start.fragments)
         start.excluded = judge(rows, parameters, self._adam(), self.checks.limits)
         if self.checks.mode == "exclude" and self.backend.replica in start.excluded:

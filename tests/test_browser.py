@@ -503,3 +503,35 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         assert run.status == "stopped" and stopped["step"] < 400, (run.status, stopped)
         assert (Path(run.output_dir) / stopped["checkpoint"]).is_dir(), stopped
         assert runs.training_pids(run) == []
+
+
+def test_a_contribution_left_out_is_named_in_the_live_round_table_and_the_status_bar(browser, tmp_path):
+    """Fresh app, a run of 3 replicas started from the form in which replica 1 sends 3 Δ_1 (the test hook on the
+    app's environment): once it finishes, the Live round table's `left out` column names replica 1 and the rule on
+    the syncs the records say it was left out of, and the status bar counts them."""
+    runs_dir = tmp_path / "runs"
+    hook = {"PYTHONPATH": str(REPO / "tests" / "scripts" / "contribution_hook"), "CONTRIBUTION_HOOK_SCALE": "3",
+            "CONTRIBUTION_HOOK_RANK": "1"}
+    draft = TINY_YAML.replace("block_size: 64", "block_size: 32")
+    with app_server(runs_dir, extra_env=hook) as url:
+        client = Client(url, verbose=False)
+        form = ["", "tiny-pretrain.yaml", draft, "cpu-4proc.yaml", *knobs(replicas=3, inner_steps=5, max_steps=40)]
+        message = client.predict(*form, api_name="/start")[0]
+        assert message.startswith("Started"), message
+        (run,) = runs.list_runs(runs_dir)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(url)
+        page.get_by_role("tab", name="Live").click()
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
+                               timeout=240_000)
+        records = read_sync_rounds(run.output_dir)
+        left_out = {r["round"] for r in records if r["excluded"]}
+        assert left_out and all(e["replica"] == 1 for r in records for e in r["excluded"]), records
+        assert f"{len(left_out)} contribution{'s' if len(left_out) > 1 else ''} left out" in status(page)
+        headers = page.locator("#rounds thead").inner_text()
+        assert "left out" in headers, headers
+        rows = page.locator("#rounds .virtual-row")
+        wait_for(lambda: rows.count() == len(records), 30, "one row per sync")
+        shown = {int(rows.nth(i).inner_text().split()[0]): rows.nth(i).inner_text() for i in range(rows.count())}
+        assert {r for r, text in shown.items() if "replica 1 (outlier)" in text} == left_out, shown
+        page.screenshot(path=str(ARTIFACTS / "app-left-out.png"), full_page=True)

@@ -17,9 +17,9 @@ from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.records import STAT_NAMES as ROUND_STATS
 
 REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
-# Before each sync, the contribution checks' table: M = 2 rows of (tokens, CHECK_FIELDS) in float64, all-reduced over
-# 2 processes (a ring sends 2 (w - 1) / w of it: all of it, once).
-CHECK_TABLE = 2 * (1 + len(CHECK_FIELDS)) * 8
+# Before each sync, the contribution checks' table: M = 2 rows of CHECK_FIELDS in float64, all-reduced over the 2
+# replicas (a ring of 2 sends all of it, once).
+CHECK_TABLE = 2 * len(CHECK_FIELDS) * 8
 OVERLAP_RUN = str(REPO / "tests" / "scripts" / "overlap_run.py")
 
 

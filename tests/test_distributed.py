@@ -29,13 +29,13 @@ SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values
 
 
-def check_table_bytes(world: int) -> int:
-    """The contribution checks' table before each sync: M = 2 rows of (tokens, CHECK_FIELDS) in float64, all-reduced
-    over the launch's `world` processes (a ring sends 2 (world - 1) / world of it)."""
-    return 2 * (world - 1) * (2 * (1 + len(CHECK_FIELDS)) * 8) // world
+def check_table_bytes() -> int:
+    """The contribution checks' table before each sync: M = 2 rows of CHECK_FIELDS in float64, all-reduced over the
+    sync's group of each slice (one process per replica; a ring of 2 sends all of it, once)."""
+    return 2 * len(CHECK_FIELDS) * 8
 
 
-CHECK_TABLE_BYTES = check_table_bytes(2)
+CHECK_TABLE_BYTES = check_table_bytes()
 
 
 def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
@@ -247,8 +247,8 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
     grouped = rounds["grouped"][0]
     assert grouped["replica_group_size"] == 2 and grouped["num_replicas"] == 2
     # Main process: half the fp32 pseudo-gradient (padded to even length) plus M x k metric slots, ring factor 1.
-    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + SLOTS) * 4 + check_table_bytes(4)
-    assert rounds["single"][0]["bytes_per_replica"] == (numel + SLOTS) * 4 + check_table_bytes(2)
+    assert grouped["bytes_per_replica"] == ((numel + numel % 2) // 2 + SLOTS) * 4 + check_table_bytes()
+    assert rounds["single"][0]["bytes_per_replica"] == (numel + SLOTS) * 4 + check_table_bytes()
     # The all-gather inside the replica sends this member's half and its metric slots: (g - 1) / g of the result.
     assert grouped["intra_replica_bytes"] == ((numel + numel % 2) // 2 + SLOTS) * 4
     assert len(grouped["replica_losses"]) == 2

@@ -187,9 +187,9 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
     assert all(r["committed"] and r["compression"] == torch_rounds[0]["compression"] for r in ft_rounds)
     for ft, fixed in zip(ft_rounds, torch_rounds, strict=True):
         # Each an all-reduce over 2 replicas of 2 rows of float64: the membership table a column per field, the
-        # checks' table the tokens and the checks' numbers.
+        # checks' table the checks' numbers.
         assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * len(MEMBER_FIELDS) * 8 - \
-            2 * (1 + len(CHECK_FIELDS)) * 8
+            2 * len(CHECK_FIELDS) * 8
 
 
 def two_replicas_records(out: Path, settings: dict) -> list[list[dict]]:
