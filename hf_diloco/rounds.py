@@ -179,8 +179,10 @@ class RoundEngine:
         self.own_pace = (0.0, 0.0)  # time-budget τ auto: this replica's decayed (compute seconds, steps)
         self.base_loss = float("nan")  # contribution_loss_check: the held-out batch's loss where the round started
         self.loss_batch: dict | None = None
-        self.unlanded = (0, 0.0)  # steps and Σ η of syncs since this replica's base that were rolled back
-        self.launch_basis = (0, 0.0)  # the same, with the sync launched last
+        # per fragment: the inner steps and Σ η its Δ_i covers, before this sync's (a fragment's base moves when its
+        # sync commits; a rolled-back torchft sync's steps count on), and with the sync launched last
+        self.covered: dict[int, tuple[float, float]] = {}
+        self.launch_basis: dict[int, tuple[float, float]] = {}
         self.checks = ContributionChecks(
             args.contribution_checks, Limits(adam_ratio=args.contribution_adam_ratio,
                                              norm_ratio=args.contribution_norm_ratio,
@@ -283,11 +285,13 @@ class RoundEngine:
             self.comm.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         checking = self._checking(joining)
+        self.launch_basis = {f: (steps + self.progress.steps, lr + self.progress.lr_sum) for f, (steps, lr) in
+                             ((f, self.covered.get(f, (0, 0.0))) for f in range(len(self.fragments)))}
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             deltas = snapshot(self.outer, self.comm, self._buckets(fragments))
             if checking:
                 local["checks"] = self.checks.row(norm(self.comm, self._buckets(fragments), deltas),
-                                                  *self._since_base())
+                                                  *self._since_base(fragments))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
             flight.future = self.executor.submit(self._launch_in_background, step, max_steps, local, fragments,
@@ -301,7 +305,7 @@ class RoundEngine:
             buckets = self._buckets(fragments)
             local["checks"] = self.checks.row(norm(self.comm, buckets, pseudo_gradients(self.outer, self.comm,
                                                                                          buckets)),
-                                              *self._since_base(), self._loss_gain())
+                                              *self._since_base(fragments), self._loss_gain())
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         with self.comm.naming_the_absent(step):
             self._judge(flight.start, local)
@@ -325,11 +329,10 @@ class RoundEngine:
         """Whether this sync's contributions are checked: not the joining one, and only with peers to compare."""
         return self.checks.active and not joining and self.comm.num_replicas > 1
 
-    def _since_base(self) -> tuple[int, float]:
-        """The inner steps Δ_i covers and the sum of their learning rates: this sync's, plus those of syncs since
-        the replica's base that did not land (torchft keeps a rolled-back sync's progress for the next)."""
-        self.launch_basis = (self.unlanded[0] + self.progress.steps, self.unlanded[1] + self.progress.lr_sum)
-        return self.launch_basis
+    def _since_base(self, fragments: list[int]) -> tuple[float, float]:
+        """The inner steps Δ_i of `fragments` covers and the sum of their learning rates (the fragment whose base
+        is oldest): since each fragment last synced, whatever syncs of other fragments came between."""
+        return max((self.launch_basis[f] for f in fragments), default=(0, 0.0))
 
     def _loss_gain(self) -> float:
         """contribution_loss_check: the loss this replica's round removed from the held-out batch (its loss at
@@ -508,7 +511,13 @@ class RoundEngine:
         replica starts again from θ_global), then the record is queued. A sync with nothing exchanged (every
         participant joining) has no record."""
         record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
-        self.unlanded = (0, 0.0) if result.committed or restart or start.joining else self.launch_basis
+        if restart or start.joining or (result.committed and self.backend.replica in start.excluded):
+            self.covered = {}  # the replica starts from θ_global
+        else:  # every fragment's Δ_i covers this sync's steps too; a fragment that synced keeps α of its own
+            synced = set(start.fragments) if result.committed else set()
+            alpha = self.args.fragment_alpha
+            self.covered = {f: (steps * alpha, lr * alpha) if f in synced else (steps, lr)
+                            for f, (steps, lr) in self.launch_basis.items()}
         if restart:
             self.outer.copy_global_to_replica()
         if record and not start.empty:

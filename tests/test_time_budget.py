@@ -96,7 +96,8 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
         assert [m["weight"] for m in members] == pytest.approx(expected, abs=1e-6), record
     for rank in ranks:
         waited = sum(rank["sync_seconds"])
-        assert waited <= 0.25 * rank["train_seconds"], (waited, rank["train_seconds"])
+        # the sync's exchange, the time-budget agreement and the contribution checks' table, 4 processes on 2 cores
+        assert waited <= 0.3 * rank["train_seconds"], (waited, rank["train_seconds"])
     # Both arrive when their budget is spent: neither waited for the other longer than a step of the slow one (the
     # budget is checked after each step) plus scheduling, save for the last sync, which replica 0 reaches early.
     slow_step = ranks[group]["train_seconds"] / max(1, sum(slow))
