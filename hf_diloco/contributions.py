@@ -117,8 +117,9 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
             if r not in verdicts and middle > 0 and n / middle > limits.norm_ratio:
                 verdicts[r] = (f"outlier: its pseudo-gradient norm {n:.4g} is {n / middle:.1f}x the median "
                                f"replica's ({middle:.4g}); the check leaves out above {limits.norm_ratio:g}x")
-        loo = {r: rows[r][3] for r in norms if math.isfinite(rows[r][3])}
-        before = {r: rows[r][4] for r in norms if math.isfinite(rows[r][4])}
+        # a cosine outside [-1, 1] from a peer is not a number to judge by: it does not report
+        loo = {r: rows[r][3] for r in norms if -1.0 <= rows[r][3] <= 1.0}
+        before = {r: rows[r][4] for r in norms if -1.0 <= rows[r][4] <= 1.0}
         for r, value in loo.items():
             if r in verdicts:
                 continue

@@ -98,6 +98,8 @@ def test_each_rule_leaves_out_the_replica_it_is_about_and_no_other():
     assert judge(gains(-0.5, -0.54), p, adam=False, limits=limits) == {}, "both worse alike: the run's own doing"
     assert judge(gains(0.3, -0.04), p, adam=False, limits=limits) == {}, "within the margin of no change"
     assert list(judge(gains(0.3, 0.2, -0.3), p, adam=False, limits=limits)) == [2]
+    # a peer's agreement outside [-1, 1] is not judged by (nor lets it judge the others)
+    assert judge(rows((1, .01, .6, .6), (1, .01, -7.0, .6), (1, .01, .5, .5)), p, adam=False, limits=limits) == {}
     # never everyone: three replicas all opposed to each other tell nothing apart
     assert judge(rows((1, .01, -.5), (1, .01, -.6), (1, .01, -.7)), p, adam=False, limits=limits) == {}
 
