@@ -1,7 +1,7 @@
 """Contribution checks: each injected fault with and without the checks, and what the checks cost a sync.
 
-    python benchmarks/contributions.py            # 3 replicas, 80 rounds of H = 5 (400 steps) a run (about 12 min)
-    python benchmarks/contributions.py --quick    # 20 rounds of H = 5, cost repeated twice (about 4 min)
+    python benchmarks/contributions.py            # 3 replicas, 80 rounds of H = 5 (400 steps) a run (about 14 min)
+    python benchmarks/contributions.py --quick    # 20 rounds of H = 5, cost repeated twice (about 5 min)
 
     python benchmarks/contributions.py --resume   # read back the runs an interrupted invocation finished
 
@@ -10,8 +10,10 @@ on the torch backend, each reading its own third of the built-in corpus (non_iid
 One replica goes wrong the way a site would: its third of the data is random characters (`garbage`) or every
 character permuted (`permuted`, data read with another tokenizer), or through the test hook
 (tests/scripts/contribution_hook) its learning rate is 100x (`lr x100`), its Δ_i is sent 3 times over (`scaled x3`)
-or negated (`sign flip`). Each fault runs with `contribution_checks exclude` and `off`, and the reference is the run
-without that replica: the same launch, same data, with that replica left out from the first sync (the hook).
+or negated (`sign flip`); `garbage, sparse codec` is the garbage third with every sync sent through the sparse
+codec (64 of 4096 values, error feedback), its reference too. Each fault runs with `contribution_checks exclude`
+and `off`, and the reference is the run without that replica: the same launch, same data, with that replica left
+out from the first sync (the hook).
 
 Columns: held-out loss at the end, with and without the checks, against the reference; rounds to recovery: the
 first evaluated round from which the run's held-out loss stays within 2% of the reference's at the same round
@@ -24,8 +26,6 @@ each run's median), beside the bound the bytes set on a 1 Gbit/s link.
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import statistics
 import subprocess
 import sys
@@ -34,45 +34,27 @@ from pathlib import Path
 
 from common import REPO, markdown_table, pyplot, run_env, save, show, spread
 
-from hf_diloco.data import builtin_corpus
+sys.path.insert(0, str(REPO / "tests"))
+from helpers import corrupted_corpora  # noqa: E402  (the corrupted copies the tests read)
+
 from hf_diloco.launch import free_port
 from hf_diloco.metrics import read_sync_rounds
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 WORK = Path("/tmp/hf-diloco-bench-contributions")
 H = 5
-FAULTS = {  # name: (data, hook environment, the faulty replica)
-    "garbage": ("garbage", {}, 0),
-    "permuted": ("permuted", {}, 0),
-    "lr x100": ("clean", {"CONTRIBUTION_HOOK_LR": "100", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
-    "scaled x3": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
-    "sign flip": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"}, 1),
+SPARSE = ("--compression", "sparse", "--error_feedback", "true")
+FAULTS = {  # name: (data, hook environment, the faulty replica, more launch arguments)
+    "garbage": ("garbage", {}, 0, ()),
+    "garbage, sparse codec": ("garbage", {}, 0, SPARSE),
+    "permuted": ("permuted-third", {}, 0, ()),
+    "lr x100": ("clean", {"CONTRIBUTION_HOOK_LR": "100", "CONTRIBUTION_HOOK_RANK": "1"}, 1, ()),
+    "scaled x3": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, 1, ()),
+    "sign flip": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"}, 1, ()),
 }
 
 
-def corpora(folder: Path) -> dict[str, Path]:
-    """The built-in corpus as JSON lines, with replica 0's third (the first 30% of the text) random characters,
-    or permuted character by character."""
-    folder.mkdir(parents=True, exist_ok=True)
-    texts = list(builtin_corpus()["text"])
-    rng, total, seen = random.Random(0), sum(map(len, texts)), 0
-    codes = list(range(32, 127))
-    random.Random(1).shuffle(codes)
-    mapping = {chr(32 + i): chr(c) for i, c in enumerate(codes)}
-    garbage, permuted = [], []
-    for text in texts:
-        seen += len(text)
-        first = seen <= 0.30 * total
-        garbage.append("".join(chr(rng.randint(32, 126)) for _ in text) if first else text)
-        permuted.append("".join(mapping.get(ch, ch) for ch in text) if first else text)
-    paths = {}
-    for name, corpus in (("clean", texts), ("garbage", garbage), ("permuted", permuted)):
-        paths[name] = folder / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
-    return paths
-
-
-def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str) -> list[dict]:
+def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str, extra=()) -> list[dict]:
     """One run's records; a run this invocation's folder already holds whole (its summary written) is read back
     (`--resume`)."""
     if (out / "diloco_summary.json").exists():
@@ -85,7 +67,7 @@ def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str
                "--per_device_train_batch_size", "4", "--eval_strategy", "steps", "--eval_steps", str(10 * H),
                "--eval_on_start", "false", "--save_every_rounds", "0", "--disable_tqdm", "true", "--report_to", "none",
                "--data_sharding", "non_iid", "--dataset_name", str(data), "--contribution_checks", checks,
-               "--output_dir", str(out)]
+               "--output_dir", str(out), *extra]
     started = time.time()
     result = subprocess.run(command, cwd=REPO, env=run_env(1, PYTHONPATH=str(HOOK), **hook), capture_output=True,
                             text=True)
@@ -119,19 +101,19 @@ def main() -> None:
     work = WORK / ("quick" if args.quick else "full")
     if work.exists() and not args.resume:
         subprocess.run(["rm", "-rf", str(work)], check=True)
-    data = corpora(work / "data")
+    data = corrupted_corpora(work / "data")
     references: dict[tuple[str, int], list[dict]] = {}
     rows, raw = [], {"rounds": rounds, "inner_steps": H, "faults": {}, "cost": {}}
     curves = {}
-    for name, (corpus, hook, faulty) in FAULTS.items():
+    for name, (corpus, hook, faulty, extra) in FAULTS.items():
         print(f"{name}:", flush=True)
-        key = (corpus, faulty)
+        key = (corpus, faulty, extra)
         if key not in references:
-            references[key] = launch(work / f"without-{corpus}-{faulty}", data[corpus], rounds,
-                                     {"CONTRIBUTION_HOOK_LEAVE_OUT": str(faulty)}, "exclude")
-        slug = name.replace(" ", "-")
-        checked = launch(work / f"{slug}-checks", data[corpus], rounds, hook, "exclude")
-        unchecked = launch(work / f"{slug}-off", data[corpus], rounds, hook, "off")
+            references[key] = launch(work / f"without-{corpus}-{faulty}{'-sparse' if extra else ''}", data[corpus],
+                                     rounds, {"CONTRIBUTION_HOOK_LEAVE_OUT": str(faulty)}, "exclude", extra)
+        slug = name.replace(" ", "-").replace(",", "")
+        checked = launch(work / f"{slug}-checks", data[corpus], rounds, hook, "exclude", extra)
+        unchecked = launch(work / f"{slug}-off", data[corpus], rounds, hook, "off", extra)
         reference = evals(references[key])
         left_out = [r["round"] for r in checked if any(e["replica"] == faulty for e in r["excluded"])]
         healthy_out = sum(1 for r in checked for e in r["excluded"] if e["replica"] != faulty)

@@ -184,6 +184,11 @@ class ShardLayout:
     def unpad(self, part: torch.Tensor, member: int) -> torch.Tensor:
         return torch.cat([part[at_part : at_part + held] for _, _, at_part, held, _ in self._spans(member)])
 
+    def place(self, part: torch.Tensor, member: int, full: torch.Tensor) -> None:
+        """Write `member`'s part into its places in `full` (the inverse of `part`)."""
+        for at_full, _, at_part, held, _ in self._spans(member):
+            full[at_full : at_full + held] = part[at_part : at_part + held]
+
     def assemble(self, parts: torch.Tensor) -> torch.Tensor:
         total = sum(rows * width for rows, width, _ in self.params)
         out = parts.new_empty(total)
@@ -392,6 +397,7 @@ class ReplicaComm:
         feedback: ErrorFeedback | None = None,
         key: str = "",
         stats: torch.Tensor | None = None,
+        decoded: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, SyncCost]:
         """Σ_i Δ_i over the replicas for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
 
@@ -413,6 +419,10 @@ class ReplicaComm:
         `feedback` (error feedback, codecs only) adds this replica's residual for `key` before encoding and keeps
         what the encoding lost. `stats` (k values of this process) ride along with the bucket's collective; the
         [g, M, k] statistics of every process come back, identical everywhere.
+
+        `decoded`, a list, receives what the others decode of this replica's contribution (a codec's values, the
+        error-feedback residual included) in `delta`'s frame; with g > 1 and no sharding it holds this member's
+        slice and zeros where the replica's other members send.
         """
         codec = None if codec is None or codec.name == "none" else codec
         g, m = self.group_size, self.num_replicas
@@ -429,9 +439,11 @@ class ReplicaComm:
         if codec is None:
             total, rows, cost = self._sum_fp32(chunk, stats)
         elif isinstance(codec, SparseCodec):
-            total, rows, cost = self._sum_sparse(chunk, codec, feedback, key, stats)
+            total, rows, cost = self._sum_sparse(chunk, codec, feedback, key, stats, decoded)
         else:
-            total, rows, cost = self._sum_dense(chunk, codec, feedback, key, stats)
+            total, rows, cost = self._sum_dense(chunk, codec, feedback, key, stats, decoded)
+        if decoded and codec is not None:
+            decoded[0] = self._in_frame(decoded[0], delta, layout)
         if g == 1:
             return total[: delta.numel()], None if rows is None else rows.reshape(1, m, -1).cpu(), cost
         if self.sharded:  # the shard's sum is this process's to keep; only the statistics go round the replica
@@ -498,6 +510,15 @@ class ReplicaComm:
         """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
         products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""
         if not self.sharded or self.replica_group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.replica_group)
+        return tensor.tolist()
+
+    def members_total(self, values: list[float]) -> list[float]:
+        """Sums of `values` over this replica's members, sharded or not (an all-reduce of a few numbers inside the
+        replica). With one process per replica, the values."""
+        if self.group_size == 1 or self.replica_group is None:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, group=self.replica_group)
@@ -571,19 +592,42 @@ class ReplicaComm:
             return None
         return from_bytes(gathered[:, body:].contiguous(), torch.float32).view(self.num_replicas, -1)
 
-    def _sum_dense(self, chunk, codec: Codec, feedback, key, stats):
+    def _in_frame(self, own: torch.Tensor, delta: torch.Tensor, layout: ShardLayout | None) -> torch.Tensor:
+        """This process's decoded chunk (`sum_replicas`' `decoded`) laid out as `delta` is."""
+        g = self.group_size
+        if g == 1:
+            return own[: delta.numel()].to(delta.device)
+        if self.sharded:
+            return (own if layout is None else layout.unpad(own, self.member)).to(delta.device)
+        out = torch.zeros(delta.numel(), dtype=torch.float32, device=delta.device)
+        if layout is not None:
+            layout.place(own.to(delta.device), self.member, out)
+        else:
+            at = self.member * own.numel()
+            held = max(0, min(own.numel(), delta.numel() - at))
+            out[at : at + held] = own[:held]
+        return out
+
+    def _sum_dense(self, chunk, codec: Codec, feedback, key, stats, decoded=None):
         """Quantized reduce-scatter, fp32 sum, re-quantize the sum, all-gather."""
         m, n = self.num_replicas, chunk.numel()
         shard = -(-n // m)
         shard_bytes = codec.encoded_bytes(shard)
         x = chunk.to(torch.float32) if feedback is None else feedback.accumulate(key, chunk.to(torch.float32))
         parts = []
+        own = None if decoded is None else torch.empty(m * shard, dtype=torch.float32)
         for j in range(m):  # shard j goes to replica j; the last one is padded with zeros
             piece = x[j * shard : (j + 1) * shard]
             padded = torch.cat([piece, piece.new_zeros(shard - piece.numel())]) if piece.numel() < shard else piece
             parts.append(codec.encode(padded.cpu()))
-            if feedback is not None:  # x is the residual: what this shard failed to carry stays in it
-                piece.sub_(codec.decode(parts[-1], shard)[: piece.numel()].to(piece.device))
+            if feedback is not None or own is not None:
+                carried = codec.decode(parts[-1], shard)
+                if own is not None:
+                    own[j * shard : (j + 1) * shard] = carried
+                if feedback is not None:  # x is the residual: what this shard failed to carry stays in it
+                    piece.sub_(carried[: piece.numel()].to(piece.device))
+        if own is not None:
+            decoded.append(own[:n])
         send = torch.cat(parts).to(self.device)
         del parts, x
         cost = SyncCost(send.numel(), 0, 0, 0)
@@ -607,14 +651,18 @@ class ReplicaComm:
             summed[r * shard : (r + 1) * shard] = codec.decode(gathered[r, :shard_bytes], shard)
         return summed[:n].to(self.device), self._stats_rows(gathered, shard_bytes, stats), cost
 
-    def _sum_sparse(self, chunk, codec: SparseCodec, feedback, key, stats):
+    def _sum_sparse(self, chunk, codec: SparseCodec, feedback, key, stats, decoded=None):
         """All-gather of every replica's sparse payload, summed in fp32 in replica order."""
         m, n = self.num_replicas, chunk.numel()
         body = codec.encoded_bytes(n)
         x = chunk.to(torch.float32) if feedback is None else feedback.accumulate(key, chunk.to(torch.float32))
         payload = codec.encode(x.cpu())
-        if feedback is not None:
-            x.sub_(codec.decode(payload, n).to(x.device))  # x is the residual: what was not sent stays
+        if feedback is not None or decoded is not None:
+            carried = codec.decode(payload, n)
+            if decoded is not None:
+                decoded.append(carried)
+            if feedback is not None:
+                x.sub_(carried.to(x.device))  # x is the residual: what was not sent stays
         del x
         cost = SyncCost(0, 0, 0, 0)
         gathered = self._gather_payloads(payload, stats, cost).cpu()

@@ -7,7 +7,9 @@ slot unused). Each row holds
     norm        ‖Δ_i‖ of the sync (taken before a codec: the rules judge what the replica trained)
     steps       the inner steps Δ_i covers (since its base: a rolled-back torchft sync's steps count too)
     lr          its mean inner learning rate over those steps (its own schedule)
-    loo         λ_i of its last sync: the leave-one-out agreement cos(Δ_i, Σ_{j≠i} w_j Δ_j)
+    loo         λ_i of its last sync: the leave-one-out agreement cos(Δ_i, Σ_{j≠i} w_j Δ_j), with a codec measured
+                on what merged: cos(D_i, Σ_{j≠i} w_j D_j), D_j what the others decoded of replica j's contribution
+                (error feedback's carried residual included)
     loo_before  λ_i of the sync before that
     left_out    1 if it was left out of its last sync
     loss_gain   with contribution_loss_check: the held-out batch's loss at the global parameters the round started
@@ -26,13 +28,22 @@ pseudo-gradient does) and every record names it in `excluded`. The rules, with t
               is what is too high).
     outlier   M ≥ 3: ‖Δ_i‖ > 2.3 · the median of every reporting replica's norm (itself included).
     opposed   M ≥ 3: λ_i < −0.3 in its last sync: it pulled against the others.
-    apart     M ≥ 3: median_{j≠i} λ_j − λ_i > 0.35 in each of its last two syncs: it agrees with the others far
-              less than they agree with each other (a replica reading other data than the rest). A replica left out
-              of its last sync stays out while either of its last two syncs was that far apart: it is taken back
-              after two syncs that agree.
+    apart     M ≥ 3: median_{j≠i} λ_j − λ_i > 0.35 · min(1, median_{j≠i} λ_j / 0.5) in each of its last two
+              syncs: it agrees with the others far less than they agree with each other (a replica reading other
+              data than the rest). The others are those not left out of their last sync (at least two, agreeing
+              with each other: a positive median); the gap scales down where they agree less than 0.5 (late in a
+              run, or a sparse codec's decoded values). A replica left out of its last sync stays out while either
+              of its last two syncs was that far apart: it is taken back after two syncs that agree.
     loss      with contribution_loss_check, M ≥ 2: its round raised the held-out batch's loss by more than 0.05
               below min(0, the median replica's gain): its training made the model worse where the others' did not
               (the Gauntlet's idea, scored by each replica on its own parameters, so no Δ_i is sent apart).
+
+With a codec, the norms are Δ_i's before it (what the replica trained: rounding and error feedback's carry-over
+are not its doing) and λ is measured on what merged, D_i. Measured on Δ_i instead, λ would count the replica's
+own codec error as the others': for the sparse codec with error feedback, the part of Δ_i left unsent points
+against Δ_i, and a clean replica's λ falls as low as −0.6 (tests/test_contributions.py measures both against
+the vectors). Decoded sparse values agree less with each other than the full Δ_i do (λ about 0.1 to 0.2 against
+0.4 to 0.7 in the tests' runs), which is why the `apart` gap scales with the others' agreement.
 
 At M = 2 there is no majority: the two replicas' agreement λ is the same number for both, and a norm ratio says
 that the two differ, not which one is wrong; only `size`, measured against the learning rate every replica was
@@ -53,6 +64,7 @@ from dataclasses import dataclass
 CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
                 "check_loss_gain")
 MIN_MAJORITY = 3  # replicas reporting, for the rules that compare a replica with the others
+AGREEMENT_LEVEL = 0.5  # the others' median λ below which the `apart` gap scales down with it
 
 
 @dataclass
@@ -128,8 +140,8 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
                                f"(leave-one-out agreement {value:.2f}; the check leaves out below "
                                f"{limits.min_agreement:g})")
                 continue
-            gaps = [_gap(values, r) for values in (loo, before)]
-            apart = [g is not None and g[0] > limits.agreement_gap for g in gaps]
+            gaps = [_gap(values, r, rows) for values in (loo, before)]
+            apart = [g is not None and g[0] > _gap_limit(g[1], limits) for g in gaps]
             if all(apart) or (rows[r][5] > 0 and any(apart)):
                 shown = gaps[0] if apart[0] else gaps[1]
                 verdicts[r] = (f"apart: it agrees with the others far less than they with each other (leave-one-out "
@@ -149,13 +161,22 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
     return verdicts
 
 
-def _gap(loo: dict[int, float], replica: int) -> tuple[float, float] | None:
-    """(median of the others' λ − this replica's, the others' median), with at least two others; else None."""
-    others = [value for r, value in loo.items() if r != replica]
+def _gap(loo: dict[int, float], replica: int, rows: dict[int, list[float]]) -> tuple[float, float] | None:
+    """(median of the others' λ − this replica's, the others' median), with at least two others that were not
+    left out of their last sync (a replica found out is no measure of the rest) and agree with each other (a
+    positive median); else None."""
+    others = [value for r, value in loo.items() if r != replica and not rows[r][5] > 0]
     if replica not in loo or len(others) < MIN_MAJORITY - 1:
         return None
     middle = _median(others)
-    return middle - loo[replica], middle
+    return (middle - loo[replica], middle) if middle > 0 else None
+
+
+def _gap_limit(middle: float, limits: Limits) -> float:
+    """The `apart` rule's gap for an agreement level `middle` among the others: agreement_gap, scaled down in
+    proportion where they agree less than AGREEMENT_LEVEL (late in a run, or a sparse codec's decoded values, which
+    keep a few values of each chunk and agree about a fifth as much as the full Δ_i)."""
+    return limits.agreement_gap * min(1.0, middle / AGREEMENT_LEVEL)
 
 
 class ContributionChecks:

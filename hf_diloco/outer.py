@@ -421,6 +421,10 @@ class RoundResult:
     dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
     unsent_norm_sq: float = 0.0  # a replica of weight 0: ‖Δ_i‖² and Δ_i · Δ of what it did not send (its checks)
     unsent_dot: float = 0.0
+    # With a codec and `exchange(decoded=True)`: ‖D_i‖² and D_i · Δ of what the others decoded of this replica's
+    # contribution D_i (weighted, as sent); None without (fp32 sends Δ_i exactly)
+    decoded_norm_sq: float | None = None
+    decoded_dot: float | None = None
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
@@ -438,11 +442,26 @@ class RoundResult:
     def total_weight(self) -> float:
         return sum(self.weights) if self.weights is not None else 0.0
 
-    def own_terms(self, weight: float) -> tuple[float, float]:
-        """(‖Δ_i‖², Δ_i · Δ) of this replica's own, unweighted pseudo-gradient, whatever weight it sent with."""
+    def own_terms(self, weight: float, decoded: bool = False) -> tuple[float, float]:
+        """(‖Δ_i‖², Δ_i · Δ) of this replica's own, unweighted pseudo-gradient, whatever weight it sent with; with
+        `decoded` and a codec, of what the others decoded of it instead (D_i / w_i), which is what the average
+        holds of it."""
+        if weight > 0 and decoded and self.decoded_norm_sq is not None:
+            return self.decoded_norm_sq / weight**2, self.decoded_dot / weight
         if weight > 0:
             return self.local_norm_sq / weight**2, self.dot / weight
         return self.unsent_norm_sq, self.unsent_dot
+
+    def sum_over_members(self, comm: ReplicaComm) -> None:
+        """A replica of several processes: its norms and dot products as sums over its members' parts (sharded:
+        every term is a shard's; otherwise only the decoded terms are per member: each member decodes its own
+        slice). One all-reduce of a few numbers inside the replica."""
+        names = ["local_norm_sq", "average_norm_sq", "dot", "unsent_norm_sq", "unsent_dot"] if comm.sharded else []
+        if self.decoded_norm_sq is not None and comm.group_size > 1:
+            names += ["decoded_norm_sq", "decoded_dot"]
+        if names:
+            for name, value in zip(names, comm.members_total([getattr(self, n) for n in names]), strict=True):
+                setattr(self, name, value)
 
     def add_cost(self, cost: SyncCost, fp32_bytes: int) -> None:
         self.cost.payload_bytes += cost.payload_bytes
@@ -502,10 +521,12 @@ def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor
 
 
 def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, weight: float,
-                    codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None) -> torch.Tensor:
+                    codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None,
+                    decoded: bool = False) -> torch.Tensor:
     """Δ for one bucket: Σ_i w_i Δ_i / Σ_i w_i over the replicas, with this bucket's norms, agreement terms and
     cost added to `result`. A replica of weight 0 sends zeros and leaves its residual alone; a weight of exactly 1
-    sends Δ_i untouched, so equal weights give the plain mean bit for bit."""
+    sends Δ_i untouched, so equal weights give the plain mean bit for bit. `decoded`: with a codec, also the terms
+    of what the others decode of this replica's contribution."""
     if weight == 1:
         sent = delta_i
     elif weight > 0:
@@ -515,8 +536,9 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
     # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
     result.local_norm_sq += _counted_dot(comm, index, sent, sent)
     values = None if riding is None else riding(result.local_norm_sq)
+    carried: list[torch.Tensor] | None = [] if decoded and weight > 0 and codec is not None else None
     total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if weight > 0 else None,
-                                          key=str(index), stats=values)
+                                          key=str(index), stats=values, decoded=carried)
     if rows is not None:
         if result.weights is None:
             result.weights = rows[0, :, 0].tolist()
@@ -526,6 +548,10 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
     delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
     result.average_norm_sq += _counted_dot(comm, index, delta, delta)
     result.dot += _counted_dot(comm, index, sent, delta)
+    if carried:
+        result.decoded_norm_sq = (result.decoded_norm_sq or 0.0) + _counted_dot(comm, index, carried[0], carried[0])
+        result.decoded_dot = (result.decoded_dot or 0.0) + _counted_dot(comm, index, carried[0], delta)
+        del carried
     if weight <= 0:
         result.unsent_norm_sq += _counted_dot(comm, index, delta_i, delta_i)
         result.unsent_dot += _counted_dot(comm, index, delta_i, delta)
@@ -572,13 +598,15 @@ def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -
 
 def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,
              codec: Codec | None = None, feedback: ErrorFeedback | None = None,
-             stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None) -> Exchange:
+             stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None,
+             decoded: bool = False) -> Exchange:
     """The communication half of a sync: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
 
     `deltas` is a list taken at launch (an overlapped sync: the replica trains on while it is sent) or an iterator
     that forms each bucket's Δ_i when its turn comes (`pseudo_gradients`: a blocking sync, whose buckets are then
     averaged as `land` applies them, one at a time). `finite` says whether this replica's values are finite (known
-    before the first bucket goes, for the iterator); a list is checked here. On a backend that votes, every bucket
+    before the first bucket goes, for the iterator); a list is checked here. `decoded`: with a codec, also measure
+    what the others decode of this replica's contribution (RoundResult.decoded_*). On a backend that votes, every bucket
     is averaged here and the result says whether the sync committed; a sync that did not is never applied,
     whatever part of it arrived. Touches neither θ_global nor the replica's parameters.
     """
@@ -588,7 +616,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
         finite = comm.replica_all(is_finite(deltas))
     if not finite:
         weight = 0.0
-    averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats)
+    averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats, decoded)
     if not comm.votes:
         return Exchange(buckets, averaged if not isinstance(deltas, list) else list(averaged), result)
     # A sync that may be rolled back must not leave its trace in the residuals: the replica sends the same
@@ -603,12 +631,12 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
 
 def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: RoundResult,
               weight: float, codec: Codec | None, feedback: ErrorFeedback | None,
-              stats: StatsFn | None) -> Iterator[tuple[int, torch.Tensor]]:
+              stats: StatsFn | None, decoded: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
     """(bucket, Δ) in bucket order, each averaged when asked for. Nothing of a bucket stays referenced here once it
     is handed on, so a consumer that drops each Δ before asking for the next holds one bucket at a time."""
     for position, index in enumerate(buckets):
         riding = _riding(position, len(buckets), weight, stats)
-        yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding)
+        yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding, decoded)
 
 
 def land(outer: OuterState, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:

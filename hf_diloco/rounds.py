@@ -316,13 +316,13 @@ class RoundEngine:
                 if flight.start.stash is not None:  # healed: Δ_i taken against the base it left
                     flight.exchange = exchange(self.comm, buckets, [flight.start.stash[b] for b in buckets],
                                                codec=self.codec, feedback=self.feedback, stats=stats,
-                                               weight=flight.start.weight)
+                                               weight=flight.start.weight, decoded=checking)
                 else:
                     finite = self.comm.replica_all(is_finite(self.outer.params[i] for b in buckets
                                                              for i in self.outer.buckets[b]))
                     flight.exchange = exchange(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
                                                codec=self.codec, feedback=self.feedback, stats=stats,
-                                               weight=flight.start.weight, finite=finite)
+                                               weight=flight.start.weight, finite=finite, decoded=checking)
         return flight
 
     def _checking(self, joining: bool) -> bool:
@@ -386,13 +386,16 @@ class RoundEngine:
     def _launch_in_background(self, step, max_steps, local, fragments, deltas, stats):
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
-        from a peer further along) takes part with weight 0, sending zeros of the agreed sizes."""
+        from a peer further along), or that sits it out for a reason of its own, takes part with weight 0, sending
+        zeros of the agreed sizes. One left out by the checks keeps its Δ_i, unsent: its agreement with the others is
+        measured still, and decides when it is taken back."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
+        sitting_out = start.weight == 0
         self._judge(start, local)
         began = flight_started = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight
-        if start.fragments != fragments or start.weight == 0:
+        if start.fragments != fragments or sitting_out:
             deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
                       for b in buckets]
             weight = 0.0
@@ -401,7 +404,7 @@ class RoundEngine:
                                                        committed=self.comm.vote()))
         else:
             landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
-                              weight=weight)
+                              weight=weight, decoded="checks" in local)
         finished = time.perf_counter()
         return start, landed, finished - began, flight_started, finished
 
@@ -452,13 +455,10 @@ class RoundEngine:
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this sync
         # kept the replica waiting is known after it: both are sent with the NEXT sync's statistics, so they cost
         # no collective of their own.
-        if self.comm.sharded:  # each member measured its own shards: the replica's norms are their sums
-            (result.local_norm_sq, result.average_norm_sq, result.dot, result.unsent_norm_sq,
-             result.unsent_dot) = self.comm.replica_total([result.local_norm_sq, result.average_norm_sq, result.dot,
-                                                           result.unsent_norm_sq, result.unsent_dot])
+        result.sum_over_members(self.comm)  # each member measured its own shards (or decoded its own slice)
         if self.checks.active and result.committed and result.weights is not None and not start.joining:
             weight = result.weights[self.comm.replica_index]
-            norm_sq, dot = result.own_terms(weight)
+            norm_sq, dot = result.own_terms(weight, decoded=True)  # with a codec: what the average holds of it
             self.checks.landed(leave_one_out(result.total_weight, weight, dot=dot, norm_sq=norm_sq,
                                              average_norm_sq=result.average_norm_sq),
                                left_out=self.backend.replica in start.excluded)

@@ -146,3 +146,38 @@ def lighthouse(min_replicas: int, grace: float, heartbeat: float = 2.0, log: Pat
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=20)
+
+
+def corrupted_corpora(folder: Path) -> dict[str, Path]:
+    """The built-in corpus as JSON lines, and its corrupted copies: `garbage`, the documents that make up replica 0's
+    third of the blocks (non_iid) replaced by random printable characters of the same length (the other replicas'
+    blocks and the held-out set, the last 5%, are untouched); `garbage-half`, the same for replica 0's half at M = 2;
+    `permuted`, every character mapped through one fixed permutation, as data read with another tokenizer would be,
+    and `permuted-third`, only replica 0's third so. Name → path."""
+    import json
+    import random
+
+    from hf_diloco.data import builtin_corpus
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = list(builtin_corpus()["text"])
+    rng = random.Random(0)
+    codes = list(range(32, 127))
+    random.Random(1).shuffle(codes)
+    mapping = {chr(32 + i): chr(c) for i, c in enumerate(codes)}
+    total, seen = sum(map(len, texts)), 0
+    copies: dict[str, list[str]] = {"clean": texts, "garbage": [], "garbage-half": [], "permuted": [],
+                                    "permuted-third": []}
+    for text in texts:
+        seen += len(text)
+        noise = "".join(chr(rng.randint(32, 126)) for _ in text)
+        permuted = "".join(mapping.get(ch, ch) for ch in text)
+        copies["garbage"].append(noise if seen <= 0.30 * total else text)
+        copies["garbage-half"].append(noise if seen <= 0.45 * total else text)
+        copies["permuted"].append(permuted)
+        copies["permuted-third"].append(permuted if seen <= 0.30 * total else text)
+    paths = {}
+    for name, corpus in copies.items():
+        paths[name] = folder / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus))
+    return paths

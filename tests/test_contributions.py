@@ -11,14 +11,13 @@ the healthy replicas read the same shards in both.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, free_port, lighthouse
+from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, corrupted_corpora, env, free_port, lighthouse
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
 from hf_diloco.metrics import read_sync_rounds
@@ -46,6 +45,27 @@ def test_leave_one_out_agreement_matches_the_vectors_it_comes_from():
             got = leave_one_out(total, w, dot=float(d @ average), norm_sq=float(d @ d),
                                 average_norm_sq=float(average @ average))
             assert got == pytest.approx(want, abs=1e-9), (weights, i)
+
+
+def test_with_a_codec_the_agreement_is_measured_on_what_the_others_decoded(tmp_path):
+    """Four processes (tests/scripts/decoded_agreement.py): 4 replicas of one process and 2 replicas of 2, sparse and
+    int4 with error feedback, unequal weights, 4 syncs. λ_i as the round engine forms it from the exchange's scalar
+    terms matches cos(D_i, W·Δ − D_i) formed from the vectors (D_i taken from the error-feedback residuals, gathered
+    whole) to 1e-4. Measured on Δ_i as trained instead, the sparse codec's unsent part would count as the others'
+    and point against Δ_i: a clean replica's agreement falls below the `opposed` threshold."""
+    result = accelerate_launch([str(REPO / "tests" / "scripts" / "decoded_agreement.py"), str(tmp_path)],
+                               config=ACCELERATE_CPU_4PROC)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"decoded{r}.json").read_text()) for r in range(4)]
+    assert set(ranks[0]) == {"g=1 sparse", "g=1 int4", "g=2 sparse", "g=2 int4"}
+    for rank in ranks:
+        for setting, syncs in rank.items():
+            assert len(syncs) == 4
+            for sync in syncs:
+                assert sync["from_terms"] == pytest.approx(sync["from_vectors"], abs=1e-4), (setting, sync)
+                assert sync["from_vectors"] > 0.15, (setting, sync)  # the made-up Δ_i share a part
+    trained = [sync["before_codec"] for rank in ranks for sync in rank["g=1 sparse"]]
+    assert min(trained) < Limits().min_agreement, trained
 
 
 def rows(*replicas: tuple) -> dict[int, list[float]]:
@@ -130,30 +150,7 @@ def test_a_verdict_goes_into_the_record_and_a_replica_left_out_three_times_is_ca
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> dict[str, Path]:
-    """The built-in corpus as JSON lines, and its corrupted copies: `garbage`, the documents that make up replica 0's
-    third of the blocks (non_iid) replaced by random printable characters of the same length (the other replicas'
-    blocks and the held-out set, the last 5%, are untouched); `garbage-half`, the same for replica 0's half at M = 2;
-    `permuted`, every character mapped through one fixed permutation, as data read with another tokenizer would be."""
-    from hf_diloco.data import builtin_corpus
-
-    folder = tmp_path_factory.mktemp("corpora")
-    texts = list(builtin_corpus()["text"])
-    rng = random.Random(0)
-    total, seen, garbage, half = sum(map(len, texts)), 0, [], []
-    for text in texts:
-        seen += len(text)
-        noise = "".join(chr(rng.randint(32, 126)) for _ in text)
-        garbage.append(noise if seen <= 0.30 * total else text)
-        half.append(noise if seen <= 0.45 * total else text)
-    codes = list(range(32, 127))
-    random.Random(1).shuffle(codes)
-    mapping = {chr(32 + i): chr(c) for i, c in enumerate(codes)}
-    permuted = ["".join(mapping.get(ch, ch) for ch in text) for text in texts]
-    paths = {}
-    for name, corpus in (("clean", texts), ("garbage", garbage), ("garbage-half", half), ("permuted", permuted)):
-        paths[name] = folder / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus))
-    return paths
+    return corrupted_corpora(tmp_path_factory.mktemp("corpora"))
 
 
 def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *extra: str,
@@ -206,6 +203,21 @@ def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_i
     assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
     console = (tmp_path / "garbage" / "console.log").read_text()
     assert "left out: replica 0 (apart)" in console and "[diloco] replica 0 looks faulty" in console
+
+
+def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_as_well(tmp_path, corpora):
+    """The garbage shard again, sent through the sparse codec (64 of every 4096 values, error feedback) with the
+    exchange overlapped one step (sync_delay 1). The agreement is measured on the decoded values, about a fifth of
+    the full Δ_i's for every replica, and the `apart` gap scales down with it: replica 0 is left out by its fourth
+    sync and in most after, and the run ends no more than 2% above the same launch without it. Left out of an
+    overlapped sync it keeps its Δ_i unsent, so its agreement is still measured and it stays out."""
+    codec = ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]
+    faulty = torch_launch(tmp_path / "garbage", corpora["garbage"], None, *codec)
+    without = torch_launch(tmp_path / "without", corpora["garbage"], {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"}, *codec)
+    assert_found_out(faulty, 0, by_sync=4)
+    assert "apart" in {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
+    assert all(r["compression"] == "sparse+ef" and r.get("launch_step", r["step"]) == r["step"] - 1 for r in faulty)
+    assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
 
 
 def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(tmp_path, corpora):
