@@ -11,9 +11,9 @@ One replica goes wrong the way a site would: its third of the data is random cha
 character permuted (`permuted`, data read with another tokenizer), or through the test hook
 (tests/scripts/contribution_hook) its learning rate is 100x (`lr x100`), its Δ_i is sent 3 times over (`scaled x3`)
 or negated (`sign flip`); `garbage, sparse codec` is the garbage third with every sync sent through the sparse
-codec (64 of 4096 values, error feedback), its reference too. Each fault runs with `contribution_checks exclude`
-and `off`, and the reference is the run without that replica: the same launch, same data, with that replica left
-out from the first sync (the hook).
+codec with SparseLoCo's settings (64 of 4096 values, error feedback 0.95, outer lr 1 without momentum), its
+reference too. Each fault runs with `contribution_checks exclude` and `off`, and the reference is the run without
+that replica: the same launch, same data, with that replica left out from the first sync (the hook).
 
 Columns: held-out loss at the end, with and without the checks, against the reference; rounds to recovery: the
 first evaluated round from which the run's held-out loss stays within 2% of the reference's at the same round
@@ -43,7 +43,9 @@ from hf_diloco.metrics import read_sync_rounds
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 WORK = Path("/tmp/hf-diloco-bench-contributions")
 H = 5
-SPARSE = ("--compression", "sparse", "--error_feedback", "true")
+# SparseLoCo's outer step (README "Slow links"): plain averaging of sparse values at outer lr 1, no momentum
+SPARSE = ("--compression", "sparse", "--error_feedback", "true", "--error_feedback_decay", "0.95", "--outer_lr", "1",
+          "--outer_momentum", "0")
 FAULTS = {  # name: (data, hook environment, the faulty replica, more launch arguments)
     "garbage": ("garbage", {}, 0, ()),
     "garbage, sparse codec": ("garbage", {}, 0, SPARSE),
