@@ -33,6 +33,8 @@ FINAL_SYNCS = ("auto", "staggered", "blocking")
 DATA_SHARDINGS = ("iid", "non_iid")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 OUTER_BACKENDS = ("torch", "torchft")
+TRAINERS = ("diloco", "sft", "dpo", "ddp")
+TRL_TRAINERS = ("sft", "dpo")  # TRL's SFTTrainer and DPOTrainer with DiLoCo (hf_diloco.trl)
 CHECK_MODES = ("exclude", "warn", "off")  # contribution_checks (hf_diloco.contributions)
 AUTO = "auto"  # inner_steps and sync_delay may be chosen from measurements (see DiLoCoConfig)
 

@@ -58,8 +58,9 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{message.rstrip('.')}; see `{self.prog} --help`.")
 
 
-def _field_parser():
-    """HfArgumentParser over RunArguments and DiLoCoConfig that reports errors like `_Parser`."""
+def _field_parser(arguments: type | None = None):
+    """HfArgumentParser over RunArguments and DiLoCoConfig (or `arguments`, the config class of a TRL trainer) that
+    reports errors like `_Parser`."""
     from transformers import HfArgumentParser
 
     from .config import DiLoCoConfig, RunArguments
@@ -68,7 +69,7 @@ def _field_parser():
         def error(self, message: str):
             raise CLIError(f"{message.rstrip('.')}; see `hf-diloco train --help`.")
 
-    parser = FieldParser((RunArguments, DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
+    parser = FieldParser((RunArguments, arguments or DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
     for action in parser._actions:
         if action.help:  # field help is prose ("inner_steps % F == 0"), not an argparse format string
             action.help = re.sub(r"%(?!\()", "%%", action.help)
@@ -82,11 +83,15 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
     """
     from dataclasses import fields
 
-    from .config import DiLoCoConfig, RunArguments
+    from .config import RunArguments, config_class
 
-    parser = _field_parser()
     values = read_yaml(recipe, "recipe") if recipe else {}
-    known = {f.name for dtype in (RunArguments, DiLoCoConfig) for f in fields(dtype) if f.init}
+    try:
+        arguments = config_class(_trainer_named(values, overrides))
+    except ConfigError as error:
+        raise CLIError(str(error)) from None
+    parser = _field_parser(arguments)
+    known = {f.name for dtype in (RunArguments, arguments) for f in fields(dtype) if f.init}
     unknown = sorted(set(values) - known)
     if unknown:
         raise CLIError(
@@ -105,9 +110,21 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
         _drop_device_requirements(namespace)
     try:
         return (RunArguments(**_fields_of(RunArguments, namespace)),
-                DiLoCoConfig(**_fields_of(DiLoCoConfig, namespace)))
+                arguments(**_fields_of(arguments, namespace)))
     except ValueError as error:
         raise CLIError(first_line(error) + ".") from None
+
+
+def _trainer_named(values: dict, overrides: list[str]) -> str:
+    """The `trainer` a recipe and its flags ask for (the last flag wins), before they are parsed: its arguments
+    class decides which fields the recipe may have."""
+    trainer = str(values.get("trainer", "diloco"))
+    for i, item in enumerate(overrides):
+        if item == "--trainer" and i + 1 < len(overrides):
+            trainer = overrides[i + 1]
+        elif item.startswith("--trainer="):
+            trainer = item.split("=", 1)[1]
+    return trainer
 
 
 def _auto_fields(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:

@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from . import checks
-from .checks import CHECK_MODES, DATA_SHARDINGS, FINAL_SYNCS, FRAGMENT_PATTERNS, OUTER_BACKENDS, OUTER_OPTIMIZERS
+from .checks import (
+    CHECK_MODES,
+    DATA_SHARDINGS,
+    FINAL_SYNCS,
+    FRAGMENT_PATTERNS,
+    OUTER_BACKENDS,
+    OUTER_OPTIMIZERS,
+    TRAINERS,
+    TRL_TRAINERS,
+)
 from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
 
@@ -597,6 +606,19 @@ def env_parallelism() -> dict[str, int]:
     return {key: int(os.environ.get(f"PARALLELISM_CONFIG_{name}") or 1) for key, name in sizes.items()}
 
 
+def config_class(trainer: str) -> type:
+    """The arguments class of `trainer`: DiLoCoConfig, or with TRL's trainers the config that joins theirs to it
+    (ConfigError in one sentence when TRL is not installed)."""
+    if trainer not in TRL_TRAINERS:
+        return DiLoCoConfig
+    try:
+        from . import trl
+    except ImportError:
+        raise ConfigError(f"trainer {trainer} is TRL's {'SFT' if trainer == 'sft' else 'DPO'}Trainer, and TRL is not "
+                          f"installed: pip install 'hf-diloco[trl]'.") from None
+    return trl.DiLoCoSFTConfig if trainer == "sft" else trl.DiLoCoDPOConfig
+
+
 @dataclass
 class RunArguments:
     """What to train on: the model and the data. Parsed beside DiLoCoConfig by the CLI (YAML keys and flags)."""
@@ -605,6 +627,12 @@ class RunArguments:
         default="tiny-llama",
         metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M), a local model "
                           "directory, or a Hub model id."},
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The tokenizer, when not the model's own (a preset's is the byte tokenizer): a local "
+                          "folder, a Hub id, or 'byte' for the built-in byte tokenizer. A tokenizer that cannot be "
+                          "loaded, is empty or has more ids than the model embeds is refused."},
     )
     dataset_name: str = field(
         default="builtin",
@@ -626,15 +654,20 @@ class RunArguments:
     eval_blocks: int = field(default=64, metadata={"help": "Blocks held out for evaluation when streaming."})
     trainer: str = field(
         default="diloco",
-        metadata={"help": "'diloco', or 'ddp' for the ordinary data-parallel Trainer baseline (gradients "
-                          "all-reduced every step; the DiLoCo fields are ignored).", "choices": ["diloco", "ddp"]},
+        metadata={"help": "'diloco' (DiLoCoTrainer on token blocks), 'sft' or 'dpo' (TRL's SFTTrainer or "
+                          "DPOTrainer with DiLoCo, on conversations or preference pairs; pip install "
+                          "'hf-diloco[trl]'; their fields, such as max_length, join the recipe's), or 'ddp' for the "
+                          "ordinary data-parallel Trainer baseline (gradients all-reduced every step; the DiLoCo "
+                          "fields are ignored).", "choices": list(TRAINERS)},
     )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model, > 0 trains PEFT LoRA "
                                                       "adapters (only they are synced and counted)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch."})
     lora_target_modules: str = field(
-        default="q_proj,v_proj", metadata={"help": "Comma-separated module names that get LoRA adapters."}
+        default="auto", metadata={"help": "Comma-separated module names that get LoRA adapters; 'auto': chosen for "
+                                          "the architecture (PEFT's choice: the attention's query and value "
+                                          "projections, q_proj,v_proj on Llama, c_attn on GPT-2)."}
     )
     merge_lora: bool = field(
         default=False,
@@ -649,6 +682,6 @@ class RunArguments:
 
     def __post_init__(self):
         checks.check(self, ["block_size", "eval_fraction"])
-        if self.trainer not in ("diloco", "ddp"):
-            raise ConfigError(f"trainer must be 'diloco' or 'ddp', got {self.trainer!r}.")
+        if self.trainer not in TRAINERS:
+            raise ConfigError(f"trainer must be one of {', '.join(map(repr, TRAINERS))}, got {self.trainer!r}.")
         checks.check(self, ["lora_r"])

@@ -35,11 +35,90 @@ def builtin_corpus() -> Dataset:
     return Dataset.from_dict({"topic": names, "text": [topics[name] for name in names]})
 
 
-def load_text_dataset(name: str, config: str | None = None, text_column: str = "text") -> Dataset:
-    """Load a corpus and check it has `text_column`."""
-    dataset = builtin_corpus() if name == BUILTIN else _load(name, config)
+BUILTIN_CHAT = "builtin-chat"
+BUILTIN_PREFERENCES = "builtin-preferences"
+BUILTINS = (BUILTIN, BUILTIN_CHAT, BUILTIN_PREFERENCES)
+
+
+def _reference_passages() -> list[tuple[str, str]]:
+    """(title, passage) of every paragraph of the built-in corpus between 40 and 600 characters, in topic order:
+    the title is the topic's first line (e.g. "Customizing attribute access")."""
+    passages = []
+    for text in builtin_corpus()["text"]:
+        title = text.strip().splitlines()[0].strip()
+        for paragraph in text.split("\n\n")[1:]:
+            paragraph = paragraph.strip("\n")
+            if 40 <= len(paragraph) <= 600 and not set(paragraph) <= set("*=-~ "):
+                passages.append((title, paragraph))
+    return passages
+
+
+def _question(title: str, index: int) -> str:
+    return f"From the Python reference on \"{title}\", what does passage {index + 1} say?"
+
+
+def builtin_chat() -> Dataset:
+    """A chat dataset written from the built-in corpus, no download: one conversation per passage, in `messages`
+    format (a user asks for a passage of a reference topic by its title and number, the assistant answers with it),
+    about 2,000 rows; the same on every machine."""
+    rows, count = [], {}
+    for title, passage in _reference_passages():
+        index = count[title] = count.get(title, -1) + 1
+        rows.append({"messages": [{"role": "user", "content": _question(title, index)},
+                                  {"role": "assistant", "content": passage}]})
+    return Dataset.from_list(rows)
+
+
+def builtin_preferences() -> Dataset:
+    """A preference dataset written from the built-in corpus, no download, in TRL's conversational format: for each
+    passage's question, `chosen` answers with the passage and `rejected` with a passage of another topic (the one
+    half the corpus further on)."""
+    passages = _reference_passages()
+    rows, count, half = [], {}, len(passages) // 2
+    for i, (title, passage) in enumerate(passages):
+        index = count[title] = count.get(title, -1) + 1
+        other_title, other = passages[(i + half) % len(passages)]
+        if other_title == title:
+            continue
+        rows.append({"prompt": [{"role": "user", "content": _question(title, index)}],
+                     "chosen": [{"role": "assistant", "content": passage}],
+                     "rejected": [{"role": "assistant", "content": other}]})
+    return Dataset.from_list(rows)
+
+
+def load_raw_dataset(name: str, config: str | None = None) -> Dataset:
+    """A dataset as it is stored: a built-in one or a local/Hub one (its train split)."""
+    builtins = {BUILTIN: builtin_corpus, BUILTIN_CHAT: builtin_chat, BUILTIN_PREFERENCES: builtin_preferences}
+    return builtins[name]() if name in builtins else _load(name, config)
+
+
+def load_text_dataset(name: str, config: str | None = None, text_column: str = "text", tokenizer=None) -> Dataset:
+    """Load a corpus and check it has `text_column`. Chat data (a `messages` column of {"role", "content"} turns,
+    or `text_column` holding such turns) becomes text through the tokenizer's chat template, as TRL renders it."""
+    dataset = load_raw_dataset(name, config)
+    chat = _chat_column(dataset, text_column)
+    if chat is not None:
+        from .models import give_chat_template
+
+        if tokenizer is None or not give_chat_template(tokenizer):
+            raise ConfigError(f"dataset {name!r} holds conversations ({chat!r}), which the tokenizer's chat template "
+                              f"turns into text, and this tokenizer has none; give it one (a tokenizer folder with "
+                              f"chat_template) or use a text column.")
+        return dataset.map(lambda row: {text_column: tokenizer.apply_chat_template(row[chat], tokenize=False)},
+                           remove_columns=dataset.column_names, desc="Applying the chat template")
     _check_text_column(name, dataset.column_names, text_column)
     return dataset
+
+
+def _chat_column(dataset: Dataset, text_column: str) -> str | None:
+    """The column of conversations to render, if the dataset is chat data: `text_column` when it holds lists of
+    turns, else `messages` when there is no `text_column`."""
+    for column in (text_column, "messages"):
+        if column in dataset.column_names and (column == text_column or text_column not in dataset.column_names):
+            value = dataset[0][column] if len(dataset) else None
+            if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
+                return column
+    return None
 
 
 def check_dataset(run: RunArguments) -> None:
@@ -48,8 +127,10 @@ def check_dataset(run: RunArguments) -> None:
     first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub dataset is not asked for: the processes
     that train fetch it."""
     name, path = run.dataset_name, os.path.expanduser(run.dataset_name)
-    if name == BUILTIN:
-        columns = builtin_corpus().column_names
+    if name in BUILTINS:
+        columns = load_raw_dataset(name).column_names
+        if name != BUILTIN:
+            return  # conversations or preferences: rendered by the chat template, checked where they are
     elif os.path.exists(path) or name.startswith((".", "/", "~")):
         dataset = _load(name, run.dataset_config, streaming=run.streaming or not _saved_to_disk(path))
         columns = dataset.column_names
@@ -180,7 +261,7 @@ def build_datasets(run: RunArguments, tokenizer):
     """Load, tokenize and split the corpus named by `run`: (train, eval or None)."""
     if run.streaming:
         return build_streaming_datasets(run, tokenizer)
-    dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column)
+    dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column, tokenizer)
     blocks = tokenize_into_blocks(dataset, tokenizer, run.block_size, run.text_column)
     if len(blocks) == 0:
         raise ConfigError(f"dataset {run.dataset_name!r} has fewer than {run.block_size} tokens of text.")

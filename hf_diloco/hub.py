@@ -51,6 +51,7 @@ MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "g
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja")
 RUN_FILES = (SYNC_ROUNDS_FILE, RUN_CONFIG_FILE)
 PRESET_PREFIXES = ("tiny-llama", "llama-")
+TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}  # trainer: what the card says ran the inner loop
 
 DILOCO_ROWS = (
     ("inner_steps", "H, inner steps between syncs", 500),
@@ -185,7 +186,8 @@ def _plain(value):
 
 def run_settings(args, run=None, trainer: str | None = None) -> dict:
     """What the model card needs from a run's arguments: `args` (a DiLoCoConfig or TrainingArguments), the
-    model/data arguments `run` (a RunArguments, when there are any), and which trainer ran ("diloco" or "ddp";
+    model/data arguments `run` (a RunArguments, when there are any), and which trainer ran ("diloco", "sft",
+    "dpo" or "ddp";
     default: `run.trainer`, else "diloco"). Holds no token.
     """
     from dataclasses import asdict
@@ -195,7 +197,7 @@ def run_settings(args, run=None, trainer: str | None = None) -> dict:
         "trainer": trainer,
         "run": {key: _plain(value) for key, value in asdict(run).items()} if run is not None else {},
         "diloco": {key: _plain(getattr(args, key)) for key, _, _ in DILOCO_ROWS if hasattr(args, key)}
-        if trainer == "diloco" else {},
+        if trainer != "ddp" else {},
         "training": {key: _plain(getattr(args, key)) for key in TRAINING_KEYS if hasattr(args, key)},
         "num_processes": args.world_size,
     }
@@ -312,7 +314,8 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     dataset = run.get("dataset_name", "")
     data = ModelCardData(  # Hub ids only: a preset, the builtin corpus or a local path is no repository
         library_name="transformers",
-        tags=["diloco", "hf-diloco", "distributed-training"] if trainer == "diloco" else ["hf-diloco", "ddp-baseline"],
+        tags=(["diloco", "hf-diloco", "distributed-training"] + (["trl", trainer] if trainer in TRL_NAMES else []))
+        if trainer != "ddp" else ["hf-diloco", "ddp-baseline"],
         base_model=model if model and not model.startswith(PRESET_PREFIXES) and not local_path(model) else None,
         datasets=[dataset] if dataset and dataset != "builtin" and not local_path(dataset) else None,
     )
@@ -328,11 +331,12 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     lines = [f"# {repo_id or output_dir.name}", ""]
     if outcome["ended"] != "finished":
         lines += [f"> **This run {describe_outcome(outcome)}.** The weights are those it had then.", ""]
-    if trainer == "diloco":
+    if trainer != "ddp":
+        inner = f" The inner loop was TRL's {TRL_NAMES[trainer]}." if trainer in TRL_NAMES else ""
         lines += [f"Trained with hf-diloco using DiLoCo (Douillard et al., "
                   f"[arXiv 2311.08105](https://arxiv.org/abs/2311.08105)): {replicas} replicas trained "
-                  f"independently and averaged their pseudo-gradients every {diloco.get('inner_steps', '?')} steps.",
-                  "", "## DiLoCo settings", "", "| setting | value | paper |", "|---|---|---|"]
+                  f"independently and averaged their pseudo-gradients every {diloco.get('inner_steps', '?')} steps."
+                  + inner, "", "## DiLoCo settings", "", "| setting | value | paper |", "|---|---|---|"]
         for key, label, paper in DILOCO_ROWS:
             if key in diloco:
                 lines.append(f"| {label} (`{key}`) | {diloco[key]} | {paper} |")
@@ -346,7 +350,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
         prefix = ""
     for key in ("learning_rate", "weight_decay", "warmup_steps", "max_steps", "per_device_train_batch_size"):
         if key in training:
-            lines.append(f"| {prefix}{key} | {training[key]} |" + (" |" if trainer == "diloco" else ""))
+            lines.append(f"| {prefix}{key} | {training[key]} |" + (" |" if trainer != "ddp" else ""))
     committed = [r for r in rounds if r.get("committed", True) is not False]
     lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
     results = {

@@ -34,6 +34,24 @@ def byte_tokenizer() -> ByT5Tokenizer:
     return ByT5Tokenizer(extra_ids=0)
 
 
+# The byte tokenizer's chat template: each turn as "<|role|>" on a line of its own, its text, EOS; a prompt that asks
+# for a reply ends with "<|assistant|>". TRL and the chat datasets render conversations with it.
+BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + "
+                      "eos_token + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}"
+                      "{% endif %}")
+
+
+def give_chat_template(tokenizer) -> bool:
+    """Whether `tokenizer` can render conversations: it has a chat template, or it is the built-in byte tokenizer,
+    which is given BYTE_CHAT_TEMPLATE (saved with it, so the trained model renders chats as it was trained)."""
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    if isinstance(tokenizer, ByT5Tokenizer) and len(tokenizer) == len(byte_tokenizer()):
+        tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+        return True
+    return False
+
+
 def build_preset(name: str, tokenizer, max_positions: int = 256, seed: int = 0) -> LlamaForCausalLM:
     """A freshly initialised preset model, identical for identical seeds."""
     config = LlamaConfig(
@@ -50,12 +68,84 @@ def build_preset(name: str, tokenizer, max_positions: int = 256, seed: int = 0) 
         return LlamaForCausalLM(config)
 
 
-def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: int = 0):
-    """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id."""
+def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: int = 0,
+                             tokenizer_name_or_path: str | None = None):
+    """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id. The tokenizer is the
+    model's own (a preset's: the byte tokenizer), or the one `tokenizer_name_or_path` names ("byte": the built-in
+    byte tokenizer; a preset's vocabulary is then sized to it). A model that is not a causal language model, and a
+    tokenizer that cannot be loaded, is empty or has more ids than the model's embeddings, are refused in one
+    sentence (ConfigError): nothing is substituted."""
+    shown = f"tokenizer {tokenizer_name_or_path!r}" if tokenizer_name_or_path else \
+        f"the tokenizer of model {name_or_path!r}"
     if name_or_path in PRESETS:
-        tokenizer = byte_tokenizer()
+        tokenizer = load_tokenizer(tokenizer_name_or_path or BYTE, shown)
         return build_preset(name_or_path, tokenizer, max_positions, seed), tokenizer
-    return _from_pretrained(_source(name_or_path), name_or_path)
+    source = _source(name_or_path)
+    check_causal(load_model_config(name_or_path), name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(_unloadable(name_or_path, error, source)) from None
+    tokenizer = load_tokenizer(tokenizer_name_or_path or source, shown)
+    check_vocabulary(tokenizer, model, name_or_path)
+    return model, tokenizer
+
+
+BYTE = "byte"  # tokenizer_name_or_path of the built-in byte tokenizer
+
+
+def load_tokenizer(name_or_path: str, shown: str):
+    """The tokenizer at `name_or_path` (a folder or Hub id; "byte": the built-in one), with a pad token (its EOS
+    where it has none). ConfigError, naming it as `shown`, when it cannot be loaded or turns text into no tokens."""
+    if name_or_path == BYTE:
+        return byte_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))
+    except Exception as error:  # tokenizers raise many types; the user needs the one-line reason
+        raise ConfigError(f"could not load {shown} ({first_line(error)}); nothing is substituted: give the folder "
+                          f"its tokenizer files, or name one with tokenizer_name_or_path ('{BYTE}': the built-in "
+                          f"byte tokenizer).") from None
+    probe = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    if len(tokenizer) == 0 or not [i for i in probe if i != tokenizer.unk_token_id]:
+        raise ConfigError(f"{shown} is empty: it turns text into no tokens (a folder without tokenizer files loads "
+                          f"this way); give the folder its tokenizer files, or name one with tokenizer_name_or_path "
+                          f"('{BYTE}': the built-in byte tokenizer).")
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocabulary(tokenizer, model, shown: str) -> None:
+    """A tokenizer whose ids run past the model's embedding rows does not belong to it (ConfigError)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but model {shown!r} embeds {rows}: they do not "
+                          f"belong together; name the model's own tokenizer with tokenizer_name_or_path.")
+
+
+def check_causal(config, shown: str) -> None:
+    """hf-diloco trains causal language models on next-token loss: a model whose saved head is another task's (a
+    masked LM, whose attention would see the tokens it predicts; an encoder-decoder; a classifier) is refused in one
+    sentence, before anything is loaded."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    known = {name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for name in ((names,) if isinstance(names, str) else names)}
+    named = list(getattr(config, "architectures", None) or [])
+    what = named[0] if named else f"{config.model_type} model"
+    if getattr(config, "is_encoder_decoder", False):
+        reason = "an encoder-decoder"
+    elif causal is None:
+        reason = "not a causal language model"
+    elif named and not any(name in known for name in named):
+        reason = "a masked language model" if any(name.endswith("ForMaskedLM") for name in named) \
+            else "saved with a head for another task"
+    else:
+        return
+    raise ConfigError(f"model {shown!r} is a {what}, {reason}: hf-diloco trains causal language models on next-token "
+                      f"loss (architectures such as LlamaForCausalLM or GPT2LMHeadModel), which would be the wrong "
+                      f"objective for it.")
 
 
 def load_model_config(name_or_path: str):
@@ -65,7 +155,7 @@ def load_model_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
-        raise ConfigError(_unloadable(name_or_path, error)) from None
+        raise ConfigError(_unloadable(name_or_path, error, source)) from None
 
 
 def _source(name_or_path: str) -> str:
@@ -80,20 +170,8 @@ def _source(name_or_path: str) -> str:
     return name_or_path
 
 
-def _unloadable(shown: str, error: BaseException) -> str:
+def _unloadable(shown: str, error: BaseException, source: str) -> str:
+    if os.path.isdir(source):
+        return f"could not load model {shown!r} from its folder: {first_line(error)}."
     return (f"could not load model {shown!r}: it is not a preset ({', '.join(PRESETS)}), not a local model "
             f"directory, and the Hub did not provide it ({first_line(error)}).")
-
-
-def _from_pretrained(source: str, shown: str):
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        raise ConfigError(_unloadable(shown, error)) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
-        tokenizer = byte_tokenizer()
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer

@@ -21,6 +21,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import checks
-from .checks import AUTO
+from .checks import AUTO, TRL_TRAINERS
 from .errors import ConfigError, first_line
 from .files import read_yaml, write_json
 
@@ -52,6 +53,15 @@ def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
         )
     checks.check_rounds(AUTO if config.auto_inner_steps else config.inner_steps, config.max_steps, run.trainer,
                         config.round_seconds)
+    if run.trainer in TRL_TRAINERS:
+        unsupported = {"streaming": run.streaming, "outer_backend torchft": config.outer_backend == "torchft",
+                       "FSDP2 or tensor parallel inside a replica": config.sharded_replica or config.tensor_parallel,
+                       "data_sharding non_iid": config.data_sharding == "non_iid"}
+        named = [name for name, chosen in unsupported.items() if chosen]
+        if named:
+            raise ConfigError(f"trainer {run.trainer} (TRL) runs on fixed replicas of one process each over a "
+                              f"dataset held whole, and this run asks for {', '.join(named)}; use trainer diloco "
+                              f"for that.")
 
 
 def restarted() -> bool:
@@ -191,18 +201,38 @@ def build_model(run: RunArguments):
     """(model, tokenizer) named by `run`, with LoRA adapters when `lora_r > 0`."""
     from .models import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model)
+    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model,
+                                                run.tokenizer_name_or_path)
     if run.lora_r > 0:
         model = add_lora(model, run)
     return model, tokenizer
 
 
+def lora_targets(model, named: str) -> list[str]:
+    """The modules that get LoRA adapters: those `named` (comma-separated), or with "auto" PEFT's choice for the
+    model's architecture (the attention's query and value projections: q_proj,v_proj for Llama, Qwen3, Mistral and
+    Gemma 3, c_attn for GPT-2), else q_proj,v_proj where the model has them. ConfigError when none can be chosen."""
+    if named.strip() != "auto":
+        return [name.strip() for name in named.split(",") if name.strip()]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(model.config, "model_type", "")
+    chosen = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if chosen:
+        return list(chosen)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if {"q_proj", "v_proj"} <= names:
+        return ["q_proj", "v_proj"]
+    raise ConfigError(f"lora_target_modules 'auto' has no choice for a {model_type or type(model).__name__} model; "
+                      f"name the modules that get adapters (comma-separated).")
+
+
 def add_lora(model, run: RunArguments):
-    """PEFT LoRA adapters on `run.lora_target_modules`, every one of which must name modules of the model; only
-    they train, so only they are synced."""
+    """PEFT LoRA adapters on `run.lora_target_modules` ("auto": chosen for the architecture), every one of which must
+    name modules of the model; only they train, so only they are synced."""
     from peft import LoraConfig, get_peft_model
 
-    targets = [name.strip() for name in run.lora_target_modules.split(",") if name.strip()]
+    targets = lora_targets(model, run.lora_target_modules)
     # PEFT adapts the modules that match any target and ignores the others: a misspelt one would go unnoticed.
     names = [name for name, _ in model.named_modules()]
     absent = [target for target in targets if not any(n == target or n.endswith("." + target) for n in names)]
@@ -230,12 +260,13 @@ def shape_only_model(run: RunArguments):
     its modules."""
     import torch
 
-    from .models import PRESETS, load_model_config
+    from .models import PRESETS, check_causal, load_model_config
 
     if run.model_name_or_path in PRESETS:
         with torch.device("meta"):
             return build_model(run)[0]
     config = load_model_config(run.model_name_or_path)
+    check_causal(config, run.model_name_or_path)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -295,7 +326,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         "trainer": run.trainer,
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
-        + (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}",
+        + (f", rows as TRL prepares them (chat template), at most {config.max_length} tokens each"
+           if run.trainer in TRL_TRAINERS else
+           (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}"),
         "replicas in this launch": (f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
                                     else f"{replicas} of {group} process(es) each")
         + (f", each split over {tp} processes by tensor parallel and each piece sharded over {group // tp} by FSDP2"
@@ -313,7 +346,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
            f"{config.outer_delayed_scale:g} in between)" if config.outer_momentum_delay > 1 else ""),
         "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
         f"warmup {config.warmup_steps}, {schedule}",
-        "tokens per inner step per process": f"{tokens_per_step(run, config):,}",
+        "tokens per inner step per process": ("at most " if run.trainer in TRL_TRAINERS else "")
+        + f"{tokens_per_step(run, config):,}",
         "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
         f"sent across replicas per process per round, M={shown}": f"{format_bytes(per_round)} with "
         f"compression {config.compression} ({by_codec['none'] / per_round:.1f}x fewer bytes than fp32)",
@@ -398,7 +432,9 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
 
 
 def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:
-    return config.per_device_train_batch_size * config.gradient_accumulation_steps * run.block_size
+    """Tokens an inner step takes per process: its blocks, or with a TRL trainer its rows at most (max_length)."""
+    length = config.max_length if run.trainer in TRL_TRAINERS else run.block_size
+    return config.per_device_train_batch_size * config.gradient_accumulation_steps * length
 
 
 # --- the run ---------------------------------------------------------------------------------------------------------
@@ -439,8 +475,11 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
         import datasets
 
         datasets.disable_progress_bars()  # one set of progress bars per run, from the main process
+    from transformers import set_seed
+
+    set_seed(config.seed)  # every replica builds the same LoRA adapters (and anything else drawn at random)
     model, tokenizer = build_model(run)
-    train_dataset, eval_dataset = build_datasets(run, tokenizer)
+    train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer)
     if eval_dataset is None and config.eval_strategy != "no":
         raise ConfigError(
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
@@ -448,7 +487,17 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     clock = SteadyClock()
     common = dict(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
                   processing_class=tokenizer, data_collator=default_data_collator)
-    if run.trainer == "diloco":
+    if run.trainer in TRL_TRAINERS:  # TRL prepares the data (chat template, tokens, its collator)
+        from . import trl
+
+        del common["data_collator"]
+        if run.trainer == "dpo":  # its reference: with LoRA the adapter-free model, else a copy of the start
+            common["ref_model"] = None if run.lora_r > 0 else copy.deepcopy(model)
+        kind = trl.DiLoCoSFTTrainer if run.trainer == "sft" else trl.DiLoCoDPOTrainer
+        trainer = kind(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
+        if stopper.requested:
+            trainer.request_stop()
+    elif run.trainer == "diloco":
         # Its own stop handling, at a round boundary for all replicas together; a request made while loading is
         # handed on.
         trainer = DiLoCoTrainer(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
@@ -467,6 +516,20 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
             model.merge_and_unload().save_pretrained(merged)
             tokenizer.save_pretrained(merged)
     return trainer
+
+
+def trl_datasets(run: RunArguments, tokenizer):
+    """The rows TRL's trainers take as they are stored (conversations, or prompt/chosen/rejected pairs), the last
+    `eval_fraction` held out; the tokenizer must render chats (the byte tokenizer is given its chat template)."""
+    from .data import load_raw_dataset, split_held_out
+    from .models import give_chat_template
+
+    if not give_chat_template(tokenizer):
+        raise ConfigError(f"trainer {run.trainer} renders conversations with the tokenizer's chat template, and the "
+                          f"tokenizer of {run.model_name_or_path!r} has none; name one that has with "
+                          f"tokenizer_name_or_path.")
+    rows = load_raw_dataset(run.dataset_name, run.dataset_config)
+    return split_held_out(rows, run.eval_fraction)
 
 
 def write_run_config(output_dir: str, run: RunArguments, config: DiLoCoConfig) -> None:

@@ -94,25 +94,34 @@ def graceful_stop_signals(request: Callable[[], None]) -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-class DiLoCoTrainer(Trainer):
-    """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
+class DiLoCoMixin:
+    """DiLoCo for a `Trainer` subclass you already have: `class MyTrainer(DiLoCoMixin, SomeTrainer)`, first among the
+    bases, trains each process as a DiLoCo replica of SomeTrainer and averages replicas every `inner_steps` steps.
 
-    Takes what `Trainer` takes; `args` must be a `DiLoCoConfig`. During `train()`, SIGTERM, SIGINT and SIGUSR1
-    (unless `stop_signals=False`) and the file `<output_dir>/stop.request` stop training at the end of the round,
-    every replica at the same step, with a checkpoint (see `request_stop`).
-
-    Example (a runnable version is in the README's "Python" section)::
-
-        trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
-                                train_dataset=train, eval_dataset=held_out)
-        trainer.train()
+    Its `args` must be a DiLoCoConfig; for a trainer with a config class of its own, a dataclass with both,
+    theirs first so its defaults stand: `@dataclass class MyConfig(SomeConfig, DiLoCoConfig)` (`config_class`
+    names it; hf_diloco.trl has them for TRL's SFTTrainer and DPOTrainer). Arguments are passed on by keyword, so
+    a trainer whose own parameters come in another order than Trainer's is served alike; positional ones after
+    (model, args) follow Trainer's order. During `train()`, SIGTERM, SIGINT and SIGUSR1 (unless
+    `stop_signals=False`) and the file `<output_dir>/stop.request` stop training at the end of the round, every
+    replica at the same step, with a checkpoint (see `request_stop`). Nothing crosses replicas between syncs: the
+    trainer's per-step metric gathers (`accelerator.gather`, `gather_for_metrics` inside `training_step`, as
+    TRL's trainers do) stay on each replica (compat.replica_local_metric_gathers).
     """
+
+    config_class = DiLoCoConfig
 
     def __init__(self, model=None, args: DiLoCoConfig | None = None, *pargs, stop_signals: bool = True, **kwargs):
         if args is None:
-            args = DiLoCoConfig(output_dir="trainer_output")
-        if not isinstance(args, DiLoCoConfig):
-            raise TypeError(f"DiLoCoTrainer needs a DiLoCoConfig as args, got {type(args).__name__}.")
+            args = self.config_class(output_dir="trainer_output")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__} as args, got "
+                            f"{type(args).__name__}.")
+        if pargs:  # by name from here on: the trainer after this mixin may order its parameters otherwise
+            import inspect
+
+            names = list(inspect.signature(Trainer.__init__).parameters)[3:]
+            kwargs.update(zip(names, pargs, strict=False))
         if args.sharded_replica:
             args.parallelism_config = parallel.replica_sharding(args)
         if args.tensor_parallel:
@@ -120,7 +129,7 @@ class DiLoCoTrainer(Trainer):
                 raise ConfigError("tensor parallel (tp_size > 1) splits the model DiLoCoTrainer is given, so pass "
                                   "model=...; a model_init is not supported with it.")
             model = parallel.apply_tensor_parallel(model, args)
-        super().__init__(model, args, *pargs, **kwargs)
+        super().__init__(model=model, args=args, **kwargs)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0). A
         # tensor-parallel replica syncs like a sharded one: each process its own pieces, with the same-rank process
         # of every other replica.
@@ -207,7 +216,7 @@ class DiLoCoTrainer(Trainer):
 
     def get_eval_dataloader(self, eval_dataset=None):
         if self.args.tensor_parallel:  # the processes of a replica evaluate the same batches together
-            return self._one_shard_of_several(lambda: super(DiLoCoTrainer, self).get_eval_dataloader(eval_dataset))
+            return self._one_shard_of_several(lambda: super(DiLoCoMixin, self).get_eval_dataloader(eval_dataset))
         return super().get_eval_dataloader(eval_dataset)
 
     def _one_shard_of_several(self, make_loader):
@@ -219,7 +228,8 @@ class DiLoCoTrainer(Trainer):
             return make_loader()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with compat.replica_local_metric_gathers(self.accelerator):
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self.diloco.observe_micro_batch(loss, inputs)
         return loss
 
@@ -408,11 +418,18 @@ class DiLoCoTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Tensor parallel: every process gathers its replica's full weights (a collective inside the replica only),
-        then the saving process writes an ordinary consolidated model."""
+        then the saving process writes an ordinary consolidated model. A gathered state dict (FSDP2, tensor
+        parallel) holds a tied weight twice, as two tensors that no longer share memory: the tied copy is left to
+        the model's tie, so the file holds each tensor once, as `save_pretrained` of the plain model writes it."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if self.args.tensor_parallel and state_dict is None:
-            state_dict = parallel.full_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+            state_dict = parallel.full_state_dict(model)
             if not self.args.should_save:
                 return
+        if state_dict is not None:
+            tied = getattr(model, "all_tied_weights_keys", None) or {}
+            state_dict = {key: value for key, value in state_dict.items()
+                          if not (key in tied and tied[key] in state_dict)}
         return super()._save(output_dir, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -462,3 +479,19 @@ class DiLoCoTrainer(Trainer):
                       else Path(checkpoint)) / OUTER_STATE_FILE
         self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
 
+
+
+class DiLoCoTrainer(DiLoCoMixin, Trainer):
+    """`Trainer` that trains each process as a DiLoCo replica and averages replicas every `inner_steps` steps.
+
+    Takes what `Trainer` takes; `args` must be a `DiLoCoConfig`. During `train()`, SIGTERM, SIGINT and SIGUSR1
+    (unless `stop_signals=False`) and the file `<output_dir>/stop.request` stop training at the end of the round,
+    every replica at the same step, with a checkpoint (see `request_stop`). DiLoCo for another Trainer subclass:
+    `DiLoCoMixin`.
+
+    Example (a runnable version is in the README's "Python" section)::
+
+        trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
+                                train_dataset=train, eval_dataset=held_out)
+        trainer.train()
+    """

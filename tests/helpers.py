@@ -181,3 +181,48 @@ def corrupted_corpora(folder: Path) -> dict[str, Path]:
         paths[name] = folder / f"{name}.jsonl"
         paths[name].write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus))
     return paths
+
+
+# Tiny models of each architecture the matrix covers, built from small configs (vocabulary: the byte tokenizer's).
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         decoder_sparse_step=1)),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)),
+    "bert-masked-lm": ("BertConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4)),
+    "t5": ("T5Config", dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16)),
+}
+
+
+def tiny_model_folder(kind: str, folder: Path, tokenizer: bool = True) -> Path:
+    """A freshly initialised tiny model of architecture `kind` (ARCHITECTURES), saved with `save_pretrained` to
+    `folder` as a user's own model would be, with the byte tokenizer beside it unless `tokenizer` is False."""
+    import torch
+    import transformers
+
+    from hf_diloco.models import byte_tokenizer
+
+    config_class, settings = ARCHITECTURES[kind]
+    byte = byte_tokenizer()
+    config = getattr(transformers, config_class)(vocab_size=len(byte), pad_token_id=byte.pad_token_id,
+                                                 bos_token_id=byte.eos_token_id, eos_token_id=byte.eos_token_id,
+                                                 **settings)
+    head = {"bert-masked-lm": transformers.BertForMaskedLM, "t5": transformers.T5ForConditionalGeneration}.get(
+        kind, transformers.AutoModelForCausalLM)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = head.from_config(config) if head is transformers.AutoModelForCausalLM else head(config)
+    model.save_pretrained(folder)
+    if tokenizer:
+        byte.save_pretrained(folder)
+    return folder

@@ -68,6 +68,25 @@ def batches(loader) -> list[list[int]]:
     return [batch.tolist() for batch in loader]
 
 
+def test_trl_gathers_its_step_metrics_through_the_accelerator_and_the_patch_makes_them_local():
+    """replica_local_metric_gathers: TRL 1.16's SFTTrainer and DPOTrainer call the Accelerator's `gather_for_metrics`
+    and `gather` inside compute_loss (when they stop, the patch has nothing left to do), and inside the block both
+    give this process's values back untouched while the class's methods are whole again afterwards."""
+    import inspect
+
+    from accelerate import Accelerator
+    from trl import DPOTrainer, SFTTrainer
+
+    assert "self.accelerator.gather_for_metrics(" in inspect.getsource(SFTTrainer.compute_loss)
+    dpo = inspect.getsource(DPOTrainer.compute_loss) + inspect.getsource(DPOTrainer._compute_loss)
+    assert "self.accelerator.gather(" in dpo and "self.accelerator.gather_for_metrics(" in dpo
+    accelerator = Accelerator(cpu=True)
+    value = torch.tensor([3.0])
+    with compat.replica_local_metric_gathers(accelerator):
+        assert accelerator.gather(value) is value and accelerator.gather_for_metrics(value) is value
+    assert "gather" not in vars(accelerator) and accelerator.gather.__func__ is Accelerator.gather
+
+
 def test_accelerate_prepares_data_loaders_through_the_module_level_prepare_data_loader():
     """data_loader_shard: `Accelerator.prepare_data_loader` calls `accelerate.accelerator.prepare_data_loader` with
     num_processes, process_index and torch_device_mesh, so one process can be given shard 1 of 2."""

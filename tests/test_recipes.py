@@ -33,7 +33,7 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
     values = {"inner_steps": 500, "outer_optimizer": "sgd", "outer_lr": 0.7, "outer_momentum": 0.9,
-              "outer_nesterov": True, "trainer": "diloco", "gradient_accumulation_steps": 1,
+              "outer_nesterov": True, "trainer": "diloco", "gradient_accumulation_steps": 1, "weight_decay": 0.0,
               **yaml.safe_load((RECIPES / recipe).read_text())}
     plan = read_plan(result.stdout)
     assert plan["trainer"] == values["trainer"]
@@ -49,8 +49,13 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
                                        f"{float(values['outer_momentum'])}" + (" Nesterov" if nesterov else ""))
     assert (f"lr {float(values['learning_rate'])} weight decay {float(values['weight_decay'])}, "
             f"warmup {values['warmup_steps']}, {values['lr_scheduler_type']}") in plan["inner optimizer"]
-    tokens = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * values["block_size"]
-    assert plan["tokens per inner step per process"] == f"{tokens:,}"
+    if values["trainer"] in ("sft", "dpo"):  # TRL's rows: at most max_length tokens each
+        tokens = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * values["max_length"]
+        assert plan["tokens per inner step per process"] == f"at most {tokens:,}"
+        assert f"at most {values['max_length']} tokens each" in plan["data"]
+    else:
+        tokens = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * values["block_size"]
+        assert plan["tokens per inner step per process"] == f"{tokens:,}"
     total, trainable = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|trainable)",
                                                                       plan["model"]))
     assert (trainable < total / 10) if values.get("lora_r", 0) > 0 else trainable == total

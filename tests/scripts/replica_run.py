@@ -10,7 +10,9 @@ builds each process's model from its own seed (replicas that do not start alike)
 every all-reduce across replicas wait s seconds first (a slower link); `cgroup_by_rank: {rank: folder}` moves
 that rank's process into a cgroup v1 `cpu` folder the test made (a real CPU quota: a slower replica). Per sync a rank
 also records the seconds it spent inside the sync (`sync_seconds`) and the inner steps it took since the sync before
-(`steps_between`), and its whole training time (`train_seconds`).
+(`steps_between`), and its whole training time (`train_seconds`). `model_folder: path` trains a model saved there
+with `save_pretrained` instead of the tiny Llama, and `save_to: path` saves the trained model there at the end with
+`Trainer.save_model`, as `hf-diloco train` does.
 """
 
 import hashlib
@@ -34,6 +36,8 @@ out = Path(settings.pop("out"))
 stop_at_step = settings.pop("stop_at_step", None)
 stop_after_syncs = settings.pop("stop_after_syncs", None)
 seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
+model_folder = settings.pop("model_folder", None)  # train this saved model instead of the tiny Llama
+save_to = settings.pop("save_to", None)  # then save it there with Trainer.save_model, as hf-diloco train does
 slow_sync_seconds = settings.pop("slow_sync_seconds", 0)  # every all-reduce between replicas takes this much longer
 cgroup = settings.pop("cgroup_by_rank", {}).get(os.environ.get("RANK", "0"))
 if cgroup:  # every thread of this process, and any it starts, runs under the group's CPU quota
@@ -126,7 +130,12 @@ config = DiLoCoConfig(
     seed=0,
     **settings,
 )
-model = tiny_llama(seed=int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
+if model_folder:  # a user's own model, saved with save_pretrained (tests/helpers.py tiny_model_folder)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder)
+else:
+    model = tiny_llama(seed=int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
 trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(),
                         data_collator=default_data_collator, callbacks=[Probe()])
 if slow_sync_seconds:  # a slower link: each all-reduce across replicas waits before it runs
@@ -190,6 +199,8 @@ else:
     final = trainer.model.state_dict()
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in final.items()}, out / "final.pt")
+if save_to:
+    trainer.save_model(save_to)
 # Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
 # finished process (SIGABRT, "terminate called without an active exception").
 launch.destroy_process_groups()
