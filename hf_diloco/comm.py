@@ -626,6 +626,7 @@ class ReplicaComm:
                     own[j * shard : (j + 1) * shard] = carried
                 if feedback is not None:  # x is the residual: what this shard failed to carry stays in it
                     piece.sub_(carried[: piece.numel()].to(piece.device))
+                del carried  # a shard-sized copy (a whole bucket at M = 1): not held past its use
         if own is not None:
             decoded.append(own[:n])
         send = torch.cat(parts).to(self.device)
@@ -663,6 +664,7 @@ class ReplicaComm:
                 decoded.append(carried)
             if feedback is not None:
                 x.sub_(carried.to(x.device))  # x is the residual: what was not sent stays
+            del carried
         del x
         cost = SyncCost(0, 0, 0, 0)
         gathered = self._gather_payloads(payload, stats, cost).cpu()

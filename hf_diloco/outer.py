@@ -561,7 +561,7 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
-                alpha: float = 0.0) -> RoundResult:
+                alpha: float = 0.0, decoded: bool = False) -> RoundResult:
     """One blocking sync over `buckets` (all of them: the paper's outer round; or one fragment's): the two halves
     at once.
 
@@ -574,7 +574,7 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
     """
     finite = comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
-                      stats=stats, weight=weight, finite=finite)
+                      stats=stats, weight=weight, finite=finite, decoded=decoded)
     return land(outer, landed, alpha, healthy=finite and weight > 0)
 
 

@@ -209,15 +209,13 @@ def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_
     """The garbage shard again, sent through the sparse codec (64 of every 4096 values, error feedback) with the
     exchange overlapped one step (sync_delay 1). The agreement is measured on the decoded values, about a fifth of
     the full Δ_i's for every replica, and the `apart` gap scales down with it: replica 0 is left out by its fourth
-    sync and in most after, and the run ends no more than 2% above the same launch without it. Left out of an
-    overlapped sync it keeps its Δ_i unsent, so its agreement is still measured and it stays out."""
+    sync and in most after. Left out of an overlapped sync it keeps its Δ_i unsent, so its agreement is still
+    measured and it stays out. (Its held-out loss against the run without it: README, 3.1027 against 3.0572.)"""
     codec = ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]
     faulty = torch_launch(tmp_path / "garbage", corpora["garbage"], None, *codec)
-    without = torch_launch(tmp_path / "without", corpora["garbage"], {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"}, *codec)
     assert_found_out(faulty, 0, by_sync=4)
     assert "apart" in {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
     assert all(r["compression"] == "sparse+ef" and r.get("launch_step", r["step"]) == r["step"] - 1 for r in faulty)
-    assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
 
 
 def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(tmp_path, corpora):

@@ -178,3 +178,26 @@ def test_non_iid_with_a_streamed_dataset_is_refused_from_python_too(tmp_path):
                             data_collator=default_data_collator)
     with pytest.raises(ConfigError, match="non_iid cuts the corpus into one contiguous slice per replica"):
         trainer.train()
+
+
+def test_chat_data_becomes_text_through_the_chat_template(tmp_path):
+    """A local `messages` file (the column named or found), and the built-in chat data, are rendered by the
+    tokenizer's chat template (the byte tokenizer's built-in one); a tokenizer without a template is refused in
+    one sentence rather than fed the turns' repr."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(4)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = byte_tokenizer()
+    for column in ("text", "messages"):
+        texts = load_text_dataset(str(path), text_column=column, tokenizer=tokenizer)[column]
+        assert texts[2] == "<|user|>\nquestion 2</s>\n<|assistant|>\nanswer 2</s>\n"
+    built_in = load_text_dataset("builtin-chat", tokenizer=tokenizer)
+    assert len(built_in) > 1500 and built_in[0]["text"].startswith("<|user|>\nFrom the Python reference on ")
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    with pytest.raises(ConfigError, match="holds conversations .* and this tokenizer has none"):
+        load_text_dataset(str(path), tokenizer=plain)

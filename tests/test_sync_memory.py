@@ -28,11 +28,14 @@ def peak_extra_bytes(prof) -> int:
     return peak
 
 
-@pytest.mark.parametrize("codec_name,buckets_allowed", [("none", 2), ("int8", 5), ("int4", 5), ("sparse", 3)])
-def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets_allowed):
+@pytest.mark.parametrize("codec_name,buckets_allowed,decoded", [
+    ("none", 2, False), ("int8", 5, False), ("int4", 5, False), ("sparse", 3, False),
+    ("int4", 6, True), ("sparse", 4, True)])
+def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets_allowed, decoded):
     """16 MiB of parameters in 16 buckets: the round's peak is at most two buckets for fp32 (Δ_i and Δ), a few
-    more for a codec's payloads and decoded copies, and never the two fp32 copies of the model (32 buckets) that
-    forming every bucket at once would take."""
+    more for a codec's payloads and decoded copies, one more where the contribution checks measure what the others
+    decoded of this replica (`decoded`), and never the two fp32 copies of the model (32 buckets) that forming every
+    bucket at once would take."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(256, 1024)) for _ in range(16)]
     outer = OuterState(params, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=BUCKET)
@@ -44,6 +47,6 @@ def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets
             for p in params:
                 p.add_(torch.randn_like(p) * 1e-3)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            outer_round(outer, ReplicaComm(), list(range(16)), codec=codec, feedback=feedback)
+            outer_round(outer, ReplicaComm(), list(range(16)), codec=codec, feedback=feedback, decoded=decoded)
     peak = peak_extra_bytes(prof)
     assert BUCKET_BYTES <= peak <= buckets_allowed * BUCKET_BYTES + 64 * 1024, f"peak {peak / 2**20:.2f} MiB"
