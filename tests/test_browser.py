@@ -269,6 +269,10 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
     runs_dir = tmp_path / "runs"
     draft = TORCHFT_YAML.replace("min_replicas: 2", "min_replicas: 1")
     draft = draft.replace('eval_strategy: "no"', "eval_strategy: steps").replace("eval_steps: 50", "eval_steps: 100")
+    # A replica killed inside a sync leaves replica 0's exchange waiting for it until sync_timeout: 30 s, not the
+    # recipe's 120, keeps the two syncs alone below the wait below
+    assert "sync_timeout: 120" in draft
+    draft = draft.replace("sync_timeout: 120", "sync_timeout: 30")
     with app_server(runs_dir) as url:
         client = Client(url, verbose=False)
         form = ["", "torchft-3.yaml", draft, "torchft-replica.yaml", *knobs(replicas=2, inner_steps=5, max_steps=300)]

@@ -172,8 +172,9 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_and_nobody_waits(tmp_p
     assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
     records = read_sync_rounds(tmp_path / "run")
     assert len(records) >= 8, records
-    # The first sync waited for its exchange: the link is slow for this budget.
-    assert records[0]["blocked_seconds"] >= SLOW_LINK, records[0]
+    # The first sync waited for its exchange: the link is slow for this budget (to within 10%: the wait is timed
+    # by the inner loop, from a moment after the exchange and its slow link began)
+    assert records[0]["blocked_seconds"] >= 0.9 * SLOW_LINK, records[0]
     choices = [(r["sync"], r["sync_delay_auto"]) for r in records if "sync_delay_auto" in r]
     stretched = [(n, c) for n, c in choices if c["budget_seconds"] > SHORT_BUDGET]
     assert stretched and stretched[0][0] <= 3, choices
