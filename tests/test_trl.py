@@ -78,8 +78,15 @@ def test_what_trl_cannot_serve_is_refused_in_one_sentence(tmp_path, monkeypatch)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("hf-diloco: error: trainer sft (TRL) runs on fixed replicas") and words in last, last
-    from hf_diloco.config import ConfigError, config_class
-    from hf_diloco.trl import DiLoCoDPOConfig
+    from hf_diloco.config import ConfigError, RunArguments, config_class
+    from hf_diloco.train import check_arguments
+    from hf_diloco.trl import DiLoCoDPOConfig, DiLoCoSFTConfig
+
+    for layout, words in (({"outer_backend": "torchft", "lighthouse": "http://127.0.0.1:1"}, "outer_backend torchft"),
+                          ({"tp_size": 2, "replica_group_size": 2}, "FSDP2 or tensor parallel inside a replica")):
+        config = DiLoCoSFTConfig(output_dir=str(tmp_path), max_steps=40, inner_steps=20, bf16=False, **layout)
+        with pytest.raises(ConfigError, match=f"this run asks for {words}; use trainer diloco"):
+            check_arguments(RunArguments(trainer="sft"), config)
 
     with pytest.raises(ConfigError, match="sync_ref_model moves each replica's reference model"):
         DiLoCoDPOConfig(output_dir=str(tmp_path), sync_ref_model=True)
