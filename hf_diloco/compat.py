@@ -69,7 +69,8 @@ def data_loader_shard(index: int, count: int) -> Iterator[None]:
     would count the processes again from the mesh).
     Why: accelerate shards by its own processes. With torchft each replica is a launch of its own, so accelerate
     sees one replica where DiLoCo needs one shard per replica; with tensor parallel the processes of a replica
-    compute on the same batches.
+    compute on the same batches. A stream DiLoCo already split between replicas (datasets' `split_dataset_by_node`)
+    is prepared as shard 0 of 1, so accelerate neither shards it again nor reads every batch on each process.
     Waits for: `Accelerator.prepare_data_loader` taking the shard to read (accelerate 1.15 takes none).
     """
     import accelerate.accelerator as accelerator_module
@@ -84,6 +85,17 @@ def data_loader_shard(index: int, count: int) -> Iterator[None]:
         yield
     finally:
         accelerator_module.prepare_data_loader = prepare
+
+
+def node_split(dataset) -> tuple[int, int] | None:
+    """(rank, world size) a `datasets.IterableDataset` was split for by `split_dataset_by_node`, or None.
+
+    Reads the stream's private `_distributed` (datasets 5.2). Why: DiLoCo splits a stream between replicas itself
+    and must neither split one twice nor keep one split for another layout.
+    Waits for: a public accessor in datasets.
+    """
+    distributed = getattr(dataset, "_distributed", None)
+    return None if distributed is None else (distributed.rank, distributed.world_size)
 
 
 def pass_through_batch_sharding(loader) -> None:

@@ -15,6 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import Sampler
 from .config import ConfigError, RunArguments, first_line
 
 BUILTIN = "builtin"
+STREAM_BATCH = 100  # documents a streamed corpus is tokenized in at a time
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -86,17 +88,23 @@ def builtin_preferences() -> Dataset:
     return Dataset.from_list(rows)
 
 
-def load_raw_dataset(name: str, config: str | None = None) -> Dataset:
-    """A dataset as it is stored: a built-in one or a local/Hub one (its train split)."""
+def load_raw_dataset(name: str, config: str | None = None, streaming: bool = False) -> Dataset | IterableDataset:
+    """A dataset as it is stored: a built-in one or a local/Hub one (its train split); with `streaming` an
+    `IterableDataset` (a built-in one in 2 shards, so that 2 replicas each read their own)."""
     builtins = {BUILTIN: builtin_corpus, BUILTIN_CHAT: builtin_chat, BUILTIN_PREFERENCES: builtin_preferences}
-    return builtins[name]() if name in builtins else _load(name, config)
+    if name in builtins:
+        return builtins[name]().to_iterable_dataset(num_shards=2) if streaming else builtins[name]()
+    return _load(name, config, streaming=streaming)
 
 
-def load_text_dataset(name: str, config: str | None = None, text_column: str = "text", tokenizer=None) -> Dataset:
+def load_text_dataset(name: str, config: str | None = None, text_column: str = "text", tokenizer=None,
+                      streaming: bool = False) -> Dataset | IterableDataset:
     """Load a corpus and check it has `text_column`. Chat data (a `messages` column of {"role", "content"} turns,
-    or `text_column` holding such turns) becomes text through the tokenizer's chat template, as TRL renders it."""
-    dataset = load_raw_dataset(name, config)
-    chat = _chat_column(dataset, text_column)
+    or `text_column` holding such turns) becomes text through the tokenizer's chat template, as TRL renders it.
+    With `streaming`, an `IterableDataset` read as it is used (the built-in corpora are streamed from memory)."""
+    dataset = load_raw_dataset(name, config, streaming=streaming)
+    columns = _columns(dataset)
+    chat = _chat_column(dataset, columns, text_column)
     if chat is not None:
         from .models import give_chat_template
 
@@ -104,18 +112,33 @@ def load_text_dataset(name: str, config: str | None = None, text_column: str = "
             raise ConfigError(f"dataset {name!r} holds conversations ({chat!r}), which the tokenizer's chat template "
                               f"turns into text, and this tokenizer has none; give it one (a tokenizer folder with "
                               f"chat_template) or use a text column.")
+        render = {} if streaming else {"desc": "Applying the chat template"}
         return dataset.map(lambda row: {text_column: tokenizer.apply_chat_template(row[chat], tokenize=False)},
-                           remove_columns=dataset.column_names, desc="Applying the chat template")
-    _check_text_column(name, dataset.column_names, text_column)
+                           remove_columns=columns, **render)
+    _check_text_column(name, columns, text_column)
     return dataset
 
 
-def _chat_column(dataset: Dataset, text_column: str) -> str | None:
+def _first_row(dataset: Dataset | IterableDataset) -> dict | None:
+    if isinstance(dataset, IterableDataset):
+        return next(iter(dataset.take(1)), None)
+    return dataset[0] if len(dataset) else None
+
+
+def _columns(dataset: Dataset | IterableDataset) -> list[str] | None:
+    """The dataset's columns; for a stream whose features are unknown until read (json), those of its first row."""
+    if dataset.column_names is not None:
+        return dataset.column_names
+    first = _first_row(dataset)
+    return list(first) if first is not None else None
+
+
+def _chat_column(dataset: Dataset | IterableDataset, columns: list[str] | None, text_column: str) -> str | None:
     """The column of conversations to render, if the dataset is chat data: `text_column` when it holds lists of
     turns, else `messages` when there is no `text_column`."""
     for column in (text_column, "messages"):
-        if column in dataset.column_names and (column == text_column or text_column not in dataset.column_names):
-            value = dataset[0][column] if len(dataset) else None
+        if column in (columns or []) and (column == text_column or text_column not in columns):
+            value = (_first_row(dataset) or {}).get(column)
             if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
                 return column
     return None
@@ -243,24 +266,51 @@ def split_held_out(blocks: Dataset, eval_fraction: float) -> tuple[Dataset, Data
     return blocks.select(range(n_train)), blocks.select(range(n_train, len(blocks)))
 
 
-def build_streaming_datasets(run: RunArguments, tokenizer) -> tuple[IterableDataset, IterableDataset]:
-    """A streamed corpus as (train, eval): the first `eval_blocks` blocks are held out.
+def build_streaming_datasets(run: RunArguments, tokenizer,
+                             shard: tuple[int, int] | None = None) -> tuple[IterableDataset, Dataset | None]:
+    """A streamed corpus as (train, eval), read as it is used: memory holds one batch of documents, never the corpus.
 
-    Texts are cut into blocks 1,000 documents at a time (a block never spans two such batches).
+    Held out: the first documents of the stream, as many as give `eval_blocks` blocks, kept in memory as a
+    `Dataset`. Training reads every other document; one whose text equals a held-out document's is left out too, so
+    no held-out text is trained on, whichever order a replica reads its part in. With `shard` = (index, count) the
+    documents are split with datasets' `split_dataset_by_node` before they are tokenized, so each replica tokenizes
+    only its own: whole files where their number divides by `count`, else every count-th document. Texts are cut
+    into blocks STREAM_BATCH (100) documents at a time (a block never spans two such batches, so at most one block
+    of tokens per batch is dropped; a batch of long documents stays small in memory).
     """
-    stream = _load(run.dataset_name, run.dataset_config, streaming=True)
-    _check_text_column(run.dataset_name, stream.column_names, run.text_column)
-    blocks = stream.map(
-        lambda batch: _texts_to_blocks(batch[run.text_column], tokenizer, run.block_size),
-        batched=True, batch_size=1000, remove_columns=stream.column_names,
-    )
-    return blocks.skip(run.eval_blocks), blocks.take(run.eval_blocks)
+    stream = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column, tokenizer, streaming=True)
+    column, held, tokens = run.text_column, [], 0
+    for row in stream if run.eval_blocks > 0 else ():
+        held.append(row[column])
+        tokens += len(tokenizer(row[column], add_special_tokens=False)["input_ids"]) + 1
+        if tokens >= run.eval_blocks * run.block_size:
+            break
+    eval_dataset = None
+    if run.eval_blocks > 0:
+        blocks = _texts_to_blocks(held, tokenizer, run.block_size)
+        if not blocks["input_ids"]:
+            raise ConfigError(f"dataset {run.dataset_name!r} has fewer than {run.block_size} tokens of text.")
+        eval_dataset = Dataset.from_dict({k: v[: run.eval_blocks] for k, v in blocks.items()})
+    kept = {_text_key(text) for text in held}
+    train = stream.filter(lambda row: _text_key(row[column]) not in kept) if kept else stream
+    if shard is not None and shard[1] > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        train = split_dataset_by_node(train, rank=shard[0], world_size=shard[1])
+    train = train.map(lambda batch: _texts_to_blocks(batch[column], tokenizer, run.block_size),
+                      batched=True, batch_size=STREAM_BATCH, remove_columns=_columns(stream))
+    return train, eval_dataset
 
 
-def build_datasets(run: RunArguments, tokenizer):
-    """Load, tokenize and split the corpus named by `run`: (train, eval or None)."""
+def _text_key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def build_datasets(run: RunArguments, tokenizer, shard: tuple[int, int] | None = None):
+    """Load, tokenize and split the corpus named by `run`: (train, eval or None). A streamed corpus is split
+    between replicas here when `shard` (this replica's index, the number of replicas) is given."""
     if run.streaming:
-        return build_streaming_datasets(run, tokenizer)
+        return build_streaming_datasets(run, tokenizer, shard)
     dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column, tokenizer)
     blocks = tokenize_into_blocks(dataset, tokenizer, run.block_size, run.text_column)
     if len(blocks) == 0:

@@ -469,7 +469,7 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
 
     from .callbacks import SteadyClock
     from .data import build_datasets
-    from .trainer import DiLoCoTrainer
+    from .trainer import DiLoCoTrainer, data_shard
 
     if not config.should_log:
         import datasets
@@ -479,7 +479,11 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
 
     set_seed(config.seed)  # every replica builds the same LoRA adapters (and anything else drawn at random)
     model, tokenizer = build_model(run)
-    train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer)
+    if run.trainer in TRL_TRAINERS:
+        train_dataset, eval_dataset = trl_datasets(run, tokenizer)
+    else:  # a stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate
+        train_dataset, eval_dataset = build_datasets(run, tokenizer, data_shard(config) if run.trainer == "diloco"
+                                                     else None)
     if eval_dataset is None and config.eval_strategy != "no":
         raise ConfigError(
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."

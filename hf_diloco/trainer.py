@@ -94,6 +94,43 @@ def graceful_stop_signals(request: Callable[[], None]) -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
+def data_shard(args: DiLoCoConfig) -> tuple[int, int]:
+    """(this process's shard, number of shards): its place in the launch, or with torchft (one launch per replica
+    of g processes) member j of replica_id r takes shard r·g + j of num_replicas·g, the shard the same process has
+    in a torch launch of num_replicas·g processes. Tensor parallel: the processes of a replica compute on the same
+    batches: the tp_size processes of one piece-set take one shard (replica r of a tensor-parallel replica takes
+    shard r of the replicas; with FSDP2 beside it, shard r·dp_shard + d)."""
+    tp = args.tp_size
+    if args.outer_backend == "torchft":
+        g = args.replica_group_size // tp
+        return args.replica_id * g + args.process_index // tp, args.num_replicas * g
+    return args.process_index // tp, args.world_size // tp
+
+
+def _is_stream(dataset) -> bool:
+    from datasets import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
+def split_stream(dataset, index: int, count: int):
+    """A `datasets.IterableDataset` cut for data shard `index` of `count` (a replica's part; see
+    `data_shard`) with datasets' `split_dataset_by_node`: whole files where their number divides by
+    `count`, else every count-th example. A stream already split so is kept; one split for another shard is
+    refused."""
+    done = compat.node_split(dataset)
+    if done is not None:
+        if done != (index, count):
+            raise ConfigError(f"the training stream was split as part {done[0]} of {done[1]}, and this process "
+                              f"trains data shard {index} of {count}; pass the stream whole and DiLoCo splits it.")
+        return dataset
+    if count == 1:
+        return dataset
+    from datasets.distributed import split_dataset_by_node
+
+    return split_dataset_by_node(dataset, rank=index, world_size=count)
+
+
 class DiLoCoMixin:
     """DiLoCo for a `Trainer` subclass you already have: `class MyTrainer(DiLoCoMixin, SomeTrainer)`, first among the
     bases, trains each process as a DiLoCo replica of SomeTrainer and averages replicas every `inner_steps` steps.
@@ -130,6 +167,8 @@ class DiLoCoMixin:
                                   "model=...; a model_init is not supported with it.")
             model = parallel.apply_tensor_parallel(model, args)
         super().__init__(model=model, args=args, **kwargs)
+        if _is_stream(self.train_dataset):
+            self.train_dataset = split_stream(self.train_dataset, *self.data_shard)
         # Creates the replica/slice process groups (and the background sync's own, with sync_delay > 0). A
         # tensor-parallel replica syncs like a sharded one: each process its own pieces, with the same-rank process
         # of every other replica.
@@ -177,16 +216,8 @@ class DiLoCoMixin:
 
     @property
     def data_shard(self) -> tuple[int, int]:
-        """(this process's shard, number of shards): its place in the launch, or with torchft (one launch per
-        replica of g processes) member j of replica_id r takes shard r·g + j of num_replicas·g, the shard the same
-        process has in a torch launch of num_replicas·g processes. Tensor parallel: the processes of a replica
-        compute on the same batches: the tp_size processes of one piece-set take one shard (replica r of a tensor-
-        parallel replica takes shard r of the replicas; with FSDP2 beside it, shard r·dp_shard + d)."""
-        tp = self.args.tp_size
-        if self.args.outer_backend == "torchft":
-            g = self.args.replica_group_size // tp
-            return self.args.replica_id * g + self.args.process_index // tp, self.args.num_replicas * g
-        return self.args.process_index // tp, self.args.world_size // tp
+        """(this process's shard, number of shards): see `data_shard`."""
+        return data_shard(self.args)
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -204,7 +235,10 @@ class DiLoCoMixin:
                 "data_sharding non_iid cuts the corpus into one contiguous slice per replica, which a streamed "
                 "dataset does not have; set streaming: false or data_sharding: iid."
             )
-        if self.args.outer_backend == "torchft" or self.args.tensor_parallel:
+        if _is_stream(self.train_dataset):  # already this replica's part (split_stream): accelerate passes it on
+            with compat.data_loader_shard(0, 1):
+                loader = super().get_train_dataloader()
+        elif self.args.outer_backend == "torchft" or self.args.tensor_parallel:
             loader = self._one_shard_of_several(super().get_train_dataloader)
         else:
             loader = super().get_train_dataloader()

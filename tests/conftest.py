@@ -33,6 +33,38 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 CFS_PERIOD_US = 10_000
 
 
+MEMORY_CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def memory_limit():
+    """make(bytes) -> a cgroup v1 `memory` folder whose processes together may hold at most `bytes` (page cache
+    included, reclaimed first; past the limit the kernel ends a process); a process joins by writing its pid to
+    the folder's cgroup.procs, and its children follow. The folders go afterwards. Skips with one sentence where
+    cgroups cannot be written (CI runs as root)."""
+    made = []
+
+    def make(limit: int) -> Path:
+        folder = MEMORY_CGROUP / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir()
+            (folder / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError as error:
+            pytest.skip(f"cgroups cannot be written here ({error.strerror}): a memory limit needs root and cgroup "
+                        f"v1 memory.")
+        made.append(folder)
+        return folder
+
+    yield make
+    for folder in made:
+        for pid in (folder / "cgroup.procs").read_text().split():  # none once the processes have ended
+            with contextlib.suppress(OSError):
+                (MEMORY_CGROUP / "cgroup.procs").write_text(pid)
+        with contextlib.suppress(OSError):  # the page cache it still holds moves to the parent
+            (folder / "memory.force_empty").write_text("0")
+        os.rmdir(folder)
+
+
 @pytest.fixture
 def cpu_quota():
     """make(share) -> a cgroup v1 `cpu` folder whose processes get `share` of one core (a real CPU quota: a slower

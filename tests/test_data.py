@@ -137,17 +137,22 @@ def test_missing_text_column_names_the_columns(tmp_path):
         load_text_dataset(str(path))
 
 
-def test_streamed_file_gives_the_same_blocks_as_the_loaded_one(tmp_path):
-    """Streaming reads the same text into the same blocks (few documents: one 1,000-document batch)."""
+def test_a_streamed_file_holds_out_its_first_documents_and_trains_on_the_rest(tmp_path):
+    """Streaming holds out the first documents (each of 106 tokens with EOS: 3 blocks of 32 need one) and cuts the
+    others into the blocks loading would give them; a later copy of a held-out document is not trained on."""
     path = tmp_path / "corpus.jsonl"
-    path.write_text("\n".join(json.dumps({"text": f"streamed document {i} " * 5}) for i in range(30)))
+    texts = [f"streamed document {i:02d} " * 5 for i in range(30)] + ["streamed document 00 " * 5]
+    path.write_text("\n".join(json.dumps({"text": text}) for text in texts))
     tokenizer = byte_tokenizer()
-    streamed = RunArguments(dataset_name=str(path), block_size=32, streaming=True, eval_blocks=3)
-    train, held_out = build_datasets(streamed, tokenizer)
-    stream_blocks = [b["input_ids"] for b in held_out] + [b["input_ids"] for b in train]
-    loaded = tokenize_into_blocks(load_text_dataset(str(path)), tokenizer, block_size=32)
-    assert stream_blocks == loaded["input_ids"]
-    assert len(stream_blocks) > 3
+    train, held_out = build_datasets(RunArguments(dataset_name=str(path), block_size=32, streaming=True,
+                                                  eval_blocks=3), tokenizer)
+    first, rest = tmp_path / "first.txt", tmp_path / "rest.txt"
+    first.write_text(texts[0])
+    rest.write_text("\n".join(texts[1:30]))
+    assert held_out["input_ids"] == tokenize_into_blocks(load_text_dataset(str(first)), tokenizer, 32)["input_ids"]
+    assert [b["input_ids"] for b in train] == tokenize_into_blocks(load_text_dataset(str(rest)), tokenizer,
+                                                                   32)["input_ids"]
+    assert len(held_out) == 3
 
 
 def test_streamed_dataset_without_text_column_is_refused(tmp_path):
