@@ -139,6 +139,32 @@ def training_argument_fields() -> frozenset[str]:
     return frozenset()
 
 
+TRL_CONFIGS = {"sft": ("sft_config.py", "SFTConfig"), "dpo": ("dpo_config.py", "DPOConfig")}
+
+
+@functools.cache
+def trl_fields(trainer: str) -> frozenset[str]:
+    """The fields TRL's SFTConfig or DPOConfig (`trainer: sft` / `dpo`) and their TRL base add to
+    TrainingArguments (`max_length`, `beta`, ...), read from TRL's source (importing TRL imports torch); the
+    TrainingArguments fields they give other defaults stay under the app's rules for those. FormError when TRL is
+    not installed."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None or spec.origin is None:
+        raise FormError(f"trainer {trainer} is TRL's {TRL_CONFIGS[trainer][1].replace('Config', 'Trainer')}, and TRL "
+                        f"is not installed here: pip install 'hf-diloco[trl]'.")
+    folder = Path(spec.origin).parent / "trainer"
+    names = set()
+    for file, name in ((TRL_CONFIGS[trainer][0], TRL_CONFIGS[trainer][1]), ("base_config.py", "_BaseConfig")):
+        for node in ast.parse((folder / file).read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                names |= {item.target.id for item in node.body
+                          if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return frozenset(names) - training_argument_fields()
+
+
 def check_recipe_keys(recipe: Path) -> dict:
     """The recipe's values, if every key is one a run started from the app may set; a FormError otherwise."""
     try:
@@ -150,7 +176,9 @@ def check_recipe_keys(recipe: Path) -> dict:
 
 def check_recipe_values(values: dict) -> dict:
     """`values` (a recipe's), if every key is one a run started from the app may set; a FormError otherwise."""
-    known = library_fields() | training_argument_fields()
+    trainer = str(values.get("trainer", "diloco"))
+    own = library_fields() | (trl_fields(trainer) if trainer in TRL_CONFIGS else frozenset())
+    known = own | training_argument_fields()
     unknown = sorted(set(values) - known)
     if unknown:
         import difflib
@@ -160,8 +188,9 @@ def check_recipe_values(values: dict) -> dict:
             guess = difflib.get_close_matches(str(key), known, n=1)
             hints.append(f"{key!r} (did you mean {guess[0]!r}?)" if guess else repr(key))
         raise FormError(f"the recipe has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: neither a "
-                        f"DiLoCoConfig, RunArguments nor TrainingArguments field.")
-    refused = sorted(set(values) - library_fields() - TRAINING_KEYS)
+                        f"DiLoCoConfig, RunArguments nor TrainingArguments field"
+                        + (f" (nor {TRL_CONFIGS[trainer][1]}'s)." if trainer in TRL_CONFIGS else "."))
+    refused = sorted(set(values) - own - TRAINING_KEYS)
     if refused:
         raise FormError(
             f"the app does not start runs that set {', '.join(map(repr, refused))}: a run started here may set "

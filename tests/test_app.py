@@ -159,6 +159,30 @@ def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
         assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
 
 
+def test_a_trl_sft_run_from_the_app(tmp_path):
+    """Recipe sft-lora (trainer: sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc and 2
+    replicas: the form is valid, the run finishes, Live shows its two rounds and the card names the trainer."""
+    runs_dir = tmp_path / "runs"
+    recipe = (REPO / "recipes" / "sft-lora.yaml").read_text().replace("eval_strategy: steps", "eval_strategy: \"no\"")
+    with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        form = ["", "sft-lora.yaml", recipe, "cpu-2proc.yaml", *knobs(replicas=2, inner_steps=2, max_steps=4)]
+        command, message = client.predict(*form, api_name="/preview")
+        assert "Form is valid" in message, message
+        message, selected, _ = client.predict(*form, api_name="/start")
+        assert message.startswith("Started"), message
+        run_id = selected["value"] if isinstance(selected, dict) else selected
+        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to end")
+        run = runs.load(runs_dir / run_id)
+        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
+        recorded = read_sync_rounds(Path(run.output_dir))
+        assert [(r["round"], r["num_replicas"]) for r in recorded] == [(1, 2), (2, 2)]
+        live = client.predict(run_id, api_name="/refresh")
+        assert [row[:2] for row in table(live[6])["data"]] == [[2, 4], [1, 2]]
+        card = client.predict(run_id, "alice/sft", api_name="/card")[0]
+        assert "The inner loop was TRL's SFTTrainer." in card
+
+
 BAD_FORMS = {
     "no recipe": (["", "cpu-2proc.yaml", knobs()], "choose a recipe"),
     "H = 0": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps=0)],

@@ -91,15 +91,17 @@ SHORT = ["--max_steps", "20", "--inner_steps", "10", "--block_size", "32", "--pe
 
 
 def test_a_torch_backend_run_of_two_replicas_runs_as_a_slurm_job(cluster, tmp_path):
-    """One node of the cpu-2proc config: 2 replicas, whose round records show both."""
+    """One node of the cpu-2proc config: 2 replicas of recipes/sft-lora.yaml (TRL's SFTTrainer, its max_length
+    field among the flags), whose round records show both; the LoRA adapter is saved."""
     out = tmp_path / "run"
-    job = submit(cluster, "tiny-pretrain.yaml", "cpu-2proc.yaml", "--nodes", "1", "--job-name", "hfd-torch",
-                 "--", *SHORT, "--output_dir", str(out))
+    job = submit(cluster, "sft-lora.yaml", "cpu-2proc.yaml", "--nodes", "1", "--job-name", "hfd-torch",
+                 "--", *SHORT, "--max_length", "64", "--output_dir", str(out))
     states = wait_for_job(cluster, job, 1, 300)
     log = next((out / "slurm").glob(f"slurm-{job}*.log")).read_text()
     assert states == ["COMPLETED"], log[-3000:]
     rounds = read_sync_rounds(out)
     assert [r["step"] for r in rounds] == [10, 20] and all(len(r["replica_losses"]) == 2 for r in rounds)
+    assert (out / "adapter_model.safetensors").exists()
     assert f"[hf-diloco slurm] job {job}" in log
     script = (out / "slurm" / "job.sbatch").read_text()
     assert "#SBATCH --job-name=hfd-torch" in script and "#SBATCH --nodes=1" in script
