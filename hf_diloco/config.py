@@ -648,10 +648,12 @@ class RunArguments:
     seed_model: int = field(default=0, metadata={"help": "Seed for the initial weights of a preset model."})
     streaming: bool = field(
         default=False,
-        metadata={"help": "Stream the dataset instead of downloading it whole (needs max_steps); the first "
-                          "eval_blocks blocks are held out."},
+        metadata={"help": "Stream the dataset instead of loading it whole (needs max_steps); each replica reads "
+                          "its own part, and the first eval_blocks blocks are held out."},
     )
-    eval_blocks: int = field(default=64, metadata={"help": "Blocks held out for evaluation when streaming."})
+    eval_blocks: int = field(default=64, metadata={"help": "Blocks held out for evaluation when streaming (the "
+                                                           "stream's first documents); with trainer sft or dpo, "
+                                                           "rows."})
     trainer: str = field(
         default="diloco",
         metadata={"help": "'diloco' (DiLoCoTrainer on token blocks), 'sft' or 'dpo' (TRL's SFTTrainer or "

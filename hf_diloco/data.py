@@ -291,18 +291,40 @@ def build_streaming_datasets(run: RunArguments, tokenizer,
         if not blocks["input_ids"]:
             raise ConfigError(f"dataset {run.dataset_name!r} has fewer than {run.block_size} tokens of text.")
         eval_dataset = Dataset.from_dict({k: v[: run.eval_blocks] for k, v in blocks.items()})
-    kept = {_text_key(text) for text in held}
-    train = stream.filter(lambda row: _text_key(row[column]) not in kept) if kept else stream
-    if shard is not None and shard[1] > 1:
-        from datasets.distributed import split_dataset_by_node
-
-        train = split_dataset_by_node(train, rank=shard[0], world_size=shard[1])
+    kept = {_key(text) for text in held}
+    train = _split(stream.filter(lambda row: _key(row[column]) not in kept) if kept else stream, shard)
     train = train.map(lambda batch: _texts_to_blocks(batch[column], tokenizer, run.block_size),
                       batched=True, batch_size=STREAM_BATCH, remove_columns=_columns(stream))
     return train, eval_dataset
 
 
-def _text_key(text: str) -> bytes:
+def held_out_stream(run: RunArguments, shard: tuple[int, int] | None = None) -> tuple[IterableDataset, Dataset]:
+    """Rows streamed as they are stored (TRL's trainers tokenize them), as (train, eval): the first `eval_blocks`
+    rows held out in memory, the others (less any equal to a held-out row) split by `shard` as
+    `build_streaming_datasets` splits documents."""
+    stream = load_raw_dataset(run.dataset_name, run.dataset_config, streaming=True)
+    held = list(stream.take(run.eval_blocks))
+    if run.eval_blocks > 0 and not held:
+        raise ConfigError(f"dataset {run.dataset_name!r} has no rows.")
+    kept = {_key(row) for row in held}
+    train = _split(stream.filter(lambda row: _key(row) not in kept) if kept else stream, shard)
+    return train, Dataset.from_list(held) if held else None
+
+
+def _split(stream: IterableDataset, shard: tuple[int, int] | None) -> IterableDataset:
+    """Replica `shard[0]`'s part of `stream` (datasets' `split_dataset_by_node`), or all of it without a shard."""
+    if shard is None or shard[1] == 1:
+        return stream
+    from datasets.distributed import split_dataset_by_node
+
+    return split_dataset_by_node(stream, rank=shard[0], world_size=shard[1])
+
+
+def _key(value) -> bytes:
+    """A digest of a text or a row, equal for equal values."""
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 

@@ -46,22 +46,17 @@ def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
     """Combinations of model/data and training arguments that cannot work, refused in one sentence."""
     if run.streaming and config.max_steps <= 0:
         raise ConfigError("a streamed dataset has no length: set max_steps.")
-    if run.streaming and run.trainer == "diloco" and config.data_sharding == "non_iid":
+    if run.streaming and config.data_sharding == "non_iid":
         raise ConfigError(
             "data_sharding=non_iid needs the dataset's length to give each replica a contiguous slice, which a "
             "streamed dataset does not have; set streaming: false or data_sharding: iid."
         )
     checks.check_rounds(AUTO if config.auto_inner_steps else config.inner_steps, config.max_steps, run.trainer,
                         config.round_seconds)
-    if run.trainer in TRL_TRAINERS:
-        unsupported = {"streaming": run.streaming, "outer_backend torchft": config.outer_backend == "torchft",
-                       "FSDP2 or tensor parallel inside a replica": config.sharded_replica or config.tensor_parallel,
-                       "data_sharding non_iid": config.data_sharding == "non_iid"}
-        named = [name for name, chosen in unsupported.items() if chosen]
-        if named:
-            raise ConfigError(f"trainer {run.trainer} (TRL) runs on fixed replicas of one process each over a "
-                              f"dataset held whole, and this run asks for {', '.join(named)}; use trainer diloco "
-                              f"for that.")
+    if run.lora_r > 0 and config.tensor_parallel:
+        raise ConfigError("LoRA adapters cannot be split by tensor parallel inside a replica (its plan names the "
+                          "model's own layers, which PEFT wraps); split a LoRA replica with FSDP2 (fsdp: true) "
+                          "instead, or set lora_r: 0.")
 
 
 def restarted() -> bool:
@@ -479,11 +474,10 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
 
     set_seed(config.seed)  # every replica builds the same LoRA adapters (and anything else drawn at random)
     model, tokenizer = build_model(run)
-    if run.trainer in TRL_TRAINERS:
-        train_dataset, eval_dataset = trl_datasets(run, tokenizer)
-    else:  # a stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate
-        train_dataset, eval_dataset = build_datasets(run, tokenizer, data_shard(config) if run.trainer == "diloco"
-                                                     else None)
+    # A stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate.
+    shard = data_shard(config) if run.trainer != "ddp" else None
+    train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer,
+                                                                                                    shard)
     if eval_dataset is None and config.eval_strategy != "no":
         raise ConfigError(
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
@@ -522,16 +516,20 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     return trainer
 
 
-def trl_datasets(run: RunArguments, tokenizer):
-    """The rows TRL's trainers take as they are stored (conversations, or prompt/chosen/rejected pairs), the last
-    `eval_fraction` held out; the tokenizer must render chats (the byte tokenizer is given its chat template)."""
-    from .data import load_raw_dataset, split_held_out
+def trl_datasets(run: RunArguments, tokenizer, shard: tuple[int, int] | None = None):
+    """The rows TRL's trainers take as they are stored (conversations, or prompt/chosen/rejected pairs): the last
+    `eval_fraction` held out, or streamed, the first `eval_blocks` rows held out and the others split between the
+    replicas (`shard`) before TRL tokenizes them. The tokenizer must render chats (the byte tokenizer is given
+    its chat template)."""
+    from .data import held_out_stream, load_raw_dataset, split_held_out
     from .models import give_chat_template
 
     if not give_chat_template(tokenizer):
         raise ConfigError(f"trainer {run.trainer} renders conversations with the tokenizer's chat template, and the "
                           f"tokenizer of {run.model_name_or_path!r} has none; name one that has with "
                           f"tokenizer_name_or_path.")
+    if run.streaming:
+        return held_out_stream(run, shard)
     rows = load_raw_dataset(run.dataset_name, run.dataset_config)
     return split_held_out(rows, run.eval_fraction)
 

@@ -25,21 +25,31 @@ def launch_stream_run(tmp_path: Path, settings: dict) -> list[list[int]]:
     return [[d for step in json.loads((tmp_path / f"rank{r}.json").read_text()) for d in step] for r in range(2)]
 
 
-@pytest.mark.parametrize("mode", ["cli, one file: every other document", "python, 4 shards: 2 each"])
+@pytest.mark.parametrize("mode", ["cli, one file: every other document", "python, 4 shards: 2 each",
+                                  "sft, one file of conversations"])
 def test_each_replica_trains_its_own_part_of_a_stream_once_per_epoch(tmp_path, mode):
     """40 one-block documents, 2 replicas, batch 2. `hf-diloco train` on one jsonl file (datasets gives each
     replica every other document) holding out the first 4; DiLoCoTrainer handed a stream of 4 shards (each replica
-    reads two whole shards). Within its first epoch a replica trains on each document of its part once, the parts
-    are disjoint and together cover every training document; the second epoch reads the same part again."""
-    if mode.startswith("cli"):
+    reads two whole shards); `trainer: sft` (recipes/sft-lora.yaml) on 40 conversations in one jsonl file, the
+    first 4 held out. Within its first epoch a replica trains on each document of its part once, the parts are
+    disjoint and together cover every training document; the second epoch reads the same part again."""
+    common = ["--streaming", "true", "--eval_blocks", "4", "--max_steps", "12", "--inner_steps", "4",
+              "--per_device_train_batch_size", "2", "--eval_strategy", "no", "--output_dir", str(tmp_path / "run"),
+              "--save_strategy", "no", "--save_every_rounds", "0", "--report_to", "none", "--disable_tqdm", "true"]
+    if mode.startswith("sft"):
+        corpus = tmp_path / "chats.jsonl"
+        corpus.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q-{i:05d}"},
+                                                           {"role": "assistant", "content": "a"}]}) + "\n"
+                                  for i in range(40)))
+        held_out, epoch = set(range(4)), 18
+        seen = launch_stream_run(tmp_path, {"mode": "cli", "args": [
+            "--config", "recipes/sft-lora.yaml", "--dataset_name", str(corpus), "--max_length", "64", *common]})
+    elif mode.startswith("cli"):
         corpus = tmp_path / "corpus.jsonl"
         write_documents(corpus, 40)
         held_out, epoch = set(range(4)), 18
         seen = launch_stream_run(tmp_path, {"mode": "cli", "args": [
-            "--dataset_name", str(corpus), "--streaming", "true", "--eval_blocks", "4", "--block_size", str(BLOCK),
-            "--max_steps", "12", "--inner_steps", "4", "--per_device_train_batch_size", "2",
-            "--eval_strategy", "no", "--output_dir", str(tmp_path / "run"), "--save_strategy", "no",
-            "--save_every_rounds", "0", "--report_to", "none", "--disable_tqdm", "true"]})
+            "--dataset_name", str(corpus), "--block_size", str(BLOCK), *common]})
     else:
         held_out, epoch = set(), 20
         seen = launch_stream_run(tmp_path, {"mode": "python", "documents": 40, "shards": 4, "inner_steps": 4,

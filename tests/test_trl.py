@@ -42,51 +42,72 @@ def test_trl_trainers_run_as_replicas_with_nothing_crossing_between_syncs(tmp_pa
         assert (saved / "model.safetensors").exists() and "<|assistant|>" in (saved / "chat_template.jinja").read_text()
 
 
-@pytest.mark.parametrize("recipe, trainer", [("sft-lora.yaml", "SFTTrainer"), ("dpo-lora.yaml", "DPOTrainer")])
-def test_the_trl_recipes_run_through_hf_diloco_launch(tmp_path, recipe, trainer):
-    """`hf-diloco launch recipes/<recipe> --accelerate-config accelerate_configs/cpu-2proc.yaml`, shortened to two
-    rounds of 2 steps: it trains 2 replicas on the built-in chat or preference data, syncs only the LoRA adapters,
-    saves the adapter with the tokenizer's chat template, evaluates on the held-out rows, and the model card
-    `hf-diloco push` uploads says which TRL trainer ran the inner loop."""
+LAYOUTS = {  # name: (recipe, accelerate config, launch options, training flags)
+    "sft-lora": ("sft-lora.yaml", "cpu-2proc.yaml", [], []),
+    "dpo-lora, FSDP2 2x2, non-iid": ("dpo-lora.yaml", "cpu-fsdp-2x2.yaml", [],
+                                     ["--fsdp", "true", "--replica_group_size", "2", "--data_sharding", "non_iid"]),
+    "sft-lora, torchft": ("sft-lora.yaml", "torchft-replica.yaml", ["--replicas", "2"],
+                          ["--outer_backend", "torchft", "--min_replicas", "2"]),
+    "sft full, tensor parallel 2x2": ("sft-lora.yaml", "cpu-tp-2x2.yaml", [],
+                                      ["--lora_r", "0", "--tp_size", "2", "--replica_group_size", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_trl_recipes_run_through_hf_diloco_launch_in_every_layout(tmp_path, layout):
+    """`hf-diloco launch recipes/<recipe> --accelerate-config accelerate_configs/<config>`, shortened to two rounds
+    of 2 steps, with 2 replicas of one process (SFT with LoRA), each sharded over 2 by FSDP2 (DPO with LoRA, non-
+    i.i.d. slices), on torchft (two replica launches and a Lighthouse) or split by tensor parallel (full SFT): it
+    trains on the built-in chat or preference data, syncs the LoRA adapters only (or the whole model without
+    LoRA), saves them with the tokenizer's chat template, evaluates on the held-out rows, replicas end alike, and
+    the model card `hf-diloco push` uploads names the TRL trainer and the layout's settings."""
+    recipe, accelerate, options, flags = LAYOUTS[layout]
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "hf_diloco.cli", "launch", f"recipes/{recipe}", "--accelerate-config",
-         "accelerate_configs/cpu-2proc.yaml", "--port", str(free_port()), "--", "--max_steps", "4", "--inner_steps",
-         "2", "--eval_steps", "4", "--per_device_train_batch_size", "2", "--report_to", "none",
-         "--save_every_rounds", "0", "--output_dir", str(out)],
+         f"accelerate_configs/{accelerate}", "--port", str(free_port()), *options, "--", "--max_steps", "4",
+         "--inner_steps", "2", "--eval_steps", "4", "--per_device_train_batch_size", "2", "--report_to", "none",
+         "--save_every_rounds", "0", *flags, "--output_dir", str(out)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
-    rounds = read_sync_rounds(out)
-    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
-        adapter = sum(f.get_tensor(name).numel() for name in f.keys())
-    assert [r["synced_parameters"] for r in rounds] == [adapter, adapter]
-    assert {r["num_replicas"] for r in rounds} == {2}
+    folders = [out / "replica-0", out / "replica-1"] if "torchft" in layout else [out]
+    lora = "--lora_r" not in flags
+    saved = [folder / ("adapter_model.safetensors" if lora else "model.safetensors") for folder in folders]
+    with safe_open(str(saved[0]), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for other in saved[1:]:  # torchft: each replica saves its own copy
+        with safe_open(str(other), "pt") as f:
+            assert all(f.get_tensor(name).equal(tensor) for name, tensor in tensors.items())
+    rounds = read_sync_rounds(folders[0])
+    assert [r["synced_parameters"] for r in rounds] == [sum(t.numel() for t in tensors.values())] * 2
+    assert lora == all("lora_" in name for name in tensors)
+    assert {r.get("participants", r.get("num_replicas")) for r in rounds} == {2}
     assert rounds[-1].get("eval_loss") is not None
-    assert "<|assistant|>" in (out / "chat_template.jinja").read_text()
-    card = model_card(out)  # what `hf-diloco push` uploads as the repository's README.md
+    assert "<|assistant|>" in (folders[0] / "chat_template.jinja").read_text()
+    card = model_card(folders[0])  # what `hf-diloco push` uploads as the repository's README.md
+    trainer = "DPOTrainer" if recipe.startswith("dpo") else "SFTTrainer"
     assert f"The inner loop was TRL's {trainer}." in card and "- trl" in card.split("---")[1]
+    assert ("| data sharding (`data_sharding`) | non_iid | iid |" in card) == ("non-iid" in layout)
 
 
 def test_what_trl_cannot_serve_is_refused_in_one_sentence(tmp_path, monkeypatch):
-    """A TRL trainer with a layout the tests do not run with it, sync_ref_model, and TRL missing: one sentence each,
-    a non-zero exit and no traceback from the command line."""
-    for extra, words in ((["--streaming", "true", "--max_steps", "40"], "this run asks for streaming"),
-                         (["--data_sharding", "non_iid"], "this run asks for data_sharding non_iid")):
-        result = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/sft-lora.yaml",
-                                 *extra, "--output_dir", str(tmp_path / "out")], cwd=REPO, env=env(),
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
-        last = result.stderr.strip().splitlines()[-1]
-        assert last.startswith("hf-diloco: error: trainer sft (TRL) runs on fixed replicas") and words in last, last
-    from hf_diloco.config import ConfigError, RunArguments, config_class
+    """LoRA with tensor parallel inside a replica (for TRL's trainers as for DiLoCoTrainer: the plan names layers
+    PEFT has wrapped), sync_ref_model, and TRL missing: one sentence each, and from the command line a non-zero exit
+    and no traceback."""
+    result = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/sft-lora.yaml",
+                             "--tp_size", "2", "--replica_group_size", "2", "--output_dir", str(tmp_path / "out")],
+                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf-diloco: error: LoRA adapters cannot be split by tensor parallel inside a replica"), last
+    from hf_diloco.config import ConfigError, DiLoCoConfig, RunArguments, config_class
     from hf_diloco.train import check_arguments
-    from hf_diloco.trl import DiLoCoDPOConfig, DiLoCoSFTConfig
+    from hf_diloco.trl import DiLoCoDPOConfig
 
-    for layout, words in (({"outer_backend": "torchft", "lighthouse": "http://127.0.0.1:1"}, "outer_backend torchft"),
-                          ({"tp_size": 2, "replica_group_size": 2}, "FSDP2 or tensor parallel inside a replica")):
-        config = DiLoCoSFTConfig(output_dir=str(tmp_path), max_steps=40, inner_steps=20, bf16=False, **layout)
-        with pytest.raises(ConfigError, match=f"this run asks for {words}; use trainer diloco"):
-            check_arguments(RunArguments(trainer="sft"), config)
+    tensor_parallel = DiLoCoConfig(output_dir=str(tmp_path), max_steps=40, inner_steps=20, tp_size=2,
+                                   replica_group_size=2)
+    with pytest.raises(ConfigError, match="LoRA adapters cannot be split by tensor parallel"):
+        check_arguments(RunArguments(lora_r=8), tensor_parallel)  # trainer diloco alike
 
     with pytest.raises(ConfigError, match="sync_ref_model moves each replica's reference model"):
         DiLoCoDPOConfig(output_dir=str(tmp_path), sync_ref_model=True)

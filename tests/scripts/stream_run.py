@@ -4,12 +4,13 @@ Argument: a JSON object. `mode: cli` runs `hf-diloco train` (hf_diloco.cli.main)
 split between replicas before it is tokenized; `mode: python` hands DiLoCoTrainer an unsplit
 `datasets.IterableDataset` of `documents` one-block documents in `shards` shards (block i starts with token i),
 which the trainer splits itself. Every training step's input rows are recorded; each rank writes
-`rank<r>.json` into `out`: per step, the document of each row (cli: the number written at the start of its
-text; python: its first token); `record: false` records nothing.
+`rank<r>.json` into `out`: per step, the document of each row (cli: the number written in its text, "doc-00012"
+or, in a conversation, "q-00012"; python: its first token); `record: false` records nothing.
 """
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -29,8 +30,8 @@ def recording(self, model, inputs, num_items_in_batch=None):
     rows = inputs["input_ids"].tolist()
     if not settings.get("record", True):
         pass
-    elif settings["mode"] == "cli":  # "doc-00012 xxx...": the number after "doc-"
-        seen.append([int(tokenizer.decode(row)[4:9]) for row in rows])
+    elif settings["mode"] == "cli":  # "doc-00012 xxx..." (or a conversation asking "q-00012"): that number
+        seen.append([int(re.search(r"(?:doc|q)-(\d{5})", tokenizer.decode(row)).group(1)) for row in rows])
     else:
         seen.append([row[0] for row in rows])
     return training_step(self, model, inputs, num_items_in_batch)
