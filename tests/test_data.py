@@ -102,17 +102,23 @@ def test_presets_are_identical_for_a_seed_and_the_20m_preset_has_20m_params():
     assert {"tiny-llama", "llama-20m", "llama-150m"} <= set(PRESETS)
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".csv"])
-def test_local_files_load(tmp_path, suffix):
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".csv", ".parquet"])
+def test_local_files_load_whole_and_streamed(tmp_path, suffix):
     path = tmp_path / f"corpus{suffix}"
     lines = [f"document number {i} with some text" for i in range(20)]
     if suffix == ".jsonl":
         path.write_text("\n".join(json.dumps({"text": line}) for line in lines))
     elif suffix == ".csv":
         path.write_text("text\n" + "\n".join(lines))
+    elif suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": lines}), path)
     else:
         path.write_text("\n".join(lines))
     assert load_text_dataset(str(path))["text"] == lines
+    assert [row["text"] for row in load_text_dataset(str(path), streaming=True)] == lines
 
 
 def test_local_folder_loads(tmp_path):
