@@ -126,7 +126,8 @@ def write_report() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="*", choices=BENCHMARKS + FAULT_BENCHMARKS + LAYOUT_BENCHMARKS + TRAINER_BENCHMARKS,
+    parser.add_argument("--only", nargs="*",
+                        choices=BENCHMARKS + FAULT_BENCHMARKS + LAYOUT_BENCHMARKS + TRAINER_BENCHMARKS,
                         help="run these only (the report uses all results)")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from results/ only")
     args = parser.parse_args()

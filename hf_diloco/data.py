@@ -271,7 +271,7 @@ def build_streaming_datasets(run: RunArguments, tokenizer,
     """A streamed corpus as (train, eval), read as it is used: memory holds one batch of documents, never the corpus.
 
     Held out: the first documents of the stream, as many as give `eval_blocks` blocks, kept in memory as a
-    `Dataset`. Training reads every other document; one whose text equals a held-out document's is left out too, so
+    `Dataset`. Training reads all the others, less any whose text equals a held-out document's, so
     no held-out text is trained on, whichever order a replica reads its part in. With `shard` = (index, count) the
     documents are split with datasets' `split_dataset_by_node` before they are tokenized, so each replica tokenizes
     only its own: whole files where their number divides by `count`, else every count-th document. Texts are cut
@@ -292,7 +292,8 @@ def build_streaming_datasets(run: RunArguments, tokenizer,
             raise ConfigError(f"dataset {run.dataset_name!r} has fewer than {run.block_size} tokens of text.")
         eval_dataset = Dataset.from_dict({k: v[: run.eval_blocks] for k, v in blocks.items()})
     kept = {_key(text) for text in held}
-    train = _split(stream.filter(lambda row: _key(row[column]) not in kept) if kept else stream, shard)
+    train = stream.filter(lambda row: _key(row[column]) not in kept) if kept else stream
+    train = split_stream(train, *shard) if shard else train
     train = train.map(lambda batch: _texts_to_blocks(batch[column], tokenizer, run.block_size),
                       batched=True, batch_size=STREAM_BATCH, remove_columns=_columns(stream))
     return train, eval_dataset
@@ -307,17 +308,27 @@ def held_out_stream(run: RunArguments, shard: tuple[int, int] | None = None) -> 
     if run.eval_blocks > 0 and not held:
         raise ConfigError(f"dataset {run.dataset_name!r} has no rows.")
     kept = {_key(row) for row in held}
-    train = _split(stream.filter(lambda row: _key(row) not in kept) if kept else stream, shard)
-    return train, Dataset.from_list(held) if held else None
+    train = stream.filter(lambda row: _key(row) not in kept) if kept else stream
+    return split_stream(train, *shard) if shard else train, Dataset.from_list(held) if held else None
 
 
-def _split(stream: IterableDataset, shard: tuple[int, int] | None) -> IterableDataset:
-    """Replica `shard[0]`'s part of `stream` (datasets' `split_dataset_by_node`), or all of it without a shard."""
-    if shard is None or shard[1] == 1:
+def split_stream(stream: IterableDataset, index: int, count: int) -> IterableDataset:
+    """Data shard `index` of `count` of a stream (a replica's part; see `trainer.data_shard`), cut by datasets'
+    `split_dataset_by_node`: whole files where their number divides by `count`, else every count-th row. A stream
+    already split so is kept; one split for another shard is refused."""
+    from . import compat
+
+    done = compat.node_split(stream)
+    if done is not None:
+        if done != (index, count):
+            raise ConfigError(f"the training stream was split as part {done[0]} of {done[1]}, and this process "
+                              f"trains data shard {index} of {count}; pass the stream whole and DiLoCo splits it.")
+        return stream
+    if count == 1:
         return stream
     from datasets.distributed import split_dataset_by_node
 
-    return split_dataset_by_node(stream, rank=shard[0], world_size=shard[1])
+    return split_dataset_by_node(stream, rank=index, world_size=count)
 
 
 def _key(value) -> bytes:

@@ -46,7 +46,7 @@ from .callback import DiLoCoCallback
 from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
-from .data import ReplicaSliceSampler
+from .data import ReplicaSliceSampler, split_stream
 from .errors import first_line
 from .files import read_json, write_json
 from .runs import PROGRESS_FILE
@@ -111,24 +111,6 @@ def _is_stream(dataset) -> bool:
     from datasets import IterableDataset
 
     return isinstance(dataset, IterableDataset)
-
-
-def split_stream(dataset, index: int, count: int):
-    """A `datasets.IterableDataset` cut for data shard `index` of `count` (a replica's part; see
-    `data_shard`) with datasets' `split_dataset_by_node`: whole files where their number divides by
-    `count`, else every count-th example. A stream already split so is kept; one split for another shard is
-    refused."""
-    done = compat.node_split(dataset)
-    if done is not None:
-        if done != (index, count):
-            raise ConfigError(f"the training stream was split as part {done[0]} of {done[1]}, and this process "
-                              f"trains data shard {index} of {count}; pass the stream whole and DiLoCo splits it.")
-        return dataset
-    if count == 1:
-        return dataset
-    from datasets.distributed import split_dataset_by_node
-
-    return split_dataset_by_node(dataset, rank=index, world_size=count)
 
 
 class DiLoCoMixin:

@@ -109,7 +109,7 @@ def test_a_stream_split_for_another_layout_is_refused_and_one_split_for_this_rep
     from datasets.distributed import split_dataset_by_node
 
     from hf_diloco.config import ConfigError
-    from hf_diloco.trainer import split_stream
+    from hf_diloco.data import split_stream
 
     stream = Dataset.from_dict({"x": list(range(12))}).to_iterable_dataset(num_shards=2)
     assert [r["x"] for r in split_stream(stream, 1, 2)] == list(range(6, 12))
