@@ -36,57 +36,52 @@ CFS_PERIOD_US = 10_000
 MEMORY_CGROUP = Path("/sys/fs/cgroup/memory")
 
 
-@pytest.fixture
-def memory_limit():
-    """make(bytes) -> a cgroup v1 `memory` folder whose processes together may hold at most `bytes` (page cache
-    included, reclaimed first; past the limit the kernel ends a process); a process joins by writing its pid to
-    the folder's cgroup.procs, and its children follow. The folders go afterwards. Skips with one sentence where
-    cgroups cannot be written (CI runs as root)."""
+@contextlib.contextmanager
+def cgroups(controller: Path, what: str, on_removal: dict[str, str] | None = None):
+    """Yields make(settings) -> a new cgroup v1 folder under `controller` with `settings` ({file: value}) written;
+    a process joins by writing its pid to the folder's cgroup.procs, and its children follow. Afterwards any process
+    still in a folder moves back to the controller's root, `on_removal` is written, and the folder goes. Skips with
+    one sentence where cgroups cannot be written (CI runs as root)."""
     made = []
 
-    def make(limit: int) -> Path:
-        folder = MEMORY_CGROUP / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
+    def make(settings: dict[str, str]) -> Path:
+        folder = controller / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
         try:
             folder.mkdir()
-            (folder / "memory.limit_in_bytes").write_text(str(limit))
+            for name, value in settings.items():
+                (folder / name).write_text(value)
         except OSError as error:
-            pytest.skip(f"cgroups cannot be written here ({error.strerror}): a memory limit needs root and cgroup "
-                        f"v1 memory.")
+            pytest.skip(f"cgroups cannot be written here ({error.strerror}): {what} needs root and cgroup v1 "
+                        f"{controller.name}.")
         made.append(folder)
         return folder
 
-    yield make
-    for folder in made:
-        for pid in (folder / "cgroup.procs").read_text().split():  # none once the processes have ended
-            with contextlib.suppress(OSError):
-                (MEMORY_CGROUP / "cgroup.procs").write_text(pid)
-        with contextlib.suppress(OSError):  # the page cache it still holds moves to the parent
-            (folder / "memory.force_empty").write_text("0")
-        os.rmdir(folder)
+    try:
+        yield make
+    finally:
+        for folder in made:
+            for pid in (folder / "cgroup.procs").read_text().split():  # none once the processes have ended
+                with contextlib.suppress(OSError):
+                    (controller / "cgroup.procs").write_text(pid)
+            for name, value in (on_removal or {}).items():
+                with contextlib.suppress(OSError):
+                    (folder / name).write_text(value)
+            os.rmdir(folder)
+
+
+@pytest.fixture
+def memory_limit():
+    """make(bytes) -> a cgroup v1 `memory` folder whose processes together may hold at most `bytes` (page cache
+    included, reclaimed first; past the limit the kernel ends a process); see `cgroups`. The page cache it still
+    holds at the end moves to the parent."""
+    with cgroups(MEMORY_CGROUP, "a memory limit", {"memory.force_empty": "0"}) as make:
+        yield lambda limit: make({"memory.limit_in_bytes": str(limit)})
 
 
 @pytest.fixture
 def cpu_quota():
     """make(share) -> a cgroup v1 `cpu` folder whose processes get `share` of one core (a real CPU quota: a slower
-    replica); a process joins by writing its pid to the folder's cgroup.procs. The folders go afterwards. Skips with
-    one sentence where cgroups cannot be written (CI runs as root)."""
-    made = []
-
-    def make(share: float) -> Path:
-        folder = CPU_CGROUP / f"hf-diloco-test-{uuid.uuid4().hex[:8]}"
-        try:
-            folder.mkdir()
-            (folder / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-            (folder / "cpu.cfs_quota_us").write_text(str(int(share * CFS_PERIOD_US)))
-        except OSError as error:
-            pytest.skip(f"cgroups cannot be written here ({error.strerror}): a CPU quota needs root and cgroup v1 "
-                        f"cpu.")
-        made.append(folder)
-        return folder
-
-    yield make
-    for folder in made:
-        for pid in (folder / "cgroup.procs").read_text().split():  # none once the processes have ended
-            with contextlib.suppress(OSError):
-                (CPU_CGROUP / "cgroup.procs").write_text(pid)
-        os.rmdir(folder)
+    replica); see `cgroups`."""
+    with cgroups(CPU_CGROUP, "a CPU quota") as make:
+        yield lambda share: make({"cpu.cfs_period_us": str(CFS_PERIOD_US),
+                                  "cpu.cfs_quota_us": str(int(share * CFS_PERIOD_US))})
