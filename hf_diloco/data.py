@@ -103,8 +103,9 @@ def load_text_dataset(name: str, config: str | None = None, text_column: str = "
     or `text_column` holding such turns) becomes text through the tokenizer's chat template, as TRL renders it.
     With `streaming`, an `IterableDataset` read as it is used (the built-in corpora are streamed from memory)."""
     dataset = load_raw_dataset(name, config, streaming=streaming)
-    columns = _columns(dataset)
-    chat = _chat_column(dataset, columns, text_column)
+    first = _first_row(dataset)  # read once: a stream opens its source again for every read
+    columns = dataset.column_names if dataset.column_names is not None else None if first is None else list(first)
+    chat = _chat_column(first, columns, text_column)
     if chat is not None:
         from .models import give_chat_template
 
@@ -133,12 +134,12 @@ def _columns(dataset: Dataset | IterableDataset) -> list[str] | None:
     return list(first) if first is not None else None
 
 
-def _chat_column(dataset: Dataset | IterableDataset, columns: list[str] | None, text_column: str) -> str | None:
-    """The column of conversations to render, if the dataset is chat data: `text_column` when it holds lists of
-    turns, else `messages` when there is no `text_column`."""
+def _chat_column(first: dict | None, columns: list[str] | None, text_column: str) -> str | None:
+    """The column of conversations to render, if the dataset (whose first row is `first`) is chat data:
+    `text_column` when it holds lists of turns, else `messages` when there is no `text_column`."""
     for column in (text_column, "messages"):
         if column in (columns or []) and (column == text_column or text_column not in columns):
-            value = (_first_row(dataset) or {}).get(column)
+            value = (first or {}).get(column)
             if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
                 return column
     return None
