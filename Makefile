@@ -1,11 +1,12 @@
 # Two entry points: `make demo` (the main job) and `make test`. Both set up .venv/ first if needed.
+# `make test-fast` is the edit loop: every test that starts no process (the rest are marked `process`).
 VENV := .venv
 PY := $(VENV)/bin/python
 # On machines without an NVIDIA GPU a CPU build of torch is installed first (fast, no CUDA download); with a GPU,
 # pip resolves torch from pyproject.toml as usual.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -20,6 +21,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not process"
 
 lint: setup
 	$(VENV)/bin/ruff check .

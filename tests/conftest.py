@@ -1,8 +1,16 @@
-"""Runs that tests of several files read: each is launched once per session, the first time a test asks for it."""
+"""Runs that tests of several files read (each launched once per session, the first time a test asks for it), and
+the two tiers.
+
+The fast tier (`make test-fast`, `pytest -m "not process"`) is every test that starts no process; the rest carry
+`@pytest.mark.process` (a launch, a server, a browser, a daemon). The marker is enforced: a test without it that
+starts a process, in its body or in a fixture it sets up, fails with a sentence saying so.
+"""
 
 import contextlib
 import json
+import multiprocessing.process
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -10,6 +18,42 @@ import pytest
 from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch
 
 REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
+
+
+class StartsAProcess(RuntimeError):
+    """A test outside the process tier started a process."""
+
+
+@contextlib.contextmanager
+def processes_refused(item: pytest.Item):
+    """Within the block, starting a process (subprocess, multiprocessing) raises StartsAProcess, unless `item` is
+    marked `process`."""
+    if item.get_closest_marker("process") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise StartsAProcess(f"{item.nodeid} starts a process but is not marked @pytest.mark.process: mark it, so that "
+                             f"the fast tier (make test-fast) leaves it out.")
+
+    spawn, start = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
+    subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = refuse, refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = spawn, start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with processes_refused(item):  # fixtures too: a session fixture that launches a run is set up here
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with processes_refused(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
 from gradio_client import Client
 from helpers import REPO, env, wait_for
@@ -16,6 +17,7 @@ from hf_diloco import runs
 from hf_diloco.metrics import read_sync_rounds
 
 
+@pytest.mark.process
 def test_launch_watch_stop_and_push(tmp_path):
     runs_dir = tmp_path / "runs"
     with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
@@ -86,6 +88,7 @@ def table(value) -> dict:
     return value["value"] if "value" in value else value
 
 
+@pytest.mark.process
 def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
     """Recipe torchft-3 (outer_backend torchft) with 2 replicas: Preview shows, and Start runs, one `hf-diloco
     launch ... --replicas 2` with the one-process-per-replica config. The run writes only replica-r/ folders, and
@@ -131,6 +134,7 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
         assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
 
 
+@pytest.mark.process
 def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
     """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas: Preview and Start run one
     launch of 2 x 2 processes (replicas x the recipe's replica_group_size), each replica sharded by FSDP2; the run
@@ -161,6 +165,7 @@ def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
         assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
 
 
+@pytest.mark.process
 def test_a_trl_sft_run_from_the_app(tmp_path):
     """Recipe sft-lora (trainer: sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc and 2
     replicas: the form is valid, the run finishes, Live shows its two rounds and the card names the trainer."""
@@ -224,6 +229,7 @@ BAD_FORMS = {
 }
 
 
+@pytest.mark.process
 def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_nothing(tmp_path):
     """Every knob is checked: Preview never calls a form valid that Start would run into an error, and the
     message is one sentence, not a usage dump."""
@@ -240,6 +246,7 @@ def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_noth
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 
+@pytest.mark.process
 def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_path):
     """With a link typed in, Preview shows what `hf-diloco plan --json` predicts for the form's recipe, replicas and
     H (every row's utilisation and bytes as the CLI computes them, and its recommendation); a link of 0 is refused
@@ -266,6 +273,7 @@ def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_pa
     assert blank == ""
 
 
+@pytest.mark.process
 def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
     """Online, a model or dataset id that is no local path must exist on the Hub (here: the local stand-in that
     speaks the Hub's repo-info endpoint) before Preview calls the form valid; an unreachable Hub leaves it to the
@@ -296,6 +304,7 @@ def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
     assert outcomes["http://127.0.0.1:9"] == ["model alice/tiny ok", "model alice/missing ok", "dataset bob/missing ok"]
 
 
+@pytest.mark.process
 def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
     """A finished run (a saved model of one tensor) pushed with a repo id that is not one, then with no token: a
     sentence for each, and the run is left as it was."""
@@ -329,6 +338,7 @@ if folder:
 """
 
 
+@pytest.mark.process
 def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
     """The app is started with a Hub token and its password in its environment. The check Preview runs
     (`hf-diloco launch --dry-run`, a process of its own) gets the app's environment less those secrets: every
@@ -367,6 +377,7 @@ def plotted(values) -> list:
     return list(values)
 
 
+@pytest.mark.process
 def test_the_app_serves_a_good_run_beside_run_json_files_it_cannot_read(tmp_path):
     """A runs folder holds, beside one finished run (two syncs, written here as a run writes them), an empty
     run.json, one holding a JSON list, one holding keys from elsewhere and none of a run's, and a run written by a
@@ -486,6 +497,7 @@ BAD_DRAFTS = {
 }
 
 
+@pytest.mark.process
 def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
     """A draft recipe may set hf-diloco's fields and the training settings, nothing that pushes, tracks online,
     shards the model or resumes from elsewhere, nor what the launcher of a torchft run sets for each replica; the
@@ -512,6 +524,7 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 
+@pytest.mark.process
 def test_a_reloaded_form_refills_what_the_user_chose_and_nothing_the_app_chose(tmp_path):
     """A torch-backend run of 3 replicas with replica_group_size 2 runs 6 processes on a port the app picked; the
     reloaded form says 3 replicas and leaves the port and the other distributed settings blank."""
@@ -535,6 +548,7 @@ def test_a_reloaded_form_refills_what_the_user_chose_and_nothing_the_app_chose(t
     assert refilled == {**dict.fromkeys(refilled, ""), "replicas": "3", "inner_steps": "7"}
 
 
+@pytest.mark.process
 def test_the_instant_check_refuses_what_preview_refuses_for_the_forms_own_values(tmp_path):
     """The check that runs as knobs are typed and Preview answer in either order, so they must agree: H above max
     steps (knobs or the recipe as typed), a local dataset folder without data, and an unknown key in the recipe as

@@ -26,6 +26,8 @@ from safetensors import safe_open
 
 from hf_diloco.metrics import read_sync_rounds
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 CAUSAL = ["llama", "gpt2", "qwen3", "qwen3-moe", "gemma3", "mistral"]
 SHARDED = ["llama", "gpt2", "qwen3-moe"]  # also trained with FSDP2 inside each replica

@@ -219,6 +219,7 @@ def worse_late_run(tmp_path):
     return out
 
 
+@pytest.mark.process
 def test_the_best_checkpoint_survives_rotation_and_is_the_model_loaded_at_the_end(worse_late_run):
     out = worse_late_run
     eval_loss = {r["step"]: r["eval_loss"] for r in read_sync_rounds(out)}

@@ -68,6 +68,7 @@ def test_auto_h_passes_both_and_text_that_is_no_number_gets_the_fields_sentence(
     assert form_sentence("outer_lr", "fast") == "outer_lr must be a positive number, got 'fast'."
 
 
+@pytest.mark.process
 def test_torchft_fields_are_checked_without_importing_the_backend(tmp_path):
     """The torchft ranges are refused by the config in one sentence, and building a torchft config loads neither
     hf_diloco.torchft_backend nor torchft itself (only looks for it)."""

@@ -36,6 +36,7 @@ def bad_inputs(tmp_path):
     }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", ["H = 0", "negative outer lr", "unknown recipe key", "no text column",
                                   "missing model path", "missing recipe", "negative linger"])
 def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
@@ -46,6 +47,7 @@ def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     assert_one_sentence_error(result, *words)
 
 
+@pytest.mark.process
 def test_existing_run_is_not_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -56,11 +58,13 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert rounds.read_text() == '{"round": 1}\n'
 
 
+@pytest.mark.process
 def test_launch_checks_the_accelerate_config_before_starting(tmp_path):
     result = hf_diloco("launch", RECIPE, "--accelerate-config", str(tmp_path / "nope.yaml"))
     assert_one_sentence_error(result, "nope.yaml")
 
 
+@pytest.mark.process
 def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
     config = str(REPO / "accelerate_configs" / "cpu-2proc.yaml")
     result = hf_diloco("launch", RECIPE, "--accelerate-config", config, "--dry-run", "--",
@@ -73,6 +77,7 @@ def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
 
 
+@pytest.mark.process
 def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
     """`hf-diloco launch` of the torch backend (two replicas, cpu-2proc.yaml), read with psutil while it runs: every
     listener of every process (torchrun's rendezvous store in the launcher, gloo in each training process) is on
@@ -86,6 +91,7 @@ def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
     assert set(reachable) - set().union(*ports.values()), "the launcher's rendezvous store"
 
 
+@pytest.mark.process
 def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_on(tmp_path):
     """accelerate's own flags beside the config are checked as the layout they make with it (rank below the
     machines, processes spread evenly, groups that divide them), then handed to accelerate in its spelling."""
@@ -108,6 +114,7 @@ def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_o
     assert launch[-4:] == ["--main_process_port", "29999", "--num_processes", "4"], launch
 
 
+@pytest.mark.process
 def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_path):
     """On torchft each launch is one replica: an accelerate config of 2 processes needs replica_group_size 2 (and
     with it, --replicas N gives every replica launch its own rendezvous port)."""
@@ -125,6 +132,7 @@ def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_pat
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
 
 
+@pytest.mark.process
 def test_inner_steps_auto_in_every_spelling_is_the_auto_fields(tmp_path):
     recipe = tmp_path / "auto.yaml"
     recipe.write_text((REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("inner_steps: 50",
@@ -137,6 +145,7 @@ def test_inner_steps_auto_in_every_spelling_is_the_auto_fields(tmp_path):
             in result.stdout, result.stdout
 
 
+@pytest.mark.process
 def test_train_help_lists_diloco_fields():
     result = hf_diloco("train", "--help")
     assert result.returncode == 0
@@ -144,6 +153,7 @@ def test_train_help_lists_diloco_fields():
         assert name in result.stdout
 
 
+@pytest.mark.process
 def test_type_and_choice_errors_are_one_sentence_without_usage(tmp_path):
     """A value of the wrong type or outside a field's choices: one sentence naming the flag, exit 2, no usage dump."""
     for flag, value in (("--inner_steps", "five"), ("--outer_optimizer", "lion")):
@@ -164,6 +174,7 @@ def saved_run(tmp_path):
     return out
 
 
+@pytest.mark.process
 def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
     """A misspelt or shortened flag is refused before anything happens, for every sub-command.
 
@@ -193,6 +204,7 @@ def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
         assert_one_sentence_error(result, word)
 
 
+@pytest.mark.process
 def test_push_of_a_run_with_an_empty_json_file_names_the_file_in_one_sentence(saved_run):
     """A run folder whose stopped.json is empty (a disk that filled up, a copy cut short): `push` names that file and
     what to do, exits 2 without a traceback, pushes nothing and leaves the file as it was."""
@@ -223,6 +235,7 @@ def run_with_hub(hub, *args):
                           timeout=120)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("spelling", [["--dry-run"], ["--dry-run=true"], ["--dry_run"], ["--dry_run", "yes"],
                                       "recipe key", "launch --dry-run"])
 def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
@@ -248,6 +261,7 @@ def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.process
 def test_streaming_with_non_iid_sharding_is_refused(tmp_path):
     """A stream has no length to slice, so non-i.i.d. shards cannot be made: refused instead of silently i.i.d."""
     corpus = tmp_path / "corpus.jsonl"
@@ -261,6 +275,7 @@ def test_streaming_with_non_iid_sharding_is_refused(tmp_path):
     assert not (out / "model.safetensors").exists()
 
 
+@pytest.mark.process
 def test_the_app_refuses_to_be_reachable_without_a_password():
     """A share link or a non-loopback address lets others start processes here: both need --auth."""
     for flags, words in ((["--host", "0.0.0.0"], "--host 0.0.0.0 lets others start runs"),
@@ -270,6 +285,7 @@ def test_the_app_refuses_to_be_reachable_without_a_password():
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["flag", "accelerate"])
 def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, how):
     """FSDP runs inside each replica, so one without processes to shard over, FSDP version 1 and DeepSpeed (whose
@@ -319,6 +335,7 @@ def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text
     assert "\n" not in message
 
 
+@pytest.mark.process
 def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a_staggered_end():
     """`--round_seconds 4 --num_fragments 2 --sync_delay auto` on the torch backend: the plan says a sync every 2 s
     of inner steps, overlapped with each replica's own steps, a blocking end, and how the run ends; with
@@ -338,6 +355,7 @@ def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a
         "blocking."]
 
 
+@pytest.mark.process
 def test_the_dry_run_names_the_delayed_outer_momentum_and_refuses_it_without_momentum():
     """`--outer_momentum_delay 4 --outer_delayed_scale 0.25`: the plan says the momentum moves every 4 syncs;
     with `--outer_momentum 0` there is no momentum to delay, refused in one sentence, exit 2."""

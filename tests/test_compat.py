@@ -177,6 +177,7 @@ def on_gloo() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_accelerate_leaves_fsdp_off_on_cpu_processes_and_the_state_keeps_what_is_written(on_gloo):
     """fsdp2_over_gloo: on CPU processes accelerate ignores an FSDP plugin (the reason for the patch; when this
     fails accelerate enables FSDP on CPU and the patch can go); once written, the state is FSDP2, and a state
@@ -187,6 +188,7 @@ def test_accelerate_leaves_fsdp_off_on_cpu_processes_and_the_state_keeps_what_is
     assert on_gloo["type_made_again"] == "FSDP", "a state made again no longer starts from PartialState's type"
 
 
+@pytest.mark.process
 def test_accelerate_wraps_a_model_for_training_in_ddp_over_every_process_through_prepare_model(on_gloo):
     """prepare_models_without_ddp: prepared for training on CPU processes, accelerate wraps the model in DDP over
     the whole launch; `Accelerator.prepare` reaches the model through the instance's `prepare_model`, so with the

@@ -45,6 +45,7 @@ def int4_run(tmp_path_factory):
     return tmp, ranks, read_sync_rounds(tmp / "run")
 
 
+@pytest.mark.process
 def test_int4_replicas_are_bit_identical_after_every_sync(int4_run):
     """Every process decodes the same bytes, so the outer step gives the same bits everywhere."""
     _, ranks, _ = int4_run
@@ -52,6 +53,7 @@ def test_int4_replicas_are_bit_identical_after_every_sync(int4_run):
     assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
+@pytest.mark.process
 def test_int4_sync_is_a_reduce_scatter_and_an_all_gather_and_nothing_between(int4_run):
     _, ranks, _ = int4_run
     for rank in ranks:
@@ -61,6 +63,7 @@ def test_int4_sync_is_a_reduce_scatter_and_an_all_gather_and_nothing_between(int
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step)}"
 
 
+@pytest.mark.process
 def test_int4_reported_bytes_are_the_payload_arithmetic(int4_run):
     """Per sync and process, with M = 2: the checks' table, one encoded shard out in the all-to-all, one encoded
     averaged shard plus the k round statistics (fp32) out in the all-gather. The ratio is against an fp32 all-reduce
@@ -79,11 +82,13 @@ def test_int4_reported_bytes_are_the_payload_arithmetic(int4_run):
         assert record["compression_ratio"] > 7
 
 
+@pytest.mark.process
 def test_int4_with_error_feedback_trains(int4_run):
     _, _, rounds = int4_run
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
 
 
+@pytest.mark.process
 def test_the_last_rounds_agreement_reaches_the_summary(int4_run):
     """Agreement rides with the next sync, so the last round's comes through the store into the summary: one
     cosine per replica, positive (each replica's Δ_i points with the mean of two) and at most 1."""
@@ -94,6 +99,7 @@ def test_the_last_rounds_agreement_reaches_the_summary(int4_run):
     assert rounds[-1]["agreement_sync"] == 2, "the records carry the syncs before it"
 
 
+@pytest.mark.process
 def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
     """SparseLoCo's recipe (2-bit values, error feedback 0.95, outer SGD lr 1 without momentum) with a quarter of
     each chunk kept, so that a 23k-parameter model learns in a few rounds (64 of 4096 needs hundreds)."""
@@ -110,6 +116,7 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
         assert collectives_by_step(rank)[4] == ["all_reduce", GATHER]
 
 
+@pytest.mark.process
 def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):
     """2 replicas x 2 processes, int8: each member sends its half across replicas, then gathers inside."""
     ranks = launch(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=6, compression="int8")
@@ -120,6 +127,7 @@ def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path)
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 
 
+@pytest.mark.process
 def test_several_buckets_give_the_same_bits_as_one(tmp_path, paper_run):
     """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings, H = 5,
     12 steps; the one-bucket run is the session's paper run, tests/conftest.py)."""
@@ -132,6 +140,7 @@ def test_several_buckets_give_the_same_bits_as_one(tmp_path, paper_run):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("final_sync", "end"), [
     ("auto", [(10, 11, [1]), (11, 12, [2]), (12, 13, [0])]),
     ("blocking", [(10, 11, [1]), (12, 13, [2]), (13, 13, [0, 1, 2])]),
@@ -175,6 +184,7 @@ def overlap_runs(tmp_path_factory):
     return run
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("final_sync", ["staggered", "blocking"])
 def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(overlap_runs, final_sync):
     """A slow link (0.6 s per sync), slow steps (0.4 s), τ = 2, H = 6, 12 steps. Staggered: the last sync is
@@ -192,6 +202,7 @@ def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(overlap_runs, 
         assert last["blocked_seconds"] >= last["sync_seconds"] >= 0.6
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sync_delay", [0, 2])
 def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_delay):
     """A slow link (0.6 s per sync) and slow steps (0.4 s each). Blocking (τ = 0): the inner loop waits for the
@@ -215,6 +226,7 @@ def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_de
         assert first["blocked_seconds"] >= first["sync_seconds"] >= 0.6
 
 
+@pytest.mark.process
 def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
     """The dry run's per-codec line is the payload arithmetic: with M = 8 (shown when launched alone), int8 sends
     7 encoded shards out and 7 encoded averages out, each 1/8 of the model plus one fp32 scale per 1024 values."""
@@ -235,6 +247,7 @@ def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
     assert "DDP for the same 50 steps" in result.stdout
 
 
+@pytest.mark.process
 def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(tmp_path, paper_run):
     """F = 1, τ = 0, α = 0, no codec (sequential pattern, all spelled out) runs the streaming machinery with
     nothing to stream: the replicas end with exactly the bits of the same run with every field at its default (the

@@ -47,6 +47,7 @@ def test_leave_one_out_agreement_matches_the_vectors_it_comes_from():
             assert got == pytest.approx(want, abs=1e-9), (weights, i)
 
 
+@pytest.mark.process
 def test_with_a_codec_the_agreement_is_measured_on_what_the_others_decoded(tmp_path):
     """Four processes (tests/scripts/decoded_agreement.py): 4 replicas of one process and 2 replicas of 2, sparse and
     int4 with error feedback, unequal weights, 4 syncs. λ_i as the round engine forms it from the exchange's scalar
@@ -186,6 +187,7 @@ def final_eval(records: list[dict]) -> float:
     return records[-1]["eval_loss"]
 
 
+@pytest.mark.process
 def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_it(tmp_path, corpora):
     """Replica 0 reads random characters (its third of a local dataset is garbage): from its third sync on it is
     left out (its agreement with the others is far below theirs), the records say why, and the run's held-out loss
@@ -205,6 +207,7 @@ def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_i
     assert "left out: replica 0 (apart)" in console and "[diloco] replica 0 looks faulty" in console
 
 
+@pytest.mark.process
 def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_as_well(tmp_path, corpora):
     """The garbage shard again, sent through the sparse codec (64 of every 4096 values, error feedback) with the
     exchange overlapped one step (sync_delay 1). The agreement is measured on the decoded values, about a fifth of
@@ -218,6 +221,7 @@ def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_
     assert all(r["compression"] == "sparse+ef" and r.get("launch_step", r["step"]) == r["step"] - 1 for r in faulty)
 
 
+@pytest.mark.process
 def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(tmp_path, corpora):
     """At M = 3, replica 1 sends 3 Δ_1 (a test hook): left out from the first sync, as an outlier. Replica 1 sends
     −Δ_1 with contribution_checks warn: flagged from its second sync on (its agreement in the first is negative),
@@ -235,6 +239,7 @@ def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flag
     assert "sync 2: replica 1 would be left out (opposed:" in (tmp_path / "flipped" / "console.log").read_text()
 
 
+@pytest.mark.process
 def test_a_clean_run_of_80_rounds_leaves_nothing_out(tmp_path, corpora):
     """Three replicas on their own thirds (non_iid), 80 rounds of H = 10 (800 steps, learning-rate warm-up and decay
     included): no contribution is left out or flagged, and every replica takes part in every sync."""
@@ -244,6 +249,7 @@ def test_a_clean_run_of_80_rounds_leaves_nothing_out(tmp_path, corpora):
     assert all(m["participated"] for r in records for m in r["members"])
 
 
+@pytest.mark.process
 def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
     """At M = 2 no gradient statistic says which replica reads garbage; with contribution_loss_check the replica whose
     rounds raise the held-out batch's loss is left out (rule `loss`) from its fifth sync on, in most syncs, and the
@@ -281,6 +287,7 @@ def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
     return {k: log.read_text() for k, log in logs.items()}
 
 
+@pytest.mark.process
 def test_torchft_a_site_with_100x_the_learning_rate_or_a_corrupted_copy_is_left_out(tmp_path, corpora):
     """Three torchft sites against one Lighthouse; site 2 is started with --learning_rate 0.1 (100x the recipe's),
     then, in a second run, reading a corrupted copy of the data (every character permuted). Each time site 2 is

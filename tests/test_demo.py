@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 from helpers import free_port, hf_diloco
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 
 def test_demo_reports_rounds_losses_and_bytes(tmp_path):

@@ -25,6 +25,8 @@ from helpers import (
 from hf_diloco.contributions import CHECK_FIELDS  # noqa: E402
 from hf_diloco.records import STAT_NAMES as ROUND_STATS  # noqa: E402
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values
 

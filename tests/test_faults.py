@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
 import torch
 from helpers import REPO, accelerate_launch
 
 from hf_diloco.metrics import read_sync_rounds
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 FAULT_RUN = str(REPO / "tests" / "scripts" / "fault_run.py")
 

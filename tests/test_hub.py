@@ -29,6 +29,7 @@ def push(out, hub, *extra, token="hf_secret_token_123"):
                           env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_OFFLINE": "0"})
 
 
+@pytest.mark.process
 def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
     with FakeHub() as hub:
         result = push(finished_run, hub, "--repo-id", "alice/tiny-diloco", "--private")
@@ -64,6 +65,7 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
     assert not any(b"hf_secret_token_123" in p.read_bytes() for p in finished_run.rglob("*") if p.is_file())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("repo_id,token,words", [
     ("my model", "hf_x", ["repo id", "not valid"]),
     ("alice/ok", "", ["no Hugging Face token"]),
@@ -77,6 +79,7 @@ def test_bad_push_input_is_one_sentence(finished_run, repo_id, token, words, tmp
         assert hub.commits == []
 
 
+@pytest.mark.process
 def test_a_pushed_run_names_its_local_model_and_data_by_their_base_names_only(finished_run, tmp_path):
     """A LoRA run trained from a model and a dataset kept in a folder of one's own (`private-corpus-dir`), pushed
     once that folder is gone (as from another machine, so nothing can be told by looking at the disk): no uploaded
@@ -127,6 +130,7 @@ def test_a_pushed_run_names_its_local_model_and_data_by_their_base_names_only(fi
     assert "base_model: HuggingFaceTB/SmolLM2-135M" in card and "datasets:\n- roneneldan/TinyStories" in card, card
 
 
+@pytest.mark.process
 def test_push_of_a_missing_folder_says_so_before_asking_for_a_token(tmp_path, monkeypatch):
     """With no token anywhere (no HF_TOKEN, no stored login), a push of a folder that does not exist says that the
     folder does not exist, in one sentence, exit 2: the folder is checked before the token is looked for."""
@@ -143,6 +147,7 @@ def truncate(path, keep: int = 40) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("damaged", ["model.safetensors", "config.json", "tokenizer_config.json", "../run.json"])
 def test_push_of_a_run_with_a_damaged_file_names_the_file(finished_run, tmp_path, monkeypatch, damaged):
     """A copy of the finished run with one file cut short (the weights, a config, or the app's run.json beside the
@@ -172,6 +177,7 @@ def python_push(out, private, hub, *extra):
                           env={**env(), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_py", "HF_HUB_OFFLINE": "0"})
 
 
+@pytest.mark.process
 def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
     """`DiLoCoTrainer.push_to_hub()` from Python (no CLI, no run_config.json), for a LoRA run whose base model and
     corpus lie in a folder of one's own (`private-corpus-dir`, tests/scripts/python_push.py): it uploads, in one
@@ -226,6 +232,7 @@ class EveryUpload(dict):
         super().__setitem__(name, content)
 
 
+@pytest.mark.process
 def test_push_to_hub_during_training_pushes_what_push_to_hub_pushes(tmp_path):
     """`push_to_hub=True` in the args of a DiLoCoTrainer from Python makes Trainer push at every save during
     training (tests/scripts/python_push.py --push-while-training: LoRA on a base model and corpus in a private
@@ -259,6 +266,7 @@ def test_push_to_hub_during_training_pushes_what_push_to_hub_pushes(tmp_path):
     assert "| how the run ended | finished |" in received["README.md"].decode()
 
 
+@pytest.mark.process
 def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
     """A `trainer: ddp` run is pushed with a card that says what ran: no DiLoCo description, settings or tag."""
     from hf_diloco.hub import model_card

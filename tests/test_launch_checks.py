@@ -15,6 +15,8 @@ import psutil
 import pytest
 from helpers import REPO, env, free_port, hf_diloco, is_launcher
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 TOKEN = "hf_PlantedToken1234567890abcdef"
 TINY = str(REPO / "recipes" / "tiny-pretrain.yaml")
 CPU_2PROC = str(REPO / "accelerate_configs" / "cpu-2proc.yaml")

@@ -16,6 +16,7 @@ from hf_diloco.models import load_model_and_tokenizer
 from hf_diloco.train import add_lora
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind, words", [
     ("bert-masked-lm", "is a BertForMaskedLM, a masked language model: hf-diloco trains causal language models"),
     ("t5", "is a T5ForConditionalGeneration, an encoder-decoder: hf-diloco trains causal language models"),

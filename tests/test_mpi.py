@@ -8,6 +8,8 @@ import sys
 import pytest
 from helpers import REPO, env, free_port
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 
 

@@ -15,6 +15,8 @@ from helpers import REPO, env, free_port
 sys.path.insert(0, str(REPO / "benchmarks"))
 from netns import NamespaceError, two_hosts  # noqa: E402
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 
 

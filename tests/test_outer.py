@@ -235,6 +235,7 @@ def test_single_replica_comm_is_free_and_returns_own_stats():
     assert cost.bytes_sent == 0 and cost.collectives == 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("config", [ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC], ids=["M=2", "M=4"])
 def test_ring_byte_model_matches_the_bytes_gloo_sends(tmp_path, config):
     """ring_all_reduce_bytes and ring_all_gather_bytes against what gloo really writes to its sockets.

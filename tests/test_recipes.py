@@ -10,6 +10,8 @@ import yaml
 from helpers import REPO, accelerate_launch, hf_diloco
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 RECIPES = REPO / "recipes"
 SHORT = ["--max_steps", "4", "--inner_steps", "2", "--block_size", "64", "--eval_strategy", "no",
          "--eval_on_start", "false", "--disable_tqdm", "true"]

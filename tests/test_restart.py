@@ -61,6 +61,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return clean
 
 
+@pytest.mark.process
 def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path, uninterrupted):
     """SIGKILL to every process while checkpoint-20 is half written: `checkpoint-20` is there without its marker
     (not complete), checkpoint-10 is complete; `auto` removes checkpoint-20 with a notice, resumes from
@@ -132,6 +133,7 @@ def test_removing_a_checkpoint_never_leaves_an_incomplete_one_under_its_name(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-20"]
 
 
+@pytest.mark.process
 def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, uninterrupted):
     """`hf-diloco launch --max-restarts 1`: SIGKILL one replica in the middle of a round (the one after a round's
     checkpoint past step 30); the launcher starts both processes again, they find the newest complete checkpoint
@@ -171,6 +173,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     assert read_json(out / "diloco_summary.json")["steps"] == 120
 
 
+@pytest.mark.process
 def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_checkpoint(tmp_path):
     """What a scheduler sends before a preemption: the replica that got SIGTERM passes the request on with the
     round's sync, every replica stops after the same step, the checkpoint is saved and the run exits 0."""
@@ -189,6 +192,7 @@ def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_chec
     assert (out / f"checkpoint-{last}").is_dir()
 
 
+@pytest.mark.process
 def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_path):
     """`hf-diloco launch` receives SIGTERM (a scheduler's preemption notice; here twice within a second, as when
     both the job's processes and their launcher are signalled): it passes the request on once to the launch, every
@@ -211,6 +215,7 @@ def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_pa
     assert stopped["checkpoint"] == f"checkpoint-{last}" and (out / stopped["checkpoint"]).is_dir()
 
 
+@pytest.mark.process
 def test_the_same_signal_again_after_5_seconds_stops_at_once(tmp_path):
     """SIGTERM asks for a stop at the round end; SIGTERM again within 5 s is the same request (the process keeps
     training); again from 5 s on ends the process at once, by the signal, without stopped.json."""

@@ -34,6 +34,7 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.process
 def test_round_checkpoint_holds_every_replica_and_the_outer_state(uninterrupted):
     checkpoint = uninterrupted / "checkpoint-20"
     for rank in (0, 1):
@@ -48,12 +49,14 @@ def test_round_checkpoint_holds_every_replica_and_the_outer_state(uninterrupted)
     assert not torch.equal(states[0]["state"][0]["exp_avg"], states[1]["state"][0]["exp_avg"])
 
 
+@pytest.mark.process
 def test_resume_from_round_checkpoint_matches_uninterrupted_run(uninterrupted, tmp_path):
     resumed = tmp_path / "resumed"
     train_cli("--output_dir", str(resumed), "--resume_from_checkpoint", str(uninterrupted / "checkpoint-20"))
     assert max_difference(uninterrupted, resumed) <= 1e-6
 
 
+@pytest.mark.process
 def test_resume_without_outer_state_does_not_match(uninterrupted, tmp_path):
     """The comparison above can fail: dropping the outer momentum from the checkpoint changes the result."""
     partial = tmp_path / "checkpoint-20"

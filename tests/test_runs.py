@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, wait_for
 
 from hf_diloco import runs
@@ -21,6 +22,7 @@ def rounds_of(run) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.process
 def test_stop_finishes_the_round_saves_a_checkpoint_and_leaves_no_process(tmp_path, monkeypatch):
     for key, value in env().items():
         monkeypatch.setenv(key, value)
@@ -45,6 +47,7 @@ def test_stop_finishes_the_round_saves_a_checkpoint_and_leaves_no_process(tmp_pa
     assert "stop requested" in log
 
 
+@pytest.mark.process
 def test_a_ddp_baseline_stops_on_request_with_a_checkpoint_and_records_its_progress(tmp_path, monkeypatch):
     """The plain Trainer (`trainer: ddp`) honours the same stop file: both processes stop after the same step
     (they all-reduce every step, so a stop on one alone would hang the other) and the step's checkpoint is saved.
@@ -67,6 +70,7 @@ def test_a_ddp_baseline_stops_on_request_with_a_checkpoint_and_records_its_progr
     assert any("loss" in entry for entry in logged)
 
 
+@pytest.mark.process
 def test_a_stop_requested_while_starting_is_honoured_at_the_first_round(tmp_path, monkeypatch):
     """Stop pressed before the processes have imported torch: the request waits in the output folder and the
     DiLoCo replicas stop together at the end of their first round, with a checkpoint."""
@@ -81,6 +85,7 @@ def test_a_stop_requested_while_starting_is_honoured_at_the_first_round(tmp_path
     assert (run.folder / "output" / "checkpoint-5" / "diloco_outer.pt").is_file()
 
 
+@pytest.mark.process
 def test_a_stop_that_did_not_happen_never_reads_as_stopped(tmp_path):
     """Status comes from what the run did: a run that ends normally after Stop was pressed (it never wrote
     stopped.json) is finished, not stopped."""
@@ -93,6 +98,7 @@ def test_a_stop_that_did_not_happen_never_reads_as_stopped(tmp_path):
     assert final.status == "finished" and final.exit_code == 0
 
 
+@pytest.mark.process
 def test_a_failed_run_keeps_its_one_sentence_reason(tmp_path):
     folder = tmp_path / "bad"
     script = "import sys; print('Traceback ...'); print('hf-diloco: error: model \"m\" does not exist.', " \
@@ -102,6 +108,7 @@ def test_a_failed_run_keeps_its_one_sentence_reason(tmp_path):
     assert final.status == "failed" and final.reason == 'model "m" does not exist.'
 
 
+@pytest.mark.process
 def test_a_run_whose_workers_found_bad_input_says_it_once_without_a_traceback(tmp_path):
     """A run started from the app whose two workers end on the same bad input (each hands its sentence over, then
     the launcher fails with torchelastic's traceback): the run's log holds the sentence once as the CLI says it and
@@ -164,6 +171,7 @@ def test_a_run_json_from_a_newer_version_is_read_and_keeps_its_unknown_keys_when
     assert kept["placement"] == {"site": "b"} and kept["name"] == "renamed" and "unknown" not in kept
 
 
+@pytest.mark.process
 def test_the_app_and_the_modules_it_uses_do_not_import_torch():
     """The app lists and starts runs (hf_diloco.runs), checks its form (hf_diloco.checks) and pushes (hf_diloco.hub)
     in its own process; it must stay light."""
@@ -176,6 +184,7 @@ def test_the_app_and_the_modules_it_uses_do_not_import_torch():
     assert result.stdout.strip() == "[]", result.stderr
 
 
+@pytest.mark.process
 def test_a_run_does_not_see_the_servers_tokens_or_password(tmp_path, monkeypatch):
     """Only the push process gets a Hub token: a run started by the app inherits neither HF_TOKEN (nor its older
     names) nor the app's password, and huggingface_hub is told not to pick up a stored login."""
@@ -225,6 +234,7 @@ ELASTIC_SHORT = ["--max_steps", "4000", "--inner_steps", "10", "--block_size", "
                  "4", "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_timeout", "30"]
 
 
+@pytest.mark.process
 def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_round(tmp_path, monkeypatch):
     """A torchft run (`hf-diloco launch --replicas 2`) is one run folder with a folder per replica; the launcher
     hands the run's stop request on to every replica folder, and each replica reads its own. The copy can land
@@ -266,6 +276,7 @@ def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_r
     assert "--allow-unfinished" in refused.stderr
 
 
+@pytest.mark.process
 def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_replica_died_for_good(tmp_path):
     """Replica 1 fails twice (one restart allowed, then none left) while replica 0 finishes: the launch exits 0,
     since the run's rounds were committed by the replica that finished, and replicas.json tells each replica's

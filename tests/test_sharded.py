@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from hf_diloco.metrics import read_sync_rounds
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 # Paper outer settings, H = 3 and 10 steps: rounds end at steps 3, 6, 9 and 10.
 SETTINGS = dict(replica_group_size=2, inner_steps=3, max_steps=10, outer_lr=0.7, outer_momentum=0.9,

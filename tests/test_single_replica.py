@@ -189,6 +189,7 @@ def test_round_metrics_reach_every_tracker_callback(tmp_path):
         "round metrics stay out of Trainer's own log history and console"
 
 
+@pytest.mark.process
 def test_round_metrics_read_back_from_a_local_trackio_project(tmp_path):
     """`report_to: trackio` (its local SQLite store, no Space): each round's diloco/ numbers are in the project, at
     the round's step and equal to sync_rounds.jsonl, read back from trackio's own storage in another process."""

@@ -14,6 +14,8 @@ from helpers import REPO, env, free_port, wait_for
 
 from hf_diloco.metrics import read_sync_rounds
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 
 

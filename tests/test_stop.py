@@ -20,6 +20,8 @@ from hf_diloco import checkpoints
 from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.runs import STOP_FILE, STOPPED_FILE
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 INNER_STEPS, MAX_STEPS = 5, 100_000
 
 # The script's own SIGTERM handler is there before train() and must be back after it, never called meanwhile.

@@ -25,6 +25,7 @@ def launch_stream_run(tmp_path: Path, settings: dict) -> list[list[int]]:
     return [[d for step in json.loads((tmp_path / f"rank{r}.json").read_text()) for d in step] for r in range(2)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["cli, one file: every other document", "python, 4 shards: 2 each",
                                   "sft, one file of conversations"])
 def test_each_replica_trains_its_own_part_of_a_stream_once_per_epoch(tmp_path, mode):
@@ -67,6 +68,7 @@ def test_each_replica_trains_its_own_part_of_a_stream_once_per_epoch(tmp_path, m
 LIMIT = 1_200_000_000  # bytes for the launcher and both replicas together (they take about 0.93 GB here)
 
 
+@pytest.mark.process
 def test_a_streamed_corpus_larger_than_the_processes_memory_trains(tmp_path, memory_limit):
     """A 1.3 GB text corpus (1.3 million 1 KB documents) streamed by `hf-diloco train` on 2 replicas whose launch
     runs in a memory cgroup of 1.2 GB: it trains its 20 steps (2 rounds) and exits 0; the group never held more

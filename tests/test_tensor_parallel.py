@@ -49,6 +49,7 @@ def streamed(tmp_path_factory):
     return tmp, launch(tmp, 4, tp_size=2, **STREAMED)
 
 
+@pytest.mark.process
 def test_tensor_parallel_replicas_end_where_replicas_of_one_process_end(fp32_layouts):
     """fp32 syncs over four rounds: the same model as replicas of one process on the same data, within 1e-3, and
     the same round statistics (loss, pseudo-gradient norms, counted once for the values both processes hold)
@@ -69,6 +70,7 @@ def test_tensor_parallel_replicas_end_where_replicas_of_one_process_end(fp32_lay
         assert a["replica_pseudo_grad_norms"] == pytest.approx(b["replica_pseudo_grad_norms"], rel=1e-4)
 
 
+@pytest.mark.process
 def test_each_process_holds_about_half_and_sends_what_it_holds(fp32_layouts):
     """Parameters + AdamW's state + θ_global and outer momentum, in bytes per process: at most 0.55 of a replica of
     one process (the norms and the tied embedding are held whole). Across replicas each process sends what it
@@ -87,6 +89,7 @@ def test_each_process_holds_about_half_and_sends_what_it_holds(fp32_layouts):
         assert record["intra_replica_bytes"] < 1000
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("which", ["fp32", "streamed"])
 def test_the_same_piece_is_identical_in_every_replica_after_every_sync(which, fp32_layouts, streamed):
     """Process j of each replica holds piece j: after every sync that covers the whole model it is bit-identical
@@ -100,6 +103,7 @@ def test_the_same_piece_is_identical_in_every_replica_after_every_sync(which, fp
     assert ranks[0]["seen"] == ranks[1]["seen"] != ranks[2]["seen"], "a replica's processes train on the same data"
 
 
+@pytest.mark.process
 def test_streamed_int4_with_error_feedback_runs_on_the_pieces(streamed):
     """Fragments, overlap and int4 with error feedback on tensor-parallel pieces: a fragment lands every 2 steps,
     each process sends about 1/8 of its fp32 bytes, and the loss falls."""
@@ -145,6 +149,7 @@ def test_tensor_parallel_refusals_say_why_in_one_sentence():
     assert not any("embed_tokens" in name or "lm_head" in name for name in plan), "tied: kept whole"
 
 
+@pytest.mark.process
 def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_model(tmp_path):
     """`hf-diloco launch recipes/tp-replicas.yaml --accelerate-config accelerate_configs/cpu-tp-2x2.yaml`: 20 steps
     with a round checkpoint every 10; a second launch resumed from checkpoint-10 ends with the same model (each

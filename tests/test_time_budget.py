@@ -17,6 +17,8 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 
 from hf_diloco.metrics import read_sync_rounds
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "replica_run.py")
 QUOTA = 0.25  # of one core, for replica 1
 ROUND_SECONDS = 0.5

@@ -132,6 +132,7 @@ def torch_backend_plain(tmp_path_factory) -> dict:
     return run_torch_backend(tmp_path_factory.mktemp("torch-plain") / "torch", {})
 
 
+@pytest.mark.process
 def test_torchft_without_faults_matches_the_torch_backend(tmp_path, torch_backend_plain):
     """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, vote) end with
     exactly the parameters the fixed-world torch backend reaches on the same data. Equal tokens give every
@@ -150,6 +151,7 @@ def test_torchft_without_faults_matches_the_torch_backend(tmp_path, torch_backen
                    for r in range(2))
 
 
+@pytest.mark.process
 def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(tmp_path, torch_backend_plain):
     """Replica r builds its model from seed r. The first round's digests differ, so the first participant's θ (seed
     0's) goes to the other (one all-reduce, counted as startup bytes), as the torch backend broadcasts rank 0's
@@ -165,6 +167,7 @@ def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameter
     assert "started from different parameters" in (tmp_path / "torchft" / "replica1.log").read_text()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("round_settings", [
     {"compression": "int8"},
     {"compression": "int4", "error_feedback": True},
@@ -203,6 +206,7 @@ def two_replicas_records(out: Path, settings: dict) -> list[list[dict]]:
     return [read_sync_rounds(out / f"replica-{r}") for r in range(2)]
 
 
+@pytest.mark.process
 def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     """sync_delay auto on torchft over a slower link (each all-reduce waits 0.2 s, a step 0.05 s): the exchange times
     ride with the round's statistics as on the torch backend, so both replicas record the same τ (above 1) for the
@@ -228,6 +232,7 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
     assert max_difference(first, second) == 0.0
 
 
+@pytest.mark.process
 def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_waits(tmp_path):
     """Time-budget rounds of 0.2 s with `sync_delay: auto` over a link on which each all-reduce waits 0.6 s
     first (a step 0.03 s): the exchange does not fit the budget, so once the first exchange's time has been agreed
@@ -252,6 +257,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     assert max_difference(first, second) == 0.0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("round_settings", [
     {},
     {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
@@ -274,6 +280,7 @@ def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, 
     assert all(m["tokens"] == 2 * steps * 2 * 16 for r in ft_rounds[:-1] for m in r["members"])
 
 
+@pytest.mark.process
 def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     """Three replicas, min_replicas 2. Replica 2 is SIGKILLed mid-run: the other two keep training (no round waits
     longer than the grace window plus the Lighthouse's heartbeat timeout), their rounds list replica 2 as absent.
@@ -315,6 +322,7 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     assert "healed from a live peer" in logs[2].read_text()
 
 
+@pytest.mark.process
 def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on(tmp_path):
     """Replica 0 runs alone, then replica 1 joins and must heal from it. The first three states replica 0 sends
     are spoiled (its first parameter a scalar, which copy_ would broadcast; NaN; a global_step past the run's end):
@@ -354,6 +362,7 @@ def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on
     assert all(bool(torch.isfinite(p).all()) for p in final[1]) and max_difference(final[0], final[1]) == 0.0
 
 
+@pytest.mark.process
 def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(tmp_path):
     """Three replicas, min_replicas 2, int4 with error feedback, F = 2 fragments overlapped by one step. Replica 2
     is SIGKILLed inside a round, after that round's all-to-all went through and before its all-gather: the
@@ -407,6 +416,7 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
     assert all(bool(torch.isfinite(p).all()) for p in final[0])
 
 
+@pytest.mark.process
 def test_a_replica_behind_when_the_last_round_commits_ends_with_the_final_model(tmp_path):
     """Three replicas, min_replicas 2. Replica 2 pauses 15 s after its 6th step; the other two finish the run without
     it and stay (end_linger_seconds) to hand over the final model. When replica 2 reaches its round end, it meets
@@ -431,6 +441,7 @@ def test_a_replica_behind_when_the_last_round_commits_ends_with_the_final_model(
     assert late_exit < 60, late_exit
 
 
+@pytest.mark.process
 def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_and_a_killed_fast_one_rejoins(
         tmp_path, cpu_quota):
     """Three replicas under real CPU quotas (cgroups: 60%, 60% and 20% of a core, 1.4 of the machine's 2 cores),
@@ -489,6 +500,7 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
 
 
+@pytest.mark.process
 def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(tmp_path):
     """Two replicas; replica 1's weights turn NaN at step 6 (inside round 2, H = 4). That round merges replica 0's
     pseudo-gradient alone (replica 1 sends zeros with weight 0), the record of every replica names replica 1,
@@ -511,6 +523,7 @@ def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(tmp_path):
     assert "non-finite pseudo-gradient at step 8" in logs[1].read_text()
 
 
+@pytest.mark.process
 def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weight(tmp_path):
     """Three replicas, min_replicas 2, grace 1 s. Replica 2 pauses 8 s after its 6th step: the other two merge rounds
     without it. When it arrives, its base is rounds old: it heals θ_global from a live peer and its local progress
@@ -537,6 +550,7 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
 
 
+@pytest.mark.process
 def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):
     no_lighthouse = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
                               "--output_dir", str(tmp_path / "a"), "--max_steps", "1", "--inner_steps", "1")
@@ -569,6 +583,7 @@ def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path
         assert not (tmp_path / config).exists()
 
 
+@pytest.mark.process
 def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
     """torchft is an optional extra: a Python without it gets one sentence naming the install command."""
     program = ("import sys; sys.modules['torchft'] = None; from hf_diloco.cli import main; "
@@ -600,6 +615,7 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
     return log.read_text()
 
 
+@pytest.mark.process
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
@@ -648,6 +664,7 @@ REPLICA_LAYOUTS = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("inside", list(REPLICA_LAYOUTS))
 def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_killed(tmp_path, inside):
     """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-replica-2proc.yaml --replicas 2
@@ -687,6 +704,7 @@ def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_kill
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.process
 def test_the_readme_multi_site_commands_work_on_one_machine(tmp_path):
     """README "Across machines or sites": `hf-diloco lighthouse`, then one `hf-diloco launch ... --lighthouse URL
     --replica_id k --num_replicas 2 --replica_address ADDRESS` per replica (here both on 127.0.0.1)."""
@@ -784,6 +802,7 @@ def listening_addresses(pid: int) -> set[str]:
     return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
+@pytest.mark.process
 def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
     """`hf-diloco lighthouse` with no --host listens on 127.0.0.1 only and says so; given a wildcard address it
     says who can reach it and that it has no authentication."""
@@ -809,6 +828,7 @@ def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
             process.wait(timeout=20)
 
 
+@pytest.mark.process
 def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 2`, as the README starts it on one machine, read with
     psutil every 0.1 s while it runs: every listener of every process of the launch (the launcher with its

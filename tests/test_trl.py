@@ -14,6 +14,8 @@ from safetensors import safe_open
 from hf_diloco.hub import model_card
 from hf_diloco.metrics import read_sync_rounds
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 SCRIPT = str(REPO / "tests" / "scripts" / "trl_run.py")
 
 
