@@ -474,11 +474,13 @@ class RoundResult:
 @dataclass
 class Exchange:
     """The first half of a sync: (bucket, averaged Δ) pairs waiting to be applied, as a list once they have all
-    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking sync without a vote)."""
+    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking sync without a vote).
+    `weight` is the weight this replica sent with (0: it sat the sync out, and takes θ_global as it is)."""
 
     buckets: list[int]
     averaged: list[tuple[int, torch.Tensor]] | Iterator[tuple[int, torch.Tensor]]
     result: RoundResult
+    weight: float = 1.0
 
 
 # Statistics that ride along with a sync's last collective, made once ‖Δ_i‖² of the whole sync is known. Slot 0
@@ -574,8 +576,8 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
     """
     finite = comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
-                      stats=stats, weight=weight, finite=finite, decoded=decoded)
-    return land(outer, landed, alpha, healthy=finite and weight > 0)
+                      stats=stats, weight=weight, finite=finite, decoded=decoded, lazy=not comm.votes)
+    return land(outer, landed, alpha)
 
 
 def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor]) -> float:
@@ -599,17 +601,20 @@ def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -
 def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,
              codec: Codec | None = None, feedback: ErrorFeedback | None = None,
              stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None,
-             decoded: bool = False) -> Exchange:
+             decoded: bool = False, lazy: bool = False) -> Exchange:
     """The communication half of a sync: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
 
-    `deltas` is a list taken at launch (an overlapped sync: the replica trains on while it is sent) or an iterator
-    that forms each bucket's Δ_i when its turn comes (`pseudo_gradients`: a blocking sync, whose buckets are then
-    averaged as `land` applies them, one at a time). `finite` says whether this replica's values are finite (known
-    before the first bucket goes, for the iterator); a list is checked here. `decoded`: with a codec, also measure
-    what the others decode of this replica's contribution (RoundResult.decoded_*). On a backend that votes, every bucket
-    is averaged here and the result says whether the sync committed; a sync that did not is never applied,
-    whatever part of it arrived. Touches neither θ_global nor the replica's parameters.
+    Where the network runs is the caller's choice, `lazy`: False averages every bucket here, now (an overlapped
+    sync, in its background thread; a sync that votes); True averages each bucket when `land` reaches it, one at a
+    time (a blocking sync without a vote: bounded memory), so the network then runs inside `land`. `deltas` is a
+    list taken at launch (the replica trains on while it is sent) or an iterator that forms each bucket's Δ_i when
+    its turn comes (`pseudo_gradients`). `finite` says whether this replica's values are finite (known before the
+    first bucket goes, for the iterator); a list is checked here. `decoded`: with a codec, also measure what the
+    others decode of this replica's contribution (RoundResult.decoded_*). On a backend that votes, the result says
+    whether the sync committed; a sync that did not is never applied, whatever part of it arrived. Touches neither
+    θ_global nor the replica's parameters.
     """
+    assert not (lazy and comm.votes), "a sync that votes averages every bucket before the vote, so it is never lazy"
     result = RoundResult()
     if finite is None:
         assert isinstance(deltas, list), "an exchange of Δ_i formed on the way is told whether they are finite"
@@ -618,7 +623,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
         weight = 0.0
     averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats, decoded)
     if not comm.votes:
-        return Exchange(buckets, averaged if not isinstance(deltas, list) else list(averaged), result)
+        return Exchange(buckets, averaged if lazy else list(averaged), result, weight)
     # A sync that may be rolled back must not leave its trace in the residuals: the replica sends the same
     # progress again in its next sync.
     kept = feedback.copy([str(i) for i in buckets]) if feedback is not None else None
@@ -626,7 +631,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
     result.committed = comm.vote()
     if not result.committed and kept is not None:
         feedback.restore(kept)
-    return Exchange(buckets, averaged, result)
+    return Exchange(buckets, averaged, result, weight)
 
 
 def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: RoundResult,
@@ -639,18 +644,19 @@ def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tens
         yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding, decoded)
 
 
-def land(outer: OuterState, landed: Exchange, alpha: float = 0.0, healthy: bool = True) -> RoundResult:
+def land(outer: OuterState, landed: Exchange, alpha: float = 0.0) -> RoundResult:
     """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
-    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the sync out, `healthy` False, takes θ_global as it is).
-    A sync that did not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next
-    sync."""
+    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the sync out, weight 0, takes θ_global as it is). Every sync
+    of every kind lands here: blocking, overlapped (τ steps after its launch) and voted (torchft). A sync that did
+    not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next sync."""
     result = landed.result
     if not result.committed:
         return result
+    keep = alpha if landed.weight > 0 else 0.0
     for index, delta in landed.averaged:
         bucket = outer.buckets[index]
         if result.participants:
             outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, alpha if healthy else 0.0)              # θ_i ← θ_global
+        outer.copy_to_replica(bucket, keep)                                   # θ_i ← α·θ_i + (1 − α)·θ_global
         del delta  # freed before the next bucket is averaged
     return result

@@ -138,6 +138,7 @@ class Flight:
     start: RoundStart | None = None
     exchange: Exchange | None = None
     exchange_began: float = 0.0
+    exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
 
 
 class RoundEngine:
@@ -306,24 +307,34 @@ class RoundEngine:
             local["checks"] = self.checks.row(norm(self.comm, buckets, pseudo_gradients(self.outer, self.comm,
                                                                                          buckets)),
                                               *self._since_base(fragments), self._loss_gain())
-        flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
+        flight.start = start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         with self.comm.naming_the_absent(step):
-            self._judge(flight.start, local)
-        if not flight.start.empty:
-            flight.exchange_began = time.perf_counter()
-            buckets = self._buckets(flight.start.fragments)
-            with self.comm.naming_the_absent(step):
-                if flight.start.stash is not None:  # healed: Δ_i taken against the base it left
-                    flight.exchange = exchange(self.comm, buckets, [flight.start.stash[b] for b in buckets],
-                                               codec=self.codec, feedback=self.feedback, stats=stats,
-                                               weight=flight.start.weight, decoded=checking)
-                else:
-                    finite = self.comm.replica_all(is_finite(self.outer.params[i] for b in buckets
-                                                             for i in self.outer.buckets[b]))
-                    flight.exchange = exchange(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
-                                               codec=self.codec, feedback=self.feedback, stats=stats,
-                                               weight=flight.start.weight, finite=finite, decoded=checking)
+            self._judge(start, local)
+        flight.exchange_began = time.perf_counter()
+        if start.empty:  # nobody brings progress (every participant is joining): only the vote
+            flight.exchange = self._vote_only(start)
+            return flight
+        buckets = self._buckets(start.fragments)
+        with self.comm.naming_the_absent(step):
+            if start.stash is not None:  # healed: Δ_i taken against the base it left
+                flight.exchange = exchange(self.comm, buckets, [start.stash[b] for b in buckets], codec=self.codec,
+                                           feedback=self.feedback, stats=stats, weight=start.weight,
+                                           decoded=checking)
+            else:
+                # Where the network runs: without a vote each bucket is averaged as `land` applies it (one bucket
+                # held at a time); a sync that votes (torchft) averages every bucket here, then votes.
+                finite = self.comm.replica_all(is_finite(self.outer.params[i] for b in buckets
+                                                         for i in self.outer.buckets[b]))
+                flight.exchange = exchange(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
+                                           codec=self.codec, feedback=self.feedback, stats=stats,
+                                           weight=start.weight, finite=finite, decoded=checking,
+                                           lazy=not self.comm.votes)
         return flight
+
+    def _vote_only(self, start: RoundStart) -> Exchange:
+        """The exchange of a sync that carries nothing (every participant joins): the vote alone."""
+        return Exchange([], [], RoundResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote()),
+                        weight=0.0)
 
     def _checking(self, joining: bool) -> bool:
         """Whether this sync's contributions are checked: not the joining one, and only with peers to compare."""
@@ -392,7 +403,7 @@ class RoundEngine:
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
         sitting_out = start.weight == 0
         self._judge(start, local)
-        began = flight_started = time.perf_counter()
+        began = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight
         if start.fragments != fragments or sitting_out:
@@ -400,46 +411,46 @@ class RoundEngine:
                       for b in buckets]
             weight = 0.0
         if start.empty:
-            landed = Exchange(buckets, [], RoundResult(weights=[0.0] * max(1, len(start.members)),
-                                                       committed=self.comm.vote()))
+            landed = self._vote_only(start)
         else:
             landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
                               weight=weight, decoded="checks" in local)
-        finished = time.perf_counter()
-        return start, landed, finished - began, flight_started, finished
+        return start, landed, began, began, time.perf_counter()
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
-        """Finish `flight` at `step`: wait for its exchange (the time the inner loop waits is blocked time), apply
-        it if it committed, and hand its record on. Returns whether a participant asked to stop."""
-        if flight.future is not None:
+        """Finish `flight` at `step`, whatever its kind: wait for its exchange if it ran in the background (the time
+        the inner loop waits is blocked time), apply it through `outer.land` if it committed (α, the weight it was
+        sent with and the vote are the same call for a blocking, an overlapped and a voted sync), and hand its
+        record on. Returns whether a participant asked to stop."""
+        overlapped = flight.future is not None
+        waited = time.perf_counter()
+        if overlapped:
             self.in_flight = None
-            waited = time.perf_counter()
             with self.comm.naming_the_absent(flight.launched_at):
-                start, landed, exchange_seconds, all_there, finished = flight.future.result()
+                flight.start, flight.exchange, flight.exchange_began, all_there, flight.exchanged = \
+                    flight.future.result()
             if self.args.round_seconds > 0:
                 self.progress.align(all_there)
-            if start.empty:
-                self._finish(step, start, landed.result)
-                return start.stop_requested
-            result = land(self.outer, landed, self.args.fragment_alpha,
-                          healthy=landed.result.committed and self._healthy(landed.result))
-            blocked = flight.launch_seconds + time.perf_counter() - waited
+        start = flight.start
+        if start.empty:
+            if not overlapped:
+                self.progress.reset()
+            self._finish(step, start, flight.exchange.result)
+            return start.stop_requested
+        with self.comm.naming_the_absent(flight.launched_at):  # a blocking sync is averaged as it is applied
+            result = land(self.outer, flight.exchange, self.args.fragment_alpha)
+        done = time.perf_counter()
+        if not overlapped:  # the next budget counts from here (an overlapped sync's, from its launch)
+            self.progress.reset()
+        if overlapped:
             # What τ auto must cover is the whole time in flight: the backend's start (torchft: the quorum; time
             # budgets: the agreement), then the exchange.
-            self.schedule.exchanged = (start.fragments, finished - flight.began)
+            blocked, in_flight = flight.launch_seconds + done - waited, flight.exchanged - flight.began
+            exchange_seconds = flight.exchanged - flight.exchange_began
         else:
-            start = flight.start
-            if start.empty:  # nobody brings progress (every participant is joining): only the vote
-                result = RoundResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote())
-                self.progress.reset()
-                self._finish(step, start, result)
-                return start.stop_requested
-            with self.comm.naming_the_absent(step):  # a blocking sync is averaged as it is applied
-                result = land(self.outer, flight.exchange)
-            done = time.perf_counter()
-            self.progress.reset()
-            exchange_seconds, blocked = done - flight.exchange_began, done - flight.began
-            self.schedule.exchanged = (start.fragments, exchange_seconds)
+            blocked, in_flight = done - flight.began, done - flight.exchange_began
+            exchange_seconds = in_flight
+        self.schedule.exchanged = (start.fragments, in_flight)
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
 

@@ -1,0 +1,127 @@
+"""Every sync kind lands through one path: α, the weight sent and the outer step are the same arithmetic whether the
+sync blocks (τ = 0) or overlaps τ inner steps, for one fragment or several.
+
+The model has known gradients: its loss is Σ g·w with a fixed g per weight, so inner SGD moves each weight by −η·g
+every step whatever the weights are, and the whole trajectory is arithmetic. The reference below replays the syncs
+the run recorded (the step each was launched at and landed at, the fragments it carried) on plain float64 numbers:
+
+    launch at step s:  Δ_f = base_f − θ_f(s)                      (an overlapped sync snapshots it here)
+    land at step t:    base_f ← base_f − λ·Δ_f                     (outer SGD, lr λ, no momentum; M = 1: Δ is Δ_1)
+                       θ_f(t) ← α·θ_f(t) + (1 − α)·base_f
+
+and the run's parameters after every inner step must match it to 1e-5 (fp32 rounding over a few dozen steps of
+values of order 1). The schedule is the run's (tests/test_schedule.py checks it); the landing arithmetic is what is
+checked here.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import TrainerCallback, default_data_collator
+
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer
+
+ETA, LAMBDA, H, STEPS = 0.1, 0.7, 4, 12
+GRADIENTS = {"head.w": [0.5, -1.0, 0.25], "layers.0.w": [1.0, -0.5], "layers.1.w": [-0.75, 2.0]}
+
+
+class KnownGradients(nn.Module):
+    """loss = Σ g·w: the gradient of every weight is its fixed g."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Module()
+        self.head.w = nn.Parameter(torch.tensor([0.3, -0.2, 0.1]))
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        self.layers[0].w = nn.Parameter(torch.tensor([1.0, 2.0]))
+        self.layers[1].w = nn.Parameter(torch.tensor([-1.0, 0.5]))
+        self.g = {name: torch.tensor(g) for name, g in GRADIENTS.items()}
+
+    def forward(self, x):
+        loss = sum((param * self.g[name]).sum() for name, param in self.named_parameters())
+        return {"loss": loss + 0.0 * x.sum()}
+
+
+class Trajectory(TrainerCallback):
+    """The replica's parameters after every inner step (after the DiLoCo callback's sync of that step)."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps[state.global_step] = {n: p.detach().double().clone() for n, p in self.model.named_parameters()}
+
+
+def run(tmp_path, fragments: int, delay: int, alpha: float):
+    model = KnownGradients()
+    start = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    args = DiLoCoConfig(
+        output_dir=str(tmp_path), inner_steps=H, num_fragments=fragments, sync_delay=delay, fragment_alpha=alpha,
+        final_sync="blocking", outer_lr=LAMBDA, outer_momentum=0.0, outer_nesterov=False, optim="sgd",
+        learning_rate=ETA, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
+        max_steps=STEPS, per_device_train_batch_size=1, save_strategy="no", save_every_rounds=0, report_to="none",
+        disable_tqdm=True, use_cpu=True, seed=0)
+    data = [{"x": torch.zeros(1)} for _ in range(STEPS)]
+    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+    trajectory = Trajectory(model)
+    trainer.add_callback(trajectory)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "sync_rounds.jsonl").read_text().splitlines()]
+    return start, trajectory.steps, records
+
+
+def fragment_of(name: str, fragments: int) -> int:
+    """hf_diloco.outer.assign_fragments on this model: the head is fragment 0, the layers share the others."""
+    if fragments == 1:
+        return 0
+    return 0 if name.startswith("head") else 1 + int(name.split(".")[1]) % (fragments - 1)
+
+
+def reference(start: dict, records: list[dict], fragments: int, alpha: float) -> dict[int, dict]:
+    theta = {n: v.clone() for n, v in start.items()}
+    base = {n: v.clone() for n, v in start.items()}
+    launches = {r.get("launch_step", r["step"]): r for r in records}
+    landings = {}
+    for r in records:
+        landings.setdefault(r["step"], []).append(r)
+    in_flight: dict[int, dict] = {}  # id(record) -> its Δ per parameter
+    expected = {}
+    for step in range(1, STEPS + 1):
+        for name in theta:
+            theta[name] = theta[name] - ETA * torch.tensor(GRADIENTS[name], dtype=torch.float64)
+        order = [r for r in landings.get(step, []) if r.get("launch_step", step) < step]  # overlapped ones first
+        if step in launches:
+            order.append(launches[step])
+        for r in order:
+            names = [n for n in theta if fragment_of(n, fragments) in r["fragments"]]
+            if id(r) not in in_flight:
+                in_flight[id(r)] = {n: base[n] - theta[n] for n in names}   # launch: Δ_f = base_f − θ_f
+            if r["step"] != step:
+                continue
+            delta = in_flight.pop(id(r))
+            for n in names:                                                  # land
+                base[n] = base[n] - LAMBDA * delta[n]
+                theta[n] = alpha * theta[n] + (1 - alpha) * base[n]
+        expected[step] = {n: v.clone() for n, v in theta.items()}
+    return expected
+
+
+CASES = [  # (fragments, τ, α): blocking and overlapped, one fragment and two
+    (1, 0, 0.5), (1, 2, 0.5), (2, 0, 0.5), (2, 1, 0.5), (1, 0, 0.0), (2, 1, 0.0),
+]
+
+
+@pytest.mark.parametrize(("fragments", "delay", "alpha"), CASES, ids=[f"F{f}-tau{t}-alpha{a}" for f, t, a in CASES])
+def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragments, delay, alpha):
+    start, steps, records = run(tmp_path, fragments, delay, alpha)
+    assert len(records) >= 3 * fragments, f"expected a sync per fragment per round, got {len(records)}"
+    assert any(r.get("launch_step", r["step"]) != r["step"] for r in records) == (delay > 0)
+    expected = reference(start, records, fragments, alpha)
+    worst = max((steps[s][n] - expected[s][n]).abs().max().item() for s in expected for n in expected[s])
+    assert worst <= 1e-5, f"largest difference from the arithmetic {worst:.2e}"
+    if alpha > 0:  # α did something: the same syncs with α = 0 end elsewhere
+        without = reference(start, records, fragments, 0.0)
+        moved = max((without[STEPS][n] - expected[STEPS][n]).abs().max().item() for n in expected[STEPS])
+        assert moved > 1e-2, f"α = {alpha} and α = 0 give the same parameters (difference {moved:.2e})"
