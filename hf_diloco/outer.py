@@ -157,37 +157,46 @@ def layer_of(name: str) -> int | None:
 
 
 def assign_fragments(names: list[str], num_fragments: int, pattern: str = "strided") -> list[list[int]]:
-    """Parameter indices of each streaming fragment.
+    """Parameter indices of each streaming fragment; every fragment holds at least one parameter.
 
     One fragment: everything. F > 1: fragment 0 holds the parameters outside the layers (embeddings, final norm,
-    head); the layers are spread over fragments 1..F−1, strided (layer l goes to 1 + l mod (F−1), the paper's
-    better choice) or sequential (contiguous runs of layers).
+    head) and the layers are spread over fragments 1..F−1; where every parameter is in a layer (a LoRA model's
+    adapters, a model whose modules are `layers.0`, `layers.1`, ...) the layers are spread over all F fragments, so
+    that no sync exchanges nothing. Layers go strided (the l-th layer to l mod the fragments that hold layers: the
+    paper's better choice) or sequential (contiguous runs of layers, as even as they divide).
 
     >>> names = ["embed.weight", "layers.0.w", "layers.1.w", "layers.2.w", "layers.3.w", "norm.weight"]
     >>> assign_fragments(names, 3), assign_fragments(names, 3, "sequential")
     ([[0, 5], [1, 3], [2, 4]], [[0, 5], [1, 2], [3, 4]])
+    >>> assign_fragments(names[1:5], 2)                      # nothing outside the layers: all fragments hold layers
+    [[0, 2], [1, 3]]
     """
     if num_fragments == 1:
         return [list(range(len(names)))]
-    layers = sorted({layer for layer in map(layer_of, names) if layer is not None})
-    groups = num_fragments - 1
+    layer = [layer_of(name) for name in names]
+    layers = sorted({number for number in layer if number is not None})
+    first = 1 if None in layer else 0  # the first fragment that holds layers
+    groups = num_fragments - first
     if len(layers) < groups:
+        inside = [name for name, number in zip(names, layer, strict=True) if number is not None]
+        shown = ", ".join(inside[:4]) + (", ..." if len(inside) > 4 else "") if inside else "none"
+        outside = f"besides the fragment of the {layer.count(None)} parameter(s) outside the layers " if first else ""
         raise ValueError(
-            f"num_fragments={num_fragments} needs at least {groups} layers besides the non-layer fragment, but the "
-            f"model's trainable parameters span {len(layers)} layer(s); use fewer fragments."
+            f"num_fragments={num_fragments} needs at least {groups} layers {outside}so that every fragment syncs "
+            f"something, but the model's trainable parameters span {len(layers)} layer(s) (in layers: {shown}); "
+            f"use at most {len(layers) + first} fragments."
         )
-    per_group = math.ceil(len(layers) / groups)
-    rank = {layer: position for position, layer in enumerate(layers)}
+    position = {number: rank for rank, number in enumerate(layers)}
 
-    def fragment(layer: int | None) -> int:
-        if layer is None:
+    def fragment(number: int | None) -> int:
+        if number is None:
             return 0
-        position = rank[layer]
-        return 1 + (position % groups if pattern == "strided" else position // per_group)
+        rank = position[number]
+        return first + (rank % groups if pattern == "strided" else rank * groups // len(layers))
 
     fragments: list[list[int]] = [[] for _ in range(num_fragments)]
-    for index, name in enumerate(names):
-        fragments[fragment(layer_of(name))].append(index)
+    for index, number in enumerate(layer):
+        fragments[fragment(number)].append(index)
     return fragments
 
 

@@ -125,3 +125,46 @@ def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragment
         without = reference(start, records, fragments, 0.0)
         moved = max((without[STEPS][n] - expected[STEPS][n]).abs().max().item() for n in expected[STEPS])
         assert moved > 1e-2, f"α = {alpha} and α = 0 give the same parameters (difference {moved:.2e})"
+
+
+class LayersOnly(KnownGradients):
+    """Every parameter inside a layer (as a LoRA model's adapters are): no fragment of parameters outside them."""
+
+    def __init__(self, layers: int = 2):
+        nn.Module.__init__(self)
+        self.layers = nn.ModuleList([nn.Module() for _ in range(layers)])
+        for number, layer in enumerate(self.layers):
+            layer.w = nn.Parameter(torch.full((2,), float(number)))
+        self.g = {f"layers.{n}.w": torch.tensor([1.0, -1.0]) for n in range(layers)}
+
+
+def diloco_args(tmp_path, **settings) -> DiLoCoConfig:
+    settings = {"inner_steps": H, **settings}
+    return DiLoCoConfig(output_dir=str(tmp_path), optim="sgd", learning_rate=ETA, max_steps=STEPS,
+                        per_device_train_batch_size=1, save_strategy="no", save_every_rounds=0, report_to="none",
+                        disable_tqdm=True, use_cpu=True, **settings)
+
+
+def test_a_model_whose_parameters_are_all_in_layers_syncs_something_in_every_sync(tmp_path):
+    """Fragment 0 holds the parameters outside the layers; with none, the layers are spread over every fragment
+    instead of leaving fragment 0 empty (every other sync would exchange nothing)."""
+    model = LayersOnly()
+    trainer = DiLoCoTrainer(model=model, args=diloco_args(tmp_path, num_fragments=2),
+                            train_dataset=[{"x": torch.zeros(1)}] * STEPS, data_collator=default_data_collator)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "sync_rounds.jsonl").read_text().splitlines()]
+    assert {tuple(r["fragments"]) for r in records} >= {(0,), (1,)}
+    assert all(r["synced_parameters"] == 2 for r in records if len(r["fragments"]) == 1), \
+        [(r["fragments"], r["synced_parameters"]) for r in records]
+
+
+def test_more_fragments_than_layers_is_refused_in_one_sentence_naming_the_parameters(tmp_path):
+    model = LayersOnly(layers=2)
+    trainer = DiLoCoTrainer(model=model, args=diloco_args(tmp_path, num_fragments=3, inner_steps=3),
+                            train_dataset=[{"x": torch.zeros(1)}] * STEPS, data_collator=default_data_collator)
+    with pytest.raises(Exception) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert type(raised.value).__name__ == "ConfigError", message
+    assert "num_fragments=3" in message and "layers.0.w" in message and "use at most 2 fragments" in message
+    assert not (tmp_path / "sync_rounds.jsonl").exists() or not (tmp_path / "sync_rounds.jsonl").read_text()
