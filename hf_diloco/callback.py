@@ -54,7 +54,7 @@ class DiLoCoCallback(TrainerCallback):
         to call from a signal handler.
 
         The request rides along with the next sync, so every replica stops after the same step."""
-        self.engine.stop_requested = True
+        self.engine.request_stop()
 
     def observe_micro_batch(self, loss, inputs: dict) -> None:
         self.engine.progress.micro_batch(loss, inputs)

@@ -461,6 +461,13 @@ class RoundResult:
             return self.local_norm_sq / weight**2, self.dot / weight
         return self.unsent_norm_sq, self.unsent_dot
 
+    def agreement(self, replica_index: int) -> float:
+        """cos(Δ_i, Δ) of this replica's own Δ_i, whatever weight it sent with (a replica left out has one too)."""
+        own_norm_sq, own_dot = self.own_terms(self.weights[replica_index]) if self.weights is not None else \
+            (self.local_norm_sq, self.dot)
+        scale = math.sqrt(own_norm_sq * self.average_norm_sq)
+        return own_dot / scale if scale > 0 else float("nan")
+
     def sum_over_members(self, comm: ReplicaComm) -> None:
         """A replica of several processes: its norms and dot products as sums over its members' parts (sharded:
         every term is a shard's; otherwise only the decoded terms are per member: each member decodes its own
@@ -471,6 +478,12 @@ class RoundResult:
         if names:
             for name, value in zip(names, comm.members_total([getattr(self, n) for n in names]), strict=True):
                 setattr(self, name, value)
+
+    def count_extra(self, sent: int) -> None:
+        """Bytes the sync sent beside its exchange (membership, check tables); an fp32 sync sends the same tables,
+        so they count in both and a codec's ratio stays its own."""
+        self.cost.bytes_sent += sent
+        self.fp32_bytes_sent += sent
 
     def add_cost(self, cost: SyncCost, fp32_bytes: int) -> None:
         self.cost.payload_bytes += cost.payload_bytes

@@ -208,6 +208,10 @@ class Records:
         self.cumulative_bytes = 0  # bytes this replica sent in every sync of the run so far
         self.train_started = time.time()
 
+
+    def expect_syncs(self, total: int | None) -> None:
+        """How many syncs the run makes (None: not known ahead, with time budgets), for the console lines."""
+        self.total_syncs = total
     def open(self, output_dir: str, step: int, *, continues_record: bool, resumed_from: str | None,
              reached_before_resume: int, report) -> None:
         """Main process, at the start of training: the sync record of `output_dir`, cut at the checkpoint's

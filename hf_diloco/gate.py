@@ -1,0 +1,127 @@
+"""The gate: contribution checks between a sync's launch and its landing (the rules: hf_diloco.contributions).
+
+    launch   this replica's row for the sync (‖Δ_i‖, the steps and Σ η it covers, its last agreements, with
+             contribution_loss_check the loss its round removed from a held-out batch)
+    start    every replica's row (torchft: in the membership table its quorum exchanged; torch: one small all-reduce
+             over the sync's groups, its bytes counted with the sync's), the same verdict on every replica, and
+             weight 0 for this replica if it is found out (mode exclude)
+    land     its leave-one-out agreement λ_i with what merged, remembered for the next sync's row; a replica left
+             out takes θ_global
+
+Who is left out is the gate's only output: the verdicts in the sync's start (`RoundStart.excluded`) and the record.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import RoundStart
+from .config import ConfigError, DiLoCoConfig
+from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
+from .outer import RoundResult, norm
+
+
+class Gate:
+    """One replica's contribution checks. `trainer` gives the inner optimizer's kind (the `size` rule bounds
+    AdamW-like steps by the learning rate) and, with contribution_loss_check, the model and its evaluation set."""
+
+    def __init__(self, args: DiLoCoConfig, trainer):
+        self.args, self.trainer = args, trainer
+        self.checks = ContributionChecks(
+            args.contribution_checks, Limits(adam_ratio=args.contribution_adam_ratio,
+                                             norm_ratio=args.contribution_norm_ratio,
+                                             min_agreement=args.contribution_min_agreement,
+                                             agreement_gap=args.contribution_agreement_gap,
+                                             loss_margin=args.contribution_loss_margin),
+            faulty_after=args.contribution_faulty_after)
+        self.base_loss = float("nan")  # contribution_loss_check: the held-out batch's loss where the round started
+        self.loss_batch: dict | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.checks.active
+
+    @property
+    def excluding(self) -> bool:
+        return self.checks.mode == "exclude"
+
+    def checking(self, joining: bool, num_replicas: int) -> bool:
+        """Whether a sync's contributions are checked: not the joining one, and only with peers to compare."""
+        return self.checks.active and not joining and num_replicas > 1
+
+    def row(self, comm, buckets: list[int], deltas, since_base: tuple[float, float], with_loss: bool = False
+            ) -> list[float]:
+        """This replica's row: ‖Δ_i‖ over `buckets` (`deltas`: a list or an iterator of Δ_i), the steps and Σ η
+        since its base, and (`with_loss`, a blocking sync) the loss its round removed."""
+        return self.checks.row(norm(comm, buckets, deltas), *since_base,
+                               *([self._loss_gain()] if with_loss else []))
+
+    def judge(self, start: RoundStart, local: dict, comm, parameters: int, replica: int) -> None:
+        """Every replica's row, the verdict into `start.excluded`, and weight 0 for this replica if it is found out
+        (mode exclude). `parameters`: the values the sync carries."""
+        if "checks" not in local or start.empty or start.joining:
+            return
+        if start.members:
+            rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
+        else:
+            table, sent = comm.replica_rows(local["checks"])
+            start.extra_bytes += sent
+            rows = {r: table[r].tolist() for r in range(table.shape[0])}
+        start.excluded = judge(rows, parameters, self._adam(), self.checks.limits)
+        if self.excluding and replica in start.excluded:
+            start.weight = 0.0
+
+    def landed(self, result: RoundResult, start: RoundStart, replica_index: int, replica: int) -> bool:
+        """A committed sync landed: λ_i of this replica is remembered for its next row. Returns whether this replica
+        was left out (mode exclude), so that it starts again from θ_global as a replica that diverged."""
+        if not result.committed:
+            return False
+        if self.checks.active and result.weights is not None and not start.joining:
+            weight = result.weights[replica_index]
+            norm_sq, dot = result.own_terms(weight, decoded=True)  # with a codec: what the average holds of it
+            self.checks.landed(leave_one_out(result.total_weight, weight, dot=dot, norm_sq=norm_sq,
+                                             average_norm_sq=result.average_norm_sq),
+                               left_out=replica in start.excluded)
+        return replica in start.excluded and self.excluding
+
+    def rebase(self) -> None:
+        """contribution_loss_check: the replica holds θ_global now (F = 1, α = 0, τ = 0); its loss there is the next
+        round's base."""
+        if self.args.contribution_loss_check:
+            self.base_loss = self._held_out_loss()
+
+    def record(self, excluded: dict[int, str], record: dict) -> list[str]:
+        """The verdicts into the sync's record; the console lines they call for."""
+        return self.checks.record(excluded, record)
+
+    def _loss_gain(self) -> float:
+        """contribution_loss_check: the loss this replica's round removed from the held-out batch (its loss at
+        θ_global when the round started, less its loss at the replica's parameters now); NaN without the check."""
+        return self.base_loss - self._held_out_loss() if self.args.contribution_loss_check else float("nan")
+
+    @torch.no_grad()
+    def _held_out_loss(self) -> float:
+        """The model's loss now on the check's held-out batch: the evaluation set's first contribution_loss_batch
+        examples, the same on every replica (every member of a sharded replica runs the forward pass)."""
+        trainer = self.trainer
+        if self.loss_batch is None:
+            if trainer.eval_dataset is None or len(trainer.eval_dataset) == 0:
+                raise ConfigError("contribution_loss_check scores each round on held-out examples, and this run has "
+                                  "no evaluation set: set eval_fraction above 0 or pass one.")
+            examples = [trainer.eval_dataset[i] for i in range(min(self.args.contribution_loss_batch,
+                                                                   len(trainer.eval_dataset)))]
+            self.loss_batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        model = trainer.model
+        training = model.training
+        model.eval()
+        try:
+            return float(model(**self.loss_batch).loss)
+        finally:
+            model.train(training)
+
+    def _adam(self) -> bool:
+        """Whether the inner optimizer is AdamW-like (the `size` check bounds its steps by the learning rate)."""
+        optimizer = self.trainer.optimizer
+        while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
+            optimizer = optimizer.optimizer
+        return "adam" in type(optimizer).__name__.lower()

@@ -1,0 +1,48 @@
+"""What a sync does about values that are not finite: a replica whose pseudo-gradient holds a NaN or an infinity sits
+the sync out (weight 0: hf_diloco.outer) and restarts from θ_global here; a run in which no replica brings a finite
+pseudo-gradient for `max_bad_rounds` rounds in a row stops with one sentence instead of training on garbage."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .errors import RunError
+from .outer import OuterState, RoundResult, is_finite
+
+logger = logging.getLogger(__name__)
+
+
+class Health:
+    """Counts the consecutive syncs with no healthy participant, and restarts a replica that was not finite."""
+
+    def __init__(self, max_bad_rounds: int, num_fragments: int):
+        self.max_bad_rounds, self.num_fragments = max_bad_rounds, num_fragments
+        self.bad_syncs = 0  # consecutive syncs in which no replica had a finite pseudo-gradient
+
+    def committed(self, result: RoundResult, step: int) -> None:
+        """`max_bad_rounds` consecutive rounds (F syncs each) with no healthy participant stop the run with one
+        sentence."""
+        self.bad_syncs = 0 if result.participants else self.bad_syncs + 1
+        fragments = self.num_fragments
+        if self.bad_syncs >= self.max_bad_rounds * fragments:
+            counted = f"{self.bad_syncs} consecutive rounds" if fragments == 1 else \
+                f"{self.bad_syncs} consecutive syncs ({self.bad_syncs // fragments} rounds)"
+            raise RunError(
+                f"no replica had a finite pseudo-gradient for {counted} (last at step {step}); the run is diverging: "
+                f"lower learning_rate or outer_lr, or resume from an earlier checkpoint."
+            )
+
+    @staticmethod
+    @torch.no_grad()
+    def restart(outer: OuterState, optimizer: torch.optim.Optimizer, replica: int, step: int) -> None:
+        """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
+        optimizer state holds non-finite values too, starts that state afresh (stale NaN moments would poison the
+        next step again)."""
+        outer.copy_global_to_replica()
+        moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        if not is_finite(moments):
+            optimizer.state.clear()
+        logger.warning("DiLoCo: replica %d had a non-finite pseudo-gradient at step %d; it sat the sync out and "
+                       "restarts from the global parameters.", replica, step)
