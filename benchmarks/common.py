@@ -101,8 +101,8 @@ def selected_variants(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def check_overrides(overrides: list[str], what: str) -> None:
     """Parse the recipe plus `overrides` as `hf-diloco train` would; exit with its one-sentence error if bad."""
-    from hf_diloco.cli import parse_train_args
     from hf_diloco.config import ConfigError
+    from hf_diloco.recipes import parse_train_args
 
     try:
         parse_train_args(str(RECIPE), ["--output_dir", "unused", *overrides])

@@ -201,16 +201,3 @@ class FixedGroup:
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = int(state.get("syncs", 0))
-
-
-def make_backend(args, comm: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *, resumed: bool,
-                 continue_at_step, step: int = 0, boundary_wanted=None):
-    """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
-    if args.outer_backend == "torchft":
-        from .torchft_backend import TorchftRounds
-
-        return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
-                             continue_at_step=continue_at_step)
-    return FixedGroup(comm, outer, schedule, resumed,
-                      continue_at_step=continue_at_step, overlap=args.sync_delay > 0, step=step,
-                      boundary_wanted=boundary_wanted)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import sys
 import time
@@ -32,7 +31,7 @@ from . import launch
 from . import train as training
 from .checks import require_lighthouse
 from .errors import ConfigError, RunError, first_line
-from .files import read_yaml
+from .recipes import CLIError, Parser, field_parser, parse_train_args
 from .runs import accelerate_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,132 +39,7 @@ DEMO_RECIPE = REPO_ROOT / "recipes" / "tiny-pretrain.yaml"
 DEMO_ACCELERATE_CONFIG = REPO_ROOT / "accelerate_configs" / "cpu-2proc.yaml"
 
 
-class CLIError(ConfigError):
-    """Ends the command with its message and exit status 2."""
-
-
 # --- argument parsing -----------------------------------------------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag or value in one sentence (CLIError, exit 2) instead of printing its usage."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)  # a misspelt or shortened flag is an error, not a guess
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        raise CLIError(f"{message.rstrip('.')}; see `{self.prog} --help`.")
-
-
-def _field_parser(arguments: type | None = None):
-    """HfArgumentParser over RunArguments and DiLoCoConfig (or `arguments`, the config class of a TRL trainer) that
-    reports errors like `_Parser`."""
-    from transformers import HfArgumentParser
-
-    from .config import DiLoCoConfig, RunArguments
-
-    class FieldParser(HfArgumentParser):
-        def error(self, message: str):
-            raise CLIError(f"{message.rstrip('.')}; see `hf-diloco train --help`.")
-
-    parser = FieldParser((RunArguments, arguments or DiLoCoConfig), prog="hf-diloco train", allow_abbrev=False)
-    for action in parser._actions:
-        if action.help:  # field help is prose ("inner_steps % F == 0"), not an argparse format string
-            action.help = re.sub(r"%(?!\()", "%%", action.help)
-    return parser
-
-
-def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bool = False):
-    """(RunArguments, DiLoCoConfig) from a recipe plus flag overrides; every key and flag must be a field.
-
-    Device settings (bf16, tf32, ...) are not checked in a dry run or when `checking_only` (`launch --dry-run`).
-    """
-    from dataclasses import fields
-
-    from .config import RunArguments, config_class
-
-    values = read_yaml(recipe, "recipe") if recipe else {}
-    try:
-        arguments = config_class(_trainer_named(values, overrides))
-    except ConfigError as error:
-        raise CLIError(str(error)) from None
-    parser = _field_parser(arguments)
-    known = {f.name for dtype in (RunArguments, arguments) for f in fields(dtype) if f.init}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise CLIError(
-            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
-            f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
-        )
-    values, overrides = _auto_fields(values, overrides)
-    # Floats go back to text so that argparse converts them with the field's own type, like a flag.
-    parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})
-    namespace, rest = parser.parse_known_args(overrides)
-    if rest:
-        raise CLIError(f"unknown option(s) {' '.join(rest)}; see `hf-diloco train --help`.")
-    if namespace.dry_run or checking_only:
-        # Whatever its spelling (--dry_run, --dry-run, --dry_run=true, dry_run: true in the recipe, launch's
-        # --dry-run), a dry run checks a recipe on any machine: device settings only matter once training starts.
-        _drop_device_requirements(namespace)
-    try:
-        return (RunArguments(**_fields_of(RunArguments, namespace)),
-                arguments(**_fields_of(arguments, namespace)))
-    except ValueError as error:
-        raise CLIError(first_line(error) + ".") from None
-
-
-def _trainer_named(values: dict, overrides: list[str]) -> str:
-    """The `trainer` a recipe and its flags ask for (the last flag wins), before they are parsed: its arguments
-    class decides which fields the recipe may have."""
-    trainer = str(values.get("trainer", "diloco"))
-    for i, item in enumerate(overrides):
-        if item == "--trainer" and i + 1 < len(overrides):
-            trainer = overrides[i + 1]
-        elif item.startswith("--trainer="):
-            trainer = item.split("=", 1)[1]
-    return trainer
-
-
-def _auto_fields(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:
-    """`inner_steps: auto` / `sync_delay: auto` (recipe) and `--inner_steps auto` / `--sync_delay auto` (flag, any
-    spelling) as the fields they stand for: auto_inner_steps or auto_sync_delay true, and the measuring rounds'
-    value."""
-    from .config import AUTO_DELAY_START, AUTO_START
-
-    autos = {"inner_steps": (AUTO_START, "auto_inner_steps"), "sync_delay": (AUTO_DELAY_START, "auto_sync_delay")}
-    for name, (start, switch) in autos.items():
-        if values.get(name) == "auto":
-            values = {**values, name: start, switch: True}
-    flags, rest = [], list(overrides)
-    while rest:
-        item = rest.pop(0)
-        for name, (start, switch) in autos.items():
-            spellings = (f"--{name}", f"--{name.replace('_', '-')}")
-            if item in tuple(f"{s}=auto" for s in spellings) or (item in spellings and rest[:1] == ["auto"]):
-                if "=" not in item:
-                    rest.pop(0)
-                flags += [f"--{name}", str(start), f"--{switch}", "true"]
-                break
-        else:
-            flags.append(item)
-    return values, flags
-
-
-def _fields_of(dtype, namespace: argparse.Namespace) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(namespace, f.name) for f in fields(dtype) if f.init and hasattr(namespace, f.name)}
-
-
-def _drop_device_requirements(namespace: argparse.Namespace) -> None:
-    """Switch off the settings TrainingArguments refuses on a machine without the device they need."""
-    import torch
-
-    if not torch.cuda.is_available():
-        for name in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval"):
-            setattr(namespace, name, False)
-        namespace.tf32 = None
 
 
 # --- commands -------------------------------------------------------------------------------------------------------
@@ -384,8 +258,8 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="hf-diloco", description="DiLoCo training for Hugging Face models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     train = sub.add_parser(
         "train", help="train in this process (one replica per process under accelerate launch)", add_help=False
@@ -525,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_command_line(argv)
         if args.command == "train" and args.help:
-            _field_parser().print_help()
+            field_parser().print_help()
             return 0
         return args.func(args)
     except ConfigError as error:

@@ -29,7 +29,6 @@ from .checks import (
     OUTER_BACKENDS,
     OUTER_OPTIMIZERS,
     TRAINERS,
-    TRL_TRAINERS,
 )
 from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
@@ -604,19 +603,6 @@ def env_parallelism() -> dict[str, int]:
     """The layout an accelerate config's parallelism_config hands the processes through the environment (1: unset)."""
     sizes = {"replicate": "DP_REPLICATE_SIZE", "shard": "DP_SHARD_SIZE", "tp": "TP_SIZE", "cp": "CP_SIZE"}
     return {key: int(os.environ.get(f"PARALLELISM_CONFIG_{name}") or 1) for key, name in sizes.items()}
-
-
-def config_class(trainer: str) -> type:
-    """The arguments class of `trainer`: DiLoCoConfig, or with TRL's trainers the config that joins theirs to it
-    (ConfigError in one sentence when TRL is not installed)."""
-    if trainer not in TRL_TRAINERS:
-        return DiLoCoConfig
-    try:
-        from . import trl
-    except ImportError:
-        raise ConfigError(f"trainer {trainer} is TRL's {'SFT' if trainer == 'sft' else 'DPO'}Trainer, and TRL is not "
-                          f"installed: pip install 'hf-diloco[trl]'.") from None
-    return trl.DiLoCoSFTConfig if trainer == "sft" else trl.DiLoCoDPOConfig
 
 
 @dataclass

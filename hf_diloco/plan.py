@@ -691,7 +691,7 @@ more GPUs (--gpus-per-replica N --sharded) or plan for a larger GPU.
 
 def setting_from_args(args) -> tuple[Setting, dict]:
     """The Setting of `hf-diloco plan`'s arguments, and what the output says about where its numbers come from."""
-    from .cli import parse_train_args
+    from .recipes import parse_train_args
     from .train import tokens_per_step
 
     overrides = [item for flag, value in (("--inner_steps", args.inner_steps), ("--compression", args.codec),
@@ -775,7 +775,7 @@ def predict(recipe: str, **options) -> dict:
     """What `hf-diloco plan RECIPE ... --json` prints, from Python (the app's Preview): `options` are the command's
     flags, spelt with underscores (`replicas=8, link="1gbit", gpu="h100", sync_delay="auto", sharded=True`).
     Loads torch and transformers, as the command does: a page that must stay light runs the command instead."""
-    from .cli import build_parser
+    from .recipes import Parser
 
     argv = ["plan", recipe]
     for name, value in options.items():
@@ -784,7 +784,9 @@ def predict(recipe: str, **options) -> dict:
             argv.append(flag)
         elif value is not None and value is not False:
             argv += [flag, str(value)]
-    args = build_parser().parse_args(argv)
+    parser = Parser(prog="hf-diloco")
+    add_subcommand(parser.add_subparsers(dest="command", required=True, parser_class=Parser))
+    args = parser.parse_args(argv)
     setting, context = setting_from_args(args)
     return plan(setting, context, scale=args.scale, max_inner_steps=args.max_inner_steps)
 

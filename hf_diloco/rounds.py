@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import RoundStart, make_backend
+from .backends import FixedGroup, RoundStart
 from .checkpoints import load_replica_state, replica_state
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
@@ -55,6 +55,7 @@ from .outer import (
 )
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
 from .schedule import Schedule
+from .torchft_backend import TorchftRounds
 from .tuner import Tuner
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,17 @@ class Flight:
     exchange: Exchange | None = None
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
+
+
+def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFeedback | None, schedule: Schedule,
+                 max_steps: int, *, resumed: bool, continue_at_step: Callable[[int], None], step: int = 0,
+                 boundary_wanted: Callable[[int, int, int], bool] | None = None):
+    """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
+    if args.outer_backend == "torchft":
+        return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
+                             continue_at_step=continue_at_step)
+    return FixedGroup(comm, outer, schedule, resumed, continue_at_step=continue_at_step, overlap=args.sync_delay > 0,
+                      step=step, boundary_wanted=boundary_wanted)
 
 
 def outer_state_and_fragments(args: DiLoCoConfig, named: list[tuple[str, torch.nn.Parameter]]

@@ -102,7 +102,8 @@ def test_what_trl_cannot_serve_is_refused_in_one_sentence(tmp_path, monkeypatch)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hf-diloco: error: LoRA adapters cannot be split by tensor parallel inside a replica"), last
-    from hf_diloco.config import ConfigError, DiLoCoConfig, RunArguments, config_class
+    from hf_diloco.config import ConfigError, DiLoCoConfig, RunArguments
+    from hf_diloco.recipes import config_class
     from hf_diloco.train import check_arguments
     from hf_diloco.trl import DiLoCoDPOConfig
 

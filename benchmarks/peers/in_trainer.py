@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, default_data_collator
 
-from hf_diloco.cli import parse_train_args
 from hf_diloco.data import build_datasets
 from hf_diloco.models import load_model_and_tokenizer
+from hf_diloco.recipes import parse_train_args
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-pretrain.yaml"
 
