@@ -24,16 +24,16 @@ from common import REPO, markdown_table, run_env, save, train_command
 
 # Functions by (file suffix, name): the cumulative time of the outermost call of each is what it costs.
 INNER_TRAINING = [("transformers/trainer.py", "training_step"), ("torch/optim/optimizer.py", "wrapper")]
-DILOCO_PER_STEP = [("hf_diloco/rounds.py", "on_step_begin"), ("hf_diloco/rounds.py", "on_step_end"),
-                   ("hf_diloco/rounds.py", "observe_micro_batch"), ("hf_diloco/callbacks.py", "on_step_end"),
+DILOCO_PER_STEP = [("hf_diloco/callback.py", "on_step_begin"), ("hf_diloco/callback.py", "on_step_end"),
+                   ("hf_diloco/callback.py", "observe_micro_batch"), ("hf_diloco/callbacks.py", "on_step_end"),
                    ("hf_diloco/callbacks.py", "on_step_begin"), ("hf_diloco/trainer.py", "_maybe_log_save_evaluate")]
-SYNC = [("hf_diloco/rounds.py", "_sync")]
+SYNC = [("hf_diloco/engine.py", "sync")]
 LOOP = [("transformers/trainer.py", "_inner_training_loop")]
 
 
 def cumulative(stats: pstats.Stats, functions: list[tuple[str, str]]) -> float:
     """Sum of the cumulative seconds of `functions`. They do not call each other, except on_step_end calling
-    _sync (subtracted in main) and the outer optimizer's step inside a sync, which counts as training too (0.2 ms
+    the engine's sync (subtracted in main) and the outer optimizer's step inside a sync, which counts as training too (0.2 ms
     every 50 steps)."""
     total = 0.0
     for (path, _, name), (_, _, _, cumtime, _) in stats.stats.items():
@@ -62,7 +62,7 @@ def main() -> None:
     loop = cumulative(stats, LOOP)
     training = cumulative(stats, INNER_TRAINING)
     sync = cumulative(stats, SYNC)
-    diloco = cumulative(stats, DILOCO_PER_STEP) - sync  # _sync runs inside on_step_end
+    diloco = cumulative(stats, DILOCO_PER_STEP) - sync  # the engine's sync runs inside on_step_end
     rest = loop - training - sync - diloco
     rows = [[name, f"{1000 * seconds / steps:.2f}", f"{seconds / loop:.2%}"] for name, seconds in (
         ("inner training (forward, backward, clipping, AdamW)", training),

@@ -1,6 +1,6 @@
 """Who takes part in a sync: the backends.
 
-A sync (hf_diloco.rounds: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
+A sync (hf_diloco.engine: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
 step) is the same code whatever the backend. A backend answers who takes part, and supplies the collectives under
 the sync (its `comm`):
 
@@ -11,7 +11,7 @@ the sync (its `comm`):
               one small all-reduce first agrees on the weights (each replica's tokens, relative to the most), the
               fragments (in turn, every one once a replica reached max_steps) and the step every replica continues
               at (the furthest one's), so that saves, evaluations and the end fall at the same step everywhere.
-    torchft   `hf_diloco.torchft_backend.TorchftRounds`: a Lighthouse quorum per round, participants only, token and
+    torchft   `hf_diloco.torchft_backend.TorchftQuorum`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
 
@@ -21,7 +21,7 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
     expected_fragments(step, max_steps, local)
                                        the fragments the sync due now is expected to carry (an overlapped sync
                                        snapshots them before it starts; `local`: this replica's numbers)
-    start(step, max_steps, local, expected, joining, overlapped) -> RoundStart
+    start(step, max_steps, local, expected, joining, overlapped) -> SyncStart
                                        who takes part, with what weight, which fragments (`local`: this replica's
                                        numbers; torchft agrees on the fragments after the quorum); the joining
                                        sync before the first inner step makes the replicas' parameters
@@ -47,7 +47,7 @@ from .schedule import Schedule
 
 
 @dataclass
-class RoundStart:
+class SyncStart:
     """What a backend decided before a sync's collectives."""
 
     weight: float = 1.0  # this replica's share in the average, relative to the largest (1: plain mean)
@@ -117,7 +117,7 @@ class FixedGroup:
         if not self.schedule.budget:  # rounds of H steps (schedule.budget: round_seconds / F)
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.replica_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
+        return self.comm.members_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:
@@ -147,20 +147,20 @@ class FixedGroup:
         return self.agreed is None or self.agreed.window is None
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int], joining: bool = False,
-              overlapped: bool = False) -> RoundStart:
+              overlapped: bool = False) -> SyncStart:
         if not joining:
             if self.agreed is None:
-                return RoundStart(fragments=expected)
-            return RoundStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
+                return SyncStart(fragments=expected)
+            return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
         if self.resumed:  # every replica loaded the same checkpoint
-            return RoundStart(empty=True, joining=True)
+            return SyncStart(empty=True, joining=True)
         # The replicas must start from identical parameters: checked by digest before the first inner step, and
         # rank 0's sent only where they differ (comm.ReplicaComm.start_identical); θ_global is then taken again.
         cost = self.comm.start_identical(self.outer.params)
         self.outer.take_replica()
-        return RoundStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
+        return SyncStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 
-    def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
         continue_at_step), plus the steps it took while an overlapped sync was in flight; the record gets that
         step and the sync's number."""
@@ -184,7 +184,7 @@ class FixedGroup:
                 record["launch_step"] = agreed.step
         return record, False
 
-    def joined(self, start: RoundStart, step: int) -> None:
+    def joined(self, start: SyncStart, step: int) -> None:
         pass
 
     def run_over(self) -> bool:

@@ -1,6 +1,6 @@
 """The Trainer glue of the outer loop: at the end of each inner step the round engine syncs what is due; saves,
 evaluations and the stop are kept on sync boundaries (a step where a sync landed and none is in flight: with one
-fragment, a round's end). Everything else is hf_diloco.rounds.RoundEngine's."""
+fragment, a round's end). Everything else is hf_diloco.engine.SyncEngine's."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ import logging
 from transformers import TrainerCallback
 
 from .compat import dispatch_log
+from .engine import SyncEngine
 from .metrics import reported_metrics
 from .records import Records
-from .rounds import RoundEngine
 
 logger = logging.getLogger(__name__)
 
 
 class DiLoCoCallback(TrainerCallback):
-    """Owned by a DiLoCoTrainer: runs its RoundEngine inside Trainer's loop. A resumed trainer hands it the
+    """Owned by a DiLoCoTrainer: runs its SyncEngine inside Trainer's loop. A resumed trainer hands it the
     checkpoint's outer state (`saved_outer_state`, `saved_replica_state`) before training begins."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.args = trainer.args
         self.records = Records(plain_console=self.args.disable_tqdm, num_fragments=self.args.num_fragments)
-        self.engine = RoundEngine(self.args, trainer, self.records, continue_at_step=trainer.continue_at_step)
+        self.engine = SyncEngine(self.args, trainer, self.records, continue_at_step=trainer.continue_at_step)
         self.saved_outer_state: dict | None = None
         self.saved_replica_state: dict | None = None
         self.resumed_from: str | None = None  # the checkpoint this run continues, for the next sync's record
@@ -94,7 +94,7 @@ class DiLoCoCallback(TrainerCallback):
         self._step_end(state, control)
 
     def sync(self, step: int, max_steps: int) -> bool | None:
-        """The syncs of this step (see RoundEngine.sync): None when nothing synced, else whether to stop."""
+        """The syncs of this step (see SyncEngine.sync): None when nothing synced, else whether to stop."""
         return self.engine.sync(step, max_steps)
 
     def _step_end(self, state, control) -> None:

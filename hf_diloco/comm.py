@@ -112,14 +112,14 @@ def ring_all_gather_bytes(payload_bytes: int, world_size: int) -> int:
     return ((world_size - 1) * payload_bytes) // world_size
 
 
-def round_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | None = None, stats: int = 0) -> int:
+def sync_bytes(numel: int, replicas: int, group_size: int = 1, codec: Codec | None = None, stats: int = 0) -> int:
     """Bytes one process sends across replicas to sum `numel` values (one bucket) with `codec`, plus `stats`
     fp32 values riding along, by the algorithms of `ReplicaComm.sum_replicas`.
 
-    >>> round_bytes(1000, replicas=2), round_bytes(1000, replicas=8)   # fp32 ring all-reduce
+    >>> sync_bytes(1000, replicas=2), sync_bytes(1000, replicas=8)   # fp32 ring all-reduce
     (4000, 7000)
     >>> from hf_diloco.codecs import make_codec
-    >>> round_bytes(1000, replicas=2, codec=make_codec("int8")), round_bytes(1000, replicas=8, codec=make_codec("int8"))
+    >>> sync_bytes(1000, replicas=2, codec=make_codec("int8")), sync_bytes(1000, replicas=8, codec=make_codec("int8"))
     (1008, 1806)
     """
     m = replicas
@@ -506,7 +506,7 @@ class ReplicaComm:
         dist.all_reduce(on_device, group=self.slice_group)
         return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, self.num_replicas)
 
-    def replica_total(self, values: list[float]) -> list[float]:
+    def shards_total(self, values: list[float]) -> list[float]:
         """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
         products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""
         if not self.sharded or self.replica_group is None:
@@ -524,7 +524,7 @@ class ReplicaComm:
         dist.all_reduce(tensor, group=self.replica_group)
         return tensor.tolist()
 
-    def replica_any(self, flag: bool) -> bool:
+    def members_any(self, flag: bool) -> bool:
         """True when `flag` holds on any member of this replica (a replica of several processes decides together
         whether its time budget is spent: one tiny all-reduce inside the replica). Otherwise `flag`."""
         if self.replica_group is None:
@@ -533,7 +533,7 @@ class ReplicaComm:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_group)
         return bool(tensor.item() > 0)
 
-    def replica_all(self, flag: bool) -> bool:
+    def members_all(self, flag: bool) -> bool:
         """True when `flag` holds on every member of this replica (sharded replicas: each member checks its own
         shards, and the replica sits a round out as a whole). Otherwise `flag`."""
         if not self.sharded or self.gather_group is None:

@@ -8,17 +8,17 @@
     land     its leave-one-out agreement λ_i with what merged, remembered for the next sync's row; a replica left
              out takes θ_global
 
-Who is left out is the gate's only output: the verdicts in the sync's start (`RoundStart.excluded`) and the record.
+Who is left out is the gate's only output: the verdicts in the sync's start (`SyncStart.excluded`) and the record.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backends import RoundStart
+from .backends import SyncStart
 from .config import ConfigError, DiLoCoConfig
 from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
-from .outer import RoundResult, norm
+from .outer import SyncResult, norm
 
 
 class Gate:
@@ -56,7 +56,7 @@ class Gate:
         return self.checks.row(norm(comm, buckets, deltas), *since_base,
                                *([self._loss_gain()] if with_loss else []))
 
-    def judge(self, start: RoundStart, local: dict, comm, parameters: int, replica: int) -> None:
+    def judge(self, start: SyncStart, local: dict, comm, parameters: int, replica: int) -> None:
         """Every replica's row, the verdict into `start.excluded`, and weight 0 for this replica if it is found out
         (mode exclude). `parameters`: the values the sync carries."""
         if "checks" not in local or start.empty or start.joining:
@@ -71,7 +71,7 @@ class Gate:
         if self.excluding and replica in start.excluded:
             start.weight = 0.0
 
-    def landed(self, result: RoundResult, start: RoundStart, replica_index: int, replica: int) -> bool:
+    def landed(self, result: SyncResult, start: SyncStart, replica_index: int, replica: int) -> bool:
         """A committed sync landed: λ_i of this replica is remembered for its next row. Returns whether this replica
         was left out (mode exclude), so that it starts again from θ_global as a replica that diverged."""
         if not result.committed:

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from .errors import RunError
-from .outer import OuterState, RoundResult, is_finite
+from .outer import OuterState, SyncResult, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class Health:
         self.max_bad_rounds, self.num_fragments = max_bad_rounds, num_fragments
         self.bad_syncs = 0  # consecutive syncs in which no replica had a finite pseudo-gradient
 
-    def committed(self, result: RoundResult, step: int) -> None:
+    def committed(self, result: SyncResult, step: int) -> None:
         """`max_bad_rounds` consecutive rounds (F syncs each) with no healthy participant stop the run with one
         sentence."""
         self.bad_syncs = 0 if result.participants else self.bad_syncs + 1

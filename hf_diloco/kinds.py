@@ -1,5 +1,5 @@
 """Where a sync's exchange runs, by kind. Every kind ends in the same landing (hf_diloco.outer.land, called by
-hf_diloco.rounds.RoundEngine.land); what differs is when and where the network runs:
+hf_diloco.engine.SyncEngine.land); what differs is when and where the network runs:
 
     blocking     the backend's start, then the exchange: without a vote each bucket is averaged as `land`
                  applies it (one bucket held at a time, the network runs inside `land`); a sync that votes
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from .backends import RoundStart
+from .backends import SyncStart
 from .codecs import Codec, ErrorFeedback
 from .gate import Gate
-from .outer import Exchange, OuterState, RoundResult, StatsFn, exchange, is_finite, pseudo_gradients
+from .outer import Exchange, OuterState, StatsFn, SyncResult, exchange, is_finite, pseudo_gradients
 
 
 class SyncKinds:
@@ -34,17 +34,17 @@ class SyncKinds:
     def buckets(self, fragments: list[int]) -> list[int]:
         return [b for f in fragments for b in self.fragment_buckets[f]]
 
-    def judge(self, start: RoundStart, local: dict) -> None:
+    def judge(self, start: SyncStart, local: dict) -> None:
         """The gate's verdict on this sync's contributions (hf_diloco.gate)."""
         self.gate.judge(start, local, self.comm, sum(self.fragment_sizes[f] for f in start.fragments),
                         self.backend.replica)
 
-    def vote_only(self, start: RoundStart) -> Exchange:
+    def vote_only(self, start: SyncStart) -> Exchange:
         """The exchange of a sync that carries nothing (every participant joins): the vote alone."""
-        return Exchange([], [], RoundResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote()),
+        return Exchange([], [], SyncResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote()),
                         weight=0.0)
 
-    def blocking(self, start: RoundStart, stats: StatsFn, checking: bool) -> Exchange:
+    def blocking(self, start: SyncStart, stats: StatsFn, checking: bool) -> Exchange:
         """A blocking sync's exchange, once the backend started it."""
         if start.empty:
             return self.vote_only(start)
@@ -53,14 +53,14 @@ class SyncKinds:
             return exchange(self.comm, buckets, [start.stash[b] for b in buckets], codec=self.codec,
                             feedback=self.feedback, stats=stats, weight=start.weight, decoded=checking)
         outer = self.outer
-        finite = self.comm.replica_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
+        finite = self.comm.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
         # Where the network runs: without a vote each bucket is averaged as `land` applies it; with one, here.
         return exchange(self.comm, buckets, pseudo_gradients(outer, self.comm, buckets), codec=self.codec,
                         feedback=self.feedback, stats=stats, weight=start.weight, finite=finite, decoded=checking,
                         lazy=not self.comm.votes)
 
     def in_background(self, step: int, max_steps: int, local: dict, fragments: list[int],
-                      deltas: list[torch.Tensor], stats: StatsFn) -> tuple[RoundStart, Exchange, float, float, float]:
+                      deltas: list[torch.Tensor], stats: StatsFn) -> tuple[SyncStart, Exchange, float, float, float]:
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along), or that sits it out for a reason of its own, takes part with weight 0, sending

@@ -11,7 +11,7 @@ Design choices:
 - A sync's record is written once the sync has landed: right after it, or after the evaluation that the trainer
   runs on that boundary, so `eval_loss` lands in the same record.
 - The JSONL file is the interface of runs: the app and the benchmarks read it. The trackers get the same numbers
-  through Trainer's own integrations (hf_diloco.rounds reports them), so every `report_to` Trainer supports
+  through Trainer's own integrations (hf_diloco.engine reports them), so every `report_to` Trainer supports
   receives them and the project keeps no tracker code of its own. Floats are plain JSON numbers; NaN is written as null.
 - On resume, records of syncs after the checkpoint are dropped first, since those steps are trained again.
 """
@@ -186,7 +186,7 @@ def format_sync(record: dict, total_syncs: int | None, num_fragments: int = 1) -
     return line
 
 
-class RoundWriter:
+class SyncWriter:
     """Writes sync records to sync_rounds.jsonl (main process only)."""
 
     def __init__(self, output_dir: str):

@@ -12,7 +12,7 @@ Every sync is that loop body in two halves: `exchange` (the first three lines: �
 `land` (the last two: the outer step and the copy back). `outer_round` runs them at once, as the paper does.
 Streaming DiLoCo (arXiv 2501.18512) syncs one fragment of the model at a time, and with an overlap of τ
 inner steps lands it τ steps after the exchange started (which then runs in the background), where the copy back
-mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.rounds decides when each half runs; these lines are the same for
+mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.engine decides when each half runs; these lines are the same for
 every sync of every backend.
 
 Backends (hf_diloco.backends) change who takes part, not these lines: the mean is a weighted one,
@@ -420,7 +420,7 @@ class OuterState:
 
 
 @dataclass
-class RoundResult:
+class SyncResult:
     """What a sync measured beside the math: who took part and with what weight, norms, agreement, statistics,
     cost, and whether the sync landed."""
 
@@ -501,7 +501,7 @@ class Exchange:
 
     buckets: list[int]
     averaged: list[tuple[int, torch.Tensor]] | Iterator[tuple[int, torch.Tensor]]
-    result: RoundResult
+    result: SyncResult
     weight: float = 1.0
 
 
@@ -532,7 +532,7 @@ def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> 
 def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor) -> float:
     """a · b over what this process counts of bucket `index`: everything, except that with tensor parallel the
     values several processes of the replica hold alike count on one of them only (comm.repeated_spans), so that the
-    replica's sum over its members (ReplicaComm.replica_total) counts them once."""
+    replica's sum over its members (ReplicaComm.shards_total) counts them once."""
     def dot(x: torch.Tensor, y: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(x)) ** 2 if x is y else float(torch.dot(x, y))
 
@@ -544,7 +544,7 @@ def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor
     return total
 
 
-def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: RoundResult, weight: float,
+def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: SyncResult, weight: float,
                     codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None,
                     decoded: bool = False) -> torch.Tensor:
     """Δ for one bucket: Σ_i w_i Δ_i / Σ_i w_i over the replicas, with this bucket's norms, agreement terms and
@@ -585,7 +585,7 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
-                alpha: float = 0.0, decoded: bool = False) -> RoundResult:
+                alpha: float = 0.0, decoded: bool = False) -> SyncResult:
     """One blocking sync over `buckets` (all of them: the paper's outer round; or one fragment's): the two halves
     at once.
 
@@ -596,7 +596,7 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
     (bounded memory); on a backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held
     until the vote and applied only if the sync commits. Every process must call this with the same buckets.
     """
-    finite = comm.replica_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
+    finite = comm.members_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
                       stats=stats, weight=weight, finite=finite, decoded=decoded, lazy=not comm.votes)
     return land(outer, landed, alpha)
@@ -606,7 +606,7 @@ def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Ite
     """‖Δ_i‖ of this replica over `buckets` (a sharded replica's members add their shards' squares)."""
     total = sum(_counted_dot(comm, index, delta, delta) for index, delta in zip(buckets, deltas, strict=True))
     if comm.sharded:
-        total = comm.replica_total([total])[0]
+        total = comm.shards_total([total])[0]
     return math.sqrt(total) if total >= 0 else float("nan")
 
 
@@ -632,15 +632,15 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
     list taken at launch (the replica trains on while it is sent) or an iterator that forms each bucket's Δ_i when
     its turn comes (`pseudo_gradients`). `finite` says whether this replica's values are finite (known before the
     first bucket goes, for the iterator); a list is checked here. `decoded`: with a codec, also measure what the
-    others decode of this replica's contribution (RoundResult.decoded_*). On a backend that votes, the result says
+    others decode of this replica's contribution (SyncResult.decoded_*). On a backend that votes, the result says
     whether the sync committed; a sync that did not is never applied, whatever part of it arrived. Touches neither
     θ_global nor the replica's parameters.
     """
     assert not (lazy and comm.votes), "a sync that votes averages every bucket before the vote, so it is never lazy"
-    result = RoundResult()
+    result = SyncResult()
     if finite is None:
         assert isinstance(deltas, list), "an exchange of Δ_i formed on the way is told whether they are finite"
-        finite = comm.replica_all(is_finite(deltas))
+        finite = comm.members_all(is_finite(deltas))
     if not finite:
         weight = 0.0
     averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats, decoded)
@@ -656,7 +656,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
     return Exchange(buckets, averaged, result, weight)
 
 
-def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: RoundResult,
+def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: SyncResult,
               weight: float, codec: Codec | None, feedback: ErrorFeedback | None,
               stats: StatsFn | None, decoded: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
     """(bucket, Δ) in bucket order, each averaged when asked for. Nothing of a bucket stays referenced here once it
@@ -666,7 +666,7 @@ def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tens
         yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding, decoded)
 
 
-def land(outer: OuterState, landed: Exchange, alpha: float = 0.0) -> RoundResult:
+def land(outer: OuterState, landed: Exchange, alpha: float = 0.0) -> SyncResult:
     """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
     θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the sync out, weight 0, takes θ_global as it is). Every sync
     of every kind lands here: blocking, overlapped (τ steps after its launch) and voted (torchft). A sync that did

@@ -14,7 +14,7 @@ The model of a round (the symbols the README's "Planning a run across sites" use
             sequence (weights, forward and backward, plus attention; Chowdhery et al., PaLM, arXiv 2204.02311,
             appendix B; N counts every parameter, the input embedding too).
 - bytes     B = what this project's collectives put on a site's link per round: each of the G members sums its
-            1/G slice with its counterparts (comm.round_bytes, bucket by bucket as outer.partition_into_buckets cuts
+            1/G slice with its counterparts (comm.sync_bytes, bucket by bucket as outer.partition_into_buckets cuts
             the model): fp32 ring all-reduce 2 (M − 1)/M · 4n, a dense codec's reduce-scatter + all-gather
             2 (M − 1)/M · S, the sparse codec's all-gather (M − 1) · S.
 - wire      W = hops · L · buckets + B · 8 · framing ÷ rate: the alpha-beta cost of a collective (Thakur, Rabenseifner
@@ -33,7 +33,7 @@ under 1% of a round on CPU); replicas of unequal speed (a round waits for the sl
 (on this project's shaped links TCP delivered 56-92% of it: benchmarks/results/plan-measured.md).
 
 Design choices:
-- Every figure a run also reports comes from the code that produces it there: bytes from comm.round_bytes and the
+- Every figure a run also reports comes from the code that produces it there: bytes from comm.sync_bytes and the
   codecs, buckets and fragments from outer.py, τ auto from schedule.py, memory from train.memory_per_process (the
   dry run's sentence; its numbers are read back from it), the model from train.shape_only_model on the meta device.
 - Importing this module is light (no torch, no transformers): they load when a plan is made.
@@ -281,7 +281,7 @@ def hops(codec: str, replicas: int, algorithm: str = "ring") -> int:
 def bucket_bytes(numel: int, replicas: int, group: int, codec: str, settings: CodecSettings = CodecSettings(),
                  algorithm: str = "ring") -> int:
     """Bytes that cross a site's link to sum one bucket of `numel` values: each of its `group` members sends what
-    comm.round_bytes says for its slice. A tree all-reduce (fp32; NCCL's double binary trees) sends about what a
+    comm.sync_bytes says for its slice. A tree all-reduce (fp32; NCCL's double binary trees) sends about what a
     ring sends and differs in its latency only (`hops`).
 
     >>> bucket_bytes(1000, 2, 1, "none"), bucket_bytes(1000, 8, 1, "none"), bucket_bytes(1000, 8, 2, "none")
@@ -289,10 +289,10 @@ def bucket_bytes(numel: int, replicas: int, group: int, codec: str, settings: Co
     >>> bucket_bytes(4096, 2, 1, "sparse"), bucket_bytes(4096, 8, 1, "sparse")    # 64 kept: 120 bytes, to M − 1
     (120, 840)
     """
-    from .comm import round_bytes
+    from .comm import sync_bytes
 
     assert algorithm == "ring" or codec == "none", "a tree all-reduce sums fp32 values; codecs reduce-scatter"
-    return group * round_bytes(numel, replicas, group, settings.make(codec)) if replicas > 1 else 0
+    return group * sync_bytes(numel, replicas, group, settings.make(codec)) if replicas > 1 else 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 
 from .comm import ring_all_reduce_bytes
-from .metrics import RoundWriter, format_sync, outer_rounds, read_sync_rounds, write_summary
+from .metrics import SyncWriter, format_sync, outer_rounds, read_sync_rounds, write_summary
 
 
 @dataclass
@@ -192,7 +192,7 @@ def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval
 class Records:
     """The syncs of this process as they land, for both backends. A record waits until the sync's evaluation
     (Trainer runs it right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and
-    on the main process written to sync_rounds.jsonl (`RoundWriter`), handed to the trackers (`report`) and printed
+    on the main process written to sync_rounds.jsonl (`SyncWriter`), handed to the trackers (`report`) and printed
     as one console line. At the end the main process writes the run's summary (`close`)."""
 
     def __init__(self, plain_console: bool, num_fragments: int = 1):
@@ -200,7 +200,7 @@ class Records:
         self.num_fragments = num_fragments
         self.pending: list[dict] = []  # syncs landed at this step, written once its eval is known
         self.history: list[dict] = []
-        self.writer: RoundWriter | None = None
+        self.writer: SyncWriter | None = None
         self.report = None  # called with each written record (the trainer's trackers)
         self.total_syncs: int | None = None
         self.initial_eval_loss: float | None = None
@@ -218,7 +218,7 @@ class Records:
         `step` (syncs past it are retrained) unless the backend `continues_record` (a restarted torchft replica)."""
         syncs = read_sync_rounds(output_dir)
         reached = max([r["step"] for r in syncs] + [reached_before_resume, step])
-        self.writer = RoundWriter(output_dir)
+        self.writer = SyncWriter(output_dir)
         self.report = report
         kept = syncs if continues_record else self.writer.truncate_after(step)
         self.train_started = time.time()

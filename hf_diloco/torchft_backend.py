@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 
 from . import compat
-from .backends import RoundStart
+from .backends import SyncStart
 from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
@@ -219,9 +219,9 @@ class TorchftComm(ReplicaComm):
         self._run(lambda: self.pg.allgather([rows], [payload], AllgatherOptions()), gathered)
 
 
-class TorchftRounds:
+class TorchftQuorum:
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
-    with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.rounds' and
+    with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine' and
     hf_diloco.outer's, exactly as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
     fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends.
 
@@ -406,7 +406,7 @@ class TorchftRounds:
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
-        this replica heals in the quorum (see rounds.RoundEngine._launch_in_background)."""
+        this replica heals in the quorum (see rounds.SyncEngine._launch_in_background)."""
         return self.schedule.fragments_of_sync(self.global_sync + 1, None, step >= max_steps)
 
     def state_dict(self) -> dict:
@@ -416,7 +416,7 @@ class TorchftRounds:
         pass
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
-              timeout: float | None = None, overlapped: bool = False) -> RoundStart:
+              timeout: float | None = None, overlapped: bool = False) -> SyncStart:
         """Quorum (a replica behind heals here), then one small all-reduce of every participant's row (who, tokens,
         weight, staleness, loss, ...) so that every participant knows every weight before the first bucket.
 
@@ -478,7 +478,7 @@ class TorchftRounds:
         last = bool((table[:participants, MEMBER_FIELDS.index("at_step")] >= max_steps).any())
         fragments = self.schedule.fragments_of_sync(self.global_sync + 1, None, last)
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
-        return RoundStart(
+        return SyncStart(
             weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
             stash=self.stash, healed=healed, finite=finite, joining=joining,
             stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
@@ -526,7 +526,7 @@ class TorchftRounds:
                 "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
                 "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
-    def finish(self, start: RoundStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
         (`restart`: it starts again from θ_global), and put the sync's membership in its record: every member
         (participants with their rows, absent ones), the vote, and loss and tokens from the members' rows (known
@@ -596,7 +596,7 @@ class TorchftRounds:
                            start.error or first_line(self.manager.errored() or "a peer failed"))
         return record, restart
 
-    def joined(self, start: RoundStart, step: int) -> None:
+    def joined(self, start: SyncStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""
         if self.comm.member == 0:
             where = self.schedule.name_sync(self.global_sync)

@@ -291,7 +291,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     nothing is trained. `processes`, `group`, `sharded` and `tp` give the layout of an accelerate config (`launch
     --dry-run`); by default it is this launch's."""
     from .codecs import CODECS, make_codec
-    from .comm import ring_all_reduce_bytes, round_bytes
+    from .comm import ring_all_reduce_bytes, sync_bytes
     from .metrics import format_bytes
 
     model = check_inputs(run, config)
@@ -311,9 +311,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     # whole); the statistics riding along are left out (a few bytes).
     if tp > 1:
         held = round(sum(p.numel() * share[name] for name, p in model.named_parameters() if p.requires_grad))
-        by_codec = {name: round_bytes(held, shown, 1, codec) for name, codec in codecs.items()}
+        by_codec = {name: sync_bytes(held, shown, 1, codec) for name, codec in codecs.items()}
     else:
-        by_codec = {name: round_bytes(trainable, shown, group, codec) for name, codec in codecs.items()}
+        by_codec = {name: sync_bytes(trainable, shown, group, codec) for name, codec in codecs.items()}
     per_round = by_codec[config.compression]
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)

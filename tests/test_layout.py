@@ -65,7 +65,7 @@ def test_no_import_circle_late_imports_included():
 
 def test_no_class_of_the_engine_over_300_lines():
     long = {}
-    for name in ("rounds", "kinds", "gate", "tuner", "health", "outer", "schedule", "records", "contributions"):
+    for name in ("engine", "kinds", "gate", "tuner", "health", "outer", "schedule", "records", "contributions"):
         for node in ast.walk(ast.parse((PACKAGE / f"{name}.py").read_text())):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                 long[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1

@@ -293,13 +293,13 @@ def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_repli
 
 
 def test_a_line_torn_by_a_kill_hides_no_later_record_and_appends_start_on_a_line_of_their_own(tmp_path, caplog):
-    """A replica killed mid-write leaves a torn line; the one restarted appends after it (RoundWriter, the Trainer
+    """A replica killed mid-write leaves a torn line; the one restarted appends after it (SyncWriter, the Trainer
     log's writer). Every whole record before and after reads back, the torn line is reported once in a warning
     naming the file and its line, and a resume's rewrite keeps the whole records only."""
     from hf_diloco.files import append_jsonl
-    from hf_diloco.metrics import RoundWriter
+    from hf_diloco.metrics import SyncWriter
 
-    writer = RoundWriter(str(tmp_path))
+    writer = SyncWriter(str(tmp_path))
     for step in (5, 10):
         writer.write({"sync": step // 5, "step": step})
     with writer.path.open("a") as f:

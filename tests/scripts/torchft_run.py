@@ -61,9 +61,9 @@ if settings.get("slow_sync_seconds"):
 
     TorchftComm._all_reduce = slow_all_reduce
 if settings.get("bad_heals"):
-    from hf_diloco.torchft_backend import TorchftRounds
+    from hf_diloco.torchft_backend import TorchftQuorum
 
-    sound_state = TorchftRounds._state_for_peer
+    sound_state = TorchftQuorum._state_for_peer
     spoiled = list(settings["bad_heals"])
 
     def spoiled_state(self):
@@ -79,7 +79,7 @@ if settings.get("bad_heals"):
             state = {**state, "outer": {**state["outer"], "global_params": params}}
         return state
 
-    TorchftRounds._state_for_peer = spoiled_state
+    TorchftQuorum._state_for_peer = spoiled_state
 if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
     Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
 out = Path(settings["out"])

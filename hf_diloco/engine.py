@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import FixedGroup, RoundStart
+from .backends import FixedGroup, SyncStart
 from .checkpoints import load_replica_state, replica_state
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
@@ -46,7 +46,7 @@ from .kinds import SyncKinds
 from .outer import (
     Exchange,
     OuterState,
-    RoundResult,
+    SyncResult,
     assign_fragments,
     is_finite,
     land,
@@ -55,7 +55,7 @@ from .outer import (
 )
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
 from .schedule import Schedule
-from .torchft_backend import TorchftRounds
+from .torchft_backend import TorchftQuorum
 from .tuner import Tuner
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Flight:
     began: float
     launch_seconds: float = 0.0  # time the inner loop spent launching an overlapped sync (its snapshot)
     future: Future | None = None
-    start: RoundStart | None = None
+    start: SyncStart | None = None
     exchange: Exchange | None = None
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
@@ -191,7 +191,7 @@ def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFee
                  boundary_wanted: Callable[[int, int, int], bool] | None = None):
     """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
     if args.outer_backend == "torchft":
-        return TorchftRounds(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
+        return TorchftQuorum(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
                              continue_at_step=continue_at_step)
     return FixedGroup(comm, outer, schedule, resumed, continue_at_step=continue_at_step, overlap=args.sync_delay > 0,
                       step=step, boundary_wanted=boundary_wanted)
@@ -215,7 +215,7 @@ def outer_state_and_fragments(args: DiLoCoConfig, named: list[tuple[str, torch.n
     return outer, fragments
 
 
-class RoundEngine:
+class SyncEngine:
     """One replica's side of the outer rounds: θ_global and the outer optimizer (`outer`), the fragments, the codec
     and its residuals, the sync in flight, and what the next sync's statistics carry.
 
@@ -290,7 +290,7 @@ class RoundEngine:
             load_replica_state(replica_state, self.args, self.schedule, self.backend, self.feedback, self.outer)
         self._place_end(step, max_steps, warn=True)
 
-    def join(self, step: int) -> RoundStart:
+    def join(self, step: int) -> SyncStart:
         """The joining sync, before the first inner step: identical parameters everywhere (torchft: the quorum,
         where a late or restarted replica heals from a live peer)."""
         flight = self.launch(step, self.max_steps, joining=True)
@@ -420,7 +420,7 @@ class RoundEngine:
 
     # --- after a sync landed ---
 
-    def _complete(self, step: int, max_steps: int, flight: Flight, start: RoundStart, result: RoundResult,
+    def _complete(self, step: int, max_steps: int, flight: Flight, start: SyncStart, result: SyncResult,
                   sync_seconds: float, blocked: float) -> bool:
         # This replica's own parameters were not finite (it sat the sync out with weight 0): it takes θ_global.
         if not start.finite or (result.committed and start.weight > 0 and not self._healthy(result)):
@@ -461,7 +461,7 @@ class RoundEngine:
         self._finish(step, start, result, record)
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
-    def _finish(self, step: int, start: RoundStart, result: RoundResult, record: dict | None = None) -> None:
+    def _finish(self, step: int, start: SyncStart, result: SyncResult, record: dict | None = None) -> None:
         """The backend's word on the sync (torchft: commit bookkeeping, membership in the record, whether this
         replica starts again from θ_global), then the record is queued. A sync with nothing exchanged (every
         participant joining) has no record."""
@@ -486,7 +486,7 @@ class RoundEngine:
         busy_until = max(step, self.in_flight.lands_at if self.in_flight is not None else step)
         self.records.expect_syncs(self.tuner.place_end(max_steps, busy_until, warn=warn))
 
-    def _healthy(self, result: RoundResult) -> bool:
+    def _healthy(self, result: SyncResult) -> bool:
         return result.weights is None or result.weights[self.comm.replica_index] > 0
 
     # --- the end of training ---
