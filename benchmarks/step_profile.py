@@ -33,8 +33,8 @@ LOOP = [("transformers/trainer.py", "_inner_training_loop")]
 
 def cumulative(stats: pstats.Stats, functions: list[tuple[str, str]]) -> float:
     """Sum of the cumulative seconds of `functions`. They do not call each other, except on_step_end calling
-    the engine's sync (subtracted in main) and the outer optimizer's step inside a sync, which counts as training too (0.2 ms
-    every 50 steps)."""
+    the engine's sync (subtracted in main) and the outer optimizer's step inside a sync, which counts as training
+    too (0.2 ms every 50 steps)."""
     total = 0.0
     for (path, _, name), (_, _, _, cumtime, _) in stats.stats.items():
         if any(path.endswith(suffix) and name == wanted for suffix, wanted in functions):

@@ -46,9 +46,10 @@ from .comm import ReplicaComm
 from .schedule import Schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyncStart:
-    """What a backend decided before a sync's collectives."""
+    """What a backend decided before a sync's collectives; immutable once made (the gate's verdict makes a new one:
+    hf_diloco.gate.Gate.judge)."""
 
     weight: float = 1.0  # this replica's share in the average, relative to the largest (1: plain mean)
     fragments: list[int] = field(default_factory=list)  # the fragments this sync carries, the same on every replica
@@ -183,6 +184,12 @@ class FixedGroup:
             if moved != agreed.step:
                 record["launch_step"] = agreed.step
         return record, False
+
+    def take_window(self) -> tuple[int, int, int] | None:
+        """The window of the sync that landed last, once: (previous agreed step, this one, sync number) where the
+        glue decides saves and evaluations; None when it had none."""
+        window, self.window = self.window, None
+        return window
 
     def joined(self, start: SyncStart, step: int) -> None:
         pass

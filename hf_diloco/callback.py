@@ -56,6 +56,12 @@ class DiLoCoCallback(TrainerCallback):
         The request rides along with the next sync, so every replica stops after the same step."""
         self.engine.request_stop()
 
+    def resume(self, checkpoint: str, reached: int, replica_state: dict | None, outer_state: dict | None) -> None:
+        """Training continues from `checkpoint` (the interrupted run had reached step `reached`): its outer state
+        and this replica's state are taken when training begins."""
+        self.resumed_from, self.reached_before_resume = checkpoint, reached
+        self.saved_replica_state, self.saved_outer_state = replica_state, outer_state
+
     def observe_micro_batch(self, loss, inputs: dict) -> None:
         self.engine.progress.micro_batch(loss, inputs)
 
@@ -106,7 +112,7 @@ class DiLoCoCallback(TrainerCallback):
             self._decide_at_syncs(state, control, at_boundary)
         if at_boundary and self.engine.boundary_wanted is None:
             # Whole rounds landed since this process started: F syncs make a round.
-            landed = self.engine.syncs_landed // self.args.num_fragments
+            landed = self.engine.tuner.syncs_landed // self.args.num_fragments
             every = self.args.save_every_rounds
             if every and (landed - self.saved_at_round >= every or step >= max_steps):
                 self.saved_at_round = landed
@@ -135,7 +141,7 @@ class DiLoCoCallback(TrainerCallback):
         if not at_boundary:
             return
         if self.engine.boundary_wanted is not None:
-            window, self.engine.backend.window = self.engine.backend.window, None
+            window = self.engine.take_window()
             if window is not None:
                 before, now, sync = window
                 control.should_evaluate, control.should_save = self._due(before, now, state.max_steps)

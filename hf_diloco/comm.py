@@ -220,6 +220,11 @@ class ReplicaComm:
     def vote(self) -> bool:
         return True
 
+    def describe_buckets(self, bucket_shapes: dict[str, list[torch.Size]] | None,
+                         repeated_spans: dict[str, list[tuple[int, int]]] | None) -> None:
+        """What this member syncs of each bucket (see the class attributes), told once the outer state is cut."""
+        self.bucket_shapes, self.repeated_spans = bucket_shapes, repeated_spans
+
     def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
                  sharded: bool = False):
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -265,7 +270,8 @@ class ReplicaComm:
 
     # --- who reached the sync: names the replicas a timed-out sync waited for ---
 
-    def _store(self):
+    def store(self):
+        """The launch's rendezvous store (TCPStore), None when no process group is up."""
         try:
             return dist.distributed_c10d._get_default_store()
         except Exception:  # no store reachable: a timeout is still reported, without names
@@ -273,7 +279,7 @@ class ReplicaComm:
 
     def arrive(self, step: int) -> None:
         """Note in the rendezvous store that this process reached the sync of `step` (a few bytes, no collective)."""
-        store = self._store() if self.active else None
+        store = self.store() if self.active else None
         if store is not None:
             store.set(f"hf_diloco/arrived/{dist.get_rank()}", str(step))
 
@@ -282,7 +288,7 @@ class ReplicaComm:
 
         Runs through the rendezvous store at a round boundary, not as a collective between syncs.
         """
-        store = self._store() if self.distributed else None
+        store = self.store() if self.distributed else None
         if store is None:
             return
         store.set(f"hf_diloco/{name}/{dist.get_rank()}", "1")
@@ -295,7 +301,7 @@ class ReplicaComm:
         For numbers known only after the last collective (the last round's agreement): a few bytes at the end of
         training, no collective.
         """
-        store = self._store() if self.active else None
+        store = self.store() if self.active else None
         if store is None:
             return None
         if self.member == 0:
@@ -306,7 +312,7 @@ class ReplicaComm:
 
     def absent(self, step: int) -> dict[int, int | None]:
         """Replicas that have not reached the sync of `step`, with the step of the last sync each reached."""
-        store = self._store()
+        store = self.store()
         if store is None:
             return {}
         missing: dict[int, int | None] = {}

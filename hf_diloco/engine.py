@@ -253,10 +253,9 @@ class SyncEngine:
         self.gate = Gate(args, trainer)
         self.tuner = Tuner(args, self.schedule, announce=trainer.is_world_process_zero())
 
-    @property
-    def syncs_landed(self) -> int:
-        """Syncs landed since this process started."""
-        return self.tuner.syncs_landed
+    def take_window(self) -> tuple[int, int, int] | None:
+        """The agreed window of the sync that landed last (time budgets on the fixed group), once."""
+        return self.backend.take_window()
 
     def request_stop(self) -> None:
         """This replica asks to stop: its next sync tells every replica, and all stop after it."""
@@ -281,9 +280,9 @@ class SyncEngine:
         self.kinds = SyncKinds(self.outer, self.comm, self.backend, self.codec, self.feedback,
                                [f.buckets for f in self.fragments], self.gate, [f.size for f in self.fragments])
         # FSDP2's row cuts tell each member which values it syncs; a tensor-parallel member syncs what it holds.
-        self.comm.bucket_shapes = None if args.tensor_parallel else self.outer.bucket_shapes()
-        self.comm.repeated_spans = self.outer.repeated_spans(self.comm.member % args.tp_size) \
-            if args.tensor_parallel else None
+        self.comm.describe_buckets(None if args.tensor_parallel else self.outer.bucket_shapes(),
+                                   self.outer.repeated_spans(self.comm.member % args.tp_size)
+                                   if args.tensor_parallel else None)
         if outer_state is not None:
             self.outer.load_state_dict(outer_state)
             self.outer.copy_global_to_replica()
@@ -371,7 +370,7 @@ class SyncEngine:
                                             self._since_base(fragments), with_loss=True)
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         with self.comm.naming_the_absent(step):
-            self.kinds.judge(flight.start, local)
+            flight.start = self.kinds.judge(flight.start, local)
             flight.exchange_began = time.perf_counter()
             flight.exchange = self.kinds.blocking(flight.start, stats, checking)
         return flight
@@ -414,7 +413,7 @@ class SyncEngine:
         else:
             blocked, in_flight = done - flight.began, done - flight.exchange_began
             exchange_seconds = in_flight
-        self.schedule.exchanged = (start.fragments, in_flight)
+        self.schedule.exchange_measured(start.fragments, in_flight)
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
 

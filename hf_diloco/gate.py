@@ -13,6 +13,8 @@ Who is left out is the gate's only output: the verdicts in the sync's start (`Sy
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .backends import SyncStart
@@ -56,20 +58,20 @@ class Gate:
         return self.checks.row(norm(comm, buckets, deltas), *since_base,
                                *([self._loss_gain()] if with_loss else []))
 
-    def judge(self, start: SyncStart, local: dict, comm, parameters: int, replica: int) -> None:
-        """Every replica's row, the verdict into `start.excluded`, and weight 0 for this replica if it is found out
-        (mode exclude). `parameters`: the values the sync carries."""
+    def judge(self, start: SyncStart, local: dict, comm, parameters: int, replica: int) -> SyncStart:
+        """`start` with the verdict: every replica's row judged alike (`excluded`), weight 0 for this replica if it
+        is found out (mode exclude), and the bytes the rows cost. `parameters`: the values the sync carries."""
         if "checks" not in local or start.empty or start.joining:
-            return
+            return start
+        sent = 0
         if start.members:
             rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
         else:
             table, sent = comm.replica_rows(local["checks"])
-            start.extra_bytes += sent
             rows = {r: table[r].tolist() for r in range(table.shape[0])}
-        start.excluded = judge(rows, parameters, self._adam(), self.checks.limits)
-        if self.excluding and replica in start.excluded:
-            start.weight = 0.0
+        excluded = judge(rows, parameters, self._adam(), self.checks.limits)
+        weight = 0.0 if self.excluding and replica in excluded else start.weight
+        return replace(start, excluded=excluded, weight=weight, extra_bytes=start.extra_bytes + sent)
 
     def landed(self, result: SyncResult, start: SyncStart, replica_index: int, replica: int) -> bool:
         """A committed sync landed: λ_i of this replica is remembered for its next row. Returns whether this replica

@@ -34,10 +34,10 @@ class SyncKinds:
     def buckets(self, fragments: list[int]) -> list[int]:
         return [b for f in fragments for b in self.fragment_buckets[f]]
 
-    def judge(self, start: SyncStart, local: dict) -> None:
-        """The gate's verdict on this sync's contributions (hf_diloco.gate)."""
-        self.gate.judge(start, local, self.comm, sum(self.fragment_sizes[f] for f in start.fragments),
-                        self.backend.replica)
+    def judge(self, start: SyncStart, local: dict) -> SyncStart:
+        """`start` with the gate's verdict on this sync's contributions (hf_diloco.gate)."""
+        return self.gate.judge(start, local, self.comm, sum(self.fragment_sizes[f] for f in start.fragments),
+                               self.backend.replica)
 
     def vote_only(self, start: SyncStart) -> Exchange:
         """The exchange of a sync that carries nothing (every participant joins): the vote alone."""
@@ -69,7 +69,7 @@ class SyncKinds:
         known, when the exchange began, when it finished), perf_counter times."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
         sitting_out = start.weight == 0
-        self.judge(start, local)
+        start = self.judge(start, local)
         began = time.perf_counter()
         buckets = self.buckets(start.fragments)
         weight = start.weight

@@ -265,6 +265,11 @@ class Schedule:
             choice["estimated"] = estimated
         return choice
 
+    def exchange_measured(self, fragments: list[int], seconds: float) -> None:
+        """The sync of `fragments` was in flight `seconds` (the backend's start and the exchange): what sync_delay
+        auto's next choice for them covers, sent with the next sync's statistics."""
+        self.exchanged = (list(fragments), float(seconds))
+
     # --- what a checkpoint keeps ---
 
     def state_dict(self) -> dict:

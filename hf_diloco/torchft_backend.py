@@ -308,9 +308,9 @@ class TorchftQuorum:
             self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
             address = (host, self.store.port)
             if replica.group_size > 1:
-                replica._store().set(self.STORE_KEY, f"{host}:{self.store.port}")
+                replica.store().set(self.STORE_KEY, f"{host}:{self.store.port}")
             return address
-        store_host, port = replica._store().get(self.STORE_KEY).decode().rsplit(":", 1)
+        store_host, port = replica.store().get(self.STORE_KEY).decode().rsplit(":", 1)
         return store_host, int(port)
 
     # --- what a peer sends a healing replica, and how it is taken ---
@@ -595,6 +595,10 @@ class TorchftQuorum:
                            "progress for the next sync.", step,
                            start.error or first_line(self.manager.errored() or "a peer failed"))
         return record, restart
+
+    def take_window(self) -> None:
+        """torchft syncs are due by each replica's own progress: no agreed window (see FixedGroup.take_window)."""
+        return None
 
     def joined(self, start: SyncStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""

@@ -485,15 +485,16 @@ class DiLoCoMixin:
         else:
             # A checkpoint written by plain Trainer (or by a run with fewer replicas): take what it has.
             super()._load_optimizer_and_scheduler(checkpoint)
-        self.diloco.resumed_from = str(checkpoint)
         progress = Path(self.args.output_dir) / PROGRESS_FILE  # the step the interrupted run had reached
+        reached = 0
         with contextlib.suppress(OSError, ValueError, KeyError):  # missing or damaged (DamagedFile): not known
-            self.diloco.reached_before_resume = int(read_json(progress)["step"])
+            reached = int(read_json(progress)["step"])
         replica_file = replica_dir / REPLICA_STATE_FILE
-        self.diloco.saved_replica_state = torch.load(replica_file, weights_only=True) if replica_file.exists() else None
         outer_file = (checkpoints.part_dir(checkpoint, self.comm.member) if self.comm.sharded
                       else Path(checkpoint)) / OUTER_STATE_FILE
-        self.diloco.saved_outer_state = torch.load(outer_file, weights_only=True) if outer_file.exists() else None
+        self.diloco.resume(str(checkpoint), reached,
+                           torch.load(replica_file, weights_only=True) if replica_file.exists() else None,
+                           torch.load(outer_file, weights_only=True) if outer_file.exists() else None)
 
 
 

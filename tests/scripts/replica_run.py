@@ -110,7 +110,7 @@ class Probe(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if dist.get_rank() == 0 and (state.global_step == stop_at_step or stop_after_syncs is not None and
-                                     trainer.diloco.engine.syncs_landed > stop_after_syncs):
+                                     trainer.diloco.engine.tuner.syncs_landed > stop_after_syncs):
             trainer.diloco.request_stop()
 
 
