@@ -118,7 +118,7 @@ class FixedGroup:
         if not self.schedule.budget:  # rounds of H steps (schedule.budget: round_seconds / F)
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.members_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
+        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:
@@ -127,7 +127,7 @@ class FixedGroup:
         # τ: the steps this replica takes while the sync is in flight (its own choice, from its own speed)
         delay = self.schedule.launch_delay(step, self.schedule.fragments_of_sync(self.syncs + 1, None, False)) \
             if self.overlap and step < max_steps else 0
-        table, sent = self.comm.replica_table(local.get("tokens", 0),
+        table, sent = self.comm.control.replica_table(local.get("tokens", 0),
                                               [float(step), float(step >= max_steps), float(delay)])
         self.max_steps = max_steps
         tokens, last, now = table[:, 0], bool(table[:, 2].any()), int(table[:, 1].max())

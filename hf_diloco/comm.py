@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -198,13 +198,274 @@ class ShardLayout:
         return out
 
 
+@dataclass
+class Topology:
+    """Where this process sits: `num_replicas` replicas of `group_size` processes each; this process is member
+    `member` of replica `replica_index`. Its process groups: the replica's own (`replica_group`; None for a replica of
+    one process), member j of every replica (`slice_group`, the sync's collectives across replicas) and the sync's
+    all-gather inside the replica (`gather_group`; its own group when syncs run in a background thread)."""
+
+    group_size: int = 1
+    num_replicas: int = 1
+    replica_index: int = 0
+    member: int = 0
+    distributed: bool = False
+    # Sharded replicas (FSDP2): member j holds shard j of every parameter, so what it syncs is its own shard, whole,
+    # with member j of every other replica, and nothing is gathered back inside the replica.
+    sharded: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout_seconds: float | None = None
+    replica_group: dist.ProcessGroup | None = None
+    slice_group: dist.ProcessGroup | None = None
+    gather_group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def of_launch(cls, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
+                  sharded: bool = False) -> Topology:
+        """The launch's processes cut into replicas of `group_size` (collective: every process calls it, in the
+        same order). `background`: the sync's all-gather gets a group of its own, so that a sync running in a
+        background thread never interleaves with the training thread's DDP all-reduces."""
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+        rank = dist.get_rank() if distributed else 0
+        if world % group_size:
+            raise ConfigError(f"replica_group_size={group_size} does not divide the {world} launched process(es); "
+                              f"launch a multiple of it (accelerate launch --num_processes).")
+        replica_index, member = divmod(rank, group_size)
+        topology = cls(group_size=group_size, num_replicas=world // group_size, replica_index=replica_index,
+                       member=member, distributed=distributed, sharded=sharded and group_size > 1,
+                       timeout_seconds=timeout_seconds)
+        if not distributed:
+            return topology
+        # dist.new_group is collective: every process creates every group, in the same order. The groups the sync
+        # uses across replicas carry the sync timeout; DDP's replica groups keep the backend's default.
+        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        for k in range(topology.num_replicas if group_size > 1 else 0):
+            group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
+            if k == replica_index:
+                topology.replica_group = topology.gather_group = group
+        for j in range(group_size):
+            group = dist.new_group(list(range(j, world, group_size)), timeout=timeout)
+            if j == member:
+                topology.slice_group = group
+        for k in range(topology.num_replicas if group_size > 1 and background else 0):
+            group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
+            if k == replica_index:
+                topology.gather_group = group
+        # NCCL reduces device tensors; gloo works on CPU tensors.
+        nccl = dist.get_backend() == "nccl"
+        topology.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return topology
+
+    @property
+    def active(self) -> bool:
+        """True when there are other replicas to talk to."""
+        return self.distributed and self.num_replicas > 1
+
+
+class Rendezvous:
+    """The launch's rendezvous store (TCPStore) beside the collectives: a few bytes that need no collective. Who
+    reached which sync (`arrive`), so that a sync that timed out names the replicas it waited for
+    (`naming_the_absent`); that every process wrote its part of a checkpoint (`wait_for_parts`); numbers known only
+    after the last collective (`replica_values`). Outside a launch (one process) every call does nothing."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+
+    def store(self):
+        """The launch's rendezvous store, None when no process group is up."""
+        if not self.topology.distributed:
+            return None
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # no store reachable: a timeout is still reported, without names
+            return None
+
+    def arrive(self, step: int) -> None:
+        """Note in the rendezvous store that this process reached the sync of `step` (a few bytes, no collective)."""
+        store = self.store() if self.topology.active else None
+        if store is not None:
+            store.set(f"hf_diloco/arrived/{dist.get_rank()}", str(step))
+
+    def wait_for_parts(self, name: str, timeout_seconds: float) -> None:
+        """Tell every process that this one's part of `name` (a checkpoint) is written, and wait until all have.
+
+        Runs through the rendezvous store at a round boundary, not as a collective between syncs.
+        """
+        store = self.store()
+        if store is None:
+            return
+        topology = self.topology
+        store.set(f"hf_diloco/{name}/{dist.get_rank()}", "1")
+        keys = [f"hf_diloco/{name}/{rank}" for rank in range(topology.num_replicas * topology.group_size)]
+        store.wait(keys, timedelta(seconds=timeout_seconds))
+
+    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
+        """Every replica's `value` (its first member's), through the rendezvous store; None outside a launch.
+
+        For numbers known only after the last collective (the last round's agreement): a few bytes at the end of
+        training, no collective.
+        """
+        store = self.store() if self.topology.active else None
+        if store is None:
+            return None
+        topology = self.topology
+        if topology.member == 0:
+            store.set(f"hf_diloco/{name}/{topology.replica_index}", repr(float(value)))
+        keys = [f"hf_diloco/{name}/{replica}" for replica in range(topology.num_replicas)]
+        store.wait(keys, timedelta(seconds=timeout_seconds))
+        return [float(store.get(key)) for key in keys]
+
+    def absent(self, step: int) -> dict[int, int | None]:
+        """Replicas that have not reached the sync of `step`, with the step of the last sync each reached."""
+        store = self.store()
+        if store is None:
+            return {}
+        group_size = self.topology.group_size
+        missing: dict[int, int | None] = {}
+        for rank in range(self.topology.num_replicas * group_size):
+            key = f"hf_diloco/arrived/{rank}"
+            seen = int(store.get(key)) if store.check([key]) else None
+            if seen is None or seen < step:
+                replica = rank // group_size
+                missing[replica] = seen if replica not in missing else min(missing[replica] or 0, seen or 0)
+        return missing
+
+    @contextlib.contextmanager
+    def naming_the_absent(self, step: int):
+        """A collective of the sync of `step` that failed (sync_timeout expired, or a peer's connection closed)
+        becomes one sentence naming the replicas that never reached this sync and the last sync step each was seen
+        at (from `arrive`)."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not self.topology.active:
+                raise
+            absent = self.absent(step)
+            if not absent:
+                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
+            names = ", ".join(
+                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
+                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
+            )
+            timeout = self.topology.timeout_seconds
+            timeout = f"sync_timeout={timeout:g} s" if timeout else "the sync timeout"
+            raise RunError(
+                f"the sync at step {step} gave up after waiting for {names} ({timeout}, or its connection closed); "
+                f"check that process, or raise sync_timeout for slow links."
+            ) from None
+
+
+class Unwatched(Rendezvous):
+    """No rendezvous across replicas: a backend whose syncs never wait for an absent replica (torchft: its syncs
+    roll back instead, and each replica is a launch of its own), so there is no one to name and nothing to hand
+    over."""
+
+    def arrive(self, step: int) -> None:
+        pass
+
+    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
+        return None
+
+    @contextlib.contextmanager
+    def naming_the_absent(self, step: int):
+        yield
+
+
+class Control:
+    """Small control collectives of a few float64 numbers each, beside the sync's data: tables across replicas (what
+    a time-budget sync agrees on, the contribution checks' rows) and totals and flags inside one replica (its
+    members' shards' norms, whether any member's budget is spent, whether every member's values are finite). Each
+    returns or documents the bytes it sent; with one process each is a no-op costing 0 bytes."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+
+    def replica_table(self, tokens: float, row: list[float]) -> tuple[torch.Tensor, int]:
+        """One small all-reduce over every process: an M x (1 + len(row)) float64 table whose row r holds replica
+        r's tokens (the sum over its members) and its first member's `row`; and the bytes this process sent. Every
+        process gets the same table: what a time-budget sync agrees on before its exchange.
+
+        >>> ReplicaComm().control.replica_table(128, [7.0, 0.0])[0].tolist()
+        [[128.0, 7.0, 0.0]]
+        """
+        table = torch.zeros(self.topology.num_replicas, 1 + len(row), dtype=torch.float64)
+        table[self.topology.replica_index, 0] = float(tokens)
+        if self.topology.member == 0:
+            table[self.topology.replica_index, 1:] = torch.tensor(row, dtype=torch.float64)
+        if not self.topology.distributed:
+            return table, 0
+        on_device = table.to(self.topology.device)
+        dist.all_reduce(on_device)
+        world = self.topology.num_replicas * self.topology.group_size
+        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, world)
+
+    def replica_rows(self, row: list[float]) -> tuple[torch.Tensor, int]:
+        """Every replica's `row` (each member of a replica gives the same one): an M x len(row) float64 table,
+        all-reduced over this member's slice group, which carries the sync timeout (a replica that never arrives
+        is named, as in the sync's own collectives); and the bytes this process sent.
+
+        >>> ReplicaComm().control.replica_rows([7.0, 0.5])[0].tolist()
+        [[7.0, 0.5]]
+        """
+        table = torch.zeros(self.topology.num_replicas, len(row), dtype=torch.float64)
+        table[self.topology.replica_index] = torch.tensor(row, dtype=torch.float64)
+        if not self.topology.active:
+            return table, 0
+        on_device = table.to(self.topology.device)
+        dist.all_reduce(on_device, group=self.topology.slice_group)
+        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, self.topology.num_replicas)
+
+    def shards_total(self, values: list[float]) -> list[float]:
+        """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
+        products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""
+        if not self.topology.sharded or self.topology.replica_group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        dist.all_reduce(tensor, group=self.topology.replica_group)
+        return tensor.tolist()
+
+    def members_total(self, values: list[float]) -> list[float]:
+        """Sums of `values` over this replica's members, sharded or not (an all-reduce of a few numbers inside the
+        replica). With one process per replica, the values."""
+        if self.topology.group_size == 1 or self.topology.replica_group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        dist.all_reduce(tensor, group=self.topology.replica_group)
+        return tensor.tolist()
+
+    def members_any(self, flag: bool) -> bool:
+        """True when `flag` holds on any member of this replica (a replica of several processes decides together
+        whether its time budget is spent: one tiny all-reduce inside the replica). Otherwise `flag`."""
+        if self.topology.replica_group is None:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.topology.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.topology.replica_group)
+        return bool(tensor.item() > 0)
+
+    def members_all(self, flag: bool) -> bool:
+        """True when `flag` holds on every member of this replica (sharded replicas: each member checks its own
+        shards, and the replica sits a round out as a whole). Otherwise `flag`."""
+        if not self.topology.sharded or self.topology.gather_group is None:
+            return flag
+        tensor = torch.tensor([0.0 if flag else 1.0], device=self.topology.device)
+        dist.all_reduce(tensor, group=self.topology.gather_group)
+        return bool(tensor.item() == 0)
+
+
+def _topology_field(name: str) -> property:
+    return property(lambda self: getattr(self.topology, name), doc=f"Topology.{name} of this communicator.")
+
+
 class ReplicaComm:
-    """The replicas of a run and the collectives between them (the `torch` backend: a fixed group).
+    """The reduction across replicas (the `torch` backend: a fixed group): the sync's sums, the start from
+    identical parameters, each documenting its bytes. Where this process sits is its `topology`; the rendezvous store
+    beside the collectives is its `rendezvous`; small tables and totals of a few numbers are its `control`.
 
     With one process (no process group, or a world of one) every collective is a local no-op costing 0 bytes, so
     the same code path serves a single process and a fleet. The three collectives across replicas
     (`_all_reduce`, `_all_to_all`, `_all_gather`) are the only methods another backend replaces
-    (hf_diloco.torchft_backend.TorchftComm runs them on torchft's process group over the round's quorum).
+    (hf_diloco.torchft_backend.TorchftComm runs them on torchft's process group over the sync's quorum).
     """
 
     # A backend that votes on every round (torchft) holds the averaged pseudo-gradient until the vote and applies
@@ -217,6 +478,19 @@ class ReplicaComm:
     # and counts instead of this one (OuterState.repeated_spans), so that a replica's norms count them once.
     repeated_spans: dict[str, list[tuple[int, int]]] | None = None
 
+    group_size, num_replicas, replica_index, member = map(_topology_field, ("group_size", "num_replicas",
+                                                                           "replica_index", "member"))
+    distributed, sharded, device, timeout_seconds = map(_topology_field, ("distributed", "sharded", "device",
+                                                                          "timeout_seconds"))
+    replica_group, slice_group, gather_group, active = map(_topology_field, ("replica_group", "slice_group",
+                                                                             "gather_group", "active"))
+
+    def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
+                 sharded: bool = False, *, topology: Topology | None = None, rendezvous: Rendezvous | None = None):
+        self.topology = topology or Topology.of_launch(group_size, background, timeout_seconds, sharded)
+        self.rendezvous = rendezvous or Rendezvous(self.topology)
+        self.control = Control(self.topology)
+
     def vote(self) -> bool:
         return True
 
@@ -224,133 +498,6 @@ class ReplicaComm:
                          repeated_spans: dict[str, list[tuple[int, int]]] | None) -> None:
         """What this member syncs of each bucket (see the class attributes), told once the outer state is cut."""
         self.bucket_shapes, self.repeated_spans = bucket_shapes, repeated_spans
-
-    def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
-                 sharded: bool = False):
-        self.distributed = dist.is_available() and dist.is_initialized()
-        # Sharded replicas (FSDP2): member j holds shard j of every parameter, so what it syncs is its own shard,
-        # whole, with member j of every other replica, and nothing is gathered back inside the replica.
-        self.sharded = sharded and group_size > 1
-        world = dist.get_world_size() if self.distributed else 1
-        rank = dist.get_rank() if self.distributed else 0
-        if world % group_size:
-            raise ConfigError(f"replica_group_size={group_size} does not divide the {world} launched process(es); "
-                              f"launch a multiple of it (accelerate launch --num_processes).")
-        self.group_size = group_size
-        self.num_replicas = world // group_size
-        self.replica_index, self.member = divmod(rank, group_size)
-        self.timeout_seconds = timeout_seconds
-        self.replica_group: dist.ProcessGroup | None = None  # None: a replica of one process
-        self.slice_group: dist.ProcessGroup | None = None  # member j of every replica (g = 1: everyone)
-        self.gather_group: dist.ProcessGroup | None = None  # the sync's all-gather inside the replica
-        if not self.distributed:
-            self.device = torch.device("cpu")
-            return
-        # dist.new_group is collective: every process creates every group, in the same order. The groups the sync
-        # uses across replicas carry the sync timeout; DDP's replica groups keep the backend's default.
-        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
-        for k in range(self.num_replicas if group_size > 1 else 0):
-            group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
-            if k == self.replica_index:
-                self.replica_group = self.gather_group = group
-        for j in range(group_size):
-            group = dist.new_group(list(range(j, world, group_size)), timeout=timeout)
-            if j == self.member:
-                self.slice_group = group
-        if background:
-            # A sync running in a background thread gets a group of its own inside the replica, so its all-gather
-            # never interleaves with the training thread's DDP all-reduces.
-            for k in range(self.num_replicas if group_size > 1 else 0):
-                group = dist.new_group(list(range(k * group_size, (k + 1) * group_size)))
-                if k == self.replica_index:
-                    self.gather_group = group
-        # NCCL reduces device tensors; gloo works on CPU tensors.
-        nccl = dist.get_backend() == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-    # --- who reached the sync: names the replicas a timed-out sync waited for ---
-
-    def store(self):
-        """The launch's rendezvous store (TCPStore), None when no process group is up."""
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except Exception:  # no store reachable: a timeout is still reported, without names
-            return None
-
-    def arrive(self, step: int) -> None:
-        """Note in the rendezvous store that this process reached the sync of `step` (a few bytes, no collective)."""
-        store = self.store() if self.active else None
-        if store is not None:
-            store.set(f"hf_diloco/arrived/{dist.get_rank()}", str(step))
-
-    def wait_for_parts(self, name: str, timeout_seconds: float) -> None:
-        """Tell every process that this one's part of `name` (a checkpoint) is written, and wait until all have.
-
-        Runs through the rendezvous store at a round boundary, not as a collective between syncs.
-        """
-        store = self.store() if self.distributed else None
-        if store is None:
-            return
-        store.set(f"hf_diloco/{name}/{dist.get_rank()}", "1")
-        keys = [f"hf_diloco/{name}/{rank}" for rank in range(self.num_replicas * self.group_size)]
-        store.wait(keys, timedelta(seconds=timeout_seconds))
-
-    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
-        """Every replica's `value` (its first member's), through the rendezvous store; None outside a launch.
-
-        For numbers known only after the last collective (the last round's agreement): a few bytes at the end of
-        training, no collective.
-        """
-        store = self.store() if self.active else None
-        if store is None:
-            return None
-        if self.member == 0:
-            store.set(f"hf_diloco/{name}/{self.replica_index}", repr(float(value)))
-        keys = [f"hf_diloco/{name}/{replica}" for replica in range(self.num_replicas)]
-        store.wait(keys, timedelta(seconds=timeout_seconds))
-        return [float(store.get(key)) for key in keys]
-
-    def absent(self, step: int) -> dict[int, int | None]:
-        """Replicas that have not reached the sync of `step`, with the step of the last sync each reached."""
-        store = self.store()
-        if store is None:
-            return {}
-        missing: dict[int, int | None] = {}
-        for rank in range(self.num_replicas * self.group_size):
-            key = f"hf_diloco/arrived/{rank}"
-            seen = int(store.get(key)) if store.check([key]) else None
-            if seen is None or seen < step:
-                replica = rank // self.group_size
-                missing[replica] = seen if replica not in missing else min(missing[replica] or 0, seen or 0)
-        return missing
-
-    @contextlib.contextmanager
-    def naming_the_absent(self, step: int):
-        """A collective of the sync of `step` that failed (sync_timeout expired, or a peer's connection closed)
-        becomes one sentence naming the replicas that never reached this sync and the last sync step each was seen
-        at (from `arrive`). A backend that votes never raises here: its rounds roll back instead."""
-        try:
-            yield
-        except RuntimeError as error:
-            if not self.active or self.votes:
-                raise
-            absent = self.absent(step)
-            if not absent:
-                raise RunError(f"the sync at step {step} failed: {first_line(error)}.") from None
-            names = ", ".join(
-                f"replica {replica} (last seen at the sync of step {seen})" if seen is not None
-                else f"replica {replica} (never reached a sync)" for replica, seen in sorted(absent.items())
-            )
-            timeout = f"sync_timeout={self.timeout_seconds:g} s" if self.timeout_seconds else "the sync timeout"
-            raise RunError(
-                f"the sync at step {step} gave up after waiting for {names} ({timeout}, or its connection closed); "
-                f"check that process, or raise sync_timeout for slow links."
-            ) from None
-
-    @property
-    def active(self) -> bool:
-        """True when there are other replicas to talk to."""
-        return self.distributed and self.num_replicas > 1
 
     def start_identical(self, tensors: list[torch.Tensor]) -> SyncCost:
         """Make every process start from global rank 0's parameters, sending them only if they differ.
@@ -476,77 +623,6 @@ class ReplicaComm:
         cost.collectives += 1
         cost.intra_replica_bytes += ring_all_gather_bytes(gathered.numel() * 4, self.group_size)
         return gathered.view(self.group_size, self.num_replicas, -1).cpu()
-
-    def replica_table(self, tokens: float, row: list[float]) -> tuple[torch.Tensor, int]:
-        """One small all-reduce over every process: an M x (1 + len(row)) float64 table whose row r holds replica
-        r's tokens (the sum over its members) and its first member's `row`; and the bytes this process sent. Every
-        process gets the same table: what a time-budget sync agrees on before its exchange.
-
-        >>> ReplicaComm().replica_table(128, [7.0, 0.0])[0].tolist()
-        [[128.0, 7.0, 0.0]]
-        """
-        table = torch.zeros(self.num_replicas, 1 + len(row), dtype=torch.float64)
-        table[self.replica_index, 0] = float(tokens)
-        if self.member == 0:
-            table[self.replica_index, 1:] = torch.tensor(row, dtype=torch.float64)
-        if not self.distributed:
-            return table, 0
-        on_device = table.to(self.device)
-        dist.all_reduce(on_device)
-        world = self.num_replicas * self.group_size
-        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, world)
-
-    def replica_rows(self, row: list[float]) -> tuple[torch.Tensor, int]:
-        """Every replica's `row` (each member of a replica gives the same one): an M x len(row) float64 table,
-        all-reduced over this member's slice group, which carries the sync timeout (a replica that never arrives
-        is named, as in the sync's own collectives); and the bytes this process sent.
-
-        >>> ReplicaComm().replica_rows([7.0, 0.5])[0].tolist()
-        [[7.0, 0.5]]
-        """
-        table = torch.zeros(self.num_replicas, len(row), dtype=torch.float64)
-        table[self.replica_index] = torch.tensor(row, dtype=torch.float64)
-        if not self.active:
-            return table, 0
-        on_device = table.to(self.device)
-        dist.all_reduce(on_device, group=self.slice_group)
-        return on_device.cpu(), ring_all_reduce_bytes(table.numel() * 8, self.num_replicas)
-
-    def shards_total(self, values: list[float]) -> list[float]:
-        """Sums of `values` over this replica's members: sharded replicas add up their shards' norms and dot
-        products (an all-reduce of a few numbers inside the replica, at a round's end). Otherwise the values."""
-        if not self.sharded or self.replica_group is None:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, group=self.replica_group)
-        return tensor.tolist()
-
-    def members_total(self, values: list[float]) -> list[float]:
-        """Sums of `values` over this replica's members, sharded or not (an all-reduce of a few numbers inside the
-        replica). With one process per replica, the values."""
-        if self.group_size == 1 or self.replica_group is None:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, group=self.replica_group)
-        return tensor.tolist()
-
-    def members_any(self, flag: bool) -> bool:
-        """True when `flag` holds on any member of this replica (a replica of several processes decides together
-        whether its time budget is spent: one tiny all-reduce inside the replica). Otherwise `flag`."""
-        if self.replica_group is None:
-            return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_group)
-        return bool(tensor.item() > 0)
-
-    def members_all(self, flag: bool) -> bool:
-        """True when `flag` holds on every member of this replica (sharded replicas: each member checks its own
-        shards, and the replica sits a round out as a whole). Otherwise `flag`."""
-        if not self.sharded or self.gather_group is None:
-            return flag
-        tensor = torch.tensor([0.0 if flag else 1.0], device=self.device)
-        dist.all_reduce(tensor, group=self.gather_group)
-        return bool(tensor.item() == 0)
 
     # --- the collectives across replicas (member j of every replica), in place on their output ---
 

@@ -345,7 +345,7 @@ class SyncEngine:
         flight = Flight(launched_at=step, lands_at=step, outer_lr=self.outer.lr(),
                         measured=self.schedule.exchanged[0], began=began)
         if not joining:
-            self.comm.arrive(step)
+            self.comm.rendezvous.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         checking = self.gate.checking(joining, self.comm.num_replicas)
         for fragment in self.fragments:
@@ -369,7 +369,7 @@ class SyncEngine:
             local["checks"] = self.gate.row(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
                                             self._since_base(fragments), with_loss=True)
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
-        with self.comm.naming_the_absent(step):
+        with self.comm.rendezvous.naming_the_absent(step):
             flight.start = self.kinds.judge(flight.start, local)
             flight.exchange_began = time.perf_counter()
             flight.exchange = self.kinds.blocking(flight.start, stats, checking)
@@ -389,7 +389,7 @@ class SyncEngine:
         waited = time.perf_counter()
         if overlapped:
             self.in_flight = None
-            with self.comm.naming_the_absent(flight.launched_at):
+            with self.comm.rendezvous.naming_the_absent(flight.launched_at):
                 flight.start, flight.exchange, flight.exchange_began, all_there, flight.exchanged = \
                     flight.future.result()
             if self.args.round_seconds > 0:
@@ -400,7 +400,7 @@ class SyncEngine:
                 self.progress.reset()
             self._finish(step, start, flight.exchange.result)
             return start.stop_requested
-        with self.comm.naming_the_absent(flight.launched_at):  # a blocking sync is averaged as it is applied
+        with self.comm.rendezvous.naming_the_absent(flight.launched_at):  # a blocking sync is averaged as it is applied
             result = land(self.outer, flight.exchange, self.args.fragment_alpha)
         done = time.perf_counter()
         if not overlapped:  # the next budget counts from here (an overlapped sync's, from its launch)
@@ -500,7 +500,7 @@ class SyncEngine:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
-        last_agreement = self.comm.replica_values("last_agreement", self.previous_agreement,
+        last_agreement = self.comm.rendezvous.replica_values("last_agreement", self.previous_agreement,
                                                   self.args.sync_timeout)
         if self.backend.run_over() and self.args.end_linger_seconds > 0:
             self.backend.linger(step, self.max_steps)

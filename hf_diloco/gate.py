@@ -67,7 +67,7 @@ class Gate:
         if start.members:
             rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
         else:
-            table, sent = comm.replica_rows(local["checks"])
+            table, sent = comm.control.replica_rows(local["checks"])
             rows = {r: table[r].tolist() for r in range(table.shape[0])}
         excluded = judge(rows, parameters, self._adam(), self.checks.limits)
         weight = 0.0 if self.excluding and replica in excluded else start.weight

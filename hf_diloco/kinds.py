@@ -53,7 +53,7 @@ class SyncKinds:
             return exchange(self.comm, buckets, [start.stash[b] for b in buckets], codec=self.codec,
                             feedback=self.feedback, stats=stats, weight=start.weight, decoded=checking)
         outer = self.outer
-        finite = self.comm.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
+        finite = self.comm.control.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
         # Where the network runs: without a vote each bucket is averaged as `land` applies it; with one, here.
         return exchange(self.comm, buckets, pseudo_gradients(outer, self.comm, buckets), codec=self.codec,
                         feedback=self.feedback, stats=stats, weight=start.weight, finite=finite, decoded=checking,

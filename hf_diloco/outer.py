@@ -476,7 +476,7 @@ class SyncResult:
         if self.decoded_norm_sq is not None and comm.group_size > 1:
             names += ["decoded_norm_sq", "decoded_dot"]
         if names:
-            for name, value in zip(names, comm.members_total([getattr(self, n) for n in names]), strict=True):
+            for name, value in zip(names, comm.control.members_total([getattr(self, n) for n in names]), strict=True):
                 setattr(self, name, value)
 
     def count_extra(self, sent: int) -> None:
@@ -532,7 +532,7 @@ def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> 
 def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor) -> float:
     """a · b over what this process counts of bucket `index`: everything, except that with tensor parallel the
     values several processes of the replica hold alike count on one of them only (comm.repeated_spans), so that the
-    replica's sum over its members (ReplicaComm.shards_total) counts them once."""
+    replica's sum over its members (Control.shards_total) counts them once."""
     def dot(x: torch.Tensor, y: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(x)) ** 2 if x is y else float(torch.dot(x, y))
 
@@ -596,7 +596,7 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
     (bounded memory); on a backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held
     until the vote and applied only if the sync commits. Every process must call this with the same buckets.
     """
-    finite = comm.members_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
+    finite = comm.control.members_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
     landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
                       stats=stats, weight=weight, finite=finite, decoded=decoded, lazy=not comm.votes)
     return land(outer, landed, alpha)
@@ -606,7 +606,7 @@ def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Ite
     """‖Δ_i‖ of this replica over `buckets` (a sharded replica's members add their shards' squares)."""
     total = sum(_counted_dot(comm, index, delta, delta) for index, delta in zip(buckets, deltas, strict=True))
     if comm.sharded:
-        total = comm.shards_total([total])[0]
+        total = comm.control.shards_total([total])[0]
     return math.sqrt(total) if total >= 0 else float("nan")
 
 
@@ -640,7 +640,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] |
     result = SyncResult()
     if finite is None:
         assert isinstance(deltas, list), "an exchange of Δ_i formed on the way is told whether they are finite"
-        finite = comm.members_all(is_finite(deltas))
+        finite = comm.control.members_all(is_finite(deltas))
     if not finite:
         weight = 0.0
     averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats, decoded)

@@ -44,7 +44,7 @@ import torch
 from . import compat
 from .backends import SyncStart
 from .checks import NO_LIGHTHOUSE, require_torchft
-from .comm import ReplicaComm, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
+from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
 from .errors import ConfigError, RunError, first_line
 from .schedule import Schedule
@@ -157,16 +157,18 @@ class TorchftComm(ReplicaComm):
     def __init__(self, manager, pg, replica: ReplicaComm):
         # `replica` is this launch's processes, which form one replica of g = replica_group_size processes: DDP
         # inside it, member j sums the j-th 1/g slice with member j of the other replicas (torchft's process group
-        # for group rank j), then the slices are all-gathered inside the replica, as on the torch backend.
-        self.group_size, self.member, self.timeout_seconds = replica.group_size, replica.member, replica.timeout_seconds
-        self.replica_group, self.gather_group, self.slice_group = replica.replica_group, replica.gather_group, None
-        self.device, self.sharded = replica.device, replica.sharded
-        self.distributed = False  # no torch.distributed between replicas: the rendezvous store helpers are off
-        self.num_replicas, self.replica_index = 1, 0
+        # for group rank j), then the slices are all-gathered inside the replica, as on the torch backend. There is
+        # no torch.distributed between replicas, and no rendezvous across them (Unwatched).
+        own = replica.topology
+        topology = Topology(group_size=own.group_size, member=own.member, sharded=own.sharded, device=own.device,
+                            timeout_seconds=own.timeout_seconds, replica_group=own.replica_group,
+                            gather_group=own.gather_group)
+        super().__init__(topology=topology, rendezvous=Unwatched(topology))
         self.manager, self.pg = manager, pg
 
     def configure(self, participants: int, rank: int | None) -> None:
-        self.num_replicas, self.replica_index = max(1, participants), rank or 0
+        """The sync's quorum: its participants, and this replica's rank among them."""
+        self.topology.num_replicas, self.topology.replica_index = max(1, participants), rank or 0
 
     @property
     def active(self) -> bool:
@@ -178,17 +180,6 @@ class TorchftComm(ReplicaComm):
         if self.refusal is not None and self.manager.errored() is None:
             self.manager.report_error(HealRefused(self.refusal))
         return bool(self.manager.should_commit())
-
-    # Rounds on torchft never wait for a replica that is absent, so there is no one to name and nothing to hand over
-    # through a rendezvous store (each replica is its own launch).
-    def arrive(self, step: int) -> None:
-        pass
-
-    def absent(self, step: int) -> dict[int, int | None]:
-        return {}
-
-    def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
-        return None
 
     def _run(self, collective, *outputs: torch.Tensor) -> None:
         if self.manager.errored() is None:
@@ -308,9 +299,9 @@ class TorchftQuorum:
             self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
             address = (host, self.store.port)
             if replica.group_size > 1:
-                replica.store().set(self.STORE_KEY, f"{host}:{self.store.port}")
+                replica.rendezvous.store().set(self.STORE_KEY, f"{host}:{self.store.port}")
             return address
-        store_host, port = replica.store().get(self.STORE_KEY).decode().rsplit(":", 1)
+        store_host, port = replica.rendezvous.store().get(self.STORE_KEY).decode().rsplit(":", 1)
         return store_host, int(port)
 
     # --- what a peer sends a healing replica, and how it is taken ---

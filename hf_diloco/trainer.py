@@ -417,13 +417,13 @@ class DiLoCoMixin:
         # (machines without a shared filesystem).
         if self.args.should_save:
             checkpoints.begin(folder)
-        self.comm.wait_for_parts(f"{folder.name}/begun", self.args.sync_timeout)
+        self.comm.rendezvous.wait_for_parts(f"{folder.name}/begun", self.args.sync_timeout)
         # Trainer would rotate before the marker exists (see compat.trainer_rotation_off); checkpoints.rotate runs
         # once the checkpoint is whole.
         with compat.trainer_rotation_off(self.args) as limit:
             super()._save_checkpoint(model, trial)
         checkpoints.finish_part(self._replica_dir(str(folder)))
-        self.comm.wait_for_parts(folder.name, self.args.sync_timeout)
+        self.comm.rendezvous.wait_for_parts(folder.name, self.args.sync_timeout)
         if self.args.should_save:
             checkpoints.mark_complete(folder, step, self.args.world_size)
             if limit:
