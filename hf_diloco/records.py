@@ -16,6 +16,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 
 from .comm import ring_all_reduce_bytes
+from .contributions import CHECK_FIELDS
 from .metrics import SyncWriter, format_sync, outer_rounds, read_sync_rounds, write_summary
 
 
@@ -161,6 +162,60 @@ def members(stats: SyncStats, weights: list[float] | None) -> list[dict]:
                      "compute_seconds": float(stats.compute_seconds[:, r].max()),
                      "waited_seconds": last - after_first[r]})
     return rows
+
+
+# Columns of a torchft membership row that steer the sync but are not part of the record (the participant's step,
+# its parameters' digest, the contribution checks' numbers).
+UNRECORDED_MEMBER_FIELDS = ("at_step", "digest", *CHECK_FIELDS)
+
+
+def membership(rows: list[dict], known: set[int]) -> tuple[list[dict], set[int]]:
+    """The record's members from a torchft sync's membership rows (one per participant): weights as the merge used
+    them (relative to the largest, as on the torch backend), counts as whole numbers, and a row for each replica
+    seen in an earlier sync (`known`) that is absent from this one. Returns (members, the participants' ids).
+
+    >>> rows = [{"replica": 1.0, "steps": 5.0, "tokens": 50.0, "weight": 2.0, "healed": 0.0, "staleness": 0.0,
+    ...          "stop_requested": 0.0, "non_finite": 0.0, "quorum_seconds": 0.1, "at_step": 5.0}]
+    >>> members, present = membership(rows, known={0, 1})
+    >>> [(m["replica"], m["participated"], m.get("weight")) for m in members], present
+    ([(1, True, 1.0), (0, False, None)], {1})
+    """
+    largest = max((row["weight"] for row in rows), default=0.0)
+    members = []
+    for row in rows:
+        member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
+                  "weight": row["weight"] / largest if largest > 0 else 0.0,
+                  "steps": int(row["steps"]), "tokens": int(row["tokens"]), "staleness": int(row["staleness"]),
+                  "stop_requested": bool(row["stop_requested"]), "non_finite": bool(row["non_finite"])}
+        for key in UNRECORDED_MEMBER_FIELDS:
+            member.pop(key, None)
+        member["waited_seconds"] = member.pop("quorum_seconds")  # as the torch backend's rows name it
+        members.append(member)
+    present = {m["replica"] for m in members}
+    return members + [{"replica": r, "participated": False} for r in sorted(known - present)], present
+
+
+def quorum_record(record: dict, members: list[dict], *, committed: bool, step: int, sync: int, round_number: int,
+                  quorum_seconds: float, replica: int, tokens_trained: int) -> None:
+    """A torchft sync's record, in place: its membership (every member, absent ones too), the vote, and loss and
+    tokens from the members' rows (known even when the sync rolled back), replacing the fixed group's reading.
+    `tokens_trained`: what this replica trained in the sync (its tokens per second)."""
+    for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
+        record.pop(key, None)
+    took_part = [m for m in members if m["participated"]]
+    losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
+    compute = record["compute_seconds"] + record["blocked_seconds"]
+    record.update(step=step, sync=sync, round=round_number, members=sorted(members, key=lambda m: m["replica"]),
+                  committed=committed, participants=len(took_part), num_replicas=len(took_part),
+                  quorum_seconds=quorum_seconds, outer_backend="torchft", replica=replica,
+                  loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
+                  tokens=sum(m["tokens"] for m in took_part),
+                  tokens_per_second=tokens_trained / compute if compute > 0 else 0.0)
+    non_finite = [m["replica"] for m in members if m.get("non_finite")]
+    if non_finite:
+        record["non_finite_replicas"] = non_finite
+    if not committed:
+        record["outer_step_skipped"] = True
 
 
 def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,

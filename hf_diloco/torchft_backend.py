@@ -47,6 +47,7 @@ from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
 from .errors import ConfigError, RunError, first_line
+from .records import membership, quorum_record
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,6 @@ logger = logging.getLogger(__name__)
 # every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
                  "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest", *CHECK_FIELDS)
-# Columns of the table that steer the sync but are not part of the record (`at_step`: the participant's step;
-# the contribution checks' numbers, hf_diloco.contributions).
-UNRECORDED = ("at_step", "digest", *CHECK_FIELDS)
 # How long a lingering replica waits between quorums that brought no late replica (two that both finished would
 # otherwise form thousands of empty quorums a second between themselves).
 LINGER_PAUSE_SECONDS = 0.25
@@ -210,6 +208,110 @@ class TorchftComm(ReplicaComm):
         self._run(lambda: self.pg.allgather([rows], [payload], AllgatherOptions()), gathered)
 
 
+STORE_KEY = "hf_diloco/torchft_store"
+
+
+def replica_store(replica: ReplicaComm, host: str):
+    """The replica's store, which its Manager ranks meet in (and peers' process groups rendezvous through): served
+    by member 0 on a free port of `host`; with g > 1 the other members learn its address through the launch's own
+    rendezvous store. Returns (the store this process serves, or None; its (host, port))."""
+    from torch.distributed import TCPStore
+
+    if replica.member == 0:
+        # TCPStore binds every interface unless handed a listening socket: one bound to `host` only.
+        listener, port = compat.listening_socket(host)
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
+        if replica.group_size > 1:
+            replica.rendezvous.store().set(STORE_KEY, f"{host}:{store.port}")
+        return store, (host, store.port)
+    store_host, port = replica.rendezvous.store().get(STORE_KEY).decode().rsplit(":", 1)
+    return None, (store_host, int(port))
+
+
+def heal_mismatch(state: object, outer, global_sync: int, agreed: int, max_steps: int) -> str | None:
+    """Why a peer's state cannot heal a replica (a clause), or None. Its outer state must fit the replica's `outer`
+    (names, shapes, dtypes, finite: OuterState.mismatch); its sync counter must lie between the replica's
+    `global_sync` and `agreed`, the step the quorum agreed on (torchft's count of commits, which moves with every sync
+    that moves θ_global and never less often); its steps must be whole numbers within the run's `max_steps`."""
+    if not isinstance(state, dict) or not {"outer", "global_sync", "global_step", "agreed_step"} <= set(state):
+        return "it is not a replica's state (outer, global_sync, global_step, agreed_step)"
+    wrong = outer.mismatch(state["outer"])
+    if wrong:
+        return f"its outer state does not fit this model: {wrong}"
+    numbers = {key: state[key] for key in ("global_sync", "global_step", "agreed_step")}
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"its {key} is {value!r}, not a whole number"
+    if not global_sync <= numbers["global_sync"] <= agreed:
+        return (f"its sync counter {numbers['global_sync']} is outside {global_sync}..{agreed} (this replica's, and "
+                f"the quorum's step)")
+    for key in ("global_step", "agreed_step"):
+        if not 0 <= numbers[key] <= max_steps:
+            return f"its {key} {numbers[key]} is outside the run's 0..{max_steps} steps"
+    return None
+
+
+def whole_replica(local: dict, comm: ReplicaComm) -> dict:
+    """A replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group): its
+    tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of them
+    does and is finite only if all are. Every member then writes the same row, so every slice of the sync is
+    averaged with the same weights."""
+    mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
+                         float(local["stop_requested"]), float(not local.get("finite", True))], dtype=torch.float64)
+    every = torch.empty(comm.group_size * mine.numel(), dtype=torch.float64)
+    gather_into(every, mine, group=comm.gather_group)
+    every = every.view(comm.group_size, -1)
+    return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
+            "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
+            "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
+
+
+def digest(outer) -> float:
+    """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
+    return float(int.from_bytes(tensor_digest(outer.global_params)[:6], "big"))
+
+
+@torch.no_grad()
+def start_identical(manager, outer, digests: torch.Tensor) -> int:
+    """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the first
+    participant's θ goes to the others (an all-reduce where the others send zeros). Returns the bytes this process
+    sent (0 when every digest agrees, as with one seed or one checkpoint)."""
+    if bool((digests == digests[0]).all()):
+        return 0
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
+    if manager.participating_rank() != 0:
+        flat.zero_()
+    manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        raise RunError(f"the replicas started from different parameters and sending the first one's to the others "
+                       f"failed ({first_line(manager.errored())}); start them again.")
+    copy_flat(flat, outer.global_params)
+    outer.copy_global_to_replica()
+    logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's (%.2f "
+                   "MB) were sent to the others. Give every replica the same seed or checkpoint to skip this.",
+                   flat.numel() * 4 / 1e6)
+    return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
+
+
+def make_manager(args, replica: ReplicaComm, pg, host: str, store: tuple[str, int], lighthouse: str, load_state_dict,
+                 state_dict, init_sync: bool):
+    """torchft's Manager for this process: rank `replica.member` of the replica's `replica.group_size`, meeting its
+    other ranks in the replica's `store`, the quorum at `lighthouse`; a peer's state is taken by `load_state_dict`
+    (checked first: it arrives over the network) and this replica's given by `state_dict`. Its gRPC server (rank 0
+    of the replica) and the healing transport listen on `host` only."""
+    from torchft import Manager
+
+    timeout = timedelta(seconds=args.sync_timeout)
+    with compat.torchft_listeners_on(host):
+        return Manager(
+            checkpoint_transport=safe_checkpoint_transport(host, timeout), pg=pg, load_state_dict=load_state_dict,
+            state_dict=state_dict, min_replica_size=args.min_replicas,
+            use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
+            rank=replica.member, world_size=replica.group_size, store_addr=store[0], store_port=store[1],
+            lighthouse_addr=lighthouse, replica_id=f"replica_{args.replica_id}", hostname=host, init_sync=init_sync)
+
+
 class TorchftQuorum:
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
     with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine' and
@@ -224,7 +326,6 @@ class TorchftQuorum:
     def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
                  resumed: bool, continue_at_step):
         require_torchft()
-        from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
         self.args = args
@@ -246,63 +347,24 @@ class TorchftQuorum:
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
         self.heal_refused: str | None = None  # why this sync's heal was refused (heal_mismatch), as a sentence
         self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
-        timeout = timedelta(seconds=args.sync_timeout)
         host = args.replica_address or socket.gethostname()
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError(NO_LIGHTHOUSE)
-        # `replica`: this launch's g processes, one replica, its Manager ranks 0 .. g-1
-        store_host, store_port = self._replica_store(replica, host)
+        self.store, store_address = replica_store(replica, host)  # `replica`: its Manager ranks 0 .. g-1
         if args.replica_address and not os.environ.get("GLOO_SOCKET_IFNAME"):
             # gloo listens on the interface GLOO_SOCKET_IFNAME names, else on the host name's address: the one
             # that holds replica_address, unless the user named another.
             interface = interface_of(args.replica_address)
             if interface:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
-        pg = ProcessGroupGloo(timeout=timeout)
-        with compat.torchft_listeners_on(host):  # the manager's gRPC server (rank 0 of the replica), on `host` only
-            self.manager = Manager(
-                checkpoint_transport=safe_checkpoint_transport(host, timeout),
-                pg=pg,
-                load_state_dict=self._load_healed,
-                state_dict=self._state_for_peer,
-                min_replica_size=args.min_replicas,
-                use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
-                timeout=timeout,
-                quorum_timeout=timeout,
-                connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
-                rank=replica.member,
-                world_size=replica.group_size,
-                store_addr=store_host,
-                store_port=store_port,
-                lighthouse_addr=lighthouse,
-                replica_id=f"replica_{args.replica_id}",
-                hostname=host,
-                # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the
-                # torch backend, they compare a digest of θ in the first sync's table and send it only if they differ
-                # (start). Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
-                init_sync=not self.check_identical,
-            )
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=args.sync_timeout))
+        # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the torch
+        # backend, they compare a digest of θ in the first sync's table and send it only if they differ (start).
+        # Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
+        self.manager = make_manager(args, replica, pg, host, store_address, lighthouse, self._load_healed,
+                                    self._state_for_peer, init_sync=not self.check_identical)
         self.comm = TorchftComm(self.manager, pg, replica)
-
-    STORE_KEY = "hf_diloco/torchft_store"
-
-    def _replica_store(self, replica: ReplicaComm, host: str) -> tuple[str, int]:
-        """The replica's store, which its Manager ranks meet in (and peers' process groups rendezvous through):
-        served by member 0 on a free port of `host`; with g > 1 the other members learn its address through the
-        launch's own rendezvous store."""
-        from torch.distributed import TCPStore
-
-        if replica.member == 0:
-            # TCPStore binds every interface unless handed a listening socket: one bound to `host` only.
-            listener, port = compat.listening_socket(host)
-            self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
-            address = (host, self.store.port)
-            if replica.group_size > 1:
-                replica.rendezvous.store().set(self.STORE_KEY, f"{host}:{self.store.port}")
-            return address
-        store_host, port = replica.rendezvous.store().get(self.STORE_KEY).decode().rsplit(":", 1)
-        return store_host, int(port)
 
     # --- what a peer sends a healing replica, and how it is taken ---
 
@@ -313,32 +375,9 @@ class TorchftQuorum:
         return {"outer": self.outer.state_dict(), "global_sync": self.global_sync,
                 "global_step": self.sync_step, "agreed_step": self.agreed_step, "replica": self.args.replica_id}
 
-    def heal_mismatch(self, state: object) -> str | None:
-        """Why a peer's state cannot heal this replica (a clause), or None. Its outer state must fit this replica's
-        (names, shapes, dtypes, finite: OuterStep.mismatch); its sync counter must lie between this replica's and
-        the step the quorum agreed on (torchft's count of commits, which moves with every sync that moves θ_global
-        and never less often); its steps must be whole numbers within the run's length."""
-        if not isinstance(state, dict) or not {"outer", "global_sync", "global_step", "agreed_step"} <= set(state):
-            return "it is not a replica's state (outer, global_sync, global_step, agreed_step)"
-        wrong = self.outer.mismatch(state["outer"])
-        if wrong:
-            return f"its outer state does not fit this model: {wrong}"
-        numbers = {key: state[key] for key in ("global_sync", "global_step", "agreed_step")}
-        for key, value in numbers.items():
-            if isinstance(value, bool) or not isinstance(value, int):
-                return f"its {key} is {value!r}, not a whole number"
-        agreed = self.manager.current_step()
-        if not self.global_sync <= numbers["global_sync"] <= agreed:
-            return (f"its sync counter {numbers['global_sync']} is outside {self.global_sync}..{agreed} (this "
-                    f"replica's, and the quorum's step)")
-        for key in ("global_step", "agreed_step"):
-            if not 0 <= numbers[key] <= self.max_steps:
-                return f"its {key} {numbers[key]} is outside the run's 0..{self.max_steps} steps"
-        return None
-
     @torch.no_grad()
     def _load_healed(self, state: dict) -> None:
-        wrong = self.heal_mismatch(state)
+        wrong = heal_mismatch(state, self.outer, self.global_sync, self.manager.current_step(), self.max_steps)
         if wrong:
             # Nothing is taken: this replica sits the sync out (weight 0, its vote fails, see start) and heals
             # again at the next sync, from whichever peer that quorum names.
@@ -417,7 +456,7 @@ class TorchftQuorum:
         local = {**local, "tokens": local["tokens"] + self.carried_tokens}
         self.sync_local_steps = local["steps"]
         if not joining and self.comm.group_size > 1:
-            local = self._whole_replica(local)
+            local = whole_replica(local, self.comm)
         started = time.perf_counter()
         self.healed_from_sync = self.heal_refused = None
         self.overlapped = overlapped
@@ -451,7 +490,7 @@ class TorchftQuorum:
         checking = joining and self.check_identical and not healed and not refused
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
-                float(not finite), float(step), self._digest() if checking else 0.0,
+                float(not finite), float(step), digest(self.outer) if checking else 0.0,
                 *local.get("checks", [float("nan")] * len(CHECK_FIELDS))]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
@@ -462,7 +501,8 @@ class TorchftQuorum:
             self.check_identical = False  # once, before the first inner step
         startup_bytes = None
         if checking and participants > 1 and error is None:
-            startup_bytes = self._start_identical(table[:participants, MEMBER_FIELDS.index("digest")])
+            digests = table[:participants, MEMBER_FIELDS.index("digest")]
+            startup_bytes = start_identical(self.manager, self.outer, digests)
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
         # A participant at its last step: every fragment syncs, so the final model is global.
@@ -475,47 +515,6 @@ class TorchftQuorum:
             stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
             error=None if error is None else first_line(error), startup_bytes=startup_bytes)
-
-    def _digest(self) -> float:
-        """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
-        return float(int.from_bytes(tensor_digest(self.outer.global_params)[:6], "big"))
-
-    @torch.no_grad()
-    def _start_identical(self, digests: torch.Tensor) -> int:
-        """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the
-        first participant's θ goes to the others (an all-reduce where the others send zeros). Returns the bytes
-        this process sent (0 when every digest agrees, as with one seed or one checkpoint)."""
-        if bool((digests == digests[0]).all()):
-            return 0
-        outer = self.outer
-        flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
-        if self.manager.participating_rank() != 0:
-            flat.zero_()
-        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
-            raise RunError(f"the replicas started from different parameters and sending the first one's to the "
-                           f"others failed ({first_line(self.manager.errored())}); start them again.")
-        copy_flat(flat, outer.global_params)
-        outer.copy_global_to_replica()
-        logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's "
-                       "(%.2f MB) were sent to the others. Give every replica the same seed or checkpoint to skip "
-                       "this.", flat.numel() * 4 / 1e6)
-        return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
-
-    def _whole_replica(self, local: dict) -> dict:
-        """The replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group):
-        its tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of
-        them does and is finite only if all are. Every member then writes the same row, so every slice of the sync
-        is averaged with the same weights."""
-        mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
-                             float(local["stop_requested"]), float(not local.get("finite", True))],
-                            dtype=torch.float64)
-        every = torch.empty(self.comm.group_size * mine.numel(), dtype=torch.float64)
-        gather_into(every, mine, group=self.comm.gather_group)
-        every = every.view(self.comm.group_size, -1)
-        return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
-                "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
-                "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
     def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
@@ -546,42 +545,16 @@ class TorchftQuorum:
             self.carried_tokens = 0
         elif not start.joining:
             self.carried_tokens += tokens  # progress kept for the next sync
-        members = []
-        largest = max((row["weight"] for row in start.members), default=0.0)
-        for row in start.members:  # weights as the merge used them: relative to the largest (as on torch)
-            member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
-                      "weight": row["weight"] / largest if largest > 0 else 0.0,
-                      "steps": int(row["steps"]), "tokens": int(row["tokens"]), "staleness": int(row["staleness"]),
-                      "stop_requested": bool(row["stop_requested"]), "non_finite": bool(row["non_finite"])}
-            for key in UNRECORDED:
-                del member[key]
-            member["waited_seconds"] = member.pop("quorum_seconds")  # as the torch backend's rows name it
-            members.append(member)
-        present = {m["replica"] for m in members}
+        members, present = membership(start.members, self.known)
         self.known |= present
-        members += [{"replica": r, "participated": False} for r in sorted(self.known - present)]
         if not record:
             return record, restart
-        for key in ("non_finite_replicas", "outer_step_skipped", "participants"):  # the fixed group's reading
-            record.pop(key, None)
-        took_part = [m for m in members if m["participated"]]
-        losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
-        compute = record["compute_seconds"] + record["blocked_seconds"]
-        record.update(step=step, sync=self.global_sync,
-                      round=self.schedule.round_of(self.global_sync),
-                      members=sorted(members, key=lambda m: m["replica"]),
-                      committed=result.committed, participants=len(present), num_replicas=len(present),
-                      quorum_seconds=start.quorum_seconds, outer_backend="torchft", replica=self.args.replica_id,
-                      loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
-                      tokens=sum(m["tokens"] for m in took_part),
-                      tokens_per_second=tokens / compute if compute > 0 else 0.0)
-        non_finite = [m["replica"] for m in members if m.get("non_finite")]
-        if non_finite:
-            record["non_finite_replicas"] = non_finite
+        quorum_record(record, members, committed=result.committed, step=step, sync=self.global_sync,
+                      round_number=self.schedule.round_of(self.global_sync), quorum_seconds=start.quorum_seconds,
+                      replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal_refused:
             record["heal_refused"] = self.heal_refused
         if not result.committed:
-            record["outer_step_skipped"] = True
             logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
                            "progress for the next sync.", step,
                            start.error or first_line(self.manager.errored() or "a peer failed"))
