@@ -37,6 +37,8 @@ TEMPORARY_PREFIX = "tmp-checkpoint-"  # not a checkpoint: one being removed, or 
 # One process's part: its inner optimizer, scheduler and DiLoCo state, by global process rank ("replica-<id>" names
 # a torchft replica's own output folder; earlier versions named these parts "replica-<rank>", still read).
 PART_DIR = "process-{rank}"
+OUTER_STATE_FILE = "diloco_outer.pt"  # θ_global and the outer optimizer: one copy (sharded: one per shard)
+REPLICA_STATE_FILE = "diloco_replica.pt"  # what only one replica knows (replica_state), in each process's part
 EARLIER_PART_DIR = "replica-{rank}"
 PART_COMPLETE_FILE = "complete"  # in process-<rank>/: this process's part of the checkpoint is written
 TRAINER_STATE_FILE = "trainer_state.json"  # Trainer's TRAINER_STATE_NAME
@@ -197,3 +199,30 @@ def load_replica_state(state: dict, args, schedule, backend, feedback, outer) ->
     with torch.no_grad():
         for param, saved in zip(outer.params, state.get("params", []), strict=False):
             param.copy_(saved)
+
+
+def save_diloco_state(checkpoint: str, part: Path, replica_state: dict, outer_state, *, sharded: bool,
+                      first_replica: bool, should_save: bool) -> None:
+    """A checkpoint's DiLoCo state beside Trainer's: this process's `replica_state` in its `part` folder, and
+    θ_global with the outer optimizer (`outer_state()`, None before training) once: by the saving process in the
+    checkpoint folder, or with sharded replicas by replica 0's member j, shard j beside its part (which member j of
+    every replica reads on resume)."""
+    import torch
+
+    if replica_state:
+        torch.save(replica_state, part / REPLICA_STATE_FILE)
+    if outer_state is not None and sharded and first_replica:
+        torch.save(outer_state(), part / OUTER_STATE_FILE)
+    elif outer_state is not None and not sharded and should_save:
+        torch.save(outer_state(), Path(checkpoint) / OUTER_STATE_FILE)
+
+
+def load_diloco_state(checkpoint: str, part: Path, *, member: int, sharded: bool) -> tuple[dict | None, dict | None]:
+    """(this replica's state, the outer state) a checkpoint holds, each None where it has none (a checkpoint of
+    plain Trainer). Tensors only: nothing in a checkpoint is unpickled beyond them."""
+    import torch
+
+    replica_file = part / REPLICA_STATE_FILE
+    outer_file = (part_dir(checkpoint, member) if sharded else Path(checkpoint)) / OUTER_STATE_FILE
+    return (torch.load(replica_file, weights_only=True) if replica_file.exists() else None,
+            torch.load(outer_file, weights_only=True) if outer_file.exists() else None)

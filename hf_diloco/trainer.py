@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -38,8 +37,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import HubStrategy, SaveStrategy
-from transformers.utils import PushInProgress
+from transformers.trainer_utils import HubStrategy
 
 from . import checkpoints, compat, parallel
 from .callback import DiLoCoCallback
@@ -47,14 +45,11 @@ from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
-from .errors import first_line
 from .files import read_json, write_json
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
 
-OUTER_STATE_FILE = "diloco_outer.pt"
-REPLICA_STATE_FILE = "diloco_replica.pt"
 
 # A second SIGTERM/SIGINT this many seconds or more after the first ends the process at once; sooner, it is the
 # same request arriving twice (a scheduler signals every process of a job, and the launcher passes its copy on).
@@ -301,104 +296,32 @@ class DiLoCoMixin:
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,
                     allow_unfinished: bool = True, **kwargs):
-        """Save the model and push what `hf-diloco push` pushes, through the same code (hf_diloco.hub.commit_run):
-        the model, config and tokenizer files, the sync log, run_config.json and the DiLoCo card from this
-        trainer's args, a local model or dataset named by its base name only. Not Trainer's upload of the whole
-        output folder: `training_args.bin` (a pickle holding the run's paths), checkpoints, progress files and
-        peft's own README stay local.
-
-        Arguments as `Trainer.push_to_hub`: the repo is `args.hub_model_id` (default: the output folder's name),
-        `token` defaults to `args.hub_token` (then HF_TOKEN, then the huggingface_hub login), `private` to
-        `args.hub_private_repo`, `revision` to `args.hub_revision`. Trainer's model-card arguments (`tags`,
-        `license`, ...) are not used: the card is hf_diloco.hub's. Unlike `hf-diloco push`, a run that did not
-        finish (pushed mid-training, or after a stop) is pushed by default, since this call is explicit; its card
-        says how the run ended. `allow_unfinished=False` refuses it instead (hf_diloco.hub.UnfinishedRun).
-
-        Every process saves (as Trainer's does); the main process pushes and returns huggingface_hub's CommitInfo,
-        or a Future of it when not `blocking`; the others return None.
+        """Save the model and push what `hf-diloco push` pushes (hf_diloco.pushing.push_trained, which says what
+        is and is not pushed); arguments as `Trainer.push_to_hub`, and `allow_unfinished=False` refuses a run that
+        did not finish. The main process returns huggingface_hub's CommitInfo (a Future of it when not
+        `blocking`); the others return None.
 
         For example, after `trainer.train()`: `trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url`
         (tested against a local server that speaks the Hub's endpoints, tests/test_hub.py).
         """
-        from .hub import commit_run, trainer_settings
+        from .pushing import push_trained
 
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self._finish_current_push()  # a push during training reads the output folder's weights until it is done
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        if kwargs:
-            logger.warning(f"push_to_hub: the DiLoCo card does not use {', '.join(sorted(kwargs))}.")
-        repo_id = self.hub_model_id or self.args.hub_model_id or Path(self.args.output_dir).absolute().name
-        return commit_run(
-            self.args.output_dir, repo_id, token=token if token is not None else self.args.hub_token,
-            private=private if private is not None else self.args.hub_private_repo,
-            commit_message=commit_message or "End of training", allow_unfinished=allow_unfinished,
-            settings=trainer_settings(self), revision=revision if revision is not None else self.args.hub_revision,
-            blocking=blocking, progress=logger.info)
+        return push_trained(self, commit_message, blocking=blocking, token=token, revision=revision,
+                            private=private, allow_unfinished=allow_unfinished, unused=kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """The push at a save during training (`args.push_to_hub`, unless `hub_strategy` is "end"): what
-        `push_to_hub()` pushes, through hf_diloco.hub.commit_run, with the checkpoint's model, committed in the
-        background as "Training in progress, step N" (or "epoch N"). Its card says that the run was still training
-        at that step.
+        """The push at a save during training (`args.push_to_hub`, unless `hub_strategy` is "end"):
+        hf_diloco.pushing.push_checkpoint."""
+        from .pushing import push_checkpoint
 
-        As Trainer's: the main process alone, from inside `_save_checkpoint`, with no collective (the checkpoint's
-        model and tokenizer files are copied into the output folder, not saved again); while a push is still in
-        progress the next one is skipped unless `hub_always_push`; `push_in_progress` is what `train()` waits for at
-        its end. Unlike Trainer's, whatever `hub_strategy` (checkpoint, all_checkpoints too), no checkpoint folder
-        is uploaded: its optimizer and outer state are the run's own, and its model is what this pushes; nor the
-        output folder's other files (`training_args.bin`, peft's README, local paths). A push that fails is a
-        warning, as Trainer's background upload is: training goes on.
-        """
-        from .hub import commit_run, repo_files, trainer_settings
-
-        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
-            return
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        step = self.state.global_step
-        at = f"step {step}" if self.args.save_strategy == SaveStrategy.STEPS else f"epoch {int(self.state.epoch)}"
-        # The sync of this step waits in the records for its evaluation, which Trainer ran before this save: written
-        # now, it is in the pushed sync log, curve and card.
-        self.diloco.records.flush()
-        try:
-            for name, path in repo_files(Path(checkpoint_folder)).items():
-                shutil.copy(path, Path(self.args.output_dir) / name)
-            job = commit_run(
-                self.args.output_dir, self.hub_model_id, token=self.args.hub_token,
-                private=self.args.hub_private_repo, commit_message=f"Training in progress, {at}",
-                allow_unfinished=True, settings=trainer_settings(self), revision=self.args.hub_revision,
-                blocking=False, progress=logger.info,
-                outcome={"ended": "training", "step": step, "max_steps": self.state.max_steps, "checkpoint": None})
-        except Exception as error:  # whatever stops a push must not stop the training
-            logger.warning(f"the push of {at} to the Hub failed ({first_line(error)}); training goes on.")
-            return
-
-        def say_if_failed(done) -> None:
-            if not done.cancelled() and done.exception() is not None:
-                logger.warning(f"the push of {at} to the Hub failed ({first_line(done.exception())}).")
-
-        job.add_done_callback(say_if_failed)
-        if self.push_in_progress is None or self.push_in_progress.is_done():
-            self.push_in_progress = PushInProgress([job])
-        else:
-            self.push_in_progress.jobs.append(job)
+        push_checkpoint(self, checkpoint_folder)
 
     def create_model_card(self, *args, **kwargs) -> None:
-        """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it.
+        """The DiLoCo card of hf_diloco.hub (settings table, metrics, curve), as `hf-diloco push` writes it, with
+        the settings from this trainer's own args."""
+        from .pushing import write_card
 
-        The settings come from this trainer's own args, so a trainer used from Python gets the full card.
-        """
-        if not self.is_world_process_zero():
-            return
-        from .hub import CARD_FILE, CURVE_FILE, model_card, trainer_settings, write_training_curve
-
-        output_dir = Path(self.args.output_dir)
-        write_training_curve(output_dir, output_dir / CURVE_FILE)
-        card = model_card(output_dir, self.hub_model_id, settings=trainer_settings(self))
-        (output_dir / CARD_FILE).write_text(card)
+        write_card(self)
 
     # --- checkpoints: every replica's inner state plus the outer state ----------------------------------------
 
@@ -461,16 +384,10 @@ class DiLoCoMixin:
         # A sharded replica's optimizer holds DTensors: each process writes its own shards as plain tensors.
         torch.save(parallel.local_shards(self.optimizer.state_dict()), replica_dir / "optimizer.pt")
         torch.save(self.lr_scheduler.state_dict(), replica_dir / "scheduler.pt")
-        replica_state = self.diloco.replica_state()
-        if replica_state:
-            torch.save(replica_state, replica_dir / REPLICA_STATE_FILE)
-        if self.diloco.outer is not None:
-            # θ_global and the outer optimizer: one copy. Sharded replicas: replica 0's member j writes shard j
-            # beside its part, which member j of every replica reads on resume.
-            if self.comm.sharded and self.comm.replica_index == 0:
-                torch.save(self.diloco.outer.state_dict(), replica_dir / OUTER_STATE_FILE)
-            elif not self.comm.sharded and self.args.should_save:
-                torch.save(self.diloco.outer.state_dict(), Path(output_dir) / OUTER_STATE_FILE)
+        checkpoints.save_diloco_state(output_dir, replica_dir, self.diloco.replica_state(),
+                                      None if self.diloco.outer is None else self.diloco.outer.state_dict,
+                                      sharded=self.comm.sharded, first_replica=self.comm.replica_index == 0,
+                                      should_save=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -489,12 +406,8 @@ class DiLoCoMixin:
         reached = 0
         with contextlib.suppress(OSError, ValueError, KeyError):  # missing or damaged (DamagedFile): not known
             reached = int(read_json(progress)["step"])
-        replica_file = replica_dir / REPLICA_STATE_FILE
-        outer_file = (checkpoints.part_dir(checkpoint, self.comm.member) if self.comm.sharded
-                      else Path(checkpoint)) / OUTER_STATE_FILE
-        self.diloco.resume(str(checkpoint), reached,
-                           torch.load(replica_file, weights_only=True) if replica_file.exists() else None,
-                           torch.load(outer_file, weights_only=True) if outer_file.exists() else None)
+        self.diloco.resume(str(checkpoint), reached, *checkpoints.load_diloco_state(
+            checkpoint, replica_dir, member=self.comm.member, sharded=self.comm.sharded))
 
 
 

@@ -1,5 +1,5 @@
 """The package's shape, checked: no import circle among hf_diloco's modules (imports inside functions included, so
-a circle cannot hide behind a late import), and no class of the sync engine over 300 lines."""
+a circle cannot hide behind a late import), and no class over 300 lines (configuration dataclasses aside)."""
 
 import ast
 from pathlib import Path
@@ -63,10 +63,15 @@ def test_no_import_circle_late_imports_included():
     assert circles(graph) == []
 
 
-def test_no_class_of_the_engine_over_300_lines():
+# Configuration dataclasses: one field per setting, each with its help; long by nature.
+CONFIGURATIONS = {"DiLoCoConfig", "RunArguments"}
+
+
+def test_no_class_over_300_lines_configurations_aside():
     long = {}
-    for name in ("engine", "kinds", "gate", "tuner", "health", "outer", "schedule", "records", "contributions"):
-        for node in ast.walk(ast.parse((PACKAGE / f"{name}.py").read_text())):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
-                long[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in CONFIGURATIONS and \
+                    node.end_lineno - node.lineno + 1 > 300:
+                long[f"{path.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
     assert long == {}
