@@ -32,17 +32,17 @@ if any(os.environ.get(name) for name in ("CONTRIBUTION_HOOK_SCALE", "CONTRIBUTIO
             scale = float(os.environ["CONTRIBUTION_HOOK_SCALE"])
             original = module.OuterState.pseudo_gradient
             module.OuterState.pseudo_gradient = lambda self, *a, **k: original(self, *a, **k).mul_(scale)
-        if module.__name__ == "hf_diloco.engine" and os.environ.get("CONTRIBUTION_HOOK_LEAVE_OUT"):
+        if module.__name__ == "hf_diloco.gate" and os.environ.get("CONTRIBUTION_HOOK_LEAVE_OUT"):
             left_out = int(os.environ["CONTRIBUTION_HOOK_LEAVE_OUT"])
             judge = module.judge
             module.judge = lambda rows, *a, **k: {**judge(rows, *a, **k), left_out: "left out by the test"} \
                 if left_out in rows else judge(rows, *a, **k)
 
     class _Finder(importlib.abc.MetaPathFinder):
-        """Hooks hf_diloco.config, hf_diloco.outer and hf_diloco.engine right after they are first imported."""
+        """Hooks hf_diloco.config, hf_diloco.outer and hf_diloco.gate right after they are first imported."""
 
         def find_spec(self, name, path, target=None):
-            if name not in ("hf_diloco.outer", "hf_diloco.engine", "hf_diloco.config"):
+            if name not in ("hf_diloco.outer", "hf_diloco.gate", "hf_diloco.config"):
                 return None
             sys.meta_path.remove(self)
             try:
