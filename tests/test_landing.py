@@ -21,7 +21,10 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, default_data_collator
 
-from hf_diloco import DiLoCoConfig, DiLoCoTrainer
+from hf_diloco import DiLoCoConfig, DiLoCoTrainer, engine
+from hf_diloco.codecs import ErrorFeedback, make_codec
+from hf_diloco.comm import ReplicaComm
+from hf_diloco.outer import OuterState, exchange, land, pseudo_gradients
 
 ETA, LAMBDA, H, STEPS = 0.1, 0.7, 4, 12
 GRADIENTS = {"head.w": [0.5, -1.0, 0.25], "layers.0.w": [1.0, -0.5], "layers.1.w": [-0.75, 2.0]}
@@ -54,7 +57,7 @@ class Trajectory(TrainerCallback):
         self.steps[state.global_step] = {n: p.detach().double().clone() for n, p in self.model.named_parameters()}
 
 
-def run(tmp_path, fragments: int, delay: int, alpha: float):
+def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | None = None):
     model = KnownGradients()
     start = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     args = DiLoCoConfig(
@@ -67,7 +70,9 @@ def run(tmp_path, fragments: int, delay: int, alpha: float):
     trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     trajectory = Trajectory(model)
     trainer.add_callback(trajectory)
-    trainer.train()
+    with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer.land: count them
+        patch.setattr(engine, "land", lambda *a, **k: landings.append(a[2] if len(a) > 2 else k) or land(*a, **k))
+        trainer.train()
     records = [json.loads(line) for line in (tmp_path / "sync_rounds.jsonl").read_text().splitlines()]
     return start, trajectory.steps, records
 
@@ -115,8 +120,10 @@ CASES = [  # (fragments, τ, α): blocking and overlapped, one fragment and two
 
 @pytest.mark.parametrize(("fragments", "delay", "alpha"), CASES, ids=[f"F{f}-tau{t}-alpha{a}" for f, t, a in CASES])
 def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragments, delay, alpha):
-    start, steps, records = run(tmp_path, fragments, delay, alpha)
+    landings = []
+    start, steps, records = run(tmp_path, fragments, delay, alpha, landings)
     assert len(records) >= 3 * fragments, f"expected a sync per fragment per round, got {len(records)}"
+    assert landings == [alpha] * len(records), "every sync, blocking or overlapped, lands through outer.land with α"
     assert any(r.get("launch_step", r["step"]) != r["step"] for r in records) == (delay > 0)
     expected = reference(start, records, fragments, alpha)
     worst = max((steps[s][n] - expected[s][n]).abs().max().item() for s in expected for n in expected[s])
@@ -168,3 +175,50 @@ def test_more_fragments_than_layers_is_refused_in_one_sentence_naming_the_parame
     assert type(raised.value).__name__ == "ConfigError", message
     assert "num_fragments=3" in message and "layers.0.w" in message and "use at most 2 fragments" in message
     assert not (tmp_path / "sync_rounds.jsonl").exists() or not (tmp_path / "sync_rounds.jsonl").read_text()
+
+
+class Voting(ReplicaComm):
+    """One process whose syncs are voted on, as torchft's are, with the answer given."""
+
+    votes = True
+
+    def __init__(self, commit: bool):
+        super().__init__()
+        self.commit = commit
+
+    def vote(self) -> bool:
+        return self.commit
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "rolled back"])
+def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
+    """A sync that votes averages every bucket before the vote (never lazily), then lands through outer.land as
+    any other: committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the
+    error-feedback residual (the replica sends the same progress again). One replica: Δ = Δ_1, exact arithmetic
+    (outer SGD lr 0.5, α 0.25) with int8 + error feedback, whose decoded Δ is compared to the outer step it made."""
+    theta = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 4.0]))
+    outer = OuterState([theta], lr=0.5, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        theta.sub_(torch.tensor([0.1, -0.3, 0.2, 0.05]))  # the round's inner steps
+    before_global, before_local = outer.global_params[0].detach().clone(), theta.detach().clone()
+    feedback = ErrorFeedback(0.9, "cpu")
+    comm = Voting(commit)
+    with pytest.raises(AssertionError):  # a sync that votes is never averaged lazily
+        exchange(comm, [0], pseudo_gradients(outer, comm, [0]), finite=True, lazy=True)
+    landed = exchange(comm, [0], pseudo_gradients(outer, comm, [0]), codec=make_codec("int8"), feedback=feedback,
+                      finite=True)
+    assert isinstance(landed.averaged, list)
+    # committed: the residual holds what int8 did not send; rolled back: as before the sync (none yet)
+    assert ("0" in feedback.residuals) is commit
+    result = land(outer, landed, alpha=0.25)
+    assert result.committed is commit
+    if commit:
+        delta = landed.averaged[0][1]  # what the others decoded: the codec's Δ, not the exact one
+        expected_global = before_global - 0.5 * delta
+        assert torch.allclose(outer.global_params[0].detach(), expected_global, atol=1e-6)
+        assert torch.allclose(theta.detach(), 0.25 * before_local + 0.75 * expected_global, atol=1e-6)
+        exact = before_global - before_local
+        assert torch.allclose(feedback.residuals["0"], exact - delta, atol=1e-6)  # Δ_i − what was sent
+    else:
+        assert torch.equal(outer.global_params[0].detach(), before_global)
+        assert torch.equal(theta.detach(), before_local)
