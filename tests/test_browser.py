@@ -451,7 +451,10 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         clocks, phases = [], set()
         for count in (1, 2):
             page.click("#start")
-            page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
+            # This Start's own message (the first one's may still be shown): the run it started is on disk then.
+            name = NAME if count == 1 else f"{NAME}-2"
+            page.locator("#form-message").get_by_text(re.compile(rf"Started \S*{re.escape(name)}\b")).wait_for(
+                timeout=120_000)
             newest = wait_for(lambda n=count: len(runs.list_runs(runs_dir)) == n and runs.list_runs(runs_dir)[0],
                               20, f"run {count} on disk")
             page.click("#stop")
