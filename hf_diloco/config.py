@@ -182,7 +182,8 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "Streaming DiLoCo: sync the model in F fragments, one every inner_steps/F steps, each "
                           "fragment once per inner_steps (peak bandwidth drops F-fold). With F > 1, fragment 0 holds "
                           "the non-layer parameters (embeddings, final norm, head) and the layers are spread over "
-                          "the other F-1. inner_steps must be a multiple of F."},
+                          "the other F-1 (over all F when every parameter is in a layer, as a LoRA model's "
+                          "adapters are). inner_steps must be a multiple of F, and F at most what the layers allow."},
     )
     fragment_pattern: str = field(
         default="strided",
@@ -221,8 +222,9 @@ class DiLoCoConfig(TrainingArguments):
     )
     fragment_alpha: float = field(
         default=0.0,
-        metadata={"help": "When a sync lands, theta_local <- alpha*theta_local + (1-alpha)*theta_global (0: take the "
-                          "global parameters; Streaming DiLoCo's overlap runs use 0.5)."},
+        metadata={"help": "When a sync lands, theta_local <- alpha*theta_local + (1-alpha)*theta_global, for every "
+                          "kind of sync: blocking, overlapped or voted (0: take the global parameters; Streaming "
+                          "DiLoCo's overlap runs use 0.5). A replica that sat the sync out takes the global ones."},
     )
 
     save_every_rounds: int = field(
