@@ -108,6 +108,8 @@ class FixedGroup:
 
     @property
     def replica(self) -> int:
+        """This replica's id, as records and verdicts name it: on a fixed group, its index among the launch's
+        replicas (global rank // replica_group_size)."""
         return self.comm.replica_index
 
     @property

@@ -409,6 +409,8 @@ class TorchftQuorum:
 
     @property
     def replica(self) -> int:
+        """This replica's id, as records and verdicts name it: its replica_id (its rank in a sync's quorum is
+        another number, the comm's replica_index)."""
         return self.args.replica_id
 
     @property
