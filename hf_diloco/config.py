@@ -224,7 +224,8 @@ class DiLoCoConfig(TrainingArguments):
         default=0.0,
         metadata={"help": "When a sync lands, theta_local <- alpha*theta_local + (1-alpha)*theta_global, for every "
                           "kind of sync: blocking, overlapped or voted (0: take the global parameters; Streaming "
-                          "DiLoCo's overlap runs use 0.5). A replica that sat the sync out takes the global ones."},
+                          "DiLoCo's overlap runs use 0.5). A replica that sat the sync out takes the global ones, and "
+                          "the syncs landing at the last step use 0, so the final model is the global one."},
     )
 
     save_every_rounds: int = field(
