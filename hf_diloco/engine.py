@@ -400,10 +400,9 @@ class SyncEngine:
                 self.progress.reset()
             self._finish(step, start, flight.exchange.result)
             return start.stop_requested
-        # The run's last landing makes the final model global (final_sync): α keeps no part of the replica's own.
-        alpha = 0.0 if step >= max_steps else self.args.fragment_alpha
-        with self.comm.rendezvous.naming_the_absent(flight.launched_at):  # a blocking sync is averaged as it is applied
-            result = land(self.outer, flight.exchange, alpha)
+        # A blocking sync is averaged as it is applied; the run's last landing makes the final model global (α 0).
+        with self.comm.rendezvous.naming_the_absent(flight.launched_at):
+            result = land(self.outer, flight.exchange, 0.0 if step >= max_steps else self.args.fragment_alpha)
         done = time.perf_counter()
         if not overlapped:  # the next budget counts from here (an overlapped sync's, from its launch)
             self.progress.reset()

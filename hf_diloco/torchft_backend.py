@@ -409,8 +409,7 @@ class TorchftQuorum:
 
     @property
     def replica(self) -> int:
-        """This replica's id, as records and verdicts name it: its replica_id (its rank in a sync's quorum is
-        another number, the comm's replica_index)."""
+        """This replica's id as records and verdicts name it: its replica_id (not its rank in a sync's quorum)."""
         return self.args.replica_id
 
     @property
