@@ -150,20 +150,19 @@ class Fragment:
     size: int
     covered: tuple[float, float] = (0, 0.0)
     at_launch: tuple[float, float] = (0, 0.0)
-    synced_at: int | None = None  # the step its last committed sync landed at
 
     def launched(self, steps: int, lr_sum: float) -> None:
         """A sync was launched after `steps` inner steps of Σ η `lr_sum` since the previous launch."""
         self.at_launch = (self.covered[0] + steps, self.covered[1] + lr_sum)
 
-    def settled(self, synced: bool, alpha: float, step: int, fresh: bool = False) -> None:
+    def settled(self, synced: bool, alpha: float, fresh: bool = False) -> None:
         """The sync launched last was decided: if it carried this fragment and committed, the base moved and α of
         the replica's own progress stays in its parameters; else its Δ_i covers those steps too. `fresh`: the
         replica took θ_global (it joined, healed, or was left out), so its Δ_i covers nothing yet."""
         if fresh:
             self.covered = (0, 0.0)
         elif synced:
-            self.covered, self.synced_at = (self.at_launch[0] * alpha, self.at_launch[1] * alpha), step
+            self.covered = (self.at_launch[0] * alpha, self.at_launch[1] * alpha)
         else:
             self.covered = self.at_launch
 
@@ -468,8 +467,7 @@ class SyncEngine:
         record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
         fresh = restart or start.joining or (result.committed and self.backend.replica in start.excluded)
         for fragment in self.fragments:  # fresh: the replica starts from θ_global
-            fragment.settled(result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
-                             step, fresh)
+            fragment.settled(result.committed and fragment.index in start.fragments, self.args.fragment_alpha, fresh)
         if restart:
             self.outer.copy_global_to_replica()
         lines = self.gate.record(start.excluded, record) if record and not start.empty else []
