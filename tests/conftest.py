@@ -14,8 +14,12 @@ import subprocess
 import uuid
 from pathlib import Path
 
-import pytest
-from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch
+# Nothing in a test reaches the real Hub; commands run inside pytest (helpers.cli) read this as their processes do.
+# huggingface_hub reads it once, when first imported: here, before any test module imports it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch  # noqa: E402
 
 REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
 

@@ -40,6 +40,35 @@ def hf_diloco(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "hf_diloco.cli", *args], timeout)
 
 
+def cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`hf-diloco ARGS` run inside this process, from the repository as `hf_diloco` runs it, with `environ` added to
+    the environment: its exit status, stdout and stderr as the process would give them. For what starts nothing (a
+    refusal, a dry run, help): the code path is the command's own (`hf_diloco.cli.main`), without the seconds a
+    new interpreter spends importing torch. The environment is restored afterwards."""
+    import io
+
+    from hf_diloco.cli import main
+
+    def replaced(*args, **kwargs):
+        raise RuntimeError("this command replaces its process (os.exec*): run it with hf_diloco(), not cli()")
+
+    out, err = io.StringIO(), io.StringIO()
+    saved, execve = dict(os.environ), os.execve
+    os.environ.update(environ or {})
+    os.execve = replaced
+    try:
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse's refusals
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    finally:
+        os.execve = execve
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["hf-diloco", *args], code, out.getvalue(), err.getvalue())
+
+
 def tiny_llama(seed: int = 0, vocab: int = 64, positions: int = 16):
     """A 2-layer Llama small enough that tests train it in seconds."""
     import torch

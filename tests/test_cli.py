@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import REPO, hf_diloco, launch_reading_listeners
+from helpers import REPO, cli, hf_diloco, launch_reading_listeners
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 
@@ -36,38 +36,44 @@ def bad_inputs(tmp_path):
     }
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("case", ["H = 0", "negative outer lr", "unknown recipe key", "no text column",
                                   "missing model path", "missing recipe", "negative linger"])
 def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     args, words = bad_inputs[case]
     base = [] if "--config" in args else ["--config", RECIPE]
-    result = hf_diloco("train", *base, "--output_dir", bad_inputs["_out"], "--max_steps", "2", "--inner_steps", "2",
+    result = cli("train", *base, "--output_dir", bad_inputs["_out"], "--max_steps", "2", "--inner_steps", "2",
                        *args)
     assert_one_sentence_error(result, *words)
 
 
 @pytest.mark.process
+def test_a_refusal_from_a_real_process_is_exit_2_and_one_sentence(tmp_path):
+    """The tests around this one call the command's code inside pytest; this one starts `python -m hf_diloco.cli`
+    as a user's shell does, so the exit status and the absence of a traceback are the process's own."""
+    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), "--inner_steps", "0")
+    assert result.returncode == 2
+    assert_one_sentence_error(result, "inner_steps")
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_run_is_not_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     rounds = out / "sync_rounds.jsonl"
     rounds.write_text('{"round": 1}\n')
-    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(out), "--max_steps", "2", "--inner_steps", "2")
+    result = cli("train", "--config", RECIPE, "--output_dir", str(out), "--max_steps", "2", "--inner_steps", "2")
     assert_one_sentence_error(result, "already holds a run")
     assert rounds.read_text() == '{"round": 1}\n'
 
 
-@pytest.mark.process
 def test_launch_checks_the_accelerate_config_before_starting(tmp_path):
-    result = hf_diloco("launch", RECIPE, "--accelerate-config", str(tmp_path / "nope.yaml"))
+    result = cli("launch", RECIPE, "--accelerate-config", str(tmp_path / "nope.yaml"))
     assert_one_sentence_error(result, "nope.yaml")
 
 
-@pytest.mark.process
 def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
     config = str(REPO / "accelerate_configs" / "cpu-2proc.yaml")
-    result = hf_diloco("launch", RECIPE, "--accelerate-config", config, "--dry-run", "--",
+    result = cli("launch", RECIPE, "--accelerate-config", config, "--dry-run", "--",
                        "--output_dir", str(tmp_path / "x"), "--inner_steps", "25")
     assert result.returncode == 0, result.stderr
     command = result.stdout.strip().splitlines()[-1].split()
@@ -91,22 +97,21 @@ def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
     assert set(reachable) - set().union(*ports.values()), "the launcher's rendezvous store"
 
 
-@pytest.mark.process
 def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_on(tmp_path):
     """accelerate's own flags beside the config are checked as the layout they make with it (rank below the
     machines, processes spread evenly, groups that divide them), then handed to accelerate in its spelling."""
     multi_node = str(REPO / "accelerate_configs" / "multi-node.yaml")
     two = str(REPO / "accelerate_configs" / "cpu-2proc.yaml")
     out = ["--", "--output_dir", str(tmp_path / "x")]
-    rank = hf_diloco("launch", RECIPE, "--accelerate-config", multi_node, "--machine_rank", "3", "--dry-run", *out)
+    rank = cli("launch", RECIPE, "--accelerate-config", multi_node, "--machine_rank", "3", "--dry-run", *out)
     assert_one_sentence_error(rank, "rank 3, but there are only 2 machine(s)")
-    uneven = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num-processes", "3", "--num_machines", "2",
+    uneven = cli("launch", RECIPE, "--accelerate-config", two, "--num-processes", "3", "--num_machines", "2",
                        "--dry-run", *out)
     assert_one_sentence_error(uneven, "spreads 3 processes over 2 machines")
-    groups = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num_processes", "3", "--dry-run", *out,
+    groups = cli("launch", RECIPE, "--accelerate-config", two, "--num_processes", "3", "--dry-run", *out,
                        "--replica_group_size", "2")
     assert_one_sentence_error(groups, "starts 3 processes, which replica_group_size=2 does not divide")
-    fine = hf_diloco("launch", RECIPE, "--accelerate-config", two, "--num-processes", "4", "--port", "29999",
+    fine = cli("launch", RECIPE, "--accelerate-config", two, "--num-processes", "4", "--port", "29999",
                      "--dry-run", *out)
     assert fine.returncode == 0, fine.stderr
     command = fine.stdout.strip().splitlines()[-1].split()
@@ -114,16 +119,15 @@ def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_o
     assert launch[-4:] == ["--main_process_port", "29999", "--num_processes", "4"], launch
 
 
-@pytest.mark.process
 def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_path):
     """On torchft each launch is one replica: an accelerate config of 2 processes needs replica_group_size 2 (and
     with it, --replicas N gives every replica launch its own rendezvous port)."""
     two = str(REPO / "accelerate_configs" / "torchft-replica-2proc.yaml")
     torchft = str(REPO / "recipes" / "torchft-3.yaml")
     out = ["--output_dir", str(tmp_path / "x")]
-    wrong = hf_diloco("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out)
+    wrong = cli("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out)
     assert_one_sentence_error(wrong, "replica_group_size=1 process(es), but")
-    fine = hf_diloco("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out,
+    fine = cli("launch", torchft, "--accelerate-config", two, "--replicas", "2", "--dry-run", *out,
                      "--replica_group_size", "2")
     assert fine.returncode == 0, fine.stderr
     commands = [line.split() for line in fine.stdout.splitlines() if "hf_diloco.accelerate_launch" in line]
@@ -132,32 +136,29 @@ def test_a_torchft_launch_whose_processes_are_not_one_replica_is_refused(tmp_pat
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
 
 
-@pytest.mark.process
 def test_inner_steps_auto_in_every_spelling_is_the_auto_fields(tmp_path):
     recipe = tmp_path / "auto.yaml"
     recipe.write_text((REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("inner_steps: 50",
                                                                                     "inner_steps: auto"))
     for args in (["--config", str(recipe)], ["--config", RECIPE, "--inner_steps", "auto"],
                  ["--config", RECIPE, "--inner-steps=auto"]):
-        result = hf_diloco("train", *args, "--dry-run", "--output_dir", str(tmp_path / "x"))
+        result = cli("train", *args, "--dry-run", "--output_dir", str(tmp_path / "x"))
         assert result.returncode == 0, result.stderr
         assert "auto: 20 for the first rounds, then chosen so that waiting for syncs stays under 5% of compute" \
             in result.stdout, result.stdout
 
 
-@pytest.mark.process
 def test_train_help_lists_diloco_fields():
-    result = hf_diloco("train", "--help")
+    result = cli("train", "--help")
     assert result.returncode == 0
     for name in ("--inner_steps", "--outer_lr", "--outer_momentum", "--model_name_or_path", "--dataset_name"):
         assert name in result.stdout
 
 
-@pytest.mark.process
 def test_type_and_choice_errors_are_one_sentence_without_usage(tmp_path):
     """A value of the wrong type or outside a field's choices: one sentence naming the flag, exit 2, no usage dump."""
     for flag, value in (("--inner_steps", "five"), ("--outer_optimizer", "lion")):
-        result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), flag, value)
+        result = cli("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), flag, value)
         assert result.returncode == 2
         assert_one_sentence_error(result, flag, value)
         assert "usage:" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[:500]
@@ -174,23 +175,16 @@ def saved_run(tmp_path):
     return out
 
 
-@pytest.mark.process
-def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
+def test_unknown_flags_are_errors_for_every_sub_command(tmp_path):
     """A misspelt or shortened flag is refused before anything happens, for every sub-command.
 
     Before, `push --privte` pushed a public repository, `demo --max-step 5` guessed --max-steps, and recipe
     fields could be shortened (`--outer_l` silently set outer_lr).
     """
-    from hub_server import FakeHub
-
-    with FakeHub() as hub:
-        result = run_with_hub(hub, "push", str(saved_run), "--repo-id", "alice/model", "--privte")
-        assert result.returncode == 2
-        assert_one_sentence_error(result, "--privte")
-        assert hub.repos == {} and hub.commits == [], "nothing reaches the Hub"
     demo_out = tmp_path / "demo"
     demo_out.mkdir()
     cases = [
+        (["push", str(tmp_path / "run"), "--repo-id", "alice/model", "--privte"], "--privte"),
         (["demo", "--output-dir", str(demo_out), "--max-step", "5"], "--max-step"),
         (["app", "--auht", "u:p", "--port", "1", "--runs-dir", str(tmp_path / "runs")], "--auht"),
         (["train", "--config", RECIPE, "--dry_run", "true", "--outer_l", "0.5"], "--outer_l"),
@@ -199,7 +193,7 @@ def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
           "--dry-run", "--", "--inner_step", "3"], "--inner_step"),
     ]
     for args, word in cases:
-        result = hf_diloco(*args, timeout=120)
+        result = cli(*args)
         assert result.returncode == 2, (args, result.stdout[-500:])
         assert_one_sentence_error(result, word)
 
@@ -207,9 +201,15 @@ def test_unknown_flags_are_errors_for_every_sub_command(tmp_path, saved_run):
 @pytest.mark.process
 def test_push_of_a_run_with_an_empty_json_file_names_the_file_in_one_sentence(saved_run):
     """A run folder whose stopped.json is empty (a disk that filled up, a copy cut short): `push` names that file and
-    what to do, exits 2 without a traceback, pushes nothing and leaves the file as it was."""
+    what to do, exits 2 without a traceback, pushes nothing and leaves the file as it was. A misspelt flag
+    (`--privte`) is refused the same way before anything reaches the Hub (a local server speaking its endpoints)."""
     from hub_server import FakeHub
 
+    with FakeHub() as hub:
+        result = run_with_hub(hub, "push", str(saved_run), "--repo-id", "alice/model", "--privte")
+        assert hub.repos == {} and hub.commits == [], "nothing reaches the Hub"
+    assert result.returncode == 2
+    assert_one_sentence_error(result, "--privte")
     stopped = saved_run / "stopped.json"
     stopped.write_text("")
     with FakeHub() as hub:
@@ -235,7 +235,6 @@ def run_with_hub(hub, *args):
                           timeout=120)
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("spelling", [["--dry-run"], ["--dry-run=true"], ["--dry_run"], ["--dry_run", "yes"],
                                       "recipe key", "launch --dry-run"])
 def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
@@ -244,7 +243,7 @@ def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
     text = (REPO / "recipes" / "tiny-pretrain.yaml").read_text() + "\nbf16: true\ntf32: true\n"
     if spelling == "launch --dry-run":
         recipe.write_text(text)
-        result = hf_diloco("launch", str(recipe), "--accelerate-config",
+        result = cli("launch", str(recipe), "--accelerate-config",
                            str(REPO / "accelerate_configs" / "multi-gpu.yaml"), "--dry-run", "--",
                            "--output_dir", str(tmp_path / "out"))
         assert result.returncode == 0, result.stderr[-2000:]
@@ -255,19 +254,18 @@ def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
         text += "dry_run: true\n"
         spelling = []
     recipe.write_text(text)
-    result = hf_diloco("train", "--config", str(recipe), "--output_dir", str(tmp_path / "out"), *spelling)
+    result = cli("train", "--config", str(recipe), "--output_dir", str(tmp_path / "out"), *spelling)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "hf-diloco dry run" in result.stdout
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.process
 def test_streaming_with_non_iid_sharding_is_refused(tmp_path):
     """A stream has no length to slice, so non-i.i.d. shards cannot be made: refused instead of silently i.i.d."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(40)))
     out = tmp_path / "out"
-    result = hf_diloco("train", "--config", RECIPE, "--output_dir", str(out), "--dataset_name", str(corpus),
+    result = cli("train", "--config", RECIPE, "--output_dir", str(out), "--dataset_name", str(corpus),
                        "--streaming", "true", "--data_sharding", "non_iid", "--max_steps", "2", "--block_size", "32",
                        "--eval_strategy", "no", "--eval_on_start", "false")
     assert result.returncode == 2
@@ -285,7 +283,6 @@ def test_the_app_refuses_to_be_reachable_without_a_password():
         assert "Traceback" not in result.stderr
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("how", ["flag", "accelerate"])
 def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, how):
     """FSDP runs inside each replica, so one without processes to shard over, FSDP version 1 and DeepSpeed (whose
@@ -293,10 +290,6 @@ def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, ho
     `accelerate launch --config_file X -m hf_diloco.cli train` path (which sets ACCELERATE_USE_FSDP, FSDP_VERSION
     or ACCELERATE_USE_DEEPSPEED) and the --fsdp/--deepspeed flags are caught as well as `hf-diloco launch`."""
     import os
-    import subprocess
-    import sys
-
-    from helpers import env
 
     cases = [(["--fsdp", "true"], {}, "a replica of one process has nothing to shard over"),
              (["--deepspeed", str(tmp_path / "ds.json")], {}, "DeepSpeed ZeRO would shard one model")]
@@ -305,10 +298,7 @@ def test_fsdp_and_deepspeed_are_refused_by_the_config_on_every_path(tmp_path, ho
                  ([], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "nothing to shard over"),
                  ([], {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed ZeRO would shard")]
     for flags, extra_env, words in cases:
-        command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" /
-                   "tiny-pretrain.yaml"), "--output_dir", str(tmp_path / "out"), *flags]
-        result = subprocess.run(command, capture_output=True, text=True, env={**env(), **extra_env}, cwd=REPO,
-                                timeout=120)
+        result = cli("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), *flags, environ=extra_env)
         assert result.returncode == 2 and words in result.stderr, result.stderr[-1500:]
         assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     assert os.environ.get("ACCELERATE_USE_FSDP") is None
@@ -335,18 +325,17 @@ def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text
     assert "\n" not in message
 
 
-@pytest.mark.process
 def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a_staggered_end():
     """`--round_seconds 4 --num_fragments 2 --sync_delay auto` on the torch backend: the plan says a sync every 2 s
     of inner steps, overlapped with each replica's own steps, a blocking end, and how the run ends; with
     `--final_sync staggered` the same run is refused in one sentence, exit 2."""
-    plan = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--num_fragments", "2", "--sync_delay",
+    plan = cli("train", "--config", RECIPE, "--round_seconds", "4", "--num_fragments", "2", "--sync_delay",
                      "auto", "--dry-run")
     assert plan.returncode == 0, plan.stderr
     assert "one sync every 2 s of about" in plan.stdout
     assert "overlapped with auto (from 1) inner step(s) of each replica's own; the end blocking" in plan.stdout
     assert "each replica syncs after 2 s of inner steps, however many it took" in plan.stdout
-    refused = hf_diloco("train", "--config", RECIPE, "--round_seconds", "4", "--sync_delay", "1", "--final_sync",
+    refused = cli("train", "--config", RECIPE, "--round_seconds", "4", "--sync_delay", "1", "--final_sync",
                         "staggered", "--dry-run")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [
@@ -355,15 +344,14 @@ def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a
         "blocking."]
 
 
-@pytest.mark.process
 def test_the_dry_run_names_the_delayed_outer_momentum_and_refuses_it_without_momentum():
     """`--outer_momentum_delay 4 --outer_delayed_scale 0.25`: the plan says the momentum moves every 4 syncs;
     with `--outer_momentum 0` there is no momentum to delay, refused in one sentence, exit 2."""
-    plan = hf_diloco("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_delayed_scale", "0.25",
+    plan = cli("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_delayed_scale", "0.25",
                      "--dry-run")
     assert plan.returncode == 0, plan.stderr
     assert "its momentum moved every 4 syncs (pseudo-gradients × 0.25 in between)" in plan.stdout
-    refused = hf_diloco("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_momentum", "0",
+    refused = cli("train", "--config", RECIPE, "--outer_momentum_delay", "4", "--outer_momentum", "0",
                         "--dry-run")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [

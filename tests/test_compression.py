@@ -226,15 +226,14 @@ def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_de
         assert first["blocked_seconds"] >= first["sync_seconds"] >= 0.6
 
 
-@pytest.mark.process
 def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
     """The dry run's per-codec line is the payload arithmetic: with M = 8 (shown when launched alone), int8 sends
     7 encoded shards out and 7 encoded averages out, each 1/8 of the model plus one fp32 scale per 1024 values."""
-    from helpers import hf_diloco
+    from helpers import cli
 
     from hf_diloco.metrics import format_bytes
 
-    result = hf_diloco("train", "--config", str(REPO / "recipes" / "tiny-pretrain.yaml"), "--dry_run", "true",
+    result = cli("train", "--config", str(REPO / "recipes" / "tiny-pretrain.yaml"), "--dry_run", "true",
                        "--compression", "int8", "--num_fragments", "5")
     assert result.returncode == 0, result.stderr[-2000:]
     n = 1_082_880  # tiny-llama

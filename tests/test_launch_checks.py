@@ -13,9 +13,7 @@ import time
 
 import psutil
 import pytest
-from helpers import REPO, env, free_port, hf_diloco, is_launcher
-
-pytestmark = pytest.mark.process  # every test here starts processes
+from helpers import REPO, cli, env, free_port, hf_diloco, is_launcher
 
 TOKEN = "hf_PlantedToken1234567890abcdef"
 TINY = str(REPO / "recipes" / "tiny-pretrain.yaml")
@@ -70,13 +68,14 @@ def test_launch_refuses_what_a_dry_run_refuses_before_starting_any_process(tmp_p
     recipe, flags, words = bad_inputs[case]
     launch = BACKENDS[backend] if recipe is None else [recipe, *BACKENDS[backend][1:]]
     out = tmp_path / "out"
-    result = hf_diloco("launch", *launch, "--max-restarts", "2", "--", "--output_dir", str(out), *flags, timeout=120)
+    result = cli("launch", *launch, "--max-restarts", "2", "--", "--output_dir", str(out), *flags)
     assert result.returncode == 2, result.stderr[-3000:]
     sentence = one_sentence(result)
     assert all(word in sentence for word in words), sentence
     assert result.stdout == "" and not out.exists(), "no process was started"
 
 
+@pytest.mark.process
 def test_bad_input_only_the_workers_find_ends_the_launch_once_without_a_restart(tmp_path):
     """A corpus shorter than one block is found only once the workers tokenize it. Both workers hand the sentence to
     the launcher, which says it once and ends with 2: no torchelastic traceback, and no restart although
@@ -100,6 +99,7 @@ FAKE_WORKER = ("import sys; from hf_diloco.launch import report_input_error; rep
                "sys.exit(1)")
 
 
+@pytest.mark.process
 def test_a_replica_ending_on_bad_input_is_not_started_again_and_its_sentence_ends_the_run(tmp_path, capfd):
     """ReplicaSupervisor (`launch --replicas N`) with launches whose worker hands over a sentence and whose launcher
     then fails with a traceback, as accelerate's does: neither is started again though restarts are allowed, what
@@ -119,6 +119,7 @@ def test_a_replica_ending_on_bad_input_is_not_started_again_and_its_sentence_end
     assert ReplicaSupervisor([finish, bad], str(tmp_path / "one"), max_restarts=3).run() == 0
 
 
+@pytest.mark.process
 def test_a_launch_passes_stderr_on_with_the_token_hidden(tmp_path, capfd):
     """What a launch's processes write to stderr reaches ours, but a token of its command (as a traceback that
     quotes the command would print it) reads `***`; the process itself got the real value."""
@@ -138,8 +139,8 @@ def files_holding(folder, secret: str) -> list[str]:
 def test_a_torchft_dry_run_shows_each_replica_s_command_with_the_token_hidden(tmp_path):
     """Both spellings of the flag: every replica's printed command carries `***` where the token was (the torch
     backend's one command is shown by the real run below)."""
-    result = hf_diloco("launch", *BACKENDS["torchft --replicas 2"], "--dry-run", "--", "--output_dir",
-                       str(tmp_path / "out"), "--hub_token", TOKEN, f"--hub-token={TOKEN}", timeout=120)
+    result = cli("launch", *BACKENDS["torchft --replicas 2"], "--dry-run", "--", "--output_dir",
+                       str(tmp_path / "out"), "--hub_token", TOKEN, f"--hub-token={TOKEN}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert TOKEN not in result.stdout + result.stderr
     commands = [line for line in result.stdout.splitlines() if "hf_diloco.accelerate_launch" in line]
@@ -147,6 +148,7 @@ def test_a_torchft_dry_run_shows_each_replica_s_command_with_the_token_hidden(tm
         result.stdout
 
 
+@pytest.mark.process
 def test_a_run_given_a_hub_token_leaves_it_nowhere_but_its_processes_get_it(tmp_path):
     """A real two-process run given a token in both spellings (push_to_hub off: nothing is sent anywhere): the
     printed command shows `***`; the token is in no byte the launch printed and no file of its output folder

@@ -7,10 +7,8 @@ import re
 import pytest
 import torch
 import yaml
-from helpers import REPO, accelerate_launch, hf_diloco
+from helpers import REPO, accelerate_launch, cli, hf_diloco
 from safetensors.torch import load_file
-
-pytestmark = pytest.mark.process  # every test here starts processes
 
 RECIPES = REPO / "recipes"
 SHORT = ["--max_steps", "4", "--inner_steps", "2", "--block_size", "64", "--eval_strategy", "no",
@@ -30,7 +28,7 @@ def test_every_recipe_dry_runs_to_the_plan_its_yaml_describes(recipe, tmp_path):
     overrides = []
     if recipe == "lora-finetune.yaml":  # its default model is tiny-pretrain's output; any model dry-runs
         overrides = ["--model_name_or_path", "tiny-llama"]
-    result = hf_diloco("train", "--config", str(RECIPES / recipe), "--dry_run", "true",
+    result = cli("train", "--config", str(RECIPES / recipe), "--dry_run", "true",
                        "--output_dir", str(tmp_path / "out"), *overrides)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
@@ -92,7 +90,7 @@ def as_bytes(text: str) -> float:
 
 
 def test_paper_recipe_dry_run_describes_the_paper_setup():
-    result = hf_diloco("train", "--config", str(RECIPES / "paper-150m-c4.yaml"), "--dry_run", "true")
+    result = cli("train", "--config", str(RECIPES / "paper-150m-c4.yaml"), "--dry_run", "true")
     assert result.returncode == 0, result.stderr[-2000:]
     plan = result.stdout
     assert "allenai/c4 [en], streamed" in plan
@@ -104,6 +102,7 @@ def test_paper_recipe_dry_run_describes_the_paper_setup():
     assert sent_gb == pytest.approx(params * 4 * 2 * 7 / 8 / 1e9, abs=0.01)
 
 
+@pytest.mark.process
 def test_ddp_baseline_is_data_parallel_training(tmp_path):
     """trainer: ddp all-reduces gradients every step: two processes with batch 8 end where one process with batch 16
     does (same shuffle, equal token counts, so the mean of the two gradients is the batch-16 gradient); tol 1e-5.
@@ -129,6 +128,7 @@ def test_ddp_baseline_is_data_parallel_training(tmp_path):
     assert metrics["global_step"] == 4
 
 
+@pytest.mark.process
 def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
     """Two replicas fine-tune LoRA adapters with the int8 codec: only the adapters are synced (and counted), int8
     sends about a quarter of their fp32 bytes, and the merged model holds the trained attention weights."""
@@ -167,7 +167,7 @@ def test_launch_refuses_the_sharded_layouts_it_cannot_keep_inside_a_replica(tmp_
     for name, (text, hint) in cases.items():
         config = tmp_path / f"{name}.yaml"
         config.write_text(text)
-        result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config", str(config),
+        result = cli("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config", str(config),
                            "--dry-run")
         assert result.returncode == 2 and hint in result.stderr and "Traceback" not in result.stderr, (name,
                                                                                                        result.stderr)
@@ -177,7 +177,7 @@ def test_launch_dry_run_prints_the_memory_per_process_of_the_config_s_layout():
     """The shipped FSDP2 configs against DDP inside the replica: each process holds 1/g of parameters, gradients,
     AdamW's state and the outer state (the 7B preset is built on the meta device, so this runs anywhere)."""
     def memory(config: str, *extra: str) -> list[float]:
-        result = hf_diloco("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
+        result = cli("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
                            str(REPO / "accelerate_configs" / config), "--dry-run", "--", *extra)
         assert result.returncode == 0, result.stderr[-2000:]
         row = read_plan(result.stdout)["memory per process"]
@@ -204,7 +204,7 @@ def test_launch_dry_run_of_the_tensor_parallel_configs_prints_their_memory_and_b
     cases = (("tp-nodes.yaml", "llama-7b", 8, 1), ("cpu-tp-2x2.yaml", "tiny-llama", 2, 1),
              ("fsdp-tp-nodes.yaml", "llama-7b", 4, 2), ("cpu-fsdp-tp-2x4.yaml", "tiny-llama", 2, 2))
     for config, model_name, tp, shards in cases:
-        result = hf_diloco("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
+        result = cli("launch", str(RECIPES / "paper-150m-c4.yaml"), "--accelerate-config",
                            str(REPO / "accelerate_configs" / config), "--dry-run", "--", "--model_name_or_path",
                            model_name)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -223,10 +223,10 @@ def test_launch_dry_run_of_the_tensor_parallel_configs_prints_their_memory_and_b
 
 
 def test_launch_checks_replica_group_size_divides_the_processes():
-    result = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
+    result = cli("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
                        str(REPO / "accelerate_configs" / "hybrid.yaml"), "--dry-run", "--",
                        "--replica_group_size", "3")
     assert result.returncode == 2 and "does not divide" in result.stderr and "Traceback" not in result.stderr
-    ok = hf_diloco("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
+    ok = cli("launch", str(RECIPES / "tiny-pretrain.yaml"), "--accelerate-config",
                    str(REPO / "accelerate_configs" / "hybrid.yaml"), "--dry-run", "--", "--replica_group_size", "8")
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -20,9 +20,9 @@ from helpers import (
     ACCELERATE_CPU_4PROC,
     REPO,
     accelerate_launch,
+    cli,
     env,
     free_port,
-    hf_diloco,
     launch_reading_listeners,
     lighthouse,
     replica_training_pid,
@@ -550,47 +550,47 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
 
 
-@pytest.mark.process
 def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):
-    no_lighthouse = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
-                              "--output_dir", str(tmp_path / "a"), "--max_steps", "1", "--inner_steps", "1")
+    no_lighthouse = cli("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft",
+                        "--output_dir", str(tmp_path / "a"), "--max_steps", "1", "--inner_steps", "1")
     assert no_lighthouse.returncode != 0
     assert no_lighthouse.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: outer_backend torchft needs "
                                                                      "a Lighthouse")
     for backend in ("torch", "torchft"):  # one process cannot hold a replica of two
-        grouped = hf_diloco("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", backend,
-                            "--lighthouse", "http://127.0.0.1:1", "--replica_group_size", "2",
-                            "--output_dir", str(tmp_path / backend), "--max_steps", "1", "--inner_steps", "1")
+        grouped = cli("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", backend,
+                      "--lighthouse", "http://127.0.0.1:1", "--replica_group_size", "2",
+                      "--output_dir", str(tmp_path / backend), "--max_steps", "1", "--inner_steps", "1")
         assert grouped.returncode == 2 and grouped.stderr.strip().splitlines()[-1] == (
             "hf-diloco: error: replica_group_size=2 does not divide the 1 launched process(es); launch a multiple of "
             "it (accelerate launch --num_processes)."), grouped.stderr
     assert "Traceback" not in no_lighthouse.stderr
-    # Two processes in one torchft launch are one replica of two, or nothing.
-    two = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
-                             "--outer_backend", "torchft", "--lighthouse", "http://127.0.0.1:1", "--max_steps", "1",
-                             "--inner_steps", "1", "--output_dir", str(tmp_path / "two")])
-    assert two.returncode != 0
-    assert ("hf-diloco: error: outer_backend torchft starts one launch per replica, so the 2 processes of this launch "
-            "are one replica: set replica_group_size 2 (or launch one process per replica).") in two.stderr
     # `launch --replicas`: each replica's launch starts the accelerate config's processes, which must be one replica
     # (replica_group_size, or the config's dp_shard_size x tp_size); checked before anything starts.
     for config, group, hint in (("torchft-replica-2proc.yaml", "1", "starts 2"),
                                 ("torchft-fsdp-tp-replica.yaml", "2", "dp_shard_size=2 × tp_size=2")):
-        refused = hf_diloco("launch", "recipes/torchft-3.yaml", "--accelerate-config", f"accelerate_configs/{config}",
-                            "--replicas", "2", "--replica_group_size", group, "--output_dir", str(tmp_path / config))
+        refused = cli("launch", "recipes/torchft-3.yaml", "--accelerate-config", f"accelerate_configs/{config}",
+                      "--replicas", "2", "--replica_group_size", group, "--output_dir", str(tmp_path / config))
         assert refused.returncode == 2 and hint in refused.stderr and "Traceback" not in refused.stderr, \
             refused.stderr
         assert not (tmp_path / config).exists()
 
 
 @pytest.mark.process
-def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path):
+def test_two_processes_of_one_torchft_launch_are_one_replica_or_refused(tmp_path):
+    """Two processes in one torchft launch are one replica of two, or nothing."""
+    two = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
+                             "--outer_backend", "torchft", "--lighthouse", "http://127.0.0.1:1", "--max_steps", "1",
+                             "--inner_steps", "1", "--output_dir", str(tmp_path / "two")])
+    assert two.returncode != 0
+    assert ("hf-diloco: error: outer_backend torchft starts one launch per replica, so the 2 processes of this launch "
+            "are one replica: set replica_group_size 2 (or launch one process per replica).") in two.stderr
+
+
+def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path, monkeypatch):
     """torchft is an optional extra: a Python without it gets one sentence naming the install command."""
-    program = ("import sys; sys.modules['torchft'] = None; from hf_diloco.cli import main; "
-               f"sys.exit(main(['train', '--config', 'recipes/tiny-pretrain.yaml', '--outer_backend', 'torchft', "
-               f"'--lighthouse', 'http://127.0.0.1:1', '--output_dir', {str(tmp_path / 'out')!r}]))")
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env(), cwd=REPO,
-                            timeout=120)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError, as where it is absent
+    result = cli("train", "--config", "recipes/tiny-pretrain.yaml", "--outer_backend", "torchft", "--lighthouse",
+                 "http://127.0.0.1:1", "--output_dir", str(tmp_path / "out"))
     assert result.returncode == 2
     assert result.stderr.strip() == ("hf-diloco: error: outer_backend torchft needs torchft: pip install -e '.[ft]' "
                                      "(or pip install torchft==0.2.0).")
