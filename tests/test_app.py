@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
 from gradio_client import Client
-from helpers import REPO, env, wait_for
+from helpers import REPO, cli, env, wait_for
 from hub_server import FakeHub
 
 from hf_diloco import runs
@@ -135,59 +135,23 @@ def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
 
 
 @pytest.mark.process
-def test_a_run_of_sharded_replicas_from_the_app(tmp_path):
-    """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas: Preview and Start run one
-    launch of 2 x 2 processes (replicas x the recipe's replica_group_size), each replica sharded by FSDP2; the run
-    finishes, Live shows its rounds with the mean loss of both replicas, and the card says how it was trained."""
-    runs_dir = tmp_path / "runs"
-    recipe = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32") \
-        .replace("eval_strategy: steps", "eval_strategy: \"no\"").replace("eval_on_start: true", "eval_on_start: false")
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        form = ["", "fsdp-replicas.yaml", recipe, "cpu-fsdp-2x2.yaml", *knobs(replicas=2, inner_steps=10, max_steps=20)]
-        command, message = client.predict(*form, api_name="/preview")
-        assert "Form is valid" in message, message
-        assert "accelerate_configs/cpu-fsdp-2x2.yaml" in command and " --num_processes 4 " in command, command
-        message, selected, started = client.predict(*form, api_name="/start")
-        assert message.startswith("Started") and started == command
-        run_id = selected["value"] if isinstance(selected, dict) else selected
-        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to end")
-        run = runs.load(runs_dir / run_id)
-        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
-        recorded = read_sync_rounds(Path(run.output_dir))
-        assert [(r["round"], r["num_replicas"], r["replica_group_size"]) for r in recorded] == [(1, 2, 2), (2, 2, 2)]
-        live = client.predict(run_id, api_name="/refresh")
-        rounds = table(live[6])
-        assert [row[:2] for row in rounds["data"]] == [[2, 20], [1, 10]]
-        assert [row[3] for row in rounds["data"]] == [round(r["loss"], 4) for r in reversed(recorded)]
-        assert "step 20/20" in live[0]
-        card = client.predict(run_id, "alice/sharded", api_name="/card")[0]
-        assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
-
-
-@pytest.mark.process
-def test_a_trl_sft_run_from_the_app(tmp_path):
-    """Recipe sft-lora (trainer: sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc and 2
-    replicas: the form is valid, the run finishes, Live shows its two rounds and the card names the trainer."""
-    runs_dir = tmp_path / "runs"
-    recipe = (REPO / "recipes" / "sft-lora.yaml").read_text().replace("eval_strategy: steps", "eval_strategy: \"no\"")
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        form = ["", "sft-lora.yaml", recipe, "cpu-2proc.yaml", *knobs(replicas=2, inner_steps=2, max_steps=4)]
-        command, message = client.predict(*form, api_name="/preview")
-        assert "Form is valid" in message, message
-        message, selected, _ = client.predict(*form, api_name="/start")
-        assert message.startswith("Started"), message
-        run_id = selected["value"] if isinstance(selected, dict) else selected
-        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to end")
-        run = runs.load(runs_dir / run_id)
-        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
-        recorded = read_sync_rounds(Path(run.output_dir))
-        assert [(r["round"], r["num_replicas"]) for r in recorded] == [(1, 2), (2, 2)]
-        live = client.predict(run_id, api_name="/refresh")
-        assert [row[:2] for row in table(live[6])["data"]] == [[2, 4], [1, 2]]
-        card = client.predict(run_id, "alice/sft", api_name="/card")[0]
-        assert "The inner loop was TRL's SFTTrainer." in card
+def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
+    """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas, and recipe sft-lora (trainer:
+    sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc: Preview checks each form with the
+    CLI's own dry run and shows one launch, of 2 x 2 processes (replicas x the recipe's replica_group_size) for the
+    sharded one. Their runs, records and cards are tested from the CLI (tests/test_sharded.py, tests/test_trl.py),
+    and the app reads every run's records alike (tests/test_app_views.py)."""
+    sharded = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32")
+    sft = (REPO / "recipes" / "sft-lora.yaml").read_text()
+    client = Client(form_app[0], verbose=False)
+    form = ["", "fsdp-replicas.yaml", sharded, "cpu-fsdp-2x2.yaml", *knobs(replicas=2, inner_steps=10, max_steps=20)]
+    command, message = client.predict(*form, api_name="/preview")
+    assert "Form is valid" in message, message
+    assert "accelerate_configs/cpu-fsdp-2x2.yaml" in command and " --num_processes 4 " in command, command
+    form = ["", "sft-lora.yaml", sft, "cpu-2proc.yaml", *knobs(replicas=2, inner_steps=2, max_steps=4)]
+    command, message = client.predict(*form, api_name="/preview")
+    assert "Form is valid" in message, message
+    assert " --num_processes 2 " in command and " --max_steps 4 " in command, command
 
 
 BAD_FORMS = {
@@ -229,40 +193,46 @@ BAD_FORMS = {
 }
 
 
+@pytest.fixture(scope="module")
+def form_app(tmp_path_factory):
+    """One app server for the tests of the form that start no run: (its URL, its runs folder). Each test checks
+    that nothing but drafts was written there."""
+    runs_dir = tmp_path_factory.mktemp("form-app") / "runs"
+    with app_server(runs_dir) as url:
+        yield url, runs_dir
+
+
 @pytest.mark.process
-def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_nothing(tmp_path):
+def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_nothing(form_app):
     """Every knob is checked: Preview never calls a form valid that Start would run into an error, and the
     message is one sentence, not a usage dump."""
-    runs_dir = tmp_path / "runs"
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        for case, ((recipe, config, values), words) in BAD_FORMS.items():
-            form = ["", recipe, "", config, *values]
-            previewed = client.predict(*form, api_name="/preview")[1]
-            started = client.predict(*form, api_name="/start")[0]
-            for message in (previewed, started):
-                assert message.startswith("**Cannot start:**") and words in message, (case, message)
-                assert "usage:" not in message and message.count("\n") == 0, (case, message)
+    url, runs_dir = form_app
+    client = Client(url, verbose=False)
+    for case, ((recipe, config, values), words) in BAD_FORMS.items():
+        form = ["", recipe, "", config, *values]
+        previewed = client.predict(*form, api_name="/preview")[1]
+        started = client.predict(*form, api_name="/start")[0]
+        for message in (previewed, started):
+            assert message.startswith("**Cannot start:**") and words in message, (case, message)
+            assert "usage:" not in message and message.count("\n") == 0, (case, message)
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 
 @pytest.mark.process
-def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_path):
+def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_path, form_app):
     """With a link typed in, Preview shows what `hf-diloco plan --json` predicts for the form's recipe, replicas and
     H (every row's utilisation and bytes as the CLI computes them, and its recommendation); a link of 0 is refused
     in the planner's sentence, and a blank link predicts nothing."""
     recipe = tmp_path / "recipe.yaml"  # the form's recipe text, as the app saves it
     recipe.write_text(TINY_YAML)
-    cli = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "plan", str(recipe), "--replicas",
-                          "3", "--link", "10mbit", "--tokens-per-second", "15000", "--inner-steps", "20", "--json"],
-                         capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    expected = json.loads(cli.stdout)
-    with app_server(tmp_path / "runs") as url:
-        client = Client(url, verbose=False)
-        form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml"]
-        shown = client.predict(*form, "10mbit", "", "15000", *knobs(replicas=3, inner_steps=20), api_name="/predict")
-        refused = client.predict(*form, "0mbit", "", "15000", *knobs(), api_name="/predict")
-        blank = client.predict(*form, "", "", "15000", *knobs(), api_name="/predict")
+    planned = cli("plan", str(recipe), "--replicas", "3", "--link", "10mbit", "--tokens-per-second", "15000",
+                  "--inner-steps", "20", "--json")
+    expected = json.loads(planned.stdout)
+    client = Client(form_app[0], verbose=False)
+    form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml"]
+    shown = client.predict(*form, "10mbit", "", "15000", *knobs(replicas=3, inner_steps=20), api_name="/predict")
+    refused = client.predict(*form, "0mbit", "", "15000", *knobs(), api_name="/predict")
+    blank = client.predict(*form, "", "", "15000", *knobs(), api_name="/predict")
     assert shown.startswith("**Predicted** for 3 replica(s) over 10 Mbit/s with 25 ms a hop"), shown
     for row in expected["rows"]:
         assert (f"| {row['bytes_per_replica_per_round'] / 1e6:,.2f} | {row['wire_seconds']:.2f} | "
@@ -498,29 +468,28 @@ BAD_DRAFTS = {
 
 
 @pytest.mark.process
-def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(tmp_path):
+def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(form_app):
     """A draft recipe may set hf-diloco's fields and the training settings, nothing that pushes, tracks online,
     shards the model or resumes from elsewhere, nor what the launcher of a torchft run sets for each replica; the
     process count must fit the replica groups (found in Preview, not in every worker). Two runs previewed from one
     form get two rendezvous ports."""
-    runs_dir = tmp_path / "runs"
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        for case, (draft, values, words) in BAD_DRAFTS.items():
-            form = ["", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(**values)]
-            previewed = client.predict(*form, api_name="/preview")[1]
-            started = client.predict(*form, api_name="/start")[0]
-            for message in (previewed, started):
-                assert message.startswith("**Cannot start:**") and words in message, (case, message)
-        grouped = ["", "tiny-pretrain.yaml", TINY + "replica_group_size: 2\n", "cpu-2proc.yaml", *knobs(replicas=3)]
-        command = client.predict(*grouped, api_name="/preview")[0]
-        assert " --num_processes 6 " in command, "3 replicas of 2 processes are 6 processes"
-        ports = set()
-        for name in ("first", "second"):
-            form = [name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=5)]
-            command = client.predict(*form, api_name="/preview")[0]
-            ports.add(command.split("--main_process_port")[1].split()[0])
-        assert len(ports) == 2
+    url, runs_dir = form_app
+    client = Client(url, verbose=False)
+    for case, (draft, values, words) in BAD_DRAFTS.items():
+        form = ["", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(**values)]
+        previewed = client.predict(*form, api_name="/preview")[1]
+        started = client.predict(*form, api_name="/start")[0]
+        for message in (previewed, started):
+            assert message.startswith("**Cannot start:**") and words in message, (case, message)
+    grouped = ["", "tiny-pretrain.yaml", TINY + "replica_group_size: 2\n", "cpu-2proc.yaml", *knobs(replicas=3)]
+    command = client.predict(*grouped, api_name="/preview")[0]
+    assert " --num_processes 6 " in command, "3 replicas of 2 processes are 6 processes"
+    ports = set()
+    for name in ("first", "second"):
+        form = [name, "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=5)]
+        command = client.predict(*form, api_name="/preview")[0]
+        ports.add(command.split("--main_process_port")[1].split()[0])
+    assert len(ports) == 2
     assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
 
 

@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, corrupted_corpora, env, free_port, lighthouse
+from helpers import (
+    ACCELERATE_CPU_4PROC,
+    REPO,
+    accelerate_launch,
+    cli,
+    corrupted_corpora,
+    env,
+    free_port,
+    lighthouse,
+)
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
 from hf_diloco.metrics import read_sync_rounds
@@ -258,9 +267,8 @@ def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
                            replicas=2)
     assert_found_out(records, 0, by_sync=6)
     assert {e["reason"].split(":")[0] for r in records for e in r["excluded"]} == {"loss"}
-    refused = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
-                              "--contribution_loss_check", "true", "--sync_delay", "1", "--output_dir",
-                              str(tmp_path / "refused")], cwd=REPO, env=env(), capture_output=True, text=True)
+    refused = cli("train", "--config", "recipes/tiny-pretrain.yaml", "--contribution_loss_check", "true",
+                  "--sync_delay", "1", "--output_dir", str(tmp_path / "refused"))
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].startswith("hf-diloco: error: contribution_loss_check scores a "
                                                                  "round against the global parameters it started from")
