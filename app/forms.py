@@ -8,9 +8,9 @@ Design choices:
   machines); the knobs that are DiLoCoConfig fields (H, outer learning rate and momentum) by hf_diloco.checks, the
   rules DiLoCoConfig itself applies, so the form and the config refuse the same values in the same sentence. Model
   and dataset paths are checked to exist before Preview says anything is valid, and then the
-  form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs as a subprocess
-  (the app never imports torch) in the environment the run will get (`runs.training_env`: no Hub token, no app
-  password), and its one-sentence error is shown beside the form.
+  form is validated by the same code as the command line: `hf-diloco launch ... --dry-run` runs in the checker,
+  a process kept for the form's checks (`Checker`; the app never imports torch), in the environment the run will
+  get (`runs.training_env`: no Hub token, no app password), and its one-sentence error is shown beside the form.
 - A recipe with `outer_backend: torchft` runs as `hf-diloco launch ... --replicas N` (a Lighthouse and N replicas on
   this machine): the replicas knob is N (blank: the recipe's num_replicas, else 3), the launcher sets each
   replica's Lighthouse, address and id, and the multi-node settings do not apply.
@@ -19,19 +19,23 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import math
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
 
-from hf_diloco import checks, runs
+from hf_diloco import checker, checks, runs
 from hf_diloco.errors import ConfigError
 from hf_diloco.files import read_yaml
 
@@ -433,11 +437,9 @@ def validate(recipe: Path, config: Path, overrides: list[str], replicas: int | N
     """Run the CLI's own checks on exactly what Start runs: `hf-diloco launch --dry-run` with the same recipe,
     config, accelerate launch flags, port and fields (`--replicas N` for a torchft run); raise its one-sentence
     error. With `command` (the plan's), the command the CLI would run must be that one, word for word."""
-    cli = [sys.executable, "-m", "hf_diloco.cli", "launch", str(recipe), "--accelerate-config", str(config),
-           "--dry-run", *(["--replicas", str(replicas)] if replicas is not None else []),
-           *(["--port", str(port)] if port is not None else []), *launch, "--", *overrides]
-    # The run's environment (no Hub token, no app password): the check sees what the run will see.
-    result = subprocess.run(cli, capture_output=True, text=True, cwd=PROJECT, timeout=300, env=runs.training_env())
+    result = CHECKER.run(["launch", str(recipe), "--accelerate-config", str(config), "--dry-run",
+                          *(["--replicas", str(replicas)] if replicas is not None else []),
+                          *(["--port", str(port)] if port is not None else []), *launch, "--", *overrides])
     if result.returncode != 0:
         raise cli_error(result, "the check")
     printed = [line for line in result.stdout.splitlines() if line.startswith(sys.executable + " ")]
@@ -462,13 +464,11 @@ def predict(recipe: Path, config: Path, knobs: Knobs, recipe_values: dict, link:
             speed: str = "") -> dict:
     """`hf-diloco plan RECIPE --json` for the form's recipe, replicas, H and model over `link` (a rate such as
     100mbit; `latency_ms` one way per hop, blank: the planner's default; `speed` a GPU kind or tokens per second,
-    blank: the planner's default), run as a subprocess (the app never imports torch). Its one-sentence refusal is
+    blank: the planner's default), run by the checker (the app never imports torch). Its one-sentence refusal is
     a FormError."""
-    import json
-
     check_knobs(knobs)
-    command = [sys.executable, "-m", "hf_diloco.cli", "plan", str(recipe), "--replicas",
-               str(plan_replicas(knobs, recipe_values, config)), "--link", link.strip(), "--json"]
+    command = ["plan", str(recipe), "--replicas", str(plan_replicas(knobs, recipe_values, config)), "--link",
+               link.strip(), "--json"]
     if latency_ms.strip():
         command += ["--latency-ms", latency_ms.strip()]
     if speed.strip():
@@ -478,11 +478,74 @@ def predict(recipe: Path, config: Path, knobs: Knobs, recipe_values: dict, link:
         command += ["--inner-steps", str(knobs.inner_steps).strip()]
     if str(knobs.model_name_or_path).strip():
         command += ["--model", str(knobs.model_name_or_path).strip()]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT, timeout=300,
-                            env=runs.training_env())
+    result = CHECKER.run(command)
     if result.returncode != 0:
         raise cli_error(result, "the plan")
     return json.loads(result.stdout)
+
+
+class Checker:
+    """The process that runs the form's checks (`python -m hf_diloco.checker`), started at the first check and kept
+    for the next ones, so that only the first Preview waits for torch and transformers to load. It gets the run's
+    environment (`runs.training_env`: no Hub token, no app password), so a check sees what the run will see. One
+    check at a time; a checker that ended or did not answer within `timeout` seconds is started again for the
+    next check."""
+
+    def __init__(self, timeout: float = 300):
+        self.timeout = timeout
+        self._process: subprocess.Popen | None = None
+        self._answers: queue.Queue[str | None] = queue.Queue()
+        self._lock = threading.Lock()
+
+    def run(self, args: list[str]) -> subprocess.CompletedProcess:
+        """`hf-diloco ARGS` (a launch's dry run or a plan), as its own process would have ended."""
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    process = self._started()
+                    process.stdin.write(json.dumps(args) + "\n")
+                    process.stdin.flush()
+                    answer = self._answer()
+                    return subprocess.CompletedProcess(args, answer["returncode"], answer["stdout"], answer["stderr"])
+                except (OSError, EOFError, queue.Empty):
+                    self.close()
+                    if attempt == 2:
+                        raise FormError("the form's check could not run (its process ended or did not answer); "
+                                        "try again.") from None
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """End the checker (it also ends by itself when the app does: its input closes)."""
+        if self._process is not None:
+            with contextlib.suppress(OSError):
+                self._process.kill()
+                self._process.wait(timeout=10)
+            self._process = None
+
+    def _started(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            self._answers = queue.Queue()
+            self._process = subprocess.Popen([sys.executable, "-m", "hf_diloco.checker"], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                             cwd=PROJECT, env=runs.training_env())
+            threading.Thread(target=self._read, args=(self._process.stdout, self._answers), daemon=True).start()
+        return self._process
+
+    @staticmethod
+    def _read(stream, answers: queue.Queue) -> None:
+        for line in stream:
+            if line.startswith(checker.MARK):
+                answers.put(line[len(checker.MARK):])
+        answers.put(None)  # the process ended
+
+    def _answer(self) -> dict:
+        line = self._answers.get(timeout=self.timeout)
+        if line is None:
+            raise EOFError
+        return json.loads(line)
+
+
+CHECKER = Checker()
 
 
 def cli_error(result: subprocess.CompletedProcess, what: str) -> FormError:

@@ -43,30 +43,13 @@ def hf_diloco(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`hf-diloco ARGS` run inside this process, from the repository as `hf_diloco` runs it, with `environ` added to
     the environment: its exit status, stdout and stderr as the process would give them. For what starts nothing (a
-    refusal, a dry run, help): the code path is the command's own (`hf_diloco.cli.main`), without the seconds a
-    new interpreter spends importing torch. The environment is restored afterwards."""
-    import io
+    refusal, a dry run, help): the code path is the command's own (`hf_diloco.cli.main`, as the app's checker runs
+    it), without the seconds a new interpreter spends importing torch."""
+    from hf_diloco.checker import run_inside
 
-    from hf_diloco.cli import main
-
-    def replaced(*args, **kwargs):
-        raise RuntimeError("this command replaces its process (os.exec*): run it with hf_diloco(), not cli()")
-
-    out, err = io.StringIO(), io.StringIO()
-    saved, execve = dict(os.environ), os.execve
-    os.environ.update(environ or {})
-    os.execve = replaced
-    try:
-        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as exit:  # argparse's refusals
-                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-    finally:
-        os.execve = execve
-        os.environ.clear()
-        os.environ.update(saved)
-    return subprocess.CompletedProcess(["hf-diloco", *args], code, out.getvalue(), err.getvalue())
+    with contextlib.chdir(REPO):
+        answer = run_inside(list(args), environ)
+    return subprocess.CompletedProcess(["hf-diloco", *args], answer["returncode"], answer["stdout"], answer["stderr"])
 
 
 def tiny_llama(seed: int = 0, vocab: int = 64, positions: int = 16):

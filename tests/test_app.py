@@ -311,7 +311,7 @@ if folder:
 @pytest.mark.process
 def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
     """The app is started with a Hub token and its password in its environment. The check Preview runs
-    (`hf-diloco launch --dry-run`, a process of its own) gets the app's environment less those secrets: every
+    (`hf-diloco launch --dry-run`, in the checker's process) gets the app's environment less those secrets: every
     Python process started with the planted sitecustomize.py on PYTHONPATH writes down the environment it sees, and
     the check's holds neither secret, while the app's own ordinary variables did reach it."""
     hooks, seen = tmp_path / "hooks", tmp_path / "environments"
@@ -328,7 +328,7 @@ def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
     processes = [json.loads(p.read_text()) for p in seen.glob("*.json")]
     app = [p for p in processes if "app.server" in p["argv"]]
     assert app and app[0]["env"]["HF_TOKEN"] == secrets["HF_TOKEN"], "the app itself holds the planted secrets"
-    checks = [p for p in processes if "--dry-run" in p["argv"]]
+    checks = [p for p in processes if "hf_diloco.checker" in p["argv"]]
     assert checks, f"no process of the check wrote its environment: {[p['argv'] for p in processes]}"
     for check in checks:
         assert check["env"]["HF_DILOCO_TEST_ENV_DUMP"] == str(seen), "an ordinary variable of the app's arrives"
@@ -515,6 +515,33 @@ def test_a_reloaded_form_refills_what_the_user_chose_and_nothing_the_app_chose(t
 
     refilled = dict(zip([f.name for f in fields(forms.Knobs)], app.reattach()[5:], strict=True))
     assert refilled == {**dict.fromkeys(refilled, ""), "replicas": "3", "inner_steps": "7"}
+
+
+@pytest.mark.process
+def test_the_checker_is_one_process_for_every_check_and_is_started_again_when_it_ends():
+    """The form's checks run in one process kept between them (app.forms.Checker): two checks are answered by the
+    same process, each as its own process would have ended; a checker killed between checks is started again for
+    the next one."""
+    import os
+    import signal
+
+    from app.forms import Checker
+
+    checker = Checker()
+    check = ["launch", str(REPO / "recipes" / "tiny-pretrain.yaml"), "--accelerate-config",
+             str(REPO / "accelerate_configs" / "cpu-2proc.yaml"), "--dry-run"]
+    try:
+        good = checker.run(check)
+        assert good.returncode == 0 and "hf_diloco.accelerate_launch" in good.stdout, good.stderr
+        first = checker._process.pid
+        bad = checker.run([*check, "--", "--inner_steps", "0"])
+        assert bad.returncode == 2 and "inner_steps" in bad.stderr and checker._process.pid == first
+        os.kill(first, signal.SIGKILL)
+        checker._process.wait()
+        again = checker.run(check)
+        assert again.returncode == 0 and again.stdout == good.stdout and checker._process.pid != first
+    finally:
+        checker.close()
 
 
 @pytest.mark.process

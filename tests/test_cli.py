@@ -357,3 +357,33 @@ def test_the_dry_run_names_the_delayed_outer_momentum_and_refuses_it_without_mom
     assert refused.stderr.strip().splitlines() == [
         "hf-diloco: error: outer_momentum_delay delays the outer SGD's momentum, so it needs outer_optimizer sgd "
         "with outer_momentum above 0; set outer_momentum_delay 1 or change those."]
+
+
+def test_the_checker_answers_dry_runs_and_plans_and_refuses_anything_else(tmp_path):
+    """hf_diloco.checker (the app's form checks, one process kept between them): each request line is answered on
+    one line after its mark, as the command's own process would have ended; a command that could start something,
+    or a line that is not a JSON list of strings, is refused without running."""
+    import io
+
+    from hf_diloco.checker import MARK, serve
+
+    out = tmp_path / "out"
+    requests = [["launch", RECIPE, "--accelerate-config", str(REPO / "accelerate_configs" / "cpu-2proc.yaml"),
+                 "--dry-run", "--", "--output_dir", str(out), "--inner_steps", "0"],
+                ["plan", RECIPE, "--replicas", "2", "--link", "1gbit", "--tokens-per-second", "15000", "--json"],
+                ["train", "--config", RECIPE, "--output_dir", str(out)],
+                ["launch", RECIPE, "--", "--dry-run"]]
+    lines = [json.dumps(r) for r in requests] + ["not json", json.dumps({"args": []})]
+    answers = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        assert serve(io.StringIO("\n".join(lines) + "\n"), answers) == 0
+    replies = answers.getvalue().splitlines()
+    assert len(replies) == len(lines) and all(r.startswith(MARK) for r in replies)
+    refusal, plan, *refused = (json.loads(r[len(MARK):]) for r in replies)
+    assert refusal["returncode"] == 2 and "inner_steps" in refusal["stderr"]
+    assert plan["returncode"] == 0 and json.loads(plan["stdout"])["rows"]
+    for answer in refused:
+        assert answer == {"returncode": 2, "stdout": "",
+                          "stderr": "hf-diloco: error: the checker runs only `launch ... --dry-run` and `plan`.\n"}
+    assert not out.exists()
