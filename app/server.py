@@ -479,7 +479,7 @@ def build(runs_dir: Path) -> gr.Blocks:
         push_button.click(app.push, [run_select, repo_id, private, token, merge, message, unfinished],
                           [push_result, push_log],
                           api_name="push")
-        page.load(app.reattach, None, [run_select, *form], api_name=False)
+        page.load(app.reattach, None, [run_select, *form], api_name="reattach")
     return page
 
 

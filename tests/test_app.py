@@ -5,133 +5,19 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
-from app_helpers import TINY_YAML, TORCHFT_YAML, app_server, knobs
+from app_helpers import TINY_YAML, app_server, knobs
 from gradio_client import Client
-from helpers import REPO, cli, env, wait_for
+from helpers import REPO, cli, env
 from hub_server import FakeHub
 
 from hf_diloco import runs
-from hf_diloco.metrics import read_sync_rounds
-
-
-@pytest.mark.process
-def test_launch_watch_stop_and_push(tmp_path):
-    runs_dir = tmp_path / "runs"
-    with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
-        client = Client(url, verbose=False)
-        form = ["", "tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=400)]
-        command, message = client.predict(*form, api_name="/preview")
-        assert "Form is valid" in message
-        assert "--inner_steps 5" in command and "hf_diloco.accelerate_launch" in command
-        assert "tiny-pretrain-H5-steps400" in message, "the default name: recipe plus the knobs changed"
-
-        time.sleep(2)  # the run's clock starts at Start, not at Preview
-        clicked = time.time()
-        message, selected, started_command = client.predict(*form, api_name="/start")
-        assert message.startswith("Started")
-        assert started_command == command, "Start runs exactly the previewed command"
-        run_id = selected["value"] if isinstance(selected, dict) else selected  # a dropdown update
-        assert (runs_dir / run_id / "run.json").is_file()
-        assert runs.load(runs_dir / run_id).created >= clicked
-
-        def rounds_shown():
-            live = client.predict(run_id, api_name="/refresh")
-            table = live[6]
-            return live if table["data"] else None
-
-        live = wait_for(rounds_shown, 240, "sync rounds in the live view")
-        assert "data-status='running'" in live[0]
-        assert live[1]["type"] == live[4]["type"] == "plotly", "loss and bytes vs DDP plotted with Plotly"
-        loss = json.loads(live[1]["plot"])
-        assert {trace["name"] for trace in loss["data"]} >= {"replica 0", "replica 1"}, "loss per replica"
-
-        assert "Stopping" in client.predict(run_id, api_name="/stop")
-        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 180, "the run to stop")
-        run = runs.load(runs_dir / run_id)
-        assert run.status == "stopped"
-        assert list((runs_dir / run_id / "output").glob("checkpoint-*")), "Stop leaves a checkpoint"
-        assert runs.training_pids(run) == []
-        # The supervisor records the end, then exits: under load the second can come a moment after.
-        wait_for(lambda: not runs._alive(run.supervisor_pid, "hf_diloco.launch"), 30, "the supervisor to exit")
-        assert "data-status='stopped'" in client.predict(run_id, api_name="/refresh")[0]
-
-        card, metadata, _ = client.predict(run_id, "alice/tiny-diloco", api_name="/card")
-        assert "## DiLoCo settings" in card and "- diloco" in metadata
-        assert not card.startswith("---") and "![" not in card, "the preview renders the card, not its YAML header"
-        # A stopped run is pushed only when the user says so, and its card says how it ended.
-        result, _ = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
-                                   False, api_name="/push")
-        stopped = json.loads((runs_dir / run_id / "output" / runs.STOPPED_FILE).read_text())
-        assert result.startswith("**Not pushed:** this run stopped on request at step "
-                                 f"{stopped['step']} of 400; its {stopped['checkpoint']} was kept."), result
-        assert hub.commits == [] and hub.repos == {}
-        result, log = client.predict(run_id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app",
-                                     True, api_name="/push")
-        assert result.startswith("Pushed"), result
-        assert "alice/tiny-diloco" in result
-        files = hub.files["alice/tiny-diloco"]
-        assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
-                                 "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json",
-                                 "training_curve.png"], log
-        assert f"**This run stopped on request at step {stopped['step']} of 400" in files["README.md"].decode()
-        assert len(hub.commits) == 1 and hub.commits[-1]["header"]["summary"] == "from the app"
-        assert all(t == "Bearer hf_app_token_456" for t in hub.tokens)
-    leaked = [p for p in runs_dir.rglob("*") if p.is_file() and b"hf_app_token_456" in p.read_bytes()]
-    assert leaked == [], "the token never reaches the run folders"
 
 
 def table(value) -> dict:
     """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
     return value["value"] if "value" in value else value
-
-
-@pytest.mark.process
-def test_a_torchft_run_from_the_app_shows_who_took_part_in_each_round(tmp_path):
-    """Recipe torchft-3 (outer_backend torchft) with 2 replicas: Preview shows, and Start runs, one `hf-diloco
-    launch ... --replicas 2` with the one-process-per-replica config. The run writes only replica-r/ folders, and
-    Live reads them: the round table has each round once, the membership table one row per round with a cell per
-    replica, both as the replicas recorded them; the status bar, the Runs table and the model card follow."""
-    runs_dir = tmp_path / "runs"
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        values = knobs(replicas=2, inner_steps=10, max_steps=40)
-        wrong = client.predict("", "torchft-3.yaml", TORCHFT_YAML, "cpu-2proc.yaml", *values, api_name="/preview")[1]
-        assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
-
-        form = ["", "torchft-3.yaml", TORCHFT_YAML, "torchft-replica.yaml", *values]
-        command, message = client.predict(*form, api_name="/preview")
-        assert "Form is valid" in message, message
-        assert " -m hf_diloco.cli launch " in command and " --replicas 2 --max-restarts 3 " in command, command
-        assert "accelerate_configs/torchft-replica.yaml" in command and "--main_process_port" not in command
-        message, selected, started = client.predict(*form, api_name="/start")
-        assert message.startswith("Started") and started == command, "Start runs exactly the previewed command"
-        run_id = selected["value"] if isinstance(selected, dict) else selected
-        wait_for(lambda: runs.load(runs_dir / run_id).status not in runs.ACTIVE, 120, "the run to end")
-        run = runs.load(runs_dir / run_id)
-        assert run.status == "finished", (runs_dir / run_id / "run.log").read_text()[-3000:]
-
-        output = Path(run.output_dir)
-        assert not (output / "sync_rounds.jsonl").exists() and (output / "replica-1" / "sync_rounds.jsonl").exists()
-        recorded = read_sync_rounds(output / "replica-0")
-        assert [r["round"] for r in recorded] == [1, 2, 3, 4] and read_sync_rounds(output / "replica-1")
-        live = client.predict(run_id, api_name="/refresh")
-        rounds = table(live[6])
-        assert [row[:2] for row in rounds["data"]] == [[4, 40], [3, 30], [2, 20], [1, 10]], "newest first, once each"
-        assert [row[3] for row in rounds["data"]] == [round(r["loss"], 4) for r in reversed(recorded)]
-        assert table(live[7])["data"] == [[0, "finished", 0, 4], [1, "finished", 0, 4]], "each replica's process"
-        membership = table(live[8])
-        assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
-        assert membership["data"] == [[r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
-                                                                          r["members"])] for r in reversed(recorded)]
-        assert all(m["steps"] == 10 for r in recorded for m in r["members"])
-        assert "step 40/40" in live[0] and "round 4 " in live[0] and "2 of 2 replicas" in live[0]
-        runs_table = table(live[11])
-        assert runs_table["data"][0][:6] == [run_id, "finished", "diloco", "10", "2", 40]
-        card = client.predict(run_id, "alice/elastic", api_name="/card")[0]
-        assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
 
 
 @pytest.mark.process

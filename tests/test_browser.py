@@ -77,9 +77,13 @@ LOG_AT_BOTTOM = """() => { const b = document.querySelector('#log textarea');
 def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_checkpoint(browser, tmp_path):
     """Fresh app, no runs: Start from the form, switch to Live, never reload. The plots draw lines and points
     (their first frame was empty), the held-out series that appears later is drawn too, the progress moves
-    between syncs, the log follows its newest line, and Stop ends the run with a checkpoint."""
+    between syncs, the log follows its newest line, and Stop ends the run with a checkpoint. The stopped run is
+    then pushed (to a local server speaking the Hub's endpoints) only once the user says it may be, with a card
+    that says how it ended, and the token reaches no file of the run."""
+    from hub_server import FakeHub
+
     runs_dir = tmp_path / "runs"
-    with app_server(runs_dir) as url:
+    with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_text("Preview command").wait_for(timeout=60_000)
@@ -91,10 +95,18 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "app-launch.png"), full_page=True)
-        assert "hf_diloco.accelerate_launch" in page.locator("#command").inner_text()
+        previewed = page.locator("#command").inner_text()
+        assert "hf_diloco.accelerate_launch" in previewed and "--inner_steps 5" in previewed
+        message = page.locator("#form-message").inner_text()
+        assert "tiny-pretrain-H5-steps400" in message, "the default name: recipe plus the knobs changed"
 
+        time.sleep(2)  # the run's clock starts at Start, not at Preview
+        clicked = time.time()
         page.click("#start")
         page.get_by_text("Started").wait_for(timeout=60_000)
+        (run,) = runs.list_runs(runs_dir)
+        assert run.created >= clicked and " ".join(run.command) in " ".join(previewed.split()), \
+            "Start runs exactly the previewed command"
         page.get_by_role("tab", name="Live").click()
         steps = set()
 
@@ -129,9 +141,35 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
                                timeout=240_000)
         page.screenshot(path=str(ARTIFACTS / "app-stopped.png"), full_page=True)
-    (run,) = runs.list_runs(runs_dir)
-    assert run.status == "stopped" and list((runs_dir / run.id / "output").glob("checkpoint-*"))
-    assert runs.training_pids(run) == []
+        run = runs.load(run.folder)
+        assert run.status == "stopped" and list((runs_dir / run.id / "output").glob("checkpoint-*"))
+        assert runs.training_pids(run) == []
+        # The supervisor records the end, then exits: under load the second can come a moment after.
+        wait_for(lambda: not runs._alive(run.supervisor_pid, "hf_diloco.launch"), 30, "the supervisor to exit")
+
+        client = Client(url, verbose=False)
+        client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
+        card, metadata, _ = client.predict(run.id, "alice/tiny-diloco", api_name="/card")
+        assert "## DiLoCo settings" in card and "- diloco" in metadata
+        assert not card.startswith("---") and "![" not in card, "the preview renders the card, not its YAML header"
+        # A stopped run is pushed only when the user says so, and its card says how it ended.
+        push = [run.id, "alice/tiny-diloco", True, "hf_app_token_456", False, "from the app"]
+        result, _ = client.predict(*push, False, api_name="/push")
+        stopped = json.loads((runs_dir / run.id / "output" / runs.STOPPED_FILE).read_text())
+        assert result.startswith("**Not pushed:** this run stopped on request at step "
+                                 f"{stopped['step']} of 400; its {stopped['checkpoint']} was kept."), result
+        assert hub.commits == [] and hub.repos == {}
+        result, log = client.predict(*push, True, api_name="/push")
+        assert result.startswith("Pushed") and "alice/tiny-diloco" in result, result
+        files = hub.files["alice/tiny-diloco"]
+        assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                                 "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json",
+                                 "training_curve.png"], log
+        assert f"**This run stopped on request at step {stopped['step']} of 400" in files["README.md"].decode()
+        assert len(hub.commits) == 1 and hub.commits[-1]["header"]["summary"] == "from the app"
+        assert all(t == "Bearer hf_app_token_456" for t in hub.tokens)
+    leaked = [p for p in runs_dir.rglob("*") if p.is_file() and b"hf_app_token_456" in p.read_bytes()]
+    assert leaked == [], "the token never reaches the run folders"
 
 
 def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unknown_recipe_key(browser, tmp_path):
@@ -216,12 +254,18 @@ def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(brows
 
 
 def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(browser, tmp_path):
-    """Fresh app: choosing torchft-3 (outer_backend torchft) picks the one-process-per-replica config; 2 replicas,
-    H = 5. On Live, the membership table appears with the first round: one row per round, a column per replica,
-    each replica's steps in its cells. Stop ends the run as stopped, every replica after the same round, and the
-    table then holds exactly the rounds the replicas recorded."""
+    """Fresh app: choosing torchft-3 (outer_backend torchft) picks the one-process-per-replica config (the
+    torch backend's cpu-2proc is refused for it); 2 replicas, H = 5. Preview shows, and Start runs, one `hf-diloco
+    launch ... --replicas 2`. On Live, the membership table appears with the first round: one row per round, a
+    column per replica, each replica's steps in its cells. Stop ends the run as stopped, every replica after the
+    same round; the run wrote only replica-r/ folders, and the tables then hold exactly the rounds the replicas
+    recorded (each round once, newest first, its loss; a cell per replica with its steps), as do the status bar,
+    the Runs table and the model card."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
+        client = Client(url, verbose=False)
+        wrong = client.predict("", "torchft-3.yaml", "", "cpu-2proc.yaml", *knobs(replicas=2), api_name="/preview")[1]
+        assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
         page = open_form(browser, url, "torchft-3.yaml")
         wait_for(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
                  "the torchft replica config to be chosen")
@@ -230,9 +274,13 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         fill(page, "knob-max_steps", "400")
         page.click("#preview")
         page.get_by_text("Form is valid").wait_for(timeout=60_000)
-        assert " --replicas 2 " in page.locator("#command").inner_text()
+        previewed = page.locator("#command").inner_text()
+        assert " -m hf_diloco.cli launch " in previewed and " --replicas 2 --max-restarts 3 " in previewed, previewed
+        assert "accelerate_configs/torchft-replica.yaml" in previewed and "--main_process_port" not in previewed
         page.click("#start")
         page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
+        (run,) = runs.list_runs(runs_dir)
+        assert " ".join(run.command) in " ".join(previewed.split()), "Start runs exactly the previewed command"
         page.get_by_role("tab", name="Live").click()
         assert page.locator("#membership").count() == 0, "no membership table before the first round"
         rows = page.locator("#membership .virtual-row")
@@ -245,10 +293,27 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         page.click("#stop")
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
                                timeout=90_000)
-        (run,) = runs.list_runs(runs_dir)
-        recorded = {r["round"] for k in (0, 1) for r in read_sync_rounds(Path(run.output_dir) / f"replica-{k}")}
+        output = Path(run.output_dir)
+        recorded = {r["round"] for k in (0, 1) for r in read_sync_rounds(output / f"replica-{k}")}
         wait_for(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
         assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
+        assert not (output / "sync_rounds.jsonl").exists() and (output / "replica-1" / "sync_rounds.jsonl").exists()
+        both = [r for r in read_sync_rounds(output / "replica-0") if r["participants"] == 2]
+        client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
+        live = client.predict(run.id, api_name="/refresh")
+        rounds = table(live[6])
+        shown = {row[0]: row for row in rounds["data"]}
+        assert [row[0] for row in rounds["data"]] == sorted(shown, reverse=True), "newest first, once each"
+        assert all(shown[r["round"]][1] == r["step"] and shown[r["round"]][3] == round(r["loss"], 4) for r in both)
+        membership = table(live[8])
+        assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
+        cells = {row[0]: row for row in membership["data"]}
+        assert all(cells[r["round"]] == [r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
+                                                                             r["members"])] for r in both)
+        assert "2 of 2 replicas" in live[0]
+        assert table(live[11])["data"][0][:5] == [run.id, "stopped", "diloco", "5", "2"]
+        card = client.predict(run.id, "alice/elastic", api_name="/card")[0]
+        assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
         page.reload()  # the form is refilled from the run: its replica count and config
         replicas = page.locator("#knob-replicas input, #knob-replicas textarea").first
         wait_for(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
@@ -323,6 +388,11 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         assert curve["tokens"].iloc[-1] == trained, "tokens as trained: the rounds' own counts"
         assert trained < 300 * 2 * 4 * 32, "replica 1 trained less than every step"
     assert runs.load(run.folder).status == "finished"
+
+
+def table(value) -> dict:
+    """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
+    return value["value"] if "value" in value else value
 
 
 def views_curve(run):
