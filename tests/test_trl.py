@@ -44,8 +44,9 @@ def test_trl_trainers_run_as_replicas_with_nothing_crossing_between_syncs(tmp_pa
         assert (saved / "model.safetensors").exists() and "<|assistant|>" in (saved / "chat_template.jinja").read_text()
 
 
-LAYOUTS = {  # name: (recipe, accelerate config, launch options, training flags)
-    "sft-lora": ("sft-lora.yaml", "cpu-2proc.yaml", [], []),
+# name: (recipe, accelerate config, launch options, training flags). SFT on two single-process replicas, the plain
+# layout, runs from Python in the test above.
+LAYOUTS = {
     "dpo-lora, FSDP2 2x2, non-iid": ("dpo-lora.yaml", "cpu-fsdp-2x2.yaml", [],
                                      ["--fsdp", "true", "--replica_group_size", "2", "--data_sharding", "non_iid"]),
     "sft-lora, torchft": ("sft-lora.yaml", "torchft-replica.yaml", ["--replicas", "2"],
