@@ -296,17 +296,16 @@ def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
 
 
 @pytest.mark.process
-def test_torchft_a_site_with_100x_the_learning_rate_or_a_corrupted_copy_is_left_out(tmp_path, corpora):
-    """Three torchft sites against one Lighthouse; site 2 is started with --learning_rate 0.1 (100x the recipe's),
-    then, in a second run, reading a corrupted copy of the data (every character permuted). Each time site 2 is
-    left out from the first syncs on (the learning rate: from the very first, by the size rule), every site's
-    records name it, its launch says it looks faulty, and the run ends no more than 2% above sites 0 and 1 alone."""
+def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpora):
+    """Three torchft sites against one Lighthouse; site 2 is started with --learning_rate 0.1 (100x the recipe's):
+    it is left out from the very first sync on, by the size rule, every site's records name it, its launch says it
+    looks faulty, and the run ends no more than 2% above sites 0 and 1 alone. (A site reading corrupted data is
+    found by the agreement rules, the same code on both backends: the garbage shard above.)"""
     data = ["--dataset_name", str(corpora["clean"])]
     alone = torchft_sites(tmp_path / "alone", {0: data, 1: data})
     without = read_sync_rounds(tmp_path / "alone" / "replica-0")
     assert all(r["excluded"] == [] for r in without), "two clean sites: nothing left out"
-    for fault, extra, by_sync in (("learning-rate", ["--learning_rate", "0.1"], 1),
-                                  ("corrupted", ["--dataset_name", str(corpora["permuted"])], 4)):
+    for fault, extra, by_sync in (("learning-rate", ["--learning_rate", "0.1"], 1),):
         out = tmp_path / fault
         consoles = torchft_sites(out, {0: data, 1: data, 2: [*data, *extra]})
         for k in (0, 1, 2):

@@ -5,18 +5,15 @@ chosen for the architecture. In process, on tiny models built from configs (test
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, env, tiny_model_folder
+from helpers import cli, tiny_model_folder
 
 from hf_diloco.config import ConfigError, RunArguments
 from hf_diloco.models import load_model_and_tokenizer
 from hf_diloco.train import add_lora
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("kind, words", [
     ("bert-masked-lm", "is a BertForMaskedLM, a masked language model: hf-diloco trains causal language models"),
     ("t5", "is a T5ForConditionalGeneration, an encoder-decoder: hf-diloco trains causal language models"),
@@ -28,9 +25,8 @@ def test_a_model_with_another_tasks_head_is_refused_in_one_sentence_and_left_as_
     saved = (folder / "config.json").read_text()
     with pytest.raises(ConfigError, match=words):
         load_model_and_tokenizer(str(folder))
-    result = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--model_name_or_path", str(folder),
-                             "--max_steps", "2", "--inner_steps", "1", "--output_dir", str(tmp_path / "out")],
-                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    result = cli("train", "--model_name_or_path", str(folder), "--max_steps", "2", "--inner_steps", "1",
+                 "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hf-diloco: error: model ") and words in last, last

@@ -169,15 +169,15 @@ def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameter
 
 @pytest.mark.process
 @pytest.mark.parametrize("round_settings", [
-    {"compression": "int8"},
     {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
     {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "fragment_alpha": 0.5},
-], ids=["int8", "sparse+ef", "streaming-int4+ef-overlap"])
+], ids=["sparse+ef", "streaming-int4+ef-overlap"])
 def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round_settings):
-    """The round is one code path: every codec (with error feedback), and F = 2 fragments whose exchange overlaps
-    one inner step and mixes with alpha 0.5, give bit-identical parameters on both backends (12 steps, H = 4: three
-    rounds, six with two fragments). The torchft records carry the same bytes per round as the torch backend's, with
-    the membership table in place of the contribution checks' table (torchft carries the checks' numbers in it)."""
+    """The round is one code path: the codecs with error feedback (sparse; int4 with F = 2 fragments whose exchange
+    overlaps one inner step and mixes with alpha 0.5) give bit-identical parameters on both backends (12 steps,
+    H = 4: three rounds, six with two fragments; int8 differs from int4 in its codec alone, tests/test_codecs.py).
+    The torchft records carry the same bytes per round as the torch backend's, with the membership table in place
+    of the contribution checks' table (torchft carries the checks' numbers in it)."""
     expected, got = run_both_backends(tmp_path, round_settings)
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0, rank
@@ -258,9 +258,8 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
 
 @pytest.mark.process
 @pytest.mark.parametrize("round_settings", [
-    {},
     {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
-], ids=["fp32", "streaming-int4+ef-overlap"])
+], ids=["streaming-int4+ef-overlap"])
 def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, round_settings):
     """2 replicas x 2 processes: on torchft each replica is an `accelerate launch` of two processes (DDP inside),
     whose Manager ranks 0 and 1 each sync their half of the pseudo-gradient with the same rank of the other replica;
@@ -652,15 +651,15 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
 
 
 # Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run.
-# Whole replicas (DDP inside), and replicas split by tensor parallel with each piece sharded by FSDP2. FSDP2 alone
-# and tensor parallel alone are not run apart on torchft: in the second layout each member heals its own piece of
-# θ_global and of the outer momentum through the same code, a DTensor over the replica's 2-D mesh that is both
-# sharded and split.
+# Replicas split by tensor parallel with each piece sharded by FSDP2: each member heals its own piece of θ_global
+# and of the outer momentum, a DTensor over the replica's 2-D mesh that is both sharded and split, through the code
+# that FSDP2 alone and tensor parallel alone run too. Whole replicas of one process are killed and healed by the
+# test above; replicas of two processes with DDP inside sync on torchft in
+# test_replicas_of_two_processes_on_torchft_match_the_torch_backend.
 # 25 rounds of 10 steps: the restarted replica 1 has been back by round 9 to 16 (killed after round 1), and where it
 # is later, it heals from replica 0 lingering with the final model; the checks below hold either way. A replica of
 # 4 processes on 2 cores trains about 4 times slower: 12 rounds keep that test as long as the others.
 REPLICA_LAYOUTS = {
-    "ddp": ("torchft-replica-2proc.yaml", ["--replica_group_size", "2"], 250),
     "fsdp+tp": ("torchft-fsdp-tp-replica.yaml", [], 120),
 }
 
@@ -668,9 +667,8 @@ REPLICA_LAYOUTS = {
 @pytest.mark.process
 @pytest.mark.parametrize("inside", list(REPLICA_LAYOUTS))
 def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_killed(tmp_path, inside):
-    """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-replica-2proc.yaml --replicas 2
-    --replica_group_size 2`: two replicas of two processes (DDP inside), and two replicas of four
-    (torchft-fsdp-tp-replica.yaml: split by tensor parallel, each piece sharded by FSDP2), each launch on its own
+    """`hf-diloco launch ... --accelerate-config accelerate_configs/torchft-fsdp-tp-replica.yaml --replicas 2`: two
+    replicas of four processes (split by tensor parallel, each piece sharded by FSDP2), each launch on its own
     rendezvous port. One member of replica 1 is SIGKILLed: its launch
     ends, replica 0 goes on alone (min_replicas 1), the launcher starts replica 1 again, all of its processes heal
     from their counterparts in replica 0 (sharded or split: each its own piece of θ_global and of the outer
