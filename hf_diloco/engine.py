@@ -389,10 +389,9 @@ class SyncEngine:
         if overlapped:
             self.in_flight = None
             with self.comm.rendezvous.naming_the_absent(flight.launched_at):
-                flight.start, flight.exchange, flight.exchange_began, all_there, flight.exchanged = \
-                    flight.future.result()
-            if self.args.round_seconds > 0:
-                self.progress.align(all_there)
+                flight.start, flight.exchange, flight.exchange_began, flight.exchanged = flight.future.result()
+            if self.args.round_seconds > 0:  # the next budget counts from when the participants were known
+                self.progress.align(flight.exchange_began)
         start = flight.start
         if start.empty:
             if not overlapped:

@@ -60,13 +60,14 @@ class SyncKinds:
                         lazy=not self.comm.votes)
 
     def in_background(self, step: int, max_steps: int, local: dict, fragments: list[int],
-                      deltas: list[torch.Tensor], stats: StatsFn) -> tuple[SyncStart, Exchange, float, float, float]:
+                      deltas: list[torch.Tensor], stats: StatsFn) -> tuple[SyncStart, Exchange, float, float]:
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along), or that sits it out for a reason of its own, takes part with weight 0, sending
         zeros of the agreed sizes. One left out by the checks keeps its Δ_i, unsent: its agreement with the others
-        is measured still, and decides when it is taken back. Returns (start, exchange, when the participants were
-        known, when the exchange began, when it finished), perf_counter times."""
+        is measured still, and decides when it is taken back. Returns (start, exchange, when the exchange began,
+        which is when the participants and the verdict on their contributions were known, when it finished), in
+        perf_counter times."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
         sitting_out = start.weight == 0
         start = self.judge(start, local)
@@ -82,4 +83,4 @@ class SyncKinds:
         else:
             landed = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
                               weight=weight, decoded="checks" in local)
-        return start, landed, began, began, time.perf_counter()
+        return start, landed, began, time.perf_counter()
