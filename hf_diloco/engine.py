@@ -443,7 +443,7 @@ class SyncEngine:
         record = {} if stats is None else sync_record(
             stats=stats, result=result, step=step, sync_number=number, round_number=self.schedule.round_of(number),
             fragments=start.fragments, cumulative_bytes=cumulative, sync_seconds=sync_seconds, blocked=blocked,
-            outer_lr=flight.outer_lr, inner_lr=self.trainer._get_learning_rate(),
+            outer_lr=flight.outer_lr, inner_lr=self.trainer.optimizer.param_groups[0]["lr"],
             num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
             ddp_payload=sum(n * p.element_size() for n, p in zip(outer.full_numels, outer.params, strict=True)),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),

@@ -136,6 +136,7 @@ def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragment
         assert moved > 1e-2, f"α = {alpha} and α = 0 give the same trajectory (difference {moved:.2e})"
     # The final model is the global one: the last step's blocking sync carries every fragment, and lands with α = 0.
     assert any(r["step"] == STEPS and len(r["fragments"]) == fragments for r in records)
+    assert all(r["inner_lr"] == ETA and r["outer_lr"] == LAMBDA for r in records), "the learning rates of each sync"
 
 
 class LayersOnly(KnownGradients):
