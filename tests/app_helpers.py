@@ -56,6 +56,11 @@ def end_runs(runs_dir) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
+def table(value) -> dict:
+    """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
+    return value["value"] if "value" in value else value
+
+
 def knobs(**values) -> list[str]:
     """The form's knob values in the order of app.forms.Knobs."""
     sys.path.insert(0, str(REPO))

@@ -7,17 +7,12 @@ import time
 from dataclasses import fields
 
 import pytest
-from app_helpers import TINY_YAML, app_server, knobs
+from app_helpers import TINY_YAML, app_server, knobs, table
 from gradio_client import Client
 from helpers import REPO, cli, env
 from hub_server import FakeHub
 
 from hf_diloco import runs
-
-
-def table(value) -> dict:
-    """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
-    return value["value"] if "value" in value else value
 
 
 @pytest.mark.process

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from app_helpers import TINY_YAML, app_server, knobs
+from app_helpers import TINY_YAML, app_server, knobs, table
 from gradio_client import Client
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid, wait_for
 
@@ -388,11 +388,6 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         assert curve["tokens"].iloc[-1] == trained, "tokens as trained: the rounds' own counts"
         assert trained < 300 * 2 * 4 * 32, "replica 1 trained less than every step"
     assert runs.load(run.folder).status == "finished"
-
-
-def table(value) -> dict:
-    """A Dataframe's {"headers", "data"} from what gradio_client returns for it (a value, or an update holding one)."""
-    return value["value"] if "value" in value else value
 
 
 def views_curve(run):
