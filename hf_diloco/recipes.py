@@ -6,7 +6,8 @@
 Every key and flag must be a field (HfArgumentParser turns each field's help into its `--help`); `inner_steps: auto`
 and `sync_delay: auto` stand for their auto fields; a bad key, flag or value is one sentence (CLIError, exit
 status 2), never a usage dump or a traceback. Imported by hf_diloco.cli and hf_diloco.plan alike, so
-neither imports the other.
+neither imports the other; the config (transformers, torch) is imported only when a recipe is parsed, so that the
+commands that parse none (app, push, lighthouse) start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import re
 
 from .checks import TRL_TRAINERS
-from .config import DiLoCoConfig
 from .errors import ConfigError, first_line
 from .files import read_yaml
 
@@ -40,7 +40,7 @@ def field_parser(arguments: type | None = None):
     reports errors like `Parser`."""
     from transformers import HfArgumentParser
 
-    from .config import RunArguments
+    from .config import DiLoCoConfig, RunArguments
 
     class FieldParser(HfArgumentParser):
         def error(self, message: str):
@@ -152,6 +152,8 @@ def config_class(trainer: str) -> type:
     """The arguments class of `trainer`: DiLoCoConfig, or with TRL's trainers the config that joins theirs to it
     (ConfigError in one sentence when TRL is not installed)."""
     if trainer not in TRL_TRAINERS:
+        from .config import DiLoCoConfig
+
         return DiLoCoConfig
     try:
         from . import trl

@@ -174,11 +174,13 @@ def test_a_run_json_from_a_newer_version_is_read_and_keeps_its_unknown_keys_when
 @pytest.mark.process
 def test_the_app_and_the_modules_it_uses_do_not_import_torch():
     """The app lists and starts runs (hf_diloco.runs), checks its form (hf_diloco.checks) and pushes (hf_diloco.hub)
-    in its own process; it must stay light."""
+    in its own process; it must stay light. So must the command line until it parses a recipe: `hf-diloco app`,
+    `push` and `lighthouse` import no config (hf_diloco.recipes imports it when a recipe is parsed)."""
     import subprocess
     import sys
 
-    code = ("import sys, hf_diloco.runs, hf_diloco.hub, hf_diloco.launch, app.forms, app.views, app.server; "
+    code = ("import sys, hf_diloco.runs, hf_diloco.hub, hf_diloco.launch, hf_diloco.cli, app.forms, app.views, "
+            "app.server; hf_diloco.cli.build_parser(); "
             "print(sorted({'torch', 'transformers', 'torchft'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.stdout.strip() == "[]", result.stderr

@@ -244,7 +244,11 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     records = two_replicas_records(tmp_path, settings)
     budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
                for rounds in records]
-    assert budgets[0] and budgets[0] == budgets[1], budgets
+    # Alike where both chose: a replica whose last sync lands at max_steps makes no choice for a next round, and
+    # under time budgets each replica lands in its own steps, so the other may still choose at that sync.
+    both = {n for n, _ in budgets[0]} & {n for n, _ in budgets[1]}
+    assert budgets[0] and [b for b in budgets[0] if b[0] in both] == [b for b in budgets[1] if b[0] in both], budgets
+    assert len(both) >= max(len(budgets[0]), len(budgets[1])) - 1, budgets
     stretched = [n for n, budget in budgets[0] if budget > 0.2]
     assert stretched and stretched[0] <= 3, budgets
     settled = [r for r in records[0][:-1] if r["sync"] > stretched[0] + 1 and "launch_step" in r]
