@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -263,14 +264,34 @@ class Topology:
         return self.distributed and self.num_replicas > 1
 
 
+_TRAININGS = itertools.count(1)  # trainings begun in this process: every process of a launch counts alike
+
+
 class Rendezvous:
     """The launch's rendezvous store (TCPStore) beside the collectives: a few bytes that need no collective. Who
     reached which sync (`arrive`), so that a sync that timed out names the replicas it waited for
     (`naming_the_absent`); that every process wrote its part of a checkpoint (`wait_for_parts`); numbers known only
-    after the last collective (`replica_values`). Outside a launch (one process) every call does nothing."""
+    after the last collective (`replica_values`). Outside a launch (one process) every call does nothing.
+
+    The store outlives a training: a launch that trains several times (a second Trainer, or `train()` again) must
+    not read the keys of the one before (a checkpoint of the same step would look written by every process before it
+    is). Every key is under this training's number (`key`), which every process counts alike, as they make the same
+    collectives in the same order."""
 
     def __init__(self, topology: Topology):
         self.topology = topology
+        self.training = next(_TRAININGS)
+        self.trained = False
+
+    def begin_training(self) -> None:
+        """A `train()` begins: a second one of the same trainer gets a number of its own."""
+        if self.trained:
+            self.training = next(_TRAININGS)
+        self.trained = True
+
+    def key(self, name: str) -> str:
+        """`name` in the store, under this training's number."""
+        return f"hf_diloco/{self.training}/{name}"
 
     def store(self):
         """The launch's rendezvous store, None when no process group is up."""
@@ -285,7 +306,7 @@ class Rendezvous:
         """Note in the rendezvous store that this process reached the sync of `step` (a few bytes, no collective)."""
         store = self.store() if self.topology.active else None
         if store is not None:
-            store.set(f"hf_diloco/arrived/{dist.get_rank()}", str(step))
+            store.set(self.key(f"arrived/{dist.get_rank()}"), str(step))
 
     def wait_for_parts(self, name: str, timeout_seconds: float) -> None:
         """Tell every process that this one's part of `name` (a checkpoint) is written, and wait until all have.
@@ -296,8 +317,8 @@ class Rendezvous:
         if store is None:
             return
         topology = self.topology
-        store.set(f"hf_diloco/{name}/{dist.get_rank()}", "1")
-        keys = [f"hf_diloco/{name}/{rank}" for rank in range(topology.num_replicas * topology.group_size)]
+        store.set(self.key(f"{name}/{dist.get_rank()}"), "1")
+        keys = [self.key(f"{name}/{rank}") for rank in range(topology.num_replicas * topology.group_size)]
         store.wait(keys, timedelta(seconds=timeout_seconds))
 
     def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
@@ -311,8 +332,8 @@ class Rendezvous:
             return None
         topology = self.topology
         if topology.member == 0:
-            store.set(f"hf_diloco/{name}/{topology.replica_index}", repr(float(value)))
-        keys = [f"hf_diloco/{name}/{replica}" for replica in range(topology.num_replicas)]
+            store.set(self.key(f"{name}/{topology.replica_index}"), repr(float(value)))
+        keys = [self.key(f"{name}/{replica}") for replica in range(topology.num_replicas)]
         store.wait(keys, timedelta(seconds=timeout_seconds))
         return [float(store.get(key)) for key in keys]
 
@@ -324,7 +345,7 @@ class Rendezvous:
         group_size = self.topology.group_size
         missing: dict[int, int | None] = {}
         for rank in range(self.topology.num_replicas * group_size):
-            key = f"hf_diloco/arrived/{rank}"
+            key = self.key(f"arrived/{rank}")
             seen = int(store.get(key)) if store.check([key]) else None
             if seen is None or seen < step:
                 replica = rank // group_size

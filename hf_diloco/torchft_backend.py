@@ -208,7 +208,7 @@ class TorchftComm(ReplicaComm):
         self._run(lambda: self.pg.allgather([rows], [payload], AllgatherOptions()), gathered)
 
 
-STORE_KEY = "hf_diloco/torchft_store"
+STORE_KEY = "torchft_store"  # under the training's number (Rendezvous.key)
 
 
 def replica_store(replica: ReplicaComm, host: str):
@@ -222,9 +222,9 @@ def replica_store(replica: ReplicaComm, host: str):
         listener, port = compat.listening_socket(host)
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener)
         if replica.group_size > 1:
-            replica.rendezvous.store().set(STORE_KEY, f"{host}:{store.port}")
+            replica.rendezvous.store().set(replica.rendezvous.key(STORE_KEY), f"{host}:{store.port}")
         return store, (host, store.port)
-    store_host, port = replica.rendezvous.store().get(STORE_KEY).decode().rsplit(":", 1)
+    store_host, port = replica.rendezvous.store().get(replica.rendezvous.key(STORE_KEY)).decode().rsplit(":", 1)
     return None, (store_host, int(port))
 
 

@@ -275,6 +275,7 @@ class DiLoCoMixin:
             path = Path(self.args.output_dir) / RUN_CONFIG_FILE
             if not path.exists():
                 write_json(path, trainer_settings(self))
+        self.comm.rendezvous.begin_training()
         with graceful_stop_signals(self.request_stop) if self.stop_signals else contextlib.nullcontext():
             return super().train(*args, **kwargs)
 

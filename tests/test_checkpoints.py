@@ -104,6 +104,24 @@ def test_every_file_and_folder_is_on_disk_before_the_marker_is_written(tmp_path,
     assert (checkpoints.MARKER_FILE, True) in synced and synced[-1] == (".", True), synced
 
 
+def test_each_training_of_a_launch_keeps_its_own_keys_in_the_rendezvous_store():
+    """The store outlives a training: a second Trainer in the same processes, or a second `train()`, must not find
+    the parts of a checkpoint of the same step already marked written by the training before. Each Rendezvous (one
+    per Trainer) and each `train()` after its first puts its keys under a number of its own, counted alike by every
+    process. (tests/scripts/replica_run.py trains several runs in one launch, checkpoints of equal steps included.)"""
+    from hf_diloco.comm import Rendezvous, Topology
+
+    first, second = Rendezvous(Topology()), Rendezvous(Topology())
+    assert first.key("checkpoint-5/0") != second.key("checkpoint-5/0")
+    before = second.key("checkpoint-5/0")
+    second.begin_training()
+    assert second.key("checkpoint-5/0") == before, "the first train() keeps the keys set up before it"
+    second.begin_training()
+    again = second.key("checkpoint-5/0")
+    assert again != before and again not in {first.key("checkpoint-5/0")}
+    assert again.endswith("/checkpoint-5/0") and again.startswith("hf_diloco/")
+
+
 def test_an_earlier_versions_part_folder_is_read_where_it_is(tmp_path):
     """Checkpoints of earlier versions keep each process's part in replica-<rank>/; a resume finds it there."""
     old = earlier_version(tmp_path, 10)

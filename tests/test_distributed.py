@@ -1,8 +1,9 @@
 """Two real replica processes under `accelerate launch` (gloo): the algorithm, checked end to end.
 
-Each test starts tests/scripts/replica_run.py as two processes and reads back what every rank recorded; the tests
-of `paper_run` read one run (paper outer settings, H = 5, 12 steps: rounds end at 5, 10, 12), which
-tests/conftest.py launches once for the session.
+Each test reads back what every rank of tests/scripts/replica_run.py recorded. The runs of replicas of one process
+are trained by one launch of two processes (`two`), those of replicas of two processes by one launch of four
+(`four`), each run in its own folder (tests/helpers.py replica_runs); the tests of `paper_run` read one run (paper
+outer settings, H = 5, 12 steps: rounds end at 5, 10, 12), which tests/conftest.py launches once for the session.
 """
 
 import copy
@@ -13,12 +14,10 @@ import sys
 import pytest
 import torch
 from helpers import (
-    ACCELERATE_CPU_2PROC,
     ACCELERATE_CPU_4PROC,
     GATHER,
-    REPO,
-    accelerate_launch,
     pattern_blocks,
+    replica_runs,
     tiny_llama,
 )
 
@@ -27,7 +26,6 @@ from hf_diloco.records import STAT_NAMES as ROUND_STATS  # noqa: E402
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
-SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SLOTS = 2 * len(ROUND_STATS)  # statistics riding along with the sync: M = 2 replicas x k values
 
 
@@ -40,11 +38,45 @@ def check_table_bytes() -> int:
 CHECK_TABLE_BYTES = check_table_bytes()
 
 
-def launch_replicas(tmp_path, processes: int = 2, **settings) -> list[dict]:
-    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
-    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **settings})], config=config)
-    assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+SLOW_LINK = 0.3  # seconds each all-reduce across replicas waits first in the auto runs
+
+# Replicas of one process: one launch of two processes trains each in turn.
+TWO = {
+    "non_iid": {"inner_steps": 5, "max_steps": 12, "data_sharding": "non_iid"},
+    "fedavg": {"inner_steps": 4, "max_steps": 10, **FEDAVG, "learning_rate": 3e-3,
+               "train_sampling_strategy": "sequential"},
+    "apart": {"inner_steps": 5, "max_steps": 12, **PAPER_OUTER, "seed_by_rank": True},
+    "auto_h": {"inner_steps": 2, "auto_inner_steps": True, "max_sync_overhead": 0.05, "max_steps": 40},
+    "auto_tau": {"inner_steps": 30, "num_fragments": 3, "sync_delay": "auto", "max_steps": 90,
+                 "slow_sync_seconds": SLOW_LINK},
+    "both_autos": {"inner_steps": 4, "auto_inner_steps": True, "max_sync_overhead": 0.9, "num_fragments": 2,
+                   "sync_delay": "auto", "max_steps": 240, "slow_sync_seconds": SLOW_LINK},
+    "stop": {"inner_steps": 5, "max_steps": 12, "stop_at_step": 3},
+}
+# Replicas of two processes (DDP inside, replica_group_size 2): one launch of four processes.
+GROUPED = {"replica_group_size": 2, "inner_steps": 3, "max_steps": 7}
+FOUR = {
+    "grouped": {**GROUPED, **FEDAVG, "train_sampling_strategy": "sequential"},
+    "nesterov": {**GROUPED, **PAPER_OUTER, "sync_bucket_mb": 4096 * 4 / 2**20,
+                 "train_sampling_strategy": "sequential"},
+    "non_iid_groups": {**GROUPED, "data_sharding": "non_iid"},
+}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """name → (folder, every rank's record) of each run of TWO."""
+    folder = tmp_path_factory.mktemp("two")
+    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, TWO).items()}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """name → (folder, every rank's record) of each run of FOUR."""
+    folder = tmp_path_factory.mktemp("four")
+    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, FOUR, ACCELERATE_CPU_4PROC).items()}
 
 
 def test_replicas_hold_bit_identical_parameters_after_every_sync(paper_run):
@@ -136,9 +168,9 @@ def test_iid_shards_are_disjoint(paper_run):
     assert min(seen[0]) < 32 <= max(seen[0]), "an i.i.d. shard spans the whole corpus"
 
 
-def test_non_iid_sharding_gives_each_replica_its_own_slice(tmp_path):
+def test_non_iid_sharding_gives_each_replica_its_own_slice(two):
     """data_sharding=non_iid: replica r trains only on the r-th contiguous half of the 64 blocks."""
-    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, data_sharding="non_iid")
+    _, ranks = two["non_iid"]
     assert all(0 <= b < 32 for b in ranks[0]["seen"]) and all(32 <= b < 64 for b in ranks[1]["seen"])
     assert len(set(ranks[0]["seen"])) == 24, "shuffled within the slice, without repeats in one epoch"
     assert ranks[0]["digests"] == ranks[1]["digests"]
@@ -189,11 +221,10 @@ def max_difference(got: dict, want: dict) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
+def test_outer_lr_1_without_momentum_is_parameter_averaging(two):
     """Outer SGD lr 1, momentum 0 is FedAvg: the result equals averaging the replicas every H steps (tol 1e-5)."""
-    launch_replicas(tmp_path, inner_steps=4, max_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False,
-                    learning_rate=3e-3, train_sampling_strategy="sequential")
-    got = torch.load(tmp_path / "final.pt")
+    folder, _ = two["fedavg"]
+    got = torch.load(folder / "final.pt")
     want = reference_diloco(steps=10, inner_steps=4, lr=3e-3)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
@@ -204,12 +235,9 @@ def test_outer_lr_1_without_momentum_is_parameter_averaging(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def grouped_run(tmp_path_factory):
+def grouped_run(four):
     """4 processes = 2 replicas x 2 (DDP inside a replica), FedAvg outer step, H = 3, 7 steps."""
-    tmp = tmp_path_factory.mktemp("groups")
-    ranks = launch_replicas(tmp, processes=4, replica_group_size=2, inner_steps=3, max_steps=7, outer_lr=1.0,
-                            outer_momentum=0.0, outer_nesterov=False, train_sampling_strategy="sequential")
-    return tmp, ranks
+    return four["grouped"]
 
 
 def test_replica_groups_all_processes_identical_after_every_sync(grouped_run):
@@ -280,32 +308,31 @@ def test_reported_bytes_per_round_are_the_bytes_sent(paper_run):
     assert_reported_bytes_are_on_the_wire(tmp, ranks)
 
 
-def test_replicas_that_start_apart_take_rank_0s_parameters_before_step_1(paper_run, tmp_path):
+def test_replicas_that_start_apart_take_rank_0s_parameters_before_step_1(paper_run, two):
     """Each process builds its model from another seed: the start-up check (one all-reduce of digests) finds them
     different and rank 0 broadcasts its parameters, which the first round reports as `startup_bytes`. The run then
     is the paper run, whose replicas shared seed 0 and sent only the check, to the bit."""
     paper_tmp, _ = paper_run
-    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9,
-                            outer_nesterov=True, seed_by_rank=True)
+    folder, ranks = two["apart"]
     for rank in ranks:
         assert [name for step, name in rank["calls"] if step == 0] == ["all_reduce", "broadcast"], rank["calls"][:4]
     assert ranks[0]["digests"] == ranks[1]["digests"]
     apart, alike = (json.loads((t / "run" / "sync_rounds.jsonl").read_text().splitlines()[0])
-                    for t in (tmp_path, paper_tmp))
+                    for t in (folder, paper_tmp))
     parameters = sum(p.numel() for p in torch.load(paper_tmp / "final.pt").values())
     assert apart["startup_bytes"] >= 4 * apart["synced_parameters"] and apart["synced_parameters"] <= parameters
     assert alike["startup_bytes"] < 1000, "alike replicas send only the digest check"
-    mine, paper = torch.load(tmp_path / "final.pt"), torch.load(paper_tmp / "final.pt")
+    mine, paper = torch.load(folder / "final.pt"), torch.load(paper_tmp / "final.pt")
     assert all(torch.equal(mine[k], paper[k]) for k in paper)
 
 
-def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike(tmp_path):
+def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike(two):
     """inner_steps auto, starting at H = 2, waiting for syncs at most 5% of compute: after two rounds the record
     holds the choice and what it was made from; recomputed here from those numbers, H is the smallest whole number
     with sync_seconds <= 0.05 * H * step_seconds, the following rounds are H steps apart, and the replicas stay
     identical (both made the same choice at the same step)."""
-    ranks = launch_replicas(tmp_path, inner_steps=2, auto_inner_steps=True, max_sync_overhead=0.05, max_steps=40)
-    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    folder, ranks = two["auto_h"]
+    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rounds[:2]] == [2, 4]
     (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
     choice = chosen_at["inner_steps_auto"]
@@ -318,16 +345,15 @@ def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike
     assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
-def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_takes(tmp_path):
+def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_takes(two):
     """sync_delay auto with 3 fragments (one sync every 10 steps, H = 30) over a link made slower (each all-reduce
     waits 0.3 s): every round, the fragment that synced before takes τ = the fewest steps (1 to 9) whose compute
     covers its exchange, recomputed here from the numbers the record gives, and a fragment not measured yet takes
     the τ of that exchange scaled by its size; each later sync lands τ steps after its launch (the final window
     keeps the τ it was placed with), so fragment 2's first sync already overlaps more than one step; both replicas
     land at the same steps (they chose alike)."""
-    ranks = launch_replicas(tmp_path, inner_steps=30, num_fragments=3, sync_delay="auto", max_steps=90,
-                            slow_sync_seconds=0.3)
-    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    folder, ranks = two["auto_tau"]
+    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     delays = {}  # fragment -> τ in effect
     for number, record in enumerate(rounds):
         (fragment,) = record["fragments"]
@@ -338,7 +364,7 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
             continue
         wanted = math.ceil(choice["exchange_seconds"] / choice["step_seconds"] - 1e-9)
         assert choice["chosen"] == max(1, min(9, wanted)), choice
-        assert choice["exchange_seconds"] >= 0.3, "the measured exchange includes the slower link"
+        assert choice["exchange_seconds"] >= SLOW_LINK, "the measured exchange includes the slower link"
         delays.update({f: choice["chosen"] for f in choice["fragments"]})
         delays.update({int(f): tau for f, tau in choice.get("estimated", {}).items()})
     first_of_2 = next(r for r in rounds if r["fragments"] == [2])
@@ -348,13 +374,12 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 
-def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identical_replicas(tmp_path):
+def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identical_replicas(two):
     """Both autos at once over the slower link, 2 fragments, H starting at 4: H is chosen after two syncs of each
     fragment; every τ chosen after that lies within the new H (1 to H/F − 1); the end is staggered (the last sync
     was launched before the last step and lands at it), and the replicas end identical."""
-    ranks = launch_replicas(tmp_path, inner_steps=4, auto_inner_steps=True, max_sync_overhead=0.9, num_fragments=2,
-                            sync_delay="auto", max_steps=240, slow_sync_seconds=0.3)
-    rounds = [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    folder, ranks = two["both_autos"]
+    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
     (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
     h = chosen_at["inner_steps_auto"]["chosen"]
     later = [r["sync_delay_auto"]["chosen"] for r in rounds if "sync_delay_auto" in r and r["sync"] >
@@ -367,26 +392,24 @@ def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identica
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
 
 
-def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(tmp_path):
+def test_a_stop_request_from_one_replica_stops_all_at_the_round_end(two):
     """Rank 0 alone asks to stop after step 3 (H = 5): the request rides the round's sync, so both replicas stop
     after step 5 with a checkpoint, not at max_steps 12."""
-    ranks = launch_replicas(tmp_path, inner_steps=5, max_steps=12, stop_at_step=3)
+    folder, ranks = two["stop"]
     for rank in ranks:
         assert [step for step, _ in rank["digests"]] == [5]
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    assert (tmp_path / "run" / "checkpoint-5").is_dir()
-    assert not (tmp_path / "run" / "checkpoint-10").exists()
+    assert (folder / "run" / "checkpoint-5").is_dir()
+    assert not (folder / "run" / "checkpoint-10").exists()
 
 
-def test_replica_groups_with_nesterov_momentum_and_several_buckets(tmp_path):
+def test_replica_groups_with_nesterov_momentum_and_several_buckets(four):
     """g = 2, the paper's outer Nesterov SGD (lr 0.7, momentum 0.9) and buckets of 4096 values (the model has ≈ 23k
     trainable values, so every sync is several bucketed collectives): equal to the independent loop (tol 1e-5),
     the same on every process, and the bytes reported are the bytes sent."""
     from hf_diloco.outer import partition_into_buckets
 
-    ranks = launch_replicas(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=7, outer_lr=0.7,
-                            outer_momentum=0.9, outer_nesterov=True, sync_bucket_mb=4096 * 4 / 2**20,
-                            train_sampling_strategy="sequential")
+    folder, ranks = four["nesterov"]
     assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
     numels = [p.numel() for p in tiny_llama().parameters()]
     buckets = len(partition_into_buckets(numels, 4096))
@@ -396,18 +419,17 @@ def test_replica_groups_with_nesterov_momentum_and_several_buckets(tmp_path):
         assert at_sync.count("all_reduce") == buckets + 1, f"the checks' table, then a bucket at a time: {at_sync}"
     want = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2, outer_lr=0.7, momentum=0.9,
                             nesterov=True)
-    worst = max_difference(torch.load(tmp_path / "final.pt"), want)
+    worst = max_difference(torch.load(folder / "final.pt"), want)
     assert worst < 1e-5, f"largest parameter difference {worst:.2e}"
     fedavg = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2)
     assert max_difference(fedavg, want) > 1e-3, "momentum must matter, or the check above proves nothing"
-    assert_reported_bytes_are_on_the_wire(tmp_path, ranks)
+    assert_reported_bytes_are_on_the_wire(folder, ranks)
 
 
-def test_non_iid_sharding_with_replica_groups(tmp_path):
+def test_non_iid_sharding_with_replica_groups(four):
     """non_iid with g = 2: replica r (processes 2r, 2r + 1) reads only the r-th contiguous half of the 64 blocks,
     its two members read different blocks of it, and all four processes end every round identical."""
-    ranks = launch_replicas(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=7,
-                            data_sharding="non_iid")
+    _, ranks = four["non_iid_groups"]
     assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
     halves = [set(ranks[0]["seen"]) | set(ranks[1]["seen"]), set(ranks[2]["seen"]) | set(ranks[3]["seen"])]
     assert all(b < 32 for b in halves[0]) and all(b >= 32 for b in halves[1])
