@@ -37,19 +37,20 @@ def accelerate_launch(target: list[str], timeout: int = 300, config: Path = ACCE
     return run(command, timeout)
 
 
-def replica_runs(folder: Path, runs: dict[str, dict], config: Path = ACCELERATE_CPU_2PROC,
-                 timeout: int = 600) -> dict[str, list[dict]]:
-    """Several runs of tests/scripts/replica_run.py in one `accelerate launch`, trained in turn by the same
-    processes (a launch of the tiny model spends most of its time starting Pythons): `runs` maps a name to its
-    settings, each run writes into `folder / name`. Returns name → every rank's record."""
+def replica_runs(folder: Path, runs: dict[str, dict], config: Path = ACCELERATE_CPU_2PROC, timeout: int = 600,
+                 script: str = "replica_run.py") -> dict[str, list[dict]]:
+    """Several runs of tests/scripts/replica_run.py (or `script`, which takes a list of runs alike) in one
+    `accelerate launch`, trained in turn by the same processes (a launch of the tiny model spends most of its time
+    starting Pythons): `runs` maps a name to its settings, each run writes into `folder / name`. Returns name →
+    every rank's record."""
     import yaml
 
     processes = yaml.safe_load(Path(config).read_text())["num_processes"]
     payload = [{**settings, "out": str(folder / name)} for name, settings in runs.items()]
     for run in payload:
         Path(run["out"]).mkdir(parents=True, exist_ok=True)
-    script = str(REPO / "tests" / "scripts" / "replica_run.py")
-    result = accelerate_launch([script, json.dumps(payload)], timeout=timeout, config=config)
+    result = accelerate_launch([str(REPO / "tests" / "scripts" / script), json.dumps(payload)], timeout=timeout,
+                               config=config)
     assert result.returncode == 0, f"replica runs failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return {name: [json.loads((folder / name / f"rank{r}.json").read_text()) for r in range(processes)]
             for name in runs}

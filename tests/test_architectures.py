@@ -1,7 +1,8 @@
 """Six architectures a user might bring, each built tiny from its config and saved with `save_pretrained` as a
 user's own model folder (tests/helpers.py ARCHITECTURES): Llama, GPT-2 (Conv1D layers, tied head), Qwen3,
 Qwen3-MoE (router and experts), Gemma 3 and Mistral. Each trains as 2 replicas x 2 rounds (tests/scripts/
-replica_run.py, accelerate launch, gloo); three of them also with FSDP2 inside each replica of two processes; GPT-2
+replica_run.py, accelerate launch, gloo; the models of one layout trained in turn by one launch); three of them with
+FSDP2 inside each replica of two processes, the others as replicas of one process; GPT-2
 with LoRA through `hf-diloco launch` of the LoRA recipe. A masked LM and an encoder-decoder are refused:
 tests/test_models.py."""
 
@@ -17,9 +18,9 @@ from helpers import (
     ACCELERATE_CPU_2PROC,
     ACCELERATE_CPU_4PROC,
     REPO,
-    accelerate_launch,
     env,
     free_port,
+    replica_runs,
     tiny_model_folder,
 )
 from safetensors import safe_open
@@ -28,7 +29,6 @@ from hf_diloco.metrics import read_sync_rounds
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
-SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 CAUSAL = ["llama", "gpt2", "qwen3", "qwen3-moe", "gemma3", "mistral"]
 SHARDED = ["llama", "gpt2", "qwen3-moe"]  # also trained with FSDP2 inside each replica
 
@@ -38,28 +38,36 @@ def saved_names(folder) -> set[str]:
         return set(f.keys())
 
 
-def run(tmp_path, kind: str, processes: int = 2, **settings) -> tuple[list[dict], dict]:
-    """`kind`'s tiny model trained by `processes` processes, H = 2, 4 steps (two syncs), then saved; every rank's
-    record and the saved model's folder."""
-    folder = tiny_model_folder(kind, tmp_path / "model")
-    out = tmp_path / "run"
-    out.mkdir()
+def runs(base, kinds: list[str], processes: int = 2, **settings) -> dict[str, tuple[list[dict], dict]]:
+    """Each of `kinds`' tiny models trained by `processes` processes, H = 2, 4 steps (two syncs), then saved, all
+    in one launch (tests/helpers.py replica_runs): kind → (every rank's record, its folders: `model` the folder it
+    was built in, `run` its records, `saved` the model saved at the end)."""
+    folders = {kind: {"model": tiny_model_folder(kind, base / kind / "model"), "run": base / kind,
+                      "saved": base / kind / "saved"} for kind in kinds}
     config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
-    result = accelerate_launch([SCRIPT, json.dumps({"out": str(out), "model_folder": str(folder),
-                                                    "save_to": str(tmp_path / "saved"), "inner_steps": 2,
-                                                    "max_steps": 4, **settings})], config=config)
-    assert result.returncode == 0, f"{kind} failed:\n{result.stderr[-4000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)], {"model": folder,
-                                                                                            "run": out}
+    per_kind = {kind: {"model_folder": str(folders[kind]["model"]), "save_to": str(folders[kind]["saved"]),
+                       "inner_steps": 2, "max_steps": 4, **settings} for kind in kinds}
+    ranks = replica_runs(base, per_kind, config)
+    return {kind: (ranks[kind], folders[kind]) for kind in kinds}
 
 
-def assert_saved_as_trained(tmp_path, folders: dict) -> None:
+@pytest.fixture(scope="module")
+def one_process_replicas(tmp_path_factory):
+    return runs(tmp_path_factory.mktemp("plain"), [kind for kind in CAUSAL if kind not in SHARDED])
+
+
+@pytest.fixture(scope="module")
+def sharded_replicas(tmp_path_factory):
+    return runs(tmp_path_factory.mktemp("fsdp"), SHARDED, processes=4, replica_group_size=2, fsdp=True)
+
+
+def assert_saved_as_trained(folders: dict) -> None:
     """The saved model loads with from_pretrained and equals the trained parameters (rank 0's, after the last
     sync); its file holds the tensors `save_pretrained` of the untrained model wrote, each once (a tied head once;
     a MoE's experts one by one, as transformers writes its fused experts); and training moved every weight."""
     from transformers import AutoModelForCausalLM
 
-    saved = tmp_path / "saved"
+    saved = folders["saved"]
     assert saved_names(saved) == saved_names(folders["model"])
     loaded = AutoModelForCausalLM.from_pretrained(saved).state_dict()
     start = AutoModelForCausalLM.from_pretrained(folders["model"]).state_dict()
@@ -72,25 +80,26 @@ def assert_saved_as_trained(tmp_path, folders: dict) -> None:
 
 
 @pytest.mark.parametrize("kind", [kind for kind in CAUSAL if kind not in SHARDED])
-def test_an_architecture_trains_as_replicas_that_agree_after_every_sync_and_saves_as_trained(tmp_path, kind):
+def test_an_architecture_trains_as_replicas_that_agree_after_every_sync_and_saves_as_trained(one_process_replicas,
+                                                                                            kind):
     """2 replicas x 2 rounds, one process each: both replicas hold the same parameters after each sync (a digest of
     every tensor), and the saved model is what was trained. (Llama, GPT-2 and Qwen3-MoE run the same with FSDP2
     inside each replica, below; replicas of one process are every other test's layout.)"""
-    ranks, folders = run(tmp_path, kind)
+    ranks, folders = one_process_replicas[kind]
     assert [step for step, _ in ranks[0]["digests"]] == [2, 4]
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    assert_saved_as_trained(tmp_path, folders)
+    assert_saved_as_trained(folders)
 
 
 @pytest.mark.parametrize("kind", SHARDED)
-def test_fsdp2_inside_each_replica_trains_and_saves_a_tied_head_once(tmp_path, kind):
+def test_fsdp2_inside_each_replica_trains_and_saves_a_tied_head_once(sharded_replicas, kind):
     """2 replicas x FSDP2 over 2 processes: member j of both replicas holds the same shard after every sync (the
     MoE's router and experts included), and the consolidated save holds each tensor once (a tied head is not
     written a second time) and is what was trained."""
-    ranks, folders = run(tmp_path, kind, processes=4, replica_group_size=2, fsdp=True)
+    ranks, folders = sharded_replicas[kind]
     assert ranks[0]["digests"] == ranks[2]["digests"] and ranks[1]["digests"] == ranks[3]["digests"]
     assert [step for step, _ in ranks[0]["digests"]] == [2, 4]
-    assert_saved_as_trained(tmp_path, folders)
+    assert_saved_as_trained(folders)
     if kind == "qwen3-moe":
         from transformers import AutoModelForCausalLM
 

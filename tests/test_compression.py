@@ -1,7 +1,9 @@
 """Compressed, streamed and overlapped syncs in real 2- and 4-process runs (accelerate launch, gloo).
 
 Each run is tests/scripts/replica_run.py (every collective counted, a parameter digest after every sync) or
-tests/scripts/overlap_run.py (a deliberately slow link), with DiLoCoConfig settings passed through.
+tests/scripts/overlap_run.py (a deliberately slow link), with DiLoCoConfig settings passed through. The runs of
+each script and layout are trained in turn by one launch (tests/helpers.py replica_runs): TWO and OVERLAP by two
+processes, FOUR by four.
 """
 
 import json
@@ -9,25 +11,43 @@ import math
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, GATHER, REPO, accelerate_launch
+from helpers import ACCELERATE_CPU_4PROC, GATHER, REPO, replica_runs
 
 from hf_diloco.codecs import make_codec
 from hf_diloco.contributions import CHECK_FIELDS
 from hf_diloco.metrics import read_sync_rounds
 from hf_diloco.records import STAT_NAMES as ROUND_STATS
 
-REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
 # Before each sync, the contribution checks' table: M = 2 rows of CHECK_FIELDS in float64, all-reduced over the 2
 # replicas (a ring of 2 sends all of it, once).
 CHECK_TABLE = 2 * len(CHECK_FIELDS) * 8
-OVERLAP_RUN = str(REPO / "tests" / "scripts" / "overlap_run.py")
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+STREAMING = {"inner_steps": 6, "max_steps": 13, "num_fragments": 3, "sync_delay": 1, "fragment_alpha": 0.5,
+             "save_every_rounds": 1, "save_total_limit": 10}
+TWO = {
+    "int4": {"inner_steps": 4, "max_steps": 12, "compression": "int4", "error_feedback": True},
+    "sparse": {"inner_steps": 4, "max_steps": 24, "compression": "sparse", "sparse_k": 256, "sparse_chunk": 1024,
+               "error_feedback": True, "error_feedback_decay": 0.95, "outer_lr": 1.0, "outer_momentum": 0.0},
+    "buckets": {"inner_steps": 5, "max_steps": 12, "sync_bucket_mb": 0.01},  # 2,621 values a bucket
+    "streaming-auto": {**STREAMING, "final_sync": "auto"},
+    "streaming-blocking": {**STREAMING, "final_sync": "blocking"},
+    "neutral": {"inner_steps": 5, "max_steps": 12, **PAPER_OUTER, "num_fragments": 1, "sync_delay": 0,
+                "fragment_alpha": 0.0, "fragment_pattern": "sequential", "compression": "none",
+                "error_feedback": False},
+}
+FOUR = {"groups-int8": {"replica_group_size": 2, "inner_steps": 3, "max_steps": 6, "compression": "int8"}}
+# tests/scripts/overlap_run.py: a slow link (0.6 s per sync), slow steps (0.4 s), H = 6, 12 steps; τ and final_sync.
+SLOW = {"comm_sleep": 0.6, "step_sleep": 0.4}
+OVERLAP = {"tau2-staggered": {**SLOW, "sync_delay": 2, "final_sync": "staggered"},
+           "tau2-blocking": {**SLOW, "sync_delay": 2, "final_sync": "blocking"},
+           "tau0": {**SLOW, "sync_delay": 0, "final_sync": "auto"}}
 
 
-def launch(tmp_path, script=REPLICA_RUN, processes: int = 2, **settings) -> list[dict]:
-    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
-    result = accelerate_launch([script, json.dumps({"out": str(tmp_path), **settings})], config=config)
-    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """name → (folder, every rank's record) of each run of TWO."""
+    folder = tmp_path_factory.mktemp("two")
+    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, TWO).items()}
 
 
 def collectives_by_step(rank: dict) -> dict[int, list[str]]:
@@ -38,10 +58,9 @@ def collectives_by_step(rank: dict) -> dict[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def int4_run(tmp_path_factory):
+def int4_run(two):
     """int4 + error feedback, 2 replicas, H = 4, 12 steps: syncs at 4, 8, 12."""
-    tmp = tmp_path_factory.mktemp("int4")
-    ranks = launch(tmp, inner_steps=4, max_steps=12, compression="int4", error_feedback=True)
+    tmp, ranks = two["int4"]
     return tmp, ranks, read_sync_rounds(tmp / "run")
 
 
@@ -100,13 +119,12 @@ def test_the_last_rounds_agreement_reaches_the_summary(int4_run):
 
 
 @pytest.mark.process
-def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
+def test_sparse_with_error_feedback_converges_and_stays_identical(two):
     """SparseLoCo's recipe (2-bit values, error feedback 0.95, outer SGD lr 1 without momentum) with a quarter of
     each chunk kept, so that a 23k-parameter model learns in a few rounds (64 of 4096 needs hundreds)."""
-    ranks = launch(tmp_path, inner_steps=4, max_steps=24, compression="sparse", sparse_k=256, sparse_chunk=1024,
-                   error_feedback=True, error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0)
+    folder, ranks = two["sparse"]
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    rounds = read_sync_rounds(tmp_path / "run")
+    rounds = read_sync_rounds(folder / "run")
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
     codec = make_codec("sparse", sparse_k=256, sparse_chunk=1024)
     for record in rounds:
@@ -119,24 +137,24 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(tmp_path):
 @pytest.mark.process
 def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):
     """2 replicas x 2 processes, int8: each member sends its half across replicas, then gathers inside."""
-    ranks = launch(tmp_path, processes=4, replica_group_size=2, inner_steps=3, max_steps=6, compression="int8")
+    ranks = replica_runs(tmp_path, FOUR, ACCELERATE_CPU_4PROC)["groups-int8"]
     steps = [step for step, _ in ranks[0]["digests"]]
     assert steps == [3, 6]
     assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
-    for record in read_sync_rounds(tmp_path / "run"):
+    for record in read_sync_rounds(tmp_path / "groups-int8" / "run"):
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 
 
 @pytest.mark.process
-def test_several_buckets_give_the_same_bits_as_one(tmp_path, paper_run):
+def test_several_buckets_give_the_same_bits_as_one(two, paper_run):
     """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings, H = 5,
     12 steps; the one-bucket run is the session's paper run, tests/conftest.py)."""
     one, _ = paper_run
     assert read_sync_rounds(one / "run")[0]["collectives"] == 1
-    ranks = launch(tmp_path, inner_steps=5, max_steps=12, sync_bucket_mb=0.01)  # 2,621 values a bucket
-    assert read_sync_rounds(tmp_path / "run")[0]["collectives"] > 3
+    folder, ranks = two["buckets"]
+    assert read_sync_rounds(folder / "run")[0]["collectives"] > 3
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    first, second = torch.load(one / "final.pt"), torch.load(tmp_path / "final.pt")
+    first, second = torch.load(one / "final.pt"), torch.load(folder / "final.pt")
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
@@ -145,14 +163,13 @@ def test_several_buckets_give_the_same_bits_as_one(tmp_path, paper_run):
     ("auto", [(10, 11, [1]), (11, 12, [2]), (12, 13, [0])]),
     ("blocking", [(10, 11, [1]), (12, 13, [2]), (13, 13, [0, 1, 2])]),
 ])
-def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path, final_sync, end):
+def test_streaming_fragments_sync_on_their_staggered_schedule(two, final_sync, end):
     """F = 3 (non-layer parameters, layer 0, layer 1), H = 6: one fragment every 2 steps, overlapped by one step
     and mixed with α = 0.5. The end: staggered (auto, as syncs overlap) launches each fragment's last sync one step
     after the one before, from step 13 − 3 · τ = 10, so the last lands at step 13; blocking syncs every fragment at
     the last step. Either way every process ends with the same model."""
-    ranks = launch(tmp_path, inner_steps=6, max_steps=13, num_fragments=3, sync_delay=1, fragment_alpha=0.5,
-                   final_sync=final_sync, save_every_rounds=1, save_total_limit=10)
-    rounds = read_sync_rounds(tmp_path / "run")
+    folder, ranks = two[f"streaming-{final_sync}"]
+    rounds = read_sync_rounds(folder / "run")
     schedule = [(r.get("launch_step", r["step"]), r["step"], r["fragments"]) for r in rounds]
     assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), *end]
     # One record per sync, numbered 1, 2, ...; three syncs make a round (one per fragment).
@@ -163,25 +180,17 @@ def test_streaming_fragments_sync_on_their_staggered_schedule(tmp_path, final_sy
     assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
     # save_every_rounds: 1 counts whole rounds: the third sync (round 1's last) lands at step 7, and the run's end
     # saves; the syncs landing at steps 3, 5 and 9 end no round.
-    saved = sorted(int(c.name.split("-")[1]) for c in (tmp_path / "run").glob("checkpoint-*"))
+    saved = sorted(int(c.name.split("-")[1]) for c in (folder / "run").glob("checkpoint-*"))
     assert saved == [7, 13], saved
 
 
 @pytest.fixture(scope="module")
 def overlap_runs(tmp_path_factory):
-    """tests/scripts/overlap_run.py over a slow link (0.6 s per sync) with slow steps (0.4 s), H = 6, 12 steps:
-    `run(sync_delay, final_sync)` launches it the first time a test asks for those settings and returns (folder,
-    every rank's record). The staggered-end and overlap tests below read the same τ = 2 runs."""
-    runs: dict[tuple[int, str], tuple] = {}
-
-    def run(sync_delay: int, final_sync: str):
-        if (sync_delay, final_sync) not in runs:
-            tmp = tmp_path_factory.mktemp(f"overlap-{sync_delay}-{final_sync}")
-            runs[sync_delay, final_sync] = tmp, launch(tmp, script=OVERLAP_RUN, sync_delay=sync_delay,
-                                                       comm_sleep=0.6, step_sleep=0.4, final_sync=final_sync)
-        return runs[sync_delay, final_sync]
-
-    return run
+    """tests/scripts/overlap_run.py's runs of OVERLAP in one launch: name → (folder, every rank's record). The
+    staggered-end and overlap tests below read the same τ = 2 runs."""
+    folder = tmp_path_factory.mktemp("overlap")
+    return {name: (folder / name, ranks)
+            for name, ranks in replica_runs(folder, OVERLAP, script="overlap_run.py").items()}
 
 
 @pytest.mark.process
@@ -190,7 +199,7 @@ def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(overlap_runs, 
     """A slow link (0.6 s per sync), slow steps (0.4 s), τ = 2, H = 6, 12 steps. Staggered: the last sync is
     launched at step 10 and trains on through steps 11 and 12, so the last round keeps the loop waiting for under
     half its exchange. Blocking: the last round is launched at step 12 and the loop waits for all of it."""
-    tmp, _ = overlap_runs(2, final_sync)
+    tmp, _ = overlap_runs[f"tau2-{final_sync}"]
     rounds = read_sync_rounds(tmp / "run")
     last = rounds[-1]
     assert last["step"] == 12
@@ -209,7 +218,7 @@ def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_de
     whole sync. τ = 2: the next steps end while the sync is still in flight, and the time the loop was blocked is
     a fraction of the sync's duration. The first round is all this reads: τ = 2 reads the staggered-end run above
     (final_sync auto with τ > 0 is staggered), τ = 0 a run of its own (auto: blocking)."""
-    tmp, ranks = overlap_runs(sync_delay, "staggered" if sync_delay else "auto")
+    tmp, ranks = overlap_runs["tau2-staggered" if sync_delay else "tau0"]
     rounds = read_sync_rounds(tmp / "run")
     first = rounds[0]
     assert first.get("launch_step", first["step"]) == 6
@@ -247,16 +256,14 @@ def test_dry_run_prints_each_codecs_bytes_per_round_beside_ddp():
 
 
 @pytest.mark.process
-def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(tmp_path, paper_run):
+def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bit(two, paper_run):
     """F = 1, τ = 0, α = 0, no codec (sequential pattern, all spelled out) runs the streaming machinery with
     nothing to stream: the replicas end with exactly the bits of the same run with every field at its default (the
     session's paper run, tests/conftest.py)."""
     plain_dir, plain = paper_run
-    neutral = launch(tmp_path, inner_steps=5, max_steps=12, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True,
-                     num_fragments=1, sync_delay=0, fragment_alpha=0.0, fragment_pattern="sequential",
-                     compression="none", error_feedback=False)
+    folder, neutral = two["neutral"]
     assert neutral[0]["digests"] == plain[0]["digests"] == plain[1]["digests"]
-    mine, reference = (torch.load(t / "final.pt") for t in (tmp_path, plain_dir))
+    mine, reference = (torch.load(t / "final.pt") for t in (folder, plain_dir))
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
 
 
