@@ -126,10 +126,13 @@ def memory_limit():
         yield lambda limit: make({"memory.limit_in_bytes": str(limit)})
 
 
-@pytest.fixture
-def cpu_quota():
+def quotas():
     """make(share) -> a cgroup v1 `cpu` folder whose processes get `share` of one core (a real CPU quota: a slower
     replica); see `cgroups`."""
     with cgroups(CPU_CGROUP, "a CPU quota") as make:
         yield lambda share: make({"cpu.cfs_period_us": str(CFS_PERIOD_US),
                                   "cpu.cfs_quota_us": str(int(share * CFS_PERIOD_US))})
+
+
+cpu_quota = pytest.fixture(quotas, name="cpu_quota")
+cpu_quota_of_module = pytest.fixture(quotas, scope="module", name="cpu_quota_of_module")  # for a module's runs

@@ -275,9 +275,10 @@ def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
 
 
 def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
-    """Sites started one by one as the README's "Across machines or sites" shows: a Lighthouse, then one
-    `hf-diloco launch ... --replica_id k --num_replicas 3` per site (`sites`: id → its extra arguments); each
-    site's console."""
+    """Sites started one by one with the README's "Across machines or sites" commands, on one machine: a Lighthouse
+    (`hf-diloco lighthouse`), then one `hf-diloco launch ... --lighthouse URL --replica_id k --num_replicas 3
+    --replica_address 127.0.0.1 --max-restarts 3` per site (`sites`: id → its extra arguments); each site's
+    console."""
     logs = {}
     out.mkdir(parents=True)
     with lighthouse(min_replicas=len(sites), grace=5, log=out / "lighthouse.log") as address:
@@ -287,7 +288,8 @@ def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
             processes[k] = subprocess.Popen(
                 [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                  "accelerate_configs/torchft-replica.yaml", "--lighthouse", address, "--replica_id", str(k),
-                 "--num_replicas", "3", "--", *SETTINGS, "--min_replicas", str(len(sites)),
+                 "--num_replicas", "3", "--replica_address", "127.0.0.1", "--max-restarts", "3", "--", *SETTINGS,
+                 "--min_replicas", str(len(sites)),
                  "--output_dir", str(out / f"replica-{k}"), *extra],
                 cwd=REPO, env=env(), stdout=logs[k].open("w"), stderr=subprocess.STDOUT)
         for k, process in processes.items():
@@ -297,14 +299,20 @@ def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
 
 @pytest.mark.process
 def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpora):
-    """Three torchft sites against one Lighthouse; site 2 is started with --learning_rate 0.1 (100x the recipe's):
-    it is left out from the very first sync on, by the size rule, every site's records name it, its launch says it
-    looks faulty, and the run ends no more than 2% above sites 0 and 1 alone. (A site reading corrupted data is
-    found by the agreement rules, the same code on both backends: the garbage shard above.)"""
+    """Three torchft sites against one Lighthouse, started with the README's commands; site 2 is started with
+    --learning_rate 0.1 (100x the recipe's): it is left out from the very first sync on, by the size rule, every
+    site's records name it, its launch says it looks faulty, and the run ends no more than 2% above sites 0 and 1
+    alone, which take part in every round and end with one model. (A site reading corrupted data is found by the
+    agreement rules, the same code on both backends: the garbage shard above.)"""
     data = ["--dataset_name", str(corpora["clean"])]
     alone = torchft_sites(tmp_path / "alone", {0: data, 1: data})
     without = read_sync_rounds(tmp_path / "alone" / "replica-0")
     assert all(r["excluded"] == [] for r in without), "two clean sites: nothing left out"
+    assert [(r["round"], r["participants"]) for r in without] == [(n, 2) for n in range(1, 21)]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / "alone" / f"replica-{k}" / "model.safetensors") for k in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a), "the README's two sites end with one model"
     for fault, extra, by_sync in (("learning-rate", ["--learning_rate", "0.1"], 1),):
         out = tmp_path / fault
         consoles = torchft_sites(out, {0: data, 1: data, 2: [*data, *extra]})

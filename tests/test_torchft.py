@@ -707,29 +707,6 @@ def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_kill
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.process
-def test_the_readme_multi_site_commands_work_on_one_machine(tmp_path):
-    """README "Across machines or sites": `hf-diloco lighthouse`, then one `hf-diloco launch ... --lighthouse URL
-    --replica_id k --num_replicas 2 --replica_address ADDRESS` per replica (here both on 127.0.0.1)."""
-    with lighthouse(min_replicas=2, grace=5, log=tmp_path / "lighthouse.log") as address:
-        logs = [tmp_path / f"replica{k}.log" for k in range(2)]
-        replicas = [subprocess.Popen(
-            [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
-             "accelerate_configs/torchft-replica.yaml", "--lighthouse", address, "--replica_id", str(k),
-             "--num_replicas", "2", "--replica_address", "127.0.0.1", "--max-restarts", "1", "--min_replicas", "2",
-             "--output_dir", str(tmp_path / f"site{k}"), "--max_steps", "20", "--inner_steps", "10",
-             "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
-             "--disable_tqdm", "true"], stdout=logs[k].open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-            for k in range(2)]
-        finish(replicas, logs)
-    rounds = [read_sync_rounds(tmp_path / f"site{k}") for k in range(2)]
-    assert [[(r["round"], r["participants"]) for r in x] for x in rounds] == [[(1, 2), (2, 2)]] * 2
-    from safetensors.torch import load_file
-
-    a, b = (load_file(tmp_path / f"site{k}" / "model.safetensors") for k in range(2))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_the_healing_transport_listens_on_its_address_and_loads_only_tensors(tmp_path):
     """What heals a joining replica: the sender listens on the replica's address only (not every interface), the
     outer state (tensors, numbers, the optimizer's settings) arrives whole, and a peer that serves a pickle which

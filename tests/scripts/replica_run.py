@@ -17,6 +17,7 @@ with `save_pretrained` instead of the tiny Llama, and `save_to: path` saves the 
 `Trainer.save_model`, as `hf-diloco train` does.
 """
 
+import gc
 import hashlib
 import json
 import os
@@ -209,6 +210,7 @@ def run(settings: dict) -> None:
 payload = json.loads(sys.argv[1])
 for one in payload if isinstance(payload, list) else [payload]:
     run(one)
+    gc.collect()  # the run's Trainer and model, held in reference cycles, go now, not during the next run's syncs
 # Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
 # finished process (SIGABRT, "terminate called without an active exception").
 launch.destroy_process_groups()
