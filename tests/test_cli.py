@@ -387,3 +387,26 @@ def test_the_checker_answers_dry_runs_and_plans_and_refuses_anything_else(tmp_pa
         assert answer == {"returncode": 2, "stdout": "",
                           "stderr": "hf-diloco: error: the checker runs only `launch ... --dry-run` and `plan`.\n"}
     assert not out.exists()
+
+
+def test_bad_slurm_requests_are_refused_in_one_sentence(tmp_path):
+    """`hf-diloco slurm` refuses what a job could not run, and a token it would write into the script, in one
+    sentence, exit 2, writing nothing (tests/test_slurm.py runs the jobs on a real cluster)."""
+    cases = [
+        (["tiny-pretrain.yaml", "cpu-2proc.yaml", "--replicas", "2"], "--replicas is for outer_backend torchft"),
+        (["torchft-3.yaml", "torchft-replica.yaml"], "give --replicas N"),
+        (["torchft-3.yaml", "torchft-replica.yaml", "--replicas", "2", "--nodes", "2"], "scale with --replicas"),
+        (["torchft-3.yaml", "cpu-2proc.yaml", "--replicas", "2"], "starts 2"),
+    ]
+    token = "hf_PlantedSlurmToken1234567890"  # a script file keeps what it is given: a token is refused
+    cases.append((["tiny-pretrain.yaml", "cpu-2proc.yaml", "--", "--hub_token", token], "export HF_TOKEN"))
+    for (recipe, config, *args), words in cases:
+        recipe_fields = args[args.index("--") + 1:] if "--" in args else []
+        args = args[:args.index("--")] if "--" in args else args
+        result = cli("slurm", str(REPO / "recipes" / recipe), "--accelerate-config",
+                     str(REPO / "accelerate_configs" / config), *args, "--", "--output_dir", str(tmp_path / "x"),
+                     *recipe_fields)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert token not in result.stdout + result.stderr
+    assert not (tmp_path / "x").exists(), "nothing is written for a refused request"
