@@ -165,9 +165,12 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
 
 def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *extra: str,
                  replicas: int = 3) -> list[dict]:
-    """`hf-diloco launch` of `replicas` on the torch backend, each reading its own slice (non_iid); its records."""
-    command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/tiny-pretrain.yaml", "--accelerate-config",
-               "accelerate_configs/cpu-4proc.yaml", "--num_processes", str(replicas), "--port", str(free_port()), "--",
+    """`replicas` on the torch backend, each reading its own slice (non_iid), started as `hf-diloco launch` starts
+    them (`accelerate launch ... -m hf_diloco.cli train`; the launch's own checks are tests/test_launch_checks.py's);
+    its records."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ACCELERATE_CPU_4PROC), "--num_processes", str(replicas), "--main_process_port", str(free_port()),
+               "-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
                *SETTINGS, "--output_dir", str(out), "--eval_on_start", "false", "--save_every_rounds", "0",
                "--data_sharding", "non_iid", "--dataset_name", str(data), *extra]
     result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK), **(hook or {})},
