@@ -36,10 +36,11 @@ from hf_diloco.torchft_backend import MEMBER_FIELDS
 TORCHFT_RUN = str(REPO / "tests" / "scripts" / "torchft_run.py")
 
 
-def start_replica(settings: dict, log: Path) -> subprocess.Popen:
-    """One torchft replica: a process, or with "group": 2 an `accelerate launch` of two processes."""
+def start_replica(settings: dict | list[dict], log: Path) -> subprocess.Popen:
+    """One torchft replica: a process, or with "group": 2 an `accelerate launch` of two processes; given a list of
+    settings, it trains each run in turn (tests/scripts/torchft_run.py)."""
     launcher = [sys.executable]
-    if settings.get("group", 1) > 1:
+    if (settings[0] if isinstance(settings, list) else settings).get("group", 1) > 1:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     str(REPO / "accelerate_configs" / "torchft-replica-2proc.yaml"),
                     "--main_process_port", str(free_port())]
@@ -124,65 +125,114 @@ def run_both_backends(tmp_path: Path, round_settings: dict, **settings):
             run_torchft(tmp_path / "torchft", round_settings, **settings))
 
 
+CODECS = {
+    "sparse+ef": {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
+    "streaming-int4+ef-overlap": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
+                                  "fragment_alpha": 0.5},
+}
+# Runs of two torchft replicas that one pair of replica processes trains in turn, against one Lighthouse (min
+# replicas 2): the process start-up, most of a run's time here, is paid once. Each run has its own folder and logs.
+PAIR = {
+    "plain": {"max_steps": 12, "inner_steps": 4, "round": {}},
+    "seeds": {"max_steps": 12, "inner_steps": 4, "round": {}, "seed_by_replica": True},
+    **{name: {"max_steps": 12, "inner_steps": 4, "round": codec} for name, codec in CODECS.items()},
+    "sync-delay-auto": {"max_steps": 48, "inner_steps": 12, "step_sleep": 0.05, "slow_sync_seconds": 0.2,
+                        "round": {"num_fragments": 2, "sync_delay": "auto"}},
+    "slow-link-budget": {"max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03, "slow_sync_seconds": 0.6,
+                         "round": {"sync_delay": "auto"}},
+    "non-finite": {"max_steps": 16, "inner_steps": 4, "replica 1": {"nan_at_step": 6}},
+}
+
+
 @pytest.fixture(scope="module")
-def torch_backend_plain(tmp_path_factory) -> dict:
+def pair(tmp_path_factory) -> Path:
+    """The runs of PAIR, each in `folder / name` (records in replica-r/, output in replica<r>.log, final parameters
+    in params<r>.pt); returns the folder."""
+    folder = tmp_path_factory.mktemp("pair")
+    with lighthouse(min_replicas=2, grace=5, log=folder / "lighthouse.log") as address:
+        def runs(r: int) -> list[dict]:
+            return [{"out": str(folder / name), "replica": r, "replicas": 2, "lighthouse": address, "min_replicas": 2,
+                     "log": str(folder / name / f"replica{r}.log"),
+                     **{k: v for k, v in settings.items() if not k.startswith("replica ")},
+                     **settings.get(f"replica {r}", {})} for name, settings in PAIR.items()]
+
+        logs = [folder / f"replica{r}.log" for r in range(2)]
+        finish([start_replica(runs(r), logs[r]) for r in range(2)], logs, timeout=600)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def torch_backend(tmp_path_factory) -> Path:
+    """The same two replicas on the torch backend, in one launch, for the runs of PAIR compared with it (plain and
+    each codec; torchft's last round syncs every fragment, so these end blocking, as final_sync auto does there)."""
+    folder = tmp_path_factory.mktemp("torch")
+    runs = [{"out": str(folder / name), "backend": "torch", "max_steps": 12, "inner_steps": 4, "group": 1,
+             "round": {**PAIR[name]["round"], "final_sync": "blocking"}} for name in ("plain", *CODECS)]
+    result = accelerate_launch([TORCHFT_RUN, json.dumps(runs)], config=ACCELERATE_CPU_2PROC)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return folder
+
+
+def final_parameters(folder: Path) -> dict:
+    return {r: torch.load(folder / f"params{r}.pt") for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def torch_backend_plain(torch_backend) -> dict:
     """Final parameters of two replicas built from seed 0 on the torch backend, fp32 rounds (12 steps, H = 4): where
     the torchft runs of the next two tests must end, whether their replicas start alike or apart (the torch backend
     starts apart replicas from rank 0's parameters, built from seed 0 too)."""
-    return run_torch_backend(tmp_path_factory.mktemp("torch-plain") / "torch", {})
+    return final_parameters(torch_backend / "plain")
 
 
 @pytest.mark.process
-def test_torchft_without_faults_matches_the_torch_backend(tmp_path, torch_backend_plain):
+def test_torchft_without_faults_matches_the_torch_backend(pair, torch_backend_plain):
     """Two replicas, equal speeds, no failure: the torchft rounds (quorum, token-weighted merge, vote) end with
     exactly the parameters the fixed-world torch backend reaches on the same data. Equal tokens give every
     replica the relative weight 1, so the merge is the torch backend's plain mean, bit for bit."""
-    expected, got = torch_backend_plain, run_torchft(tmp_path / "torchft", {})
+    expected, got = torch_backend_plain, final_parameters(pair / "plain")
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0
-    rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    rounds = read_sync_rounds(pair / "plain" / "replica-0")
     assert [r["step"] for r in rounds] == [4, 8, 12]
     assert all(r["participants"] == 2 and r["committed"] for r in rounds)
     # Each replica trained on 128 tokens in the round (4 steps x 2 blocks x 16 tokens): equal weights.
     assert all(m["tokens"] == 128 and m["weight"] == 1.0 for r in rounds for m in r["members"])
     # Built from one seed, the replicas agree on θ by digest: nobody heals at the start, nothing else is sent.
     assert rounds[0]["startup_bytes"] == 0
-    assert not any("healed from a live peer" in (tmp_path / "torchft" / f"replica{r}.log").read_text()
-                   for r in range(2))
+    logs = [(pair / "plain" / f"replica{r}.log").read_text() for r in range(2)]
+    assert all("[diloco] replica" in log for log in logs) and not any("healed from a live peer" in log for log in logs)
 
 
 @pytest.mark.process
-def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(tmp_path, torch_backend_plain):
+def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameters(pair, torch_backend_plain):
     """Replica r builds its model from seed r. The first round's digests differ, so the first participant's θ (seed
     0's) goes to the other (one all-reduce, counted as startup bytes), as the torch backend broadcasts rank 0's
     (tests/test_distributed.py): the run ends bit for bit where the torch backend's replicas built from seed 0
     end."""
-    expected, got = torch_backend_plain, run_torchft(tmp_path / "torchft", {}, seed_by_replica=True)
+    expected, got = torch_backend_plain, final_parameters(pair / "seeds")
     assert max_difference(expected[0], expected[1]) == 0.0
     for replica in (0, 1):
         assert max_difference(expected[replica], got[replica]) == 0.0, replica
-    rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    rounds = read_sync_rounds(pair / "seeds" / "replica-0")
     numel = sum(p.numel() for p in got[0])
     assert rounds[0]["startup_bytes"] == numel * 4  # ring all-reduce over 2: 2 (M - 1)/M x payload
-    assert "started from different parameters" in (tmp_path / "torchft" / "replica1.log").read_text()
+    assert "started from different parameters" in (pair / "seeds" / "replica1.log").read_text()
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("round_settings", [
-    {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
-    {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "fragment_alpha": 0.5},
-], ids=["sparse+ef", "streaming-int4+ef-overlap"])
-def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round_settings):
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_codecs_and_streaming_on_torchft_match_the_torch_backend(pair, torch_backend, codec):
     """The round is one code path: the codecs with error feedback (sparse; int4 with F = 2 fragments whose exchange
     overlaps one inner step and mixes with alpha 0.5) give bit-identical parameters on both backends (12 steps,
     H = 4: three rounds, six with two fragments; int8 differs from int4 in its codec alone, tests/test_codecs.py).
     The torchft records carry the same bytes per round as the torch backend's, with the membership table in place
     of the contribution checks' table (torchft carries the checks' numbers in it)."""
-    expected, got = run_both_backends(tmp_path, round_settings)
+    expected, got = final_parameters(torch_backend / codec), final_parameters(pair / codec)
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0, rank
-    torch_rounds = read_sync_rounds(tmp_path / "torch" / "run")
-    ft_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    torch_rounds = read_sync_rounds(torch_backend / codec / "run")
+    ft_rounds = read_sync_rounds(pair / codec / "replica-0")
     assert [r["step"] for r in ft_rounds] == [r["step"] for r in torch_rounds]
     assert [r["fragments"] for r in ft_rounds] == [r["fragments"] for r in torch_rounds]
     assert [(r["sync"], r["round"]) for r in ft_rounds] == [(r["sync"], r["round"]) for r in torch_rounds]
@@ -194,27 +244,15 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(tmp_path, round
             2 * len(CHECK_FIELDS) * 8
 
 
-def two_replicas_records(out: Path, settings: dict) -> list[list[dict]]:
-    """Two torchft replicas of `settings` with a Lighthouse (min replicas 2), run to their end in `out`; returns
-    each replica's sync records."""
-    with lighthouse(min_replicas=2, grace=5) as address:
-        logs = [out / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(out), "replica": r, "lighthouse": address, **settings}, logs[r])
-                    for r in range(2)]
-        finish(replicas, logs)
-    return [read_sync_rounds(out / f"replica-{r}") for r in range(2)]
-
-
 @pytest.mark.process
-def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
+def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(pair):
     """sync_delay auto on torchft over a slower link (each all-reduce waits 0.2 s, a step 0.05 s): the exchange times
     ride with the round's statistics as on the torch backend, so both replicas record the same τ (above 1) for the
     same fragment at the same sync, every later sync of that fragment lands
     τ steps after its launch, and the replicas end identical. torchft's end is blocking: the last round syncs every
     fragment."""
-    settings = {"replicas": 2, "min_replicas": 2, "max_steps": 48, "inner_steps": 12, "step_sleep": 0.05,
-                "slow_sync_seconds": 0.2, "round": {"num_fragments": 2, "sync_delay": "auto"}}
-    records = two_replicas_records(tmp_path, settings)
+    folder = pair / "sync-delay-auto"
+    records = [read_sync_rounds(folder / f"replica-{r}") for r in range(2)]
     choices = [[(r["sync"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
                 if "sync_delay_auto" in r] for rounds in records]
     assert choices[0] and choices[0] == choices[1], choices
@@ -227,21 +265,20 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(tmp_path):
         delays.update({f: choice["chosen"] for f in choice.get("fragments", [])})
         delays.update({int(f): tau for f, tau in choice.get("estimated", {}).items()})
     assert records[0][-1]["step"] == 48 and records[0][-1]["fragments"] == [0, 1]
-    first, second = (torch.load(tmp_path / f"params{r}.pt") for r in range(2))
+    first, second = (torch.load(folder / f"params{r}.pt") for r in range(2))
     assert max_difference(first, second) == 0.0
 
 
 @pytest.mark.process
-def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_waits(tmp_path):
+def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_waits(pair):
     """Time-budget rounds of 0.2 s with `sync_delay: auto` over a link on which each all-reduce waits 0.6 s
     first (a step 0.03 s): the exchange does not fit the budget, so once the first exchange's time has been agreed
     the budget stretches to the sync's time in flight (the quorum, then the exchange) plus two steps, alike on both
     replicas (Schedule.stretch_budget), and the later overlapped syncs keep replica 0 waiting at their landing under
     an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s each).
     The replicas end identical."""
-    settings = {"replicas": 2, "min_replicas": 2, "max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03,
-                "slow_sync_seconds": 0.6, "round": {"sync_delay": "auto"}}
-    records = two_replicas_records(tmp_path, settings)
+    folder = pair / "slow-link-budget"
+    records = [read_sync_rounds(folder / f"replica-{r}") for r in range(2)]
     budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
                for rounds in records]
     # Alike where both chose: a replica whose last sync lands at max_steps makes no choice for a next round, and
@@ -256,7 +293,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     blocked = sorted(r["blocked_seconds"] for r in settled)
     assert blocked[len(blocked) // 2] <= 0.6 / 8 and sum(blocked) / len(blocked) <= 0.6 / 4, settled
     assert records[0][-1]["step"] == 240
-    first, second = (torch.load(tmp_path / f"params{r}.pt") for r in range(2))
+    first, second = (torch.load(folder / f"params{r}.pt") for r in range(2))
     assert max_difference(first, second) == 0.0
 
 
@@ -503,16 +540,12 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
 
 
 @pytest.mark.process
-def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(tmp_path):
+def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(pair):
     """Two replicas; replica 1's weights turn NaN at step 6 (inside round 2, H = 4). That round merges replica 0's
     pseudo-gradient alone (replica 1 sends zeros with weight 0), the record of every replica names replica 1,
     replica 1 takes θ_global and trains on, and both end with the same finite parameters."""
-    with lighthouse(min_replicas=2, grace=3.0) as address:
-        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica({"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address,
-                                   "min_replicas": 2, "max_steps": 16, "inner_steps": 4,
-                                   **({"nan_at_step": 6} if r == 1 else {})}, logs[r]) for r in range(2)]
-        finish(replicas, logs)
+    tmp_path = pair / "non-finite"
+    logs = [tmp_path / f"replica{r}.log" for r in range(2)]
     for r in range(2):
         rounds = read_sync_rounds(tmp_path / f"replica-{r}")
         bad = [x for x in rounds if x.get("non_finite_replicas")]

@@ -18,8 +18,13 @@ a round whose other collectives went through. "seed_by_replica": true builds eac
 "slow_sync_seconds": every cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
 "bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th
 way (its first parameter a scalar, its first parameter NaN, its global_step past the run's end); later ones are sound.
+
+The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
+torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output
+(this process's stdout and stderr) to a file of its own.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -34,68 +39,20 @@ from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer  # noqa: E402
 
-settings = json.loads(sys.argv[1])
-if settings.get("die_in_all_gather"):
-    import signal
-
-    from hf_diloco.torchft_backend import TorchftComm
-
-    calls = {"all_gather": 0}
-    all_gather = TorchftComm._all_gather
-
-    def dying_all_gather(self, gathered, payload):
-        calls["all_gather"] += 1
-        if calls["all_gather"] == settings["die_in_all_gather"]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return all_gather(self, gathered, payload)
-
-    TorchftComm._all_gather = dying_all_gather
-if settings.get("slow_sync_seconds"):
-    from hf_diloco.torchft_backend import TorchftComm
-
-    fast_all_reduce = TorchftComm._all_reduce
-
-    def slow_all_reduce(self, buffer):
-        time.sleep(settings["slow_sync_seconds"])
-        return fast_all_reduce(self, buffer)
-
-    TorchftComm._all_reduce = slow_all_reduce
-if settings.get("bad_heals"):
-    from hf_diloco.torchft_backend import TorchftQuorum
-
-    sound_state = TorchftQuorum._state_for_peer
-    spoiled = list(settings["bad_heals"])
-
-    def spoiled_state(self):
-        state = sound_state(self)
-        if spoiled:
-            kind, params = spoiled.pop(0), list(state["outer"]["global_params"])
-            if kind == "shape":
-                params[0] = torch.tensor(0.5)
-            elif kind == "nan":
-                params[0] = torch.full_like(params[0], float("nan"))
-            else:
-                state = {**state, "global_step": 10 * self.max_steps}
-            state = {**state, "outer": {**state["outer"], "global_params": params}}
-        return state
-
-    TorchftQuorum._state_for_peer = spoiled_state
-if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
-    Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
-out = Path(settings["out"])
-replica = settings.get("replica", 0)
-backend = settings.get("backend", "torchft")
-
 
 class Pace(TrainerCallback):
+    def __init__(self, settings: dict, out: Path, replica: int):
+        self.settings, self.out, self.replica, self.taken = settings, out, replica, 0
+
     def on_train_begin(self, args, state, control, **kwargs):
-        if settings.get("announce"):
-            Path(settings["announce"]).write_text("up")
+        if self.settings.get("announce"):
+            Path(self.settings["announce"]).write_text("up")
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        settings = self.settings
         if settings.get("step_sleep"):
             time.sleep(settings["step_sleep"])
-        self.taken = getattr(self, "taken", 0) + 1
+        self.taken += 1
         if settings.get("pause") and self.taken == settings["pause"][0]:
             time.sleep(settings["pause"][1])
         if settings.get("hold") and state.global_step == settings["hold"][0]:
@@ -110,30 +67,131 @@ class Pace(TrainerCallback):
         if settings.get("nan_at_step") == state.global_step:
             with torch.no_grad():
                 next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
-        (out / f"step{replica}.txt").write_text(str(state.global_step))
+        (self.out / f"step{self.replica}.txt").write_text(str(state.global_step))
 
 
-torchft_fields = {} if backend == "torch" else dict(
-    outer_backend="torchft", lighthouse=settings["lighthouse"], replica_id=replica,
-    num_replicas=settings.get("replicas", 1), min_replicas=settings.get("min_replicas", 1),
-    round_seconds=settings.get("round_seconds", 0.0), sync_timeout=settings.get("sync_timeout", 60),
-    replica_address="127.0.0.1",
-)
-config = DiLoCoConfig(
-    output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
-    learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
-    inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
-    eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0,
-    replica_group_size=settings.get("group", 1), **torchft_fields,
-    **settings.get("round", {}),
-)
-# "seed_by_replica": each replica (torch: each process) builds its model from its own seed, so they start apart.
-seed = (replica if backend == "torchft" else int(os.environ.get("RANK", 0))) if settings.get("seed_by_replica") else 0
-trainer = DiLoCoTrainer(model=tiny_llama(seed=seed), args=config, train_dataset=pattern_dataset(256),
-                        data_collator=default_data_collator, callbacks=[Pace()])
-trainer.train()
-# Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
-if backend == "torch" or trainer.args.process_index == 0:
-    rank = trainer.args.process_index if backend == "torch" else replica
-    params = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
-    torch.save(params, out / f"params{rank}.pt")
+@contextlib.contextmanager
+def faults(settings: dict):
+    """The run's made-up faults, patched into hf_diloco's classes for the run and put back after it."""
+    patched = []
+
+    def patch(owner, name, replacement):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    if settings.get("die_in_all_gather"):
+        import signal
+
+        from hf_diloco.torchft_backend import TorchftComm
+
+        calls = {"all_gather": 0}
+        all_gather = TorchftComm._all_gather
+
+        def dying_all_gather(self, gathered, payload):
+            calls["all_gather"] += 1
+            if calls["all_gather"] == settings["die_in_all_gather"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return all_gather(self, gathered, payload)
+
+        patch(TorchftComm, "_all_gather", dying_all_gather)
+    if settings.get("slow_sync_seconds"):
+        from hf_diloco.torchft_backend import TorchftComm
+
+        fast_all_reduce = TorchftComm._all_reduce
+
+        def slow_all_reduce(self, buffer):
+            time.sleep(settings["slow_sync_seconds"])
+            return fast_all_reduce(self, buffer)
+
+        patch(TorchftComm, "_all_reduce", slow_all_reduce)
+    if settings.get("bad_heals"):
+        from hf_diloco.torchft_backend import TorchftQuorum
+
+        sound_state = TorchftQuorum._state_for_peer
+        spoiled = list(settings["bad_heals"])
+
+        def spoiled_state(self):
+            state = sound_state(self)
+            if spoiled:
+                kind, params = spoiled.pop(0), list(state["outer"]["global_params"])
+                if kind == "shape":
+                    params[0] = torch.tensor(0.5)
+                elif kind == "nan":
+                    params[0] = torch.full_like(params[0], float("nan"))
+                else:
+                    state = {**state, "global_step": 10 * self.max_steps}
+                state = {**state, "outer": {**state["outer"], "global_params": params}}
+            return state
+
+        patch(TorchftQuorum, "_state_for_peer", spoiled_state)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def output_to(path: str | None):
+    """This process's stdout and stderr (Python's and the native libraries') go to `path` within the block."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def run(settings: dict) -> None:
+    if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
+        Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    out = Path(settings["out"])
+    replica = settings.get("replica", 0)
+    backend = settings.get("backend", "torchft")
+    torchft_fields = {} if backend == "torch" else dict(
+        outer_backend="torchft", lighthouse=settings["lighthouse"], replica_id=replica,
+        num_replicas=settings.get("replicas", 1), min_replicas=settings.get("min_replicas", 1),
+        round_seconds=settings.get("round_seconds", 0.0), sync_timeout=settings.get("sync_timeout", 60),
+        replica_address="127.0.0.1",
+    )
+    config = DiLoCoConfig(
+        output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
+        learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
+        inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
+        eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0,
+        replica_group_size=settings.get("group", 1), **torchft_fields,
+        **settings.get("round", {}),
+    )
+    # "seed_by_replica": each replica (torch: each process) builds its model from its own seed, so they start apart.
+    seed = (replica if backend == "torchft" else int(os.environ.get("RANK", 0))) \
+        if settings.get("seed_by_replica") else 0
+    trainer = DiLoCoTrainer(model=tiny_llama(seed=seed), args=config, train_dataset=pattern_dataset(256),
+                            data_collator=default_data_collator, callbacks=[Pace(settings, out, replica)])
+    trainer.train()
+    # Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
+    if backend == "torch" or trainer.args.process_index == 0:
+        rank = trainer.args.process_index if backend == "torch" else replica
+        params = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+        torch.save(params, out / f"params{rank}.pt")
+    if backend == "torch":  # every process done with this run before any begins the next
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+payload = json.loads(sys.argv[1])
+for one in payload if isinstance(payload, list) else [payload]:
+    Path(one["out"]).mkdir(parents=True, exist_ok=True)
+    with output_to(one.get("log")), faults(one):
+        run(one)
