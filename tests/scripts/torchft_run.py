@@ -11,7 +11,8 @@ one weight of this replica with NaN after step s. "hold": [s, path] stops this r
 file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the tests
 hold the survivors of a kill until the restarted replica is up, so it finds them still running); "pause_while":
 [flag, path] holds this replica after any step while the file `flag` exists and `path` does not (at most 300 s).
-"cgroup": folder moves this process into a cgroup v1 `cpu` folder the test made (a real CPU quota). The replica writes
+"cgroup": folder moves this process into a cgroup v1 `cpu` folder the test made (a real CPU quota) once training
+begins. The replica writes
 its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
 "die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
 a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
@@ -45,6 +46,8 @@ class Pace(TrainerCallback):
         self.settings, self.out, self.replica, self.taken = settings, out, replica, 0
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.settings.get("cgroup"):  # training, and every thread it starts, runs under the group's CPU quota
+            Path(self.settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
         if self.settings.get("announce"):
             Path(self.settings["announce"]).write_text("up")
 
@@ -154,8 +157,6 @@ def output_to(path: str | None):
 
 
 def run(settings: dict) -> None:
-    if settings.get("cgroup"):  # every thread of this process, and any it starts, runs under the group's CPU quota
-        Path(settings["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
     out = Path(settings["out"])
     replica = settings.get("replica", 0)
     backend = settings.get("backend", "torchft")
