@@ -265,10 +265,9 @@ class DiLoCoMixin:
         self.current_flos = 0
 
     def train(self, *args, **kwargs):
-        """Trainer.train, after recording the run's settings in `<output_dir>/run_config.json` (main process) unless
-        `hf-diloco train` already wrote a fuller one: `hf-diloco push` and the app describe any run folder, however
-        it was trained. While it runs, stop signals ask for a graceful stop (unless `stop_signals=False`); the
-        handlers from before come back after."""
+        """Trainer.train, after writing `<output_dir>/run_config.json` (main process) unless `hf-diloco train` wrote a
+        fuller one (push and the app describe any run folder from it), under store keys of its own. Stop signals ask
+        for a graceful stop while it runs (unless `stop_signals=False`); the handlers from before come back after."""
         if self.is_world_process_zero():
             from .hub import RUN_CONFIG_FILE, trainer_settings
 

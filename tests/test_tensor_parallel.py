@@ -8,7 +8,16 @@ import sys
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, tiny_llama
+from helpers import (
+    ACCELERATE_CPU_2PROC,
+    ACCELERATE_CPU_4PROC,
+    REPO,
+    accelerate_launch,
+    env,
+    free_port,
+    replica_runs,
+    tiny_llama,
+)
 from safetensors.torch import load_file
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer
@@ -34,19 +43,29 @@ def rounds_of(tmp_path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def fp32_layouts(tmp_path_factory):
-    """The same two replicas twice, with fp32 syncs: each split over 2 processes by tensor parallel, and each one
-    process."""
-    tp, plain = tmp_path_factory.mktemp("tp-fp32"), tmp_path_factory.mktemp("plain-fp32")
-    return {"tp": (tp, launch(tp, 4, tp_size=2)), "plain": (plain, launch(plain, 2))}
+def split_runs(tmp_path_factory):
+    """Two tensor-parallel replicas of 2 processes, with fp32 syncs ("fp32") and streaming 2 fragments with int4 and
+    error feedback, each sync overlapped with an inner step ("streamed"), trained in turn by one launch of four
+    processes (tests/helpers.py replica_runs): name → (folder, every rank's record)."""
+    folder = tmp_path_factory.mktemp("tp")
+    split = {**SETTINGS, "tp_size": 2}
+    runs = replica_runs(folder, {"fp32": split, "streamed": {**split, **STREAMED}}, ACCELERATE_CPU_4PROC)
+    return {name: (folder / name, ranks) for name, ranks in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory):
+def fp32_layouts(tmp_path_factory, split_runs):
+    """The same two replicas twice, with fp32 syncs: each split over 2 processes by tensor parallel, and each one
+    process."""
+    plain = tmp_path_factory.mktemp("plain-fp32")
+    return {"tp": split_runs["fp32"], "plain": (plain, launch(plain, 2))}
+
+
+@pytest.fixture(scope="module")
+def streamed(split_runs):
     """Two tensor-parallel replicas of 2 processes, streaming 2 fragments with int4 and error feedback, each sync
     overlapped with an inner step."""
-    tmp = tmp_path_factory.mktemp("tp-streamed")
-    return tmp, launch(tmp, 4, tp_size=2, **STREAMED)
+    return split_runs["streamed"]
 
 
 @pytest.mark.process

@@ -88,7 +88,8 @@ def four(tmp_path_factory, slow_group):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by_its_tokens(request, layout):
     """Both replicas sync every ROUND_SECONDS of training (every ROUND_SECONDS / 2 with two fragments): replica 0
-    takes more steps per round than replica 1, no process spends more than 25% of its training time waiting inside
+    takes more steps than replica 1 (at least as many in nine syncs of ten; a round's checkpoint save is timed in
+    the next budget), no process spends more than 25% of its training time waiting inside
     syncs, every sync's merge weights are each replica's tokens over the most any replica trained (checked against
     the steps each replica counted itself), and every replica continues at the furthest one's step, so the run
     ends at max_steps on both. With one fragment every process holds the same parameters after every sync; with
@@ -114,9 +115,13 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     fast, slow = ranks[0]["steps_between"], ranks[group]["steps_between"]
     assert len(fast) == len(slow) == len(records)
     assert all(rank["steps_between"] == ranks[r - r % group]["steps_between"] for r, rank in enumerate(ranks))
-    # The last sync comes when replica 0 reaches max_steps, before its budget is spent: leave it out. (A first
-    # round can hold one slow first step on both replicas: counted over the run.)
-    assert sum(fast[:-1]) > 1.5 * sum(slow[:-1]) and all(f >= s for f, s in zip(fast, slow, strict=True)), (fast, slow)
+    # The last sync comes when replica 0 reaches max_steps, before its budget is spent (it may have taken fewer
+    # steps than replica 1 since the sync before): leave it out. (A first round can hold one slow first step on both
+    # replicas: counted over the run.)
+    assert sum(fast[:-1]) > 1.5 * sum(slow[:-1]), (fast, slow)
+    # A round's checkpoint save (save_every_rounds 1) is timed in the next sync's budget, and replica 0 writes the
+    # model as well: after a save it can take a step fewer than replica 1 (measured once in 52 syncs).
+    assert sum(f >= s for f, s in zip(fast[:-1], slow[:-1], strict=True)) >= 0.9 * (len(fast) - 1), (fast, slow)
     for record, steps in zip(records, zip(fast, slow, strict=True), strict=True):
         members = record["members"]
         assert [m["replica"] for m in members] == [0, 1] and all(m["participated"] for m in members), record

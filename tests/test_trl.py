@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, accelerate_launch, env, free_port
+from helpers import REPO, accelerate_launch, cli, env, free_port
 from safetensors import safe_open
 
 from hf_diloco.hub import model_card
@@ -97,9 +97,8 @@ def test_what_trl_cannot_serve_is_refused_in_one_sentence(tmp_path, monkeypatch)
     """LoRA with tensor parallel inside a replica (for TRL's trainers as for DiLoCoTrainer: the plan names layers
     PEFT has wrapped), sync_ref_model, and TRL missing: one sentence each, and from the command line a non-zero exit
     and no traceback."""
-    result = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/sft-lora.yaml",
-                             "--tp_size", "2", "--replica_group_size", "2", "--output_dir", str(tmp_path / "out")],
-                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    result = cli("train", "--config", "recipes/sft-lora.yaml", "--tp_size", "2", "--replica_group_size", "2",
+                 "--output_dir", str(tmp_path / "out"))  # the command's own code, inside pytest
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hf-diloco: error: LoRA adapters cannot be split by tensor parallel inside a replica"), last
