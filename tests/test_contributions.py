@@ -30,6 +30,7 @@ from helpers import (
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
 from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.runs import accelerate_command
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 SETTINGS = ["--max_steps", "200", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
@@ -165,14 +166,13 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
 
 def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *extra: str,
                  replicas: int = 3) -> list[dict]:
-    """`replicas` on the torch backend, each reading its own slice (non_iid), started as `hf-diloco launch` starts
-    them (`accelerate launch ... -m hf_diloco.cli train`; the launch's own checks are tests/test_launch_checks.py's);
+    """`replicas` on the torch backend, each reading its own slice (non_iid), started by the command `hf-diloco
+    launch` runs (hf_diloco.runs.accelerate_command; the launch's own checks are tests/test_launch_checks.py's);
     its records."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ACCELERATE_CPU_4PROC), "--num_processes", str(replicas), "--main_process_port", str(free_port()),
-               "-m", "hf_diloco.cli", "train", "--config", "recipes/tiny-pretrain.yaml",
-               *SETTINGS, "--output_dir", str(out), "--eval_on_start", "false", "--save_every_rounds", "0",
-               "--data_sharding", "non_iid", "--dataset_name", str(data), *extra]
+    command = accelerate_command("recipes/tiny-pretrain.yaml", str(ACCELERATE_CPU_4PROC),
+                                 [*SETTINGS, "--output_dir", str(out), "--eval_on_start", "false",
+                                  "--save_every_rounds", "0", "--data_sharding", "non_iid", "--dataset_name", str(data),
+                                  *extra], port=free_port(), launch_args=["--num_processes", str(replicas)])
     result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK), **(hook or {})},
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
