@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, wait_for
+from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, replica_runs, wait_for
 from safetensors.torch import load_file
 
 from hf_diloco.metrics import read_sync_rounds
@@ -45,23 +45,24 @@ ROUNDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def all_layouts(tmp_path_factory) -> dict[tuple[str, str], tuple]:
+    """(layout, rounds) → (folder, every rank's record): the 2 x 2 run with FSDP2 ("fsdp") or DDP ("ddp") inside
+    each replica, for each kind of ROUNDS, trained in turn by the processes of one launch."""
+    folder = tmp_path_factory.mktemp("layouts")
+    settings = {f"{layout}-{rounds.split()[0]}": {**SETTINGS, **ROUNDS[rounds], **({"fsdp": True} if layout == "fsdp"
+                                                                                   else {})}
+                for rounds in ROUNDS for layout in ("fsdp", "ddp")}
+    ranks = replica_runs(folder, settings, config=ACCELERATE_CPU_4PROC, script="replica_run.py")
+    return {(name.split("-")[0], rounds): (folder / name, ranks[name])
+            for rounds in ROUNDS for name in settings if name.endswith(rounds.split()[0])}
+
+
 @pytest.fixture(scope="module", params=list(ROUNDS))
-def layouts(request, tmp_path_factory):
+def layouts(request, all_layouts):
     """The same 2 x 2 run twice, with fp32 syncs or streamed int4 with error feedback: FSDP2 inside each replica,
     and DDP inside."""
-    return request.param, {layout: run_once(tmp_path_factory, layout, request.param) for layout in ("fsdp", "ddp")}
-
-
-_runs: dict[tuple[str, str], tuple] = {}
-
-
-def run_once(tmp_path_factory, layout: str, rounds: str):
-    """(folder, every rank's record) of one 2 x 2 launch with FSDP2 ("fsdp") or DDP ("ddp") inside each replica and
-    the syncs of ROUNDS[rounds], launched the first time a test asks for it."""
-    if (layout, rounds) not in _runs:
-        tmp = tmp_path_factory.mktemp(f"{layout}-{rounds.split()[0]}")
-        _runs[layout, rounds] = (tmp, launch(tmp, **ROUNDS[rounds], **({"fsdp": True} if layout == "fsdp" else {})))
-    return _runs[layout, rounds]
+    return request.param, {layout: all_layouts[layout, request.param] for layout in ("fsdp", "ddp")}
 
 
 def test_sharded_replicas_end_where_ddp_inside_ends(layouts):
@@ -171,7 +172,7 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
     assert "2 replicas trained independently" in card
 
 
-def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_path_factory):
+def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_path_factory, all_layouts):
     """2 replicas of 4 processes (accelerate_configs/cpu-fsdp-tp-2x4.yaml: tensor parallel over 2, each piece
     sharded by FSDP2 over 2) against 2 replicas of 2 processes with DDP inside, fp32 syncs, four rounds, the same
     batches (a piece-set's two processes read one shard):
@@ -183,7 +184,7 @@ def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_
       same batches, the two piece-sets of a replica different ones."""
     tmp = tmp_path_factory.mktemp("fsdp-tp")
     ranks = launch(tmp, processes=8, config=ACCELERATE_CPU_FSDP_TP, replica_group_size=4)
-    ddp_tmp, ddp_ranks = run_once(tmp_path_factory, "ddp", "fp32")
+    ddp_tmp, ddp_ranks = all_layouts["ddp", "fp32"]
     split, whole = torch.load(tmp / "final.pt"), torch.load(ddp_tmp / "final.pt")
     assert set(split) == set(whole)
     worst = max((split[k] - whole[k]).abs().max().item() for k in whole)

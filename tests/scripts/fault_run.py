@@ -8,6 +8,7 @@ parameters just before the sync at step 4 and just after it.
 """
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,11 @@ class Poison(TrainerCallback):
         if state.global_step == 4:
             torch.save(snapshot(model), out / f"params{rank}-before.pt")
         if rank in sleep and state.global_step == sleep[rank][0]:
+            # A stalled process that the launcher's SIGTERM ends (the run's own handler would keep it to the round
+            # end, and the launcher would wait 30 s before its SIGKILL).
+            previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
             time.sleep(sleep[rank][1])
+            signal.signal(signal.SIGTERM, previous)
         if state.global_step in poison.get(rank, []):
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))

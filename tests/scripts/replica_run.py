@@ -208,8 +208,13 @@ def run(settings: dict) -> None:
 
 
 payload = json.loads(sys.argv[1])
+launched_with = dict(os.environ)
 for one in payload if isinstance(payload, list) else [payload]:
     run(one)
+    # Each run starts from the launch's environment: Trainer's FSDP2 set-up sets ACCELERATE_USE_FSDP for the process,
+    # which would make the next run's replicas read as sharded.
+    os.environ.clear()
+    os.environ.update(launched_with)
     gc.collect()  # the run's Trainer and model, held in reference cycles, go now, not during the next run's syncs
 # Leave as a launched hf-diloco worker does: gloo and FSDP2 threads torn down at interpreter exit can abort a
 # finished process (SIGABRT, "terminate called without an active exception").
