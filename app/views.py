@@ -4,7 +4,7 @@ Every function takes a `Run` (hf_diloco.runs) or what was read from its folder a
 status bar, pandas frames in long format and the Plotly figures drawn from them, rows for
 the tables, the tail of the log.
 
-Sources, all under the run's output folder: `sync_rounds.jsonl` (one record per DiLoCo sync), `progress.json`
+Sources, all under the run's output folder: `syncs.jsonl` (one record per DiLoCo sync), `progress.json`
 (step and phase, rewritten as the run trains, so progress moves between syncs), `trainer_log.jsonl` (what Trainer
 logs: the only source for a DDP baseline), `run_config.json`, `diloco_summary.json` and `run_metrics.json`
 (settings and totals).
@@ -89,7 +89,7 @@ def _replica_id(folder: Path) -> int:
 
 def replica_folders(run: Run | None) -> list[Path]:
     """The `replica-r` folders of a torchft run started with --replicas, lowest replica id first; [] for a run
-    whose output folder holds its own sync_rounds.jsonl (every other run)."""
+    whose output folder holds its own syncs.jsonl (every other run)."""
     return metrics.replica_folders(run.output_dir) if run is not None else []
 
 
@@ -103,9 +103,9 @@ def lead_folder(run: Run) -> Path:
 
 
 def read_rounds(run: Run | None) -> list[dict]:
-    """The run's sync records (a torchft run's merged over its replicas: `metrics.run_rounds`); a half-written
+    """The run's sync records (a torchft run's merged over its replicas: `metrics.run_syncs`); a half-written
     last line of a live run is skipped."""
-    return metrics.run_rounds(run.output_dir) if run is not None else []
+    return metrics.run_syncs(run.output_dir) if run is not None else []
 
 
 def read_progress(run: Run | None) -> dict:
@@ -249,7 +249,8 @@ def status_html(run: Run | None) -> str:
         codec = last.get("compression", "none")
         ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
         if is_torchft(last):
-            present = f"{last.get('participants', MISSING)} of {len(last['members']) if 'members' in last else MISSING}"
+            listed = len(last["replicas"]) if "replicas" in last else MISSING
+            present = f"{last.get('participants', MISSING)} of {listed}"
         else:
             present = last.get("num_replicas", MISSING)
         # With streaming fragments a record is one fragment's sync: the round count is of whole rounds.
@@ -276,7 +277,7 @@ def status_html(run: Run | None) -> str:
 
 
 def is_torchft(record: dict) -> bool:
-    """A torchft sync's record: its members are a quorum's, with a vote (a torch record's are every replica)."""
+    """A torchft sync's record: its participants are a quorum's, with a vote (a torch record's are every replica)."""
     return record.get("outer_backend") == "torchft"
 
 
@@ -488,7 +489,7 @@ def round_rows(rounds: list[dict]) -> pd.DataFrame:
         return "" if fragments == 1 else "all" if len(ids) == fragments else ",".join(map(str, ids))
 
     def per_replica(r: dict, key: str, shown=str) -> str:  # each replica's steps or tokens since its last sync,
-        rows = sorted(r.get("members", []), key=lambda m: m["replica"])  # where they differ (– : absent)
+        rows = sorted(r.get("replicas", []), key=lambda m: m["replica"])  # where they differ (– : absent)
         if len({m.get(key) for m in rows if m.get("participated")}) < 2 and all(m.get("participated")
                                                                                for m in rows):
             return ""
@@ -535,7 +536,7 @@ def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
     for outage in state.get("outages", []):
         after = outage.get("after_sync", outage.get("after_round", 0))  # after_round: launches before the rename
         back = next((sync_number(r) for r in torchft if sync_number(r) > after and any(
-            m["replica"] == replica and (m.get("participated") or m.get("excluded")) for m in r.get("members", []))),
+            m["replica"] == replica and (m.get("participated") or m.get("excluded")) for m in r.get("replicas", []))),
             None)
         for r in torchft:
             if sync_number(r) > after and (back is None or sync_number(r) < back):
@@ -548,14 +549,14 @@ def membership_rows(rounds: list[dict], replicas: int = 0, states: list[dict] = 
     cell per replica (at least `replicas` of them, the run's count); `states` (replicas.json) tells a replica whose
     process was down from one that was only late. Empty for any other run."""
     torchft = [r for r in rounds if is_torchft(r)]
-    ids = {m["replica"] for r in torchft for m in r.get("members", [])}
+    ids = {m["replica"] for r in torchft for m in r.get("replicas", [])}
     columns = [f"replica {i}" for i in range(max([replicas, *(i + 1 for i in ids)]))] if torchft else []
     down = {state["replica"]: _down_rounds(state, torchft) for state in states if "replica" in state}
     rows = []
     for r in reversed(torchft):
-        members = {m["replica"]: m for m in r.get("members", [])}
+        by_replica = {m["replica"]: m for m in r.get("replicas", [])}
         rows.append([r["round"], r["step"], r.get("participants"), "yes" if r.get("committed", True) else "no",
-                     *(member_cell(members.get(i), down.get(i, {}).get(sync_number(r), ""))
+                     *(member_cell(by_replica.get(i), down.get(i, {}).get(sync_number(r), ""))
                        for i in range(len(columns)))])
     return pd.DataFrame(rows, columns=MEMBERSHIP_COLUMNS + columns)
 
@@ -568,7 +569,7 @@ def replica_rows(run: Run | None) -> pd.DataFrame:
     folders = {_replica_id(f): f for f in replica_folders(run)}
     for state in read_replica_states(run):
         replica = state.get("replica")
-        records = metrics.read_sync_rounds(folders[replica]) if replica in folders else []
+        records = metrics.read_syncs(folders[replica]) if replica in folders else []
         shown = {"running": "running", "finished": "finished", "ended": "ended (started after the run was over)",
                  "exited": f"exited (status {state.get('exit_code')}, no restart left)"}.get(state.get("state"), "")
         if state.get("state") == "rejoining":

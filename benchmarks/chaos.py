@@ -43,7 +43,7 @@ from common import REPO, markdown_table, pyplot, run_env, save, skip
 from netns import NamespaceError, star
 
 sys.path.insert(0, str(REPO))
-from hf_diloco.metrics import read_summary, read_sync_rounds, run_rounds  # noqa: E402
+from hf_diloco.metrics import read_summary, read_syncs, run_syncs  # noqa: E402
 
 REPLICAS = 3
 TORCHFT_RECIPE = REPO / "recipes" / "torchft-3.yaml"
@@ -54,7 +54,7 @@ SLOW_RATE = 1_000_000
 
 
 def committed(folder: Path) -> list[dict]:
-    return [r for r in run_rounds(folder) if r.get("committed", True)]
+    return [r for r in run_syncs(folder) if r.get("committed", True)]
 
 
 def training_pid(folder: Path, replica: int) -> int | None:
@@ -154,7 +154,7 @@ def run(network, folder: Path, overrides: list[str], plan: list[tuple[float, str
             network.cut(r, False)
     rounds = committed(folder)
     summary = read_summary(folder / "replica-0")
-    own = read_sync_rounds(folder / "replica-0")
+    own = read_syncs(folder / "replica-0")
     budgets = [r["sync_delay_auto"]["budget_seconds"] for r in own if "budget_seconds" in r.get("sync_delay_auto", {})]
     return {"codes": codes, "wall_seconds": wall, "rounds": len(rounds), "tokens": sum(r["tokens"] for r in rounds),
             "eval_loss": summary.get("eval_loss_final"), "digests": [model_digest(folder / f"replica-{r}")

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this tree's hf_diloco, whichever the environment has installed
 from hf_diloco.files import read_json  # noqa: E402
 from hf_diloco.launch import free_port  # noqa: E402, F401  (the benchmarks' rendezvous ports)
-from hf_diloco.metrics import read_summary, read_sync_rounds  # noqa: E402
+from hf_diloco.metrics import read_summary, read_syncs  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-pretrain.yaml"
 RESULTS = REPO / "benchmarks" / "results"
@@ -231,7 +231,7 @@ def read_run(output_dir: Path) -> dict:
     result = {"metrics": read_json(output_dir / "run_metrics.json")}
     summary = read_summary(output_dir)
     if summary:
-        result["summary"], result["rounds"] = summary, read_sync_rounds(output_dir)
+        result["summary"], result["rounds"] = summary, read_syncs(output_dir)
     return result
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers import corrupted_corpora  # noqa: E402  (the corrupted copies the tests read)
 
 from hf_diloco.launch import free_port
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 WORK = Path("/tmp/hf-diloco-bench-contributions")
@@ -61,7 +61,7 @@ def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str
     (`--resume`)."""
     if (out / "diloco_summary.json").exists():
         print(f"  {out.name}: read back", flush=True)
-        return read_sync_rounds(out)
+        return read_syncs(out)
     steps = rounds * H
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/tiny-pretrain.yaml", "--accelerate-config",
                "accelerate_configs/cpu-4proc.yaml", "--num_processes", "3", "--port", str(free_port()), "--",
@@ -76,7 +76,7 @@ def launch(out: Path, data: Path, rounds: int, hook: dict[str, str], checks: str
     if result.returncode != 0:
         raise SystemExit(f"benchmark run failed: {' '.join(command)}\n{result.stderr[-3000:]}")
     print(f"  {out.name}: {time.time() - started:.0f} s", flush=True)
-    return read_sync_rounds(out)
+    return read_syncs(out)
 
 
 def evals(records: list[dict]) -> dict[int, float]:
@@ -140,7 +140,7 @@ def main() -> None:
             sent[checks] = statistics.median(r["bytes_per_replica"] for r in records)
             if checks == "exclude":  # false alarms: contributions of a clean run left out
                 false_alarms += sum(len(r["excluded"]) for r in records)
-                clean_contributions += sum(len(r["members"]) for r in records)
+                clean_contributions += sum(len(r["replicas"]) for r in records)
     extra = sent["exclude"] - sent["off"]
     cost = [["bytes a replica sends per sync", f"{sent['exclude']:,.0f}", f"{sent['off']:,.0f}", f"{extra:+,.0f}"],
             ["seconds a sync keeps the inner loop waiting", show(spread(waits["exclude"]), "{:.4f}"),

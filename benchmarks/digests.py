@@ -5,9 +5,9 @@ the way users launch it (`accelerate launch ... -m hf_diloco.cli train`, or `hf_
 for torchft), one run at a time. Per case the JSON holds:
 
 - param_digest: SHA-256 of the final saved model's parameters (benchmarks/common.py `parameter_hash`, copied);
-- records_digest: SHA-256 of every record of `<output_dir>/sync_rounds.jsonl` (torchft: of each replica's, in
-  replica order) with the wall-clock keys removed at every depth (TIMING_KEYS and any key ending in "seconds",
-  see `deterministic_view`), serialised as canonical JSON (sorted keys);
+- records_digest: SHA-256 of every record of `<output_dir>/syncs.jsonl` (sync_rounds.jsonl before; torchft: of each
+  replica's, in replica order) with the wall-clock keys removed at every depth (TIMING_KEYS and any key ending in
+  "seconds", see `deterministic_view`), serialised as canonical JSON (sorted keys);
 - bytes_per_replica: the sum of the records' bytes_per_replica (and the summary's, and the startup bytes);
 - records: the number of records; record_keys: every key seen (nested ones as parent.child); hashed_keys: those
   that went into the digest; excluded_keys: those left out;
@@ -199,7 +199,9 @@ def training_pid(out: Path, replica: int) -> int | None:
 
 
 def read_records(folder: Path) -> list[dict]:
-    path = folder / "sync_rounds.jsonl"
+    path = folder / "syncs.jsonl"
+    if not path.exists():
+        path = folder / "sync_rounds.jsonl"  # the file's name before syncs.jsonl
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -242,7 +244,7 @@ def run_case(name: str, repo: Path, work: Path) -> dict:
 def trained_in(record: dict, replica: int) -> bool:
     """Whether `replica` contributed to this round: a participating member with a weight (a healing one has 0)."""
     return any(m.get("replica") == replica and m.get("participated", True) and m.get("weight", 1) > 0
-               for m in record.get("members", []))
+               for m in record.get("replicas", record.get("members", [])))
 
 
 def kill_replica_1(process: subprocess.Popen, out: Path, log: Path) -> dict:
@@ -289,8 +291,10 @@ def deterministic_view(value, path: str = "", hashed: set | None = None, exclude
 
 # Record keys renamed when a sync and a round got separate names: a record is hashed under the older names, so
 # digests taken before and after compare. Before, `round` held what `sync` holds now (the sync's number); the
-# whole round it belongs to, ceil(sync / F), was not recorded.
-RENAMED_KEYS = {"sync": "round", "sync_steps": "round_steps", "agreement_sync": "agreement_round"}
+# whole round it belongs to, ceil(sync / F), was not recorded. `replicas` (a row per replica of the sync) was
+# `members`, a name that now means the processes of one replica.
+RENAMED_KEYS = {"sync": "round", "sync_steps": "round_steps", "agreement_sync": "agreement_round",
+                "replicas": "members"}
 
 
 def under_older_names(record: dict) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 from common import RECIPE, REPO, free_port, markdown_table, pyplot, run_env, save, skip
 
-from hf_diloco.metrics import read_summary, run_rounds
+from hf_diloco.metrics import read_summary, run_syncs
 
 REPLICAS = 3
 VARIANTS = {
@@ -74,8 +74,8 @@ class Killer(threading.Thread):
     def run(self) -> None:
         target = self.every
         while not self.done.is_set() and target < self.total:
-            rounds = run_rounds(self.folder)
-            members = rounds[-1].get("members", []) if rounds else []
+            rounds = run_syncs(self.folder)
+            members = rounds[-1].get("replicas", []) if rounds else []
             present = not members or {"replica": 2, "participated": False} not in members
             if rounds and rounds[-1]["round"] >= target and present:
                 pid = pid_of_replica(self.folder, self.backend, 2)
@@ -128,7 +128,7 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
     wall = time.perf_counter() - started
     if code != 0:
         sys.exit(f"goodput: the {backend} {scenario} run failed (exit {code}); its output is above.")
-    rounds = run_rounds(folder)
+    rounds = run_syncs(folder)
     lead = folder if backend == "torch" else folder / "replica-0"
     summary = read_summary(lead)
     sent = [r["bytes_per_replica"] for r in rounds if r.get("committed", True) and r["bytes_per_replica"]]

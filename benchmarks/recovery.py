@@ -25,7 +25,7 @@ import psutil
 from common import RECIPE, REPO, markdown_table, run_env, save, show, spread
 
 from hf_diloco.files import read_json
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 from hf_diloco.runs import PROGRESS_FILE
 
 CONFIG = REPO / "accelerate_configs" / "cpu-2proc.yaml"
@@ -76,7 +76,7 @@ def one_launch(folder: Path, steps: int, inner: int, kill_at: int | None) -> dic
     wall = time.perf_counter() - started
     if process.returncode != 0:
         sys.exit(f"recovery: the launch failed (exit {process.returncode}).")
-    rounds = read_sync_rounds(folder)
+    rounds = read_syncs(folder)
     resumed = [r for r in rounds if r.get("resumed_from")]
     return {"wall_seconds": wall, "killed": killed_at is not None,
             "steps_lost": resumed[0]["steps_lost"] if resumed else None, "resumed_after_seconds": resumed_after}

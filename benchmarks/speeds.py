@@ -31,14 +31,14 @@ about as many syncs (the same budget). `--period-ms` sets the CFS period the quo
 Capacity = the sum over replicas of each one's solo rate under its own quota: each distinct quota (60%, 20%) runs
 once alone first (1 process, the same task and flags), rate = its tokens ÷ its loop time over the rounds after the
 first (the first step's warm-up left out: capacity is what a replica sustains). Per run, from replica 0's own
-records (sync_rounds.jsonl of the run, or of replica-0 on torchft):
-- loop seconds: replica 0's time in the training loop, Σ (its inner-step seconds, from its row of `members`, + its
+records (syncs.jsonl of the run, or of replica-0 on torchft):
+- loop seconds: replica 0's time in the training loop, Σ (its inner-step seconds, from its row of `replicas`, + its
   blocked seconds); start-up and the final evaluation are left out, as they are of the solo rates;
 - goodput = tokens merged into the final model (Σ `tokens` of the committed syncs) ÷ (loop seconds × capacity).
   Physics bounds it by 100%; a row above 103% is flagged;
 - replica 0 blocked: its blocked seconds (all the time its loop waited for syncs: arrival of the others, the
   exchange, the outer step; torchft: the quorum too) ÷ its loop seconds;
-- waited, worst replica: the largest over replicas of Σ `waited_seconds` of its rows of `members` (torch: how long
+- waited, worst replica: the largest over replicas of Σ `waited_seconds` of its rows of `replicas` (torch: how long
   before the last replica it arrived at each sync; torchft: the time it spent forming the quorum) ÷ replica 0's
   loop seconds;
 - eval loss at the end (held-out blocks), tokens, syncs.
@@ -61,7 +61,7 @@ import psutil
 from common import Processes, markdown_table, run_env, save, show, skip, spread, spread_bars, train_command
 
 from hf_diloco.files import read_json
-from hf_diloco.metrics import read_summary, read_sync_rounds, run_rounds
+from hf_diloco.metrics import read_summary, read_syncs, run_syncs
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 QUOTAS = (0.6, 0.6, 0.2)  # of one core, for ranks 0, 1, 2
@@ -212,7 +212,7 @@ def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGrou
 
 
 def own_row(record: dict, replica: int = 0) -> dict:
-    return next(m for m in record["members"] if m["replica"] == replica)
+    return next(m for m in record["replicas"] if m["replica"] == replica)
 
 
 def loop_seconds(records: list[dict]) -> float:
@@ -224,8 +224,8 @@ def loop_seconds(records: list[dict]) -> float:
 def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (), capacity_lost: float = 0.0) -> dict:
     """`slowed`: [from, to] (Unix time) in which the capacity was `capacity_lost` lower (a quota drop)."""
     lead = folder if backend == "torch" else folder / "replica-0"
-    own = read_sync_rounds(lead)
-    merged = [r for r in run_rounds(folder) if r.get("committed", True)]
+    own = read_syncs(lead)
+    merged = [r for r in run_syncs(folder) if r.get("committed", True)]
     loop = loop_seconds(own)
     if slowed:  # the share of replica 0's loop window spent slowed lowers the capacity by that share
         began = own[0]["time"] - own_row(own[0])["compute_seconds"] - own[0]["blocked_seconds"]
@@ -234,15 +234,15 @@ def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (
     tokens = sum(r["tokens"] for r in merged)
     waited: dict[int, float] = {}
     for r in merged if backend == "torch" else [x for i in range(len(QUOTAS))
-                                                 for x in read_sync_rounds(folder / f"replica-{i}")]:
-        for m in r["members"]:
+                                                 for x in read_syncs(folder / f"replica-{i}")]:
+        for m in r["replicas"]:
             if m.get("participated") and (backend == "torch" or m["replica"] == r["replica"]):
                 waited[m["replica"]] = waited.get(m["replica"], 0.0) + m["waited_seconds"]
     return {"tokens": tokens, "loop_seconds": loop, "goodput": tokens / (loop * capacity), "capacity": capacity,
             "blocked_share_0": sum(r["blocked_seconds"] for r in own) / loop,
             "waited_share_worst": max(waited.values()) / loop, "waited_seconds": waited,
             "eval_loss": read_summary(lead).get("eval_loss_final"), "syncs": len(merged),
-            "replica_steps": [[m.get("steps") for m in r["members"]] for r in merged]}
+            "replica_steps": [[m.get("steps") for m in r["replicas"]] for r in merged]}
 
 
 def main() -> None:
@@ -293,7 +293,7 @@ def main() -> None:
                 launch(tmp / f"solo-{quota}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
                                                   str(INNER_STEPS), "--eval_steps", str(solo_steps)],
                        groups, solo_rank=0)
-                records = read_sync_rounds(tmp / f"solo-{quota}")[1:]  # the first holds the first step's warm-up
+                records = read_syncs(tmp / f"solo-{quota}")[1:]  # the first holds the first step's warm-up
                 loop = loop_seconds(records)
                 solo[quota] = {"tokens_per_second": sum(r["tokens"] for r in records) / loop,
                                "seconds_per_step": loop / sum(r["sync_steps"] for r in records)}

@@ -59,7 +59,7 @@ class SyncStart:
     finite: bool = True  # this replica's own parameters were finite when the sync started
     joining: bool = False  # the sync before this replica's first inner step
     stop_requested: bool = False  # a participant asked to stop (known before the collectives)
-    members: list[dict] = field(default_factory=list)  # one row per participant (torchft)
+    participants: list[dict] = field(default_factory=list)  # one membership row per participant (torchft)
     quorum_seconds: float = 0.0  # time spent forming the quorum (blocked time)
     extra_bytes: int = 0  # bytes of the membership exchange, beside the sync's own
     error: str | None = None  # why the quorum failed, when it did
@@ -181,7 +181,7 @@ class FixedGroup:
         moved = min(agreed.step + agreed.delay, self.max_steps)
         if moved > step:
             self.continue_at_step(moved)
-        if record:  # its members' rows (records.members) hold each replica's steps, tokens and weight
+        if record:  # its replica rows (records.replica_rows) hold each replica's steps, tokens and weight
             record.update(step=max(step, moved), sync=self.syncs, round=self.schedule.round_of(self.syncs))
             if moved != agreed.step:
                 record["launch_step"] = agreed.step

@@ -188,7 +188,7 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
     print("\nhf-diloco demo: what happened")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    print(f"  per sync: {output_dir / 'sync_rounds.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
+    print(f"  per sync: {output_dir / 'syncs.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------

@@ -79,10 +79,17 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret a uint8 slice as `dtype` values (copied first when the slice is not aligned for them)."""
+    """Reinterpret a uint8 slice as `dtype` values (copied first when the slice is not aligned for them: its start,
+    or the stride of a row, which PyTorch leaves as it was for a slice of one row that it calls contiguous).
+
+    >>> rows = torch.zeros(1, 7, dtype=torch.uint8)   # one replica's gathered bytes: 3 of body, then a float32
+    >>> from_bytes(rows[:, 3:].contiguous(), torch.float32).shape
+    torch.Size([1, 1])
+    """
     size = torch.empty((), dtype=dtype).element_size()
-    if not payload.is_contiguous() or payload.storage_offset() % size:
-        payload = payload.clone()
+    if not payload.is_contiguous() or payload.storage_offset() % size or \
+            any(payload.stride(d) % size for d in range(payload.dim() - 1)):
+        payload = payload.clone(memory_format=torch.contiguous_format)
     return payload.view(dtype)
 
 

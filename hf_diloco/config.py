@@ -365,7 +365,7 @@ class DiLoCoConfig(TrainingArguments):
         if self.include_num_input_tokens_seen not in (False, "no", None):
             raise ConfigError(
                 "include_num_input_tokens_seen gathers a token count from every replica at every step, which DiLoCo "
-                "forbids; leave it off (tokens per round are reported in sync_rounds.jsonl instead)."
+                "forbids; leave it off (tokens per round are reported in syncs.jsonl instead)."
             )
         if not self.use_cpu and _launched_on_cpu_only():
             # Under `accelerate launch --multi_gpu` on a machine without GPUs, TrainingArguments would otherwise

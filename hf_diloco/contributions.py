@@ -212,7 +212,7 @@ class ContributionChecks:
         record["excluded"] = listed if excluding else []
         if not excluding and listed:
             record["flagged"] = listed
-        for member in record.get("members", []):
+        for member in record.get("replicas", []):
             reason = verdicts.get(member.get("replica"))
             if reason is not None and excluding:
                 member.update(participated=False, weight=0.0, excluded=reason)
@@ -221,7 +221,7 @@ class ContributionChecks:
             if not record["non_finite_replicas"]:
                 del record["non_finite_replicas"]
         lines = []
-        present = {m.get("replica") for m in record.get("members", [])} or set(verdicts)
+        present = {m.get("replica") for m in record.get("replicas", [])} or set(verdicts)
         for replica in present | set(self.streaks):
             self.streaks[replica] = self.streaks.get(replica, 0) + 1 if replica in verdicts else 0
             if excluding and self.streaks[replica] == self.faulty_after:

@@ -1,4 +1,4 @@
-"""The round engine: every sync of every backend is `launch`, then `land`.
+"""The sync engine: every sync of every backend is `launch`, then `land`.
 
     launch(step)   the backend says who takes part (torch: every replica; torchft: the quorum, its weights, a heal);
                    the due fragments' pseudo-gradients go into their exchange (hf_diloco.outer.exchange)
@@ -13,6 +13,8 @@ each replica runs a joining sync: the backend makes the replicas start from iden
 check and a broadcast where they differ; torchft: the quorum, where a late replica heals).
 
 Who decides what (the engine only sequences them):
+    fragments  each fragment's base θ, residual, sync in flight, last sync, what its Δ_i covers
+                                                                                     hf_diloco.fragments.Fragment
     schedule   which fragment is due at which step, with what τ                      hf_diloco.schedule.Schedule
     tuner      auto H, auto τ, where the staggered end falls                         hf_diloco.tuner.Tuner
     backend    who takes part, with what weight, the vote, healing                   hf_diloco.backends
@@ -40,6 +42,7 @@ from .backends import FixedGroup, SyncStart
 from .checkpoints import load_replica_state, replica_state
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
+from .fragments import Fragment, outer_state_and_fragments, since_base
 from .gate import Gate
 from .health import Health
 from .kinds import SyncKinds
@@ -47,7 +50,6 @@ from .outer import (
     Exchange,
     OuterState,
     SyncResult,
-    assign_fragments,
     is_finite,
     land,
     pseudo_gradients,
@@ -139,35 +141,6 @@ class Progress:
 
 
 @dataclass
-class Fragment:
-    """One streaming fragment (the whole model when num_fragments is 1): the buckets of θ_global it owns (its
-    base), its error-feedback residuals (kept under those buckets' keys), `size`, the values it syncs, and what its
-    Δ_i covers: the inner steps and Σ η since its base moved (a rolled-back torchft sync's steps count on; with α
-    > 0, α of them stay), before the sync in flight (`covered`) and with the sync launched last (`at_launch`)."""
-
-    index: int
-    buckets: list[int]
-    size: int
-    covered: tuple[float, float] = (0, 0.0)
-    at_launch: tuple[float, float] = (0, 0.0)
-
-    def launched(self, steps: int, lr_sum: float) -> None:
-        """A sync was launched after `steps` inner steps of Σ η `lr_sum` since the previous launch."""
-        self.at_launch = (self.covered[0] + steps, self.covered[1] + lr_sum)
-
-    def settled(self, synced: bool, alpha: float, fresh: bool = False) -> None:
-        """The sync launched last was decided: if it carried this fragment and committed, the base moved and α of
-        the replica's own progress stays in its parameters; else its Δ_i covers those steps too. `fresh`: the
-        replica took θ_global (it joined, healed, or was left out), so its Δ_i covers nothing yet."""
-        if fresh:
-            self.covered = (0, 0.0)
-        elif synced:
-            self.covered = (self.at_launch[0] * alpha, self.at_launch[1] * alpha)
-        else:
-            self.covered = self.at_launch
-
-
-@dataclass
 class Flight:
     """A launched sync, until it lands: blocking (`start` and `exchange` made at launch) or overlapped (`future`
     runs the backend's start and the exchange in the background)."""
@@ -196,22 +169,12 @@ def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFee
                       step=step, boundary_wanted=boundary_wanted)
 
 
-def outer_state_and_fragments(args: DiLoCoConfig, named: list[tuple[str, torch.nn.Parameter]]
-                              ) -> tuple[OuterState, list[Fragment]]:
-    """θ_global and the outer optimizer over the replica's trainable parameters, cut into buckets, and the streaming
-    fragments over those buckets (every fragment syncs something, or ConfigError says why not)."""
-    try:
-        assigned = assign_fragments([name for name, _ in named], args.num_fragments, args.fragment_pattern)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    outer = OuterState(
-        [p for _, p in named], lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
-        optimizer=args.outer_optimizer, offload=args.offload_outer_state, momentum_delay=args.outer_momentum_delay,
-        delayed_scale=args.outer_delayed_scale, bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)),
-        fragments=assigned)
-    fragments = [Fragment(f, buckets, sum(outer.full_numels[i] for b in buckets for i in outer.buckets[b]))
-                 for f, buckets in enumerate(outer.fragment_buckets)]
-    return outer, fragments
+def outer_settings(args: DiLoCoConfig) -> dict:
+    """OuterState's settings from the configuration."""
+    return dict(lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
+                optimizer=args.outer_optimizer, offload=args.offload_outer_state,
+                momentum_delay=args.outer_momentum_delay, delayed_scale=args.outer_delayed_scale,
+                bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)))
 
 
 class SyncEngine:
@@ -268,16 +231,20 @@ class SyncEngine:
         backend, and what a resumed replica kept (its residuals, its parameters, the schedule's decisions)."""
         args = self.args
         self.max_steps = max_steps
-        self.outer, self.fragments = outer_state_and_fragments(args, named)
         if args.error_feedback:
             self.feedback = ErrorFeedback(args.error_feedback_decay, "cpu" if args.offload_outer_state
                                           else self.trainer.comm.device)
+        try:
+            self.outer, self.fragments = outer_state_and_fragments(named, args.num_fragments, args.fragment_pattern,
+                                                                   self.feedback, **outer_settings(args))
+        except ValueError as error:  # a fragment that would sync nothing, named
+            raise ConfigError(str(error)) from None
         self.backend = make_backend(args, self.trainer.comm, self.outer, self.feedback, self.schedule, max_steps,
                                     resumed=outer_state is not None, continue_at_step=self.continue_at_step,
                                     step=step, boundary_wanted=self.boundary_wanted)
         self.comm = self.backend.comm
-        self.kinds = SyncKinds(self.outer, self.comm, self.backend, self.codec, self.feedback,
-                               [f.buckets for f in self.fragments], self.gate, [f.size for f in self.fragments])
+        self.kinds = SyncKinds(self.outer, self.comm, self.backend, self.codec, self.feedback, self.fragments,
+                               self.gate)
         # FSDP2's row cuts tell each member which values it syncs; a tensor-parallel member syncs what it holds.
         self.comm.describe_buckets(None if args.tensor_parallel else self.outer.bucket_shapes(),
                                    self.outer.repeated_spans(self.comm.member % args.tp_size)
@@ -348,12 +315,12 @@ class SyncEngine:
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         checking = self.gate.checking(joining, self.comm.num_replicas)
         for fragment in self.fragments:
-            fragment.launched(self.progress.steps, self.progress.lr_sum)
+            fragment.launch(step, self.progress.steps, self.progress.lr_sum, carried=fragment.index in fragments)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             buckets = self.kinds.buckets(fragments)
             deltas = snapshot(self.outer, self.comm, buckets)
             if checking:
-                local["checks"] = self.gate.row(self.comm, buckets, deltas, self._since_base(fragments))
+                local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, fragments))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
             flight.future = self.executor.submit(self.kinds.in_background, step, max_steps, local, fragments,
@@ -366,18 +333,13 @@ class SyncEngine:
         if checking:
             buckets = self.kinds.buckets(fragments)
             local["checks"] = self.gate.row(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
-                                            self._since_base(fragments), with_loss=True)
+                                            since_base(self.fragments, fragments), with_loss=True)
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         with self.comm.rendezvous.naming_the_absent(step):
             flight.start = self.kinds.judge(flight.start, local)
             flight.exchange_began = time.perf_counter()
             flight.exchange = self.kinds.blocking(flight.start, stats, checking)
         return flight
-
-    def _since_base(self, fragments: list[int]) -> tuple[float, float]:
-        """The inner steps Δ_i of `fragments` covers and the sum of their learning rates (the fragment whose base
-        is oldest): since each fragment last synced, whatever syncs of other fragments came between."""
-        return max((self.fragments[f].at_launch for f in fragments), default=(0, 0.0))
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
         """Finish `flight` at `step`, whatever its kind: wait for its exchange if it ran in the background (the time
@@ -466,7 +428,8 @@ class SyncEngine:
         record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
         fresh = restart or start.joining or (result.committed and self.backend.replica in start.excluded)
         for fragment in self.fragments:  # fresh: the replica starts from θ_global
-            fragment.settled(result.committed and fragment.index in start.fragments, self.args.fragment_alpha, fresh)
+            fragment.land(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
+                          fresh)
         if restart:
             self.outer.copy_global_to_replica()
         lines = self.gate.record(start.excluded, record) if record and not start.empty else []

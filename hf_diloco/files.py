@@ -3,7 +3,7 @@
     read_json(path, default)    a JSON file of a run folder (run.json, progress.json, stopped.json, replicas.json,
                                 run_config.json, diloco_summary.json, ...)
     write_json(path, value)     written whole: a temporary file renamed over the old one
-    read_jsonl(path)            the records of a JSON-lines log (sync_rounds.jsonl, trainer_log.jsonl): every whole
+    read_jsonl(path)            the records of a JSON-lines log (syncs.jsonl, trainer_log.jsonl): every whole
                                 line; a damaged one is skipped with one warning naming it
     append_jsonl(path, value)   one record more, on a line of its own even after a writer killed mid-line
     replace_text(path, text)    a file rewritten whole, as write_json writes

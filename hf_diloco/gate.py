@@ -64,8 +64,8 @@ class Gate:
         if "checks" not in local or start.empty or start.joining:
             return start
         sent = 0
-        if start.members:
-            rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.members}
+        if start.participants:
+            rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.participants}
         else:
             table, sent = comm.control.replica_rows(local["checks"])
             rows = {r: table[r].tolist() for r in range(table.shape[0])}

@@ -16,7 +16,7 @@ Design choices:
 - A run that did not finish (stopped on request, failed, or still short of max_steps) is pushed only when the
   caller says so (`allow_unfinished`, `--allow-unfinished`, a tick in the app), and its card says how it ended.
 - A torchft launch (`hf-diloco launch --replicas N`) keeps each replica in `replica-r/`: the card counts the
-  launch's replicas and the rounds committed by any of them, as the app does (`metrics.run_rounds`).
+  launch's replicas and the rounds committed by any of them, as the app does (`metrics.run_syncs`).
 - Nothing private leaves: a local model or dataset is named by its base name only, in the card and in every pushed
   file (`public_name`): run_config.json's settings, and the `*name_or_path` of a model, tokenizer or adapter config
   (peft records its base model's path). A local path is never listed in the card's `datasets`/`base_model`
@@ -38,7 +38,15 @@ from pathlib import Path
 
 from .errors import ConfigError, DamagedFile, first_line
 from .files import read_json
-from .metrics import SYNC_ROUNDS_FILE, launch_folder, outer_rounds, read_summary, replica_folders, run_rounds
+from .metrics import (
+    EARLIER_SYNCS_FILE,
+    SYNCS_FILE,
+    launch_folder,
+    outer_rounds,
+    read_summary,
+    replica_folders,
+    run_syncs,
+)
 from .runs import PROGRESS_FILE, RUN_FILE, STOPPED_FILE
 
 CARD_FILE = "README.md"
@@ -49,7 +57,7 @@ RUN_CONFIG_FILE = "run_config.json"
 MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                   "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja")
-RUN_FILES = (SYNC_ROUNDS_FILE, RUN_CONFIG_FILE)
+RUN_FILES = (SYNCS_FILE, EARLIER_SYNCS_FILE, RUN_CONFIG_FILE)  # a run of an earlier version: its records, as named
 PRESET_PREFIXES = ("tiny-llama", "llama-")
 TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}  # trainer: what the card says ran the inner loop
 
@@ -208,7 +216,7 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     syncs), in the colours the app draws them with: replica i PALETTE[i], held-out loss black."""
     from .metrics import PALETTE, SERIES_COLORS, replica_losses
 
-    rounds = run_rounds(launch_folder(output_dir))
+    rounds = run_syncs(launch_folder(output_dir))
     if not rounds:
         return None
     import matplotlib
@@ -322,7 +330,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     processes = settings.get("num_processes")
     group = diloco.get("replica_group_size", 1)
     root = launch_folder(output_dir)
-    rounds = run_rounds(root)
+    rounds = run_syncs(root)
     if root != output_dir:  # one replica of a torchft launch: count the launch's replicas
         replicas = len(replica_folders(root))
     else:
@@ -378,7 +386,7 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
             lines.append(f"| {key} | {shown} |")
     if curve and rounds:
         lines += ["", "## Training curve", "", f"![training curve]({CURVE_FILE})"]
-        lines += ["", "Per-sync metrics are in `sync_rounds.jsonl`."]
+        lines += ["", "Per-sync metrics are in `syncs.jsonl`."]
     lines.append("")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 

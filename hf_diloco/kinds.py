@@ -17,31 +17,33 @@ import torch
 
 from .backends import SyncStart
 from .codecs import Codec, ErrorFeedback
+from .fragments import Fragment
 from .gate import Gate
 from .outer import Exchange, OuterState, StatsFn, SyncResult, exchange, is_finite, pseudo_gradients
 
 
 class SyncKinds:
-    """The exchanges of one replica's syncs over `outer`'s buckets, grouped by `fragment_buckets` (a fragment's
+    """The exchanges of one replica's syncs over `outer`'s buckets, grouped by `fragments` (each fragment's
     buckets), with the backend's `comm`, the codec and its residuals; `gate` judges the contributions once the
     backend's start says who takes part."""
 
     def __init__(self, outer: OuterState, comm, backend, codec: Codec | None, feedback: ErrorFeedback | None,
-                 fragment_buckets: list[list[int]], gate: Gate, fragment_sizes: list[int]):
+                 fragments: list[Fragment], gate: Gate):
         self.outer, self.comm, self.backend, self.codec, self.feedback = outer, comm, backend, codec, feedback
-        self.fragment_buckets, self.gate, self.fragment_sizes = fragment_buckets, gate, fragment_sizes
+        self.fragments, self.gate = fragments, gate
 
     def buckets(self, fragments: list[int]) -> list[int]:
-        return [b for f in fragments for b in self.fragment_buckets[f]]
+        """The buckets of the `fragments` a sync carries, in their order."""
+        return [b for f in fragments for b in self.fragments[f].buckets]
 
     def judge(self, start: SyncStart, local: dict) -> SyncStart:
         """`start` with the gate's verdict on this sync's contributions (hf_diloco.gate)."""
-        return self.gate.judge(start, local, self.comm, sum(self.fragment_sizes[f] for f in start.fragments),
+        return self.gate.judge(start, local, self.comm, sum(self.fragments[f].size for f in start.fragments),
                                self.backend.replica)
 
     def vote_only(self, start: SyncStart) -> Exchange:
         """The exchange of a sync that carries nothing (every participant joins): the vote alone."""
-        return Exchange([], [], SyncResult(weights=[0.0] * max(1, len(start.members)), committed=self.comm.vote()),
+        return Exchange([], [], SyncResult(weights=[0.0] * max(1, len(start.participants)), committed=self.comm.vote()),
                         weight=0.0)
 
     def blocking(self, start: SyncStart, stats: StatsFn, checking: bool) -> Exchange:

@@ -52,7 +52,7 @@ from typing import Any
 from .checks import require_torchft
 from .errors import ConfigError
 from .files import read_json, write_json
-from .metrics import read_sync_rounds, sync_number
+from .metrics import read_syncs, sync_number
 from .runs import (
     ACTIVE,
     LOG_FILE,
@@ -414,9 +414,10 @@ class ReplicaSupervisor:
         """A replica went down: after the newest sync it took part in (read from its own sync log, not the run's
         newest: the others go on syncing while its launcher notices the death), and whether it is being started
         again."""
-        records = read_sync_rounds(replica_folder(self.output_dir, replica))
+        records = read_syncs(replica_folder(self.output_dir, replica))
         syncs = [sync_number(r) for r in records if any(  # took part, or was there and left out by a check
-            m.get("replica") == replica and (m.get("participated") or m.get("excluded")) for m in r.get("members", []))]
+            m.get("replica") == replica and (m.get("participated") or m.get("excluded"))
+            for m in r.get("replicas", []))]
         return {"after_sync": max(syncs, default=0), "restarted": restarted}
 
     def _note(self, replica: int, **changes) -> None:
@@ -473,7 +474,7 @@ class ReplicaSupervisor:
                               f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
                         processes[r] = Launch(self.commands[r])
                         self._note(r, state="rejoining", restarts=self.restarts[r], exit_code=code,
-                                   records_at_restart=len(read_sync_rounds(replica_folder(self.output_dir, r))),
+                                   records_at_restart=len(read_syncs(replica_folder(self.output_dir, r))),
                                    outages=[*self.states[r]["outages"], self._outage(r, restarted=True)])
                         continue
                     codes[r] = code
@@ -497,13 +498,13 @@ class ReplicaSupervisor:
 
     def ending(self, codes: list[int | None]) -> str:
         """One line on how the run ended: the last round and who took part in it, and how each replica exited."""
-        rounds = [r for replica in range(len(codes)) for r in read_sync_rounds(replica_folder(self.output_dir, replica))
+        rounds = [r for replica in range(len(codes)) for r in read_syncs(replica_folder(self.output_dir, replica))
                   if r.get("committed", True)]
         exits = ", ".join(f"replica {r} exit {code}" for r, code in enumerate(codes))
         if not rounds:
             return f"[diloco] no round committed; {exits}"
         last = max(rounds, key=sync_number)
-        took_part = [m["replica"] for m in last.get("members", []) if m.get("participated")]
+        took_part = [m["replica"] for m in last.get("replicas", []) if m.get("participated")]
         at = f"round {last['round']}" if sync_number(last) == last["round"] else \
             f"round {last['round']} (sync {sync_number(last)})"
         return (f"[diloco] the run ended at {at} (step {last['step']}), committed by replica(s) "

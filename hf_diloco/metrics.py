@@ -1,4 +1,4 @@
-"""Per-sync metrics: `<output_dir>/sync_rounds.jsonl`, the trackers of `report_to` (diloco/<name>), a console line.
+"""Per-sync metrics: `<output_dir>/syncs.jsonl`, the trackers of `report_to` (diloco/<name>), a console line.
 
 One record per sync (one fragment's exchange and outer step; with F = 1 fragment a sync is a whole round), carrying
 its `sync` number and the `round` it belongs to (see hf_diloco.schedule). Records written before the two had
@@ -26,7 +26,11 @@ from typing import Any
 
 from .files import append_jsonl, read_json, read_jsonl, replace_text, write_json
 
-SYNC_ROUNDS_FILE = "sync_rounds.jsonl"
+SYNCS_FILE = "syncs.jsonl"
+# What runs of earlier versions wrote, and still read: the file was sync_rounds.jsonl, and a record's rows per replica
+# were `members` (a name that now means the processes of one replica).
+EARLIER_SYNCS_FILE = "sync_rounds.jsonl"
+EARLIER_KEYS = {"members": "replicas"}
 # Series keep their colour wherever they are drawn (the app's Live and Compare views, the model card's curve):
 # replica i is always PALETTE[i], the held-out loss of the global model black.
 PALETTE = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
@@ -65,10 +69,19 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def read_sync_rounds(output_dir: str | os.PathLike) -> list[dict]:
+def syncs_file(output_dir: str | os.PathLike) -> Path:
+    """The run's syncs.jsonl, or the sync_rounds.jsonl a run of an earlier version wrote instead."""
+    path = Path(output_dir) / SYNCS_FILE
+    earlier = path.with_name(EARLIER_SYNCS_FILE)
+    return earlier if not path.exists() and earlier.exists() else path
+
+
+def read_syncs(output_dir: str | os.PathLike) -> list[dict]:
     """All sync records of a run, in order: every whole line (hf_diloco.files.read_jsonl: a half-written last line
-    of a live run is left out, a line torn by a kill is skipped with a warning and the records after it read)."""
-    return read_jsonl(Path(output_dir) / SYNC_ROUNDS_FILE)
+    of a live run is left out, a line torn by a kill is skipped with a warning and the records after it read).
+    Records an earlier version wrote are read under today's names (EARLIER_SYNCS_FILE, EARLIER_KEYS)."""
+    return [{EARLIER_KEYS.get(key, key): value for key, value in record.items()}
+            for record in read_jsonl(syncs_file(output_dir))]
 
 
 REPLICA_PREFIX = "replica-"
@@ -76,9 +89,9 @@ REPLICA_PREFIX = "replica-"
 
 def replica_folders(output_dir: str | os.PathLike) -> list[Path]:
     """The `replica-r` folders of a torchft launch's output folder (`hf-diloco launch --replicas N`), lowest replica
-    id first; [] for a folder that holds its own sync_rounds.jsonl (every other run)."""
+    id first; [] for a folder that holds its own syncs.jsonl (every other run)."""
     output = Path(output_dir)
-    if (output / SYNC_ROUNDS_FILE).exists():
+    if syncs_file(output).exists():
         return []
     found = [p for p in output.glob(REPLICA_PREFIX + "*") if p.is_dir() and p.name[len(REPLICA_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(REPLICA_PREFIX):]))
@@ -102,17 +115,17 @@ def sync_number(record: dict) -> int:
     return record.get("sync", record["round"])
 
 
-def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
-    """The sync records of a run folder: its sync_rounds.jsonl, or for a torchft launch the union over its replica
+def run_syncs(output_dir: str | os.PathLike) -> list[dict]:
+    """The sync records of a run folder: its syncs.jsonl, or for a torchft launch the union over its replica
     folders, one record per sync number (every participant of a sync writes the same membership): a committed
     record before one whose sync did not commit, then the lowest replica id's. The app and the model card both
     count from this."""
     folders = replica_folders(output_dir)
     if not folders:
-        return read_sync_rounds(output_dir)
+        return read_syncs(output_dir)
     merged: dict[int, dict] = {}
     for folder in folders:
-        for record in read_sync_rounds(folder):
+        for record in read_syncs(folder):
             kept = merged.get(sync_number(record))
             if kept is None or (not kept.get("committed", True) and record.get("committed", True)):
                 merged[sync_number(record)] = record
@@ -121,8 +134,8 @@ def run_rounds(output_dir: str | os.PathLike) -> list[dict]:
 
 def replica_losses(record: dict) -> list[tuple[int, float]]:
     """(replica id, mean inner loss) of each replica that trained before the sync (on torchft: its members)."""
-    if "members" in record:
-        return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["members"]
+    if "replicas" in record:
+        return [(m["replica"], m["loss_sum"] / m["steps"]) for m in record["replicas"]
                 if m.get("participated") and m.get("steps")]
     return list(enumerate(record.get("replica_losses", [])))
 
@@ -187,14 +200,18 @@ def format_sync(record: dict, total_syncs: int | None, num_fragments: int = 1) -
 
 
 class SyncWriter:
-    """Writes sync records to sync_rounds.jsonl (main process only)."""
+    """Writes sync records to syncs.jsonl (main process only)."""
 
     def __init__(self, output_dir: str):
-        self.path = Path(output_dir) / SYNC_ROUNDS_FILE
+        self.path = Path(output_dir) / SYNCS_FILE
+        earlier = syncs_file(output_dir)
+        if earlier != self.path:  # resuming a run an earlier version wrote: its records go on under today's names
+            replace_text(self.path, "".join(json.dumps(r) + "\n" for r in read_syncs(output_dir)))
+            earlier.unlink()
 
     def truncate_after(self, step: int) -> list[dict]:
         """Forget syncs past `step` (their steps are retrained after a resume); returns the records kept."""
-        kept = [r for r in read_sync_rounds(self.path.parent) if r["step"] <= step]
+        kept = [r for r in read_syncs(self.path.parent) if r["step"] <= step]
         replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 

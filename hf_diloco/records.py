@@ -1,7 +1,7 @@
 """What a sync reports: the statistics each process sends with it, the sync's record and the run's summary.
 
 A sync is one fragment's exchange and outer step, a round the H steps in which every fragment syncs once
-(hf_diloco.schedule); sync_rounds.jsonl holds one record per sync, with the round it belongs to.
+(hf_diloco.schedule); syncs.jsonl holds one record per sync, with the round it belongs to.
 
 The same functions serve both backends; a backend adds its membership fields (torchft: members, committed,
 quorum time) to the record it gets from here.
@@ -17,7 +17,7 @@ import torch
 
 from .comm import ring_all_reduce_bytes
 from .contributions import CHECK_FIELDS
-from .metrics import SyncWriter, format_sync, outer_rounds, read_sync_rounds, write_summary
+from .metrics import SyncWriter, format_sync, outer_rounds, read_syncs, write_summary
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ReplicaStats:
     previous_agreement: float = float("nan")
     previous_blocked_seconds: float = 0.0
     previous_exchange_seconds: float = 0.0  # how long this replica's previous exchange took (sync_delay auto)
-    arrived: float = 0.0  # when this replica launched the sync: the wall clock modulo ARRIVAL_PERIOD (see members)
+    arrived: float = 0.0  # when this replica launched the sync: the wall clock modulo ARRIVAL_PERIOD (see replica_rows)
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([float(x) for x in astuple(self)], dtype=torch.float64)
@@ -80,7 +80,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
                  num_replicas: int, group_size: int, ddp_payload: int, compression: str,
                  synced_parameters: int, sharded: bool = False) -> dict:
     """The record of one sync (sync number `sync_number`, of round `round_number`), as
-    `<output_dir>/sync_rounds.jsonl` holds it (the contract: README, "What a run writes").
+    `<output_dir>/syncs.jsonl` holds it (the contract: README, "What a run writes").
 
     A replica's loss is over all its members' micro-batches, its tokens are its members' sum, its compute time its
     slowest member's; members share one pseudo-gradient, which a sharded replica's members hold a shard each of
@@ -124,7 +124,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
         "synced_parameters": synced_parameters,
         "collectives": cost.collectives,
     }
-    record["members"] = members(stats, result.weights)
+    record["replicas"] = replica_rows(stats, result.weights)
     if result.committed and result.participants < num_replicas:
         record["non_finite_replicas"] = [r for r, ok in enumerate(result.healthy) if not ok]
         record["participants"] = result.participants
@@ -137,7 +137,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
     return record
 
 
-def members(stats: SyncStats, weights: list[float] | None) -> list[dict]:
+def replica_rows(stats: SyncStats, weights: list[float] | None) -> list[dict]:
     """One row per replica, as the torchft backend's records hold them (one reader serves both): its steps since its
     last sync, its tokens (its members' sum), its weight in the average (tokens relative to the most with
     time-budget rounds, else 1; 0: it sat the sync out), its loss sum (its members' mean) and compute time (its
@@ -146,7 +146,7 @@ def members(stats: SyncStats, weights: list[float] | None) -> list[dict]:
 
     >>> rows = torch.stack([ReplicaStats(steps=9, tokens=90, arrived=10.0).tensor(),
     ...                     ReplicaStats(steps=3, tokens=30, arrived=12.5).tensor()]).view(1, 2, -1)
-    >>> [(m["steps"], m["tokens"], m["waited_seconds"]) for m in members(SyncStats(rows), [1.0, 1 / 3])]
+    >>> [(m["steps"], m["tokens"], m["waited_seconds"]) for m in replica_rows(SyncStats(rows), [1.0, 1 / 3])]
     [(9, 90, 2.5), (3, 30, 0.0)]
     """
     half = ARRIVAL_PERIOD / 2
@@ -170,18 +170,18 @@ UNRECORDED_MEMBER_FIELDS = ("at_step", "digest", *CHECK_FIELDS)
 
 
 def membership(rows: list[dict], known: set[int]) -> tuple[list[dict], set[int]]:
-    """The record's members from a torchft sync's membership rows (one per participant): weights as the merge used
+    """The record's replica rows from a torchft sync's membership rows (one per participant): weights as the merge used
     them (relative to the largest, as on the torch backend), counts as whole numbers, and a row for each replica
-    seen in an earlier sync (`known`) that is absent from this one. Returns (members, the participants' ids).
+    seen in an earlier sync (`known`) that is absent from this one. Returns (replica rows, the participants' ids).
 
     >>> rows = [{"replica": 1.0, "steps": 5.0, "tokens": 50.0, "weight": 2.0, "healed": 0.0, "staleness": 0.0,
     ...          "stop_requested": 0.0, "non_finite": 0.0, "quorum_seconds": 0.1, "at_step": 5.0}]
-    >>> members, present = membership(rows, known={0, 1})
-    >>> [(m["replica"], m["participated"], m.get("weight")) for m in members], present
+    >>> replicas, present = membership(rows, known={0, 1})
+    >>> [(m["replica"], m["participated"], m.get("weight")) for m in replicas], present
     ([(1, True, 1.0), (0, False, None)], {1})
     """
     largest = max((row["weight"] for row in rows), default=0.0)
-    members = []
+    replicas = []
     for row in rows:
         member = {**row, "replica": int(row["replica"]), "participated": True, "healed": bool(row["healed"]),
                   "weight": row["weight"] / largest if largest > 0 else 0.0,
@@ -190,28 +190,28 @@ def membership(rows: list[dict], known: set[int]) -> tuple[list[dict], set[int]]
         for key in UNRECORDED_MEMBER_FIELDS:
             member.pop(key, None)
         member["waited_seconds"] = member.pop("quorum_seconds")  # as the torch backend's rows name it
-        members.append(member)
-    present = {m["replica"] for m in members}
-    return members + [{"replica": r, "participated": False} for r in sorted(known - present)], present
+        replicas.append(member)
+    present = {m["replica"] for m in replicas}
+    return replicas + [{"replica": r, "participated": False} for r in sorted(known - present)], present
 
 
-def quorum_record(record: dict, members: list[dict], *, committed: bool, step: int, sync: int, round_number: int,
+def quorum_record(record: dict, replicas: list[dict], *, committed: bool, step: int, sync: int, round_number: int,
                   quorum_seconds: float, replica: int, tokens_trained: int) -> None:
     """A torchft sync's record, in place: its membership (every member, absent ones too), the vote, and loss and
     tokens from the members' rows (known even when the sync rolled back), replacing the fixed group's reading.
     `tokens_trained`: what this replica trained in the sync (its tokens per second)."""
     for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
         record.pop(key, None)
-    took_part = [m for m in members if m["participated"]]
+    took_part = [m for m in replicas if m["participated"]]
     losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
     compute = record["compute_seconds"] + record["blocked_seconds"]
-    record.update(step=step, sync=sync, round=round_number, members=sorted(members, key=lambda m: m["replica"]),
+    record.update(step=step, sync=sync, round=round_number, replicas=sorted(replicas, key=lambda m: m["replica"]),
                   committed=committed, participants=len(took_part), num_replicas=len(took_part),
                   quorum_seconds=quorum_seconds, outer_backend="torchft", replica=replica,
                   loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
                   tokens=sum(m["tokens"] for m in took_part),
                   tokens_per_second=tokens_trained / compute if compute > 0 else 0.0)
-    non_finite = [m["replica"] for m in members if m.get("non_finite")]
+    non_finite = [m["replica"] for m in replicas if m.get("non_finite")]
     if non_finite:
         record["non_finite_replicas"] = non_finite
     if not committed:
@@ -247,7 +247,7 @@ def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval
 class Records:
     """The syncs of this process as they land, for both backends. A record waits until the sync's evaluation
     (Trainer runs it right after the sync, at the same step) so that `eval_loss` lands in it; then it is kept, and
-    on the main process written to sync_rounds.jsonl (`SyncWriter`), handed to the trackers (`report`) and printed
+    on the main process written to syncs.jsonl (`SyncWriter`), handed to the trackers (`report`) and printed
     as one console line. At the end the main process writes the run's summary (`close`)."""
 
     def __init__(self, plain_console: bool, num_fragments: int = 1):
@@ -271,7 +271,7 @@ class Records:
              reached_before_resume: int, report) -> None:
         """Main process, at the start of training: the sync record of `output_dir`, cut at the checkpoint's
         `step` (syncs past it are retrained) unless the backend `continues_record` (a restarted torchft replica)."""
-        syncs = read_sync_rounds(output_dir)
+        syncs = read_syncs(output_dir)
         reached = max([r["step"] for r in syncs] + [reached_before_resume, step])
         self.writer = SyncWriter(output_dir)
         self.report = report

@@ -2,14 +2,14 @@
 
     <runs_dir>/<run_id>/run.json     recipe, accelerate config, overrides, command, pids, status, times, exit code
     <runs_dir>/<run_id>/run.log      everything the run printed
-    <runs_dir>/<run_id>/output/      the run's output_dir (sync_rounds.jsonl, checkpoints, model, and the files
+    <runs_dir>/<run_id>/output/      the run's output_dir (syncs.jsonl, checkpoints, model, and the files
                                      below, written by hf_diloco.callbacks)
         progress.json       step, max_steps and phase, rewritten by the main process as it trains
         trainer_log.jsonl   every dict Trainer logged (loss, eval_loss, ...): what a baseline run shows
         stop.request        written by `stop`; the run stops at the next round boundary (or step) and removes it
         stopped.json        written by the run when it has stopped on request, with the step and checkpoint
         replica-r/          an `outer_backend: torchft` run (`hf-diloco launch --replicas N`): replica r's own
-                            sync_rounds.jsonl, progress.json, ... and model; the launcher hands stop.request on to
+                            syncs.jsonl, progress.json, ... and model; the launcher hands stop.request on to
                             every replica folder and writes stopped.json here
         replicas.json       such a run's replica launches: state (running, rejoining, finished, exited),
                             restarts and exit code of each, rewritten by the launcher as they change

@@ -341,7 +341,7 @@ class TorchftQuorum:
         self.overlapped = False  # the sync being started runs in the background (no stash: the replica trains on)
         self.carried_tokens = 0  # tokens of local progress that a rolled-back sync did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
-        self.last_members: set[int] = set()  # the participants of the last sync that moved θ_global
+        self.last_participants: set[int] = set()  # the participants of the last sync that moved θ_global
         self.sync_step = 0  # the step the sync being formed started at (what a healing peer is given)
         self.sync_local_steps = 0  # this replica's inner steps since its last launch, as the sync started
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
@@ -513,23 +513,23 @@ class TorchftQuorum:
         return SyncStart(
             weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
             stash=self.stash, healed=healed, finite=finite, joining=joining,
-            stop_requested=any(row["stop_requested"] for row in rows), members=rows, quorum_seconds=quorum_seconds,
+            stop_requested=any(row["stop_requested"] for row in rows), participants=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
             error=None if error is None else first_line(error), startup_bytes=startup_bytes)
 
     def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
-        (`restart`: it starts again from θ_global), and put the sync's membership in its record: every member
-        (participants with their rows, absent ones), the vote, and loss and tokens from the members' rows (known
-        even when the sync rolled back). `tokens`: what this replica trained in the sync."""
+        (`restart`: it starts again from θ_global), and put the sync's membership in its record: a row per
+        replica (participants with their rows, absent ones), the vote, and loss and tokens from the participants'
+        rows (known even when the sync rolled back). `tokens`: what this replica trained in the sync."""
         restart = False
         if result.committed:
             if result.total_weight > 0:
                 self.global_sync += 1
-                self.last_members = {int(row["replica"]) for row in start.members}
+                self.last_participants = {int(row["replica"]) for row in start.participants}
                 # Every participant continues at the furthest one's step (the run's progress, as on torch), plus
                 # the steps it took while an overlapped sync was in flight, unless this sync ended the run.
-                self.agreed_step = max(self.agreed_step, *(int(row["at_step"]) for row in start.members))
+                self.agreed_step = max(self.agreed_step, *(int(row["at_step"]) for row in start.participants))
                 moved = min(self.max_steps, self.agreed_step + (0 if self.run_over() else step - self.sync_step))
                 if moved > step:
                     step = moved
@@ -546,11 +546,11 @@ class TorchftQuorum:
             self.carried_tokens = 0
         elif not start.joining:
             self.carried_tokens += tokens  # progress kept for the next sync
-        members, present = membership(start.members, self.known)
+        replicas, present = membership(start.participants, self.known)
         self.known |= present
         if not record:
             return record, restart
-        quorum_record(record, members, committed=result.committed, step=step, sync=self.global_sync,
+        quorum_record(record, replicas, committed=result.committed, step=step, sync=self.global_sync,
                       round_number=self.schedule.round_of(self.global_sync), quorum_seconds=start.quorum_seconds,
                       replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal_refused:
@@ -571,7 +571,7 @@ class TorchftQuorum:
             where = self.schedule.name_sync(self.global_sync)
             print(f"[diloco] replica {self.args.replica_id} joined at {where} (step "
                   f"{step if self.continued_at is None else self.continued_at})"
-                  f"{', healed from a live peer' if start.healed else ''}; {len(start.members)} replica(s) in the "
+                  f"{', healed from a live peer' if start.healed else ''}; {len(start.participants)} replica(s) in the "
                   f"quorum", flush=True)
 
     def linger(self, step: int, max_steps: int) -> list[int]:
@@ -582,9 +582,9 @@ class TorchftQuorum:
         takes part with weight 0 and ends with the final model. Rounds here exchange nothing: every participant is
         over, so every weight is 0 and only the vote runs. Returns the replicas that got the final model this way.
         """
-        if self.args.replica_id not in self.last_members:  # it missed the last sync itself: nothing to hand over
+        if self.args.replica_id not in self.last_participants:  # it missed the last sync itself: nothing to hand over
             return []
-        waiting = self.known - self.last_members
+        waiting = self.known - self.last_participants
         served: list[int] = []
         deadline = time.monotonic() + self.args.end_linger_seconds
         while waiting and time.monotonic() < deadline:
@@ -597,7 +597,7 @@ class TorchftQuorum:
             if not start.empty:  # someone brings progress against a live sync: this replica has nothing to add
                 break
             self.comm.vote()
-            arrived = {int(row["replica"]) for row in start.members} & waiting
+            arrived = {int(row["replica"]) for row in start.participants} & waiting
             served += sorted(arrived)
             waiting -= arrived
             if not arrived:  # only replicas that finished met here: give the late ones time to arrive, not a spin

@@ -66,14 +66,14 @@ def restarted() -> bool:
 
 def check_output_dir(config: DiLoCoConfig) -> None:
     """Refuse to train into a folder that already holds a run, unless resuming from it."""
-    from .metrics import SYNC_ROUNDS_FILE
+    from .metrics import syncs_file
 
     out = Path(config.output_dir)
     if config.resume_from_checkpoint or restarted() or not out.exists():
         return
     if config.outer_backend == "torchft":
         return  # a torchft replica started again heals from a live peer and goes on writing the same folder
-    if (out / SYNC_ROUNDS_FILE).exists() or any(out.glob("checkpoint-*")):
+    if syncs_file(out).exists() or any(out.glob("checkpoint-*")):
         raise ConfigError(
             f"output_dir {str(out)!r} already holds a run; choose another output_dir or pass "
             f"--resume_from_checkpoint latest to continue it."

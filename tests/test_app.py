@@ -247,7 +247,7 @@ def test_the_app_serves_a_good_run_beside_run_json_files_it_cannot_read(tmp_path
                 "pseudo_grad_norm": 0.5, "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000,
                 "ddp_bytes_per_replica": 40_000_000, "sync_seconds": 0.1, "compute_seconds": 3.0, "tokens": 10240,
                 "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 10} for n in (1, 2)]
-    (good / "output" / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    (good / "output" / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
     runs._write(good, runs.Run("good", recipe, "cpu-2proc.yaml", [], ["true"], str(good / "output"),
                                status="finished", ended=time.time()))
     newer = {**json.loads((good / "run.json").read_text()), "id": "newer", "output_dir": str(runs_dir / "newer" / "o"),
@@ -286,7 +286,7 @@ def test_the_live_view_and_compare_draw_sync_records_that_lack_optional_fields(t
     (the refresh raised KeyError on the first). Status bar: round, loss, bytes sent, "—" for what the last record
     lacks and for the seconds waited (unknown for the second sync); round table: both rounds, empty cells where a
     field is missing; loss plot: each replica's losses; bytes plot: DiLoCo's bytes, with no DDP series; norm and
-    time plots: the first sync only. A torchft record without members or participants fills a membership row."""
+    time plots: the first sync only. A torchft record without replica rows or participants fills a membership row."""
     from app import views
     from app.server import App
 
@@ -297,7 +297,7 @@ def test_the_live_view_and_compare_draw_sync_records_that_lack_optional_fields(t
                 "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000, "sync_seconds": 0.1,
                 "compute_seconds": 3.0, "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 10},
                {"round": 2, "step": 20, "loss": 3.0, "replica_losses": [3.1, 2.9], "bytes_per_replica": 2_000_000}]
-    (old / "output" / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    (old / "output" / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
     runs._write(old, runs.Run("old", str(REPO / "recipes" / "tiny-pretrain.yaml"), "cpu-2proc.yaml", [], ["true"],
                               str(old / "output"), status="finished", ended=time.time()))
     app = App(runs_dir)

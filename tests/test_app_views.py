@@ -13,7 +13,7 @@ from hf_diloco.runs import Run  # noqa: E402
 
 def make_run(tmp_path, status="running", rounds=()):
     (tmp_path / "output").mkdir()
-    (tmp_path / "output" / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (tmp_path / "output" / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     return Run("r1", str(REPO / "recipes" / "tiny-pretrain.yaml"), "c.yaml", ["--max_steps", "100"], ["x"],
                str(tmp_path / "output"), status=status)
 
@@ -67,7 +67,7 @@ def test_plot_frames_are_long_format_per_replica(tmp_path):
 
 def test_half_written_round_is_ignored(tmp_path):
     run = make_run(tmp_path, rounds=[sync_record(1)])
-    with open(tmp_path / "output" / "sync_rounds.jsonl", "a") as f:
+    with open(tmp_path / "output" / "syncs.jsonl", "a") as f:
         f.write('{"round": 2, "st')
     assert [r["round"] for r in views.read_rounds(run)] == [1]
 
@@ -186,9 +186,9 @@ def member(replica, steps=10, healed=False, staleness=0, loss=3.0):
             "staleness": staleness, "loss_sum": loss * steps}
 
 
-def torchft_round(n, members, committed=True, writer=0):
-    present = [m for m in members if m["participated"]]
-    record = {**sync_record(n), "members": members, "participants": len(present), "committed": committed,
+def torchft_round(n, replicas, committed=True, writer=0):
+    present = [m for m in replicas if m["participated"]]
+    record = {**sync_record(n), "replicas": replicas, "participants": len(present), "committed": committed,
               "outer_backend": "torchft", "replica": writer, "num_replicas": len(present)}
     record["replica_losses"] = [m["loss_sum"] / m["steps"] for m in present if m["steps"]]
     return record
@@ -197,13 +197,13 @@ def torchft_round(n, members, committed=True, writer=0):
 def write_replica(output, replica, rounds, step):
     folder = output / f"replica-{replica}"
     folder.mkdir(parents=True)
-    (folder / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (folder / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     (folder / "progress.json").write_text(json.dumps({"phase": "training", "step": step}))
     (folder / "trainer_log.jsonl").write_text(json.dumps({"step": step, "loss": 1.0 + replica}) + "\n")
 
 
 def test_a_torchft_run_is_read_from_its_replica_folders(tmp_path):
-    """`hf-diloco launch --replicas 3` leaves no sync_rounds.jsonl in the run's output folder, only replica-r/
+    """`hf-diloco launch --replicas 3` leaves no syncs.jsonl in the run's output folder, only replica-r/
     folders, each with the rounds that replica took part in. Here replica 2 was started again (it lacks rounds 1
     and 2) and replica 0 recorded a round that did not commit after round 2 (the round number stays at the last
     committed round) and is behind. The app reads one record per round, from the lowest replica id that has it, a
@@ -299,12 +299,12 @@ def test_streaming_counts_whole_rounds_and_the_round_table_names_the_fragments_s
 
 
 def test_the_sync_table_shows_each_replicas_steps_and_tokens_where_they_differ():
-    """Every record's members hold each replica's steps and tokens since its last sync (both backends): the table's
+    """Every record's replica rows hold each replica's steps and tokens since its last sync (both backends): the table's
     last two columns show them per replica where they differ (time-budget rounds; – for a replica absent from a
     torchft sync); rounds in which every replica took the same steps leave them blank."""
-    timed = {**sync_record(1), "members": [member(0, steps=90), member(1, steps=22)]}
+    timed = {**sync_record(1), "replicas": [member(0, steps=90), member(1, steps=22)]}
     torchft = torchft_round(2, [member(0, steps=14), {"replica": 1, "participated": False}, member(2, steps=5)])
-    even = {**sync_record(3), "members": [member(0), member(1)]}
+    even = {**sync_record(3), "replicas": [member(0), member(1)]}
     table = views.round_rows([timed, torchft, even, sync_record(4)])
     assert table["steps per replica"].tolist() == ["", "", "14 · – · 5", "90 · 22"]
     assert table["tokens per replica"].tolist() == ["", "", "1.8k · – · 640", "11.5k · 2.8k"]  # 128 a step
@@ -360,9 +360,9 @@ def test_a_left_out_contribution_is_named_per_sync_for_both_backends_and_per_rep
     "left out" column names each replica with its rule, "flagged" for a warning, nothing for sync 4; the
     membership table (torchft) shows the left-out replica's cell as excluded by its rule, not absent."""
     torch = checked({**sync_record(1), "num_replicas": 3,
-                     "members": [member(0), member(1), left_out_member(2, OUTLIER)]}, excluded=[(2, OUTLIER)])
+                     "replicas": [member(0), member(1), left_out_member(2, OUTLIER)]}, excluded=[(2, OUTLIER)])
     torchft = checked(torchft_round(2, [member(0), member(1), left_out_member(2, APART)]), excluded=[(2, APART)])
-    warned = checked({**sync_record(3), "members": [member(0), member(1), member(2)]}, flagged=[(1, SIZE)])
+    warned = checked({**sync_record(3), "replicas": [member(0), member(1), member(2)]}, flagged=[(1, SIZE)])
     rounds = [torch, torchft, warned, sync_record(4)]
     table = views.round_rows(rounds)
     assert table.columns[-1] == "left out"

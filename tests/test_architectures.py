@@ -25,7 +25,7 @@ from helpers import (
 )
 from safetensors import safe_open
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -127,4 +127,4 @@ def test_the_lora_recipe_adapts_gpt2_with_targets_chosen_for_it(tmp_path):
     assert names and all("c_attn" in n and "lora_" in n for n in names), names
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         lora_values = sum(f.get_tensor(n).numel() for n in f.keys())
-    assert [r["synced_parameters"] for r in read_sync_rounds(out)] == [lora_values, lora_values]
+    assert [r["synced_parameters"] for r in read_syncs(out)] == [lora_values, lora_values]

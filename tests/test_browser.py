@@ -18,7 +18,7 @@ from gradio_client import Client
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid, wait_for
 
 from hf_diloco import runs
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -163,7 +163,7 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         assert result.startswith("Pushed") and "alice/tiny-diloco" in result, result
         files = hub.files["alice/tiny-diloco"]
         assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
-                                 "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json",
+                                 "run_config.json", "syncs.jsonl", "tokenizer_config.json",
                                  "training_curve.png"], log
         assert f"**This run stopped on request at step {stopped['step']} of 400" in files["README.md"].decode()
         assert len(hub.commits) == 1 and hub.commits[-1]["header"]["summary"] == "from the app"
@@ -294,11 +294,11 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
                                timeout=90_000)
         output = Path(run.output_dir)
-        recorded = {r["round"] for k in (0, 1) for r in read_sync_rounds(output / f"replica-{k}")}
+        recorded = {r["round"] for k in (0, 1) for r in read_syncs(output / f"replica-{k}")}
         wait_for(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
         assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
-        assert not (output / "sync_rounds.jsonl").exists() and (output / "replica-1" / "sync_rounds.jsonl").exists()
-        both = [r for r in read_sync_rounds(output / "replica-0") if r["participants"] == 2]
+        assert not (output / "syncs.jsonl").exists() and (output / "replica-1" / "syncs.jsonl").exists()
+        both = [r for r in read_syncs(output / "replica-0") if r["participants"] == 2]
         client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
         live = client.predict(run.id, api_name="/refresh")
         rounds = table(live[6])
@@ -309,7 +309,7 @@ def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(brow
         assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
         cells = {row[0]: row for row in membership["data"]}
         assert all(cells[r["round"]] == [r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
-                                                                             r["members"])] for r in both)
+                                                                             r["replicas"])] for r in both)
         assert "2 of 2 replicas" in live[0]
         assert table(live[11])["data"][0][:5] == [run.id, "stopped", "diloco", "5", "2"]
         card = client.predict(run.id, "alice/elastic", api_name="/card")[0]
@@ -352,7 +352,7 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         page.goto(url)
         page.get_by_role("tab", name="Live").click()
         table = page.locator("#replicas")
-        wait_for(lambda: len(read_sync_rounds(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
+        wait_for(lambda: len(read_syncs(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
         pid = replica_training_pid(output, 1)
         assert pid is not None
         # Its launcher is held while replica 0 syncs twice alone (a restart can be quicker than a sync here), then
@@ -361,8 +361,8 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         launcher.suspend()
         try:
             os.kill(pid, signal.SIGKILL)
-            alone = len(read_sync_rounds(output / "replica-0")) + 2
-            wait_for(lambda: len(read_sync_rounds(output / "replica-0")) >= alone, 180, "two syncs of replica 0 alone")
+            alone = len(read_syncs(output / "replica-0")) + 2
+            wait_for(lambda: len(read_syncs(output / "replica-0")) >= alone, 180, "two syncs of replica 0 alone")
         finally:
             launcher.resume()
         wait_for(lambda: table.count() and "restarting" in table.inner_text(), 60, "replica 1 shown restarting")
@@ -378,7 +378,7 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         down = [row[0] for row in membership["data"] if row[5] == "down, restarting"]
         assert down and all(row[4].startswith("✓") for row in membership["data"] if row[0] in down), membership
         assert "step 300/300" in status(page)
-        rounds = [r for k in (0, 1) for r in read_sync_rounds(output / f"replica-{k}") if r.get("committed", True)]
+        rounds = [r for k in (0, 1) for r in read_syncs(output / f"replica-{k}") if r.get("committed", True)]
         top = page.locator("#rounds .virtual-row").first.inner_text().split()
         assert top[:2] == [str(max(r["round"] for r in rounds)), "300"], top
         page.screenshot(path=str(ARTIFACTS / "app-replica-restarted.png"), full_page=True)
@@ -469,7 +469,7 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
               "replica_pseudo_grad_norms": [0.6, 0.7], "bytes_per_replica": 4_000_000,
               "ddp_bytes_per_replica": 80_000_000, "sync_seconds": 0.1, "compute_seconds": 3.0, "tokens": 20480,
               "tokens_per_second": 6000.0, "num_replicas": 2, "inner_steps": 20}
-    (folder / "output" / "sync_rounds.jsonl").write_text(json.dumps(record) + "\n")
+    (folder / "output" / "syncs.jsonl").write_text(json.dumps(record) + "\n")
     recipe = str(REPO / "recipes" / "tiny-pretrain.yaml")
     runs._write(folder, runs.Run("one-round", recipe, str(ACCELERATE_CPU_2PROC), ["--max_steps", "20"], ["true"],
                                  str(folder / "output"), status="finished", ended=time.time()))
@@ -598,7 +598,7 @@ def test_a_contribution_left_out_is_named_in_the_live_round_table_and_the_status
         page.get_by_role("tab", name="Live").click()
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
                                timeout=240_000)
-        records = read_sync_rounds(run.output_dir)
+        records = read_syncs(run.output_dir)
         left_out = {r["round"] for r in records if r["excluded"]}
         assert left_out and all(e["replica"] == 1 for r in records for e in r["excluded"]), records
         assert f"{len(left_out)} contribution{'s' if len(left_out) > 1 else ''} left out" in status(page)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import default_data_collator
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer, checkpoints
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 
@@ -240,7 +240,7 @@ def worse_late_run(tmp_path):
 @pytest.mark.process
 def test_the_best_checkpoint_survives_rotation_and_is_the_model_loaded_at_the_end(worse_late_run):
     out = worse_late_run
-    eval_loss = {r["step"]: r["eval_loss"] for r in read_sync_rounds(out)}
+    eval_loss = {r["step"]: r["eval_loss"] for r in read_syncs(out)}
     assert sorted(eval_loss) == [10, 20, 30, 40, 50, 60]
     best = min(eval_loss, key=eval_loss.get)
     assert best < 50, f"the run must be best before its newest two checkpoints for this test to mean anything: " \

@@ -59,7 +59,7 @@ def test_a_refusal_from_a_real_process_is_exit_2_and_one_sentence(tmp_path):
 def test_existing_run_is_not_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    rounds = out / "sync_rounds.jsonl"
+    rounds = out / "syncs.jsonl"
     rounds.write_text('{"round": 1}\n')
     result = cli("train", "--config", RECIPE, "--output_dir", str(out), "--max_steps", "2", "--inner_steps", "2")
     assert_one_sentence_error(result, "already holds a run")

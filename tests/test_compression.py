@@ -15,7 +15,7 @@ from helpers import ACCELERATE_CPU_4PROC, GATHER, REPO, replica_runs
 
 from hf_diloco.codecs import make_codec
 from hf_diloco.contributions import CHECK_FIELDS
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 from hf_diloco.records import STAT_NAMES as ROUND_STATS
 
 # Before each sync, the contribution checks' table: M = 2 rows of CHECK_FIELDS in float64, all-reduced over the 2
@@ -61,7 +61,7 @@ def collectives_by_step(rank: dict) -> dict[int, list[str]]:
 def int4_run(two):
     """int4 + error feedback, 2 replicas, H = 4, 12 steps: syncs at 4, 8, 12."""
     tmp, ranks = two["int4"]
-    return tmp, ranks, read_sync_rounds(tmp / "run")
+    return tmp, ranks, read_syncs(tmp / "run")
 
 
 @pytest.mark.process
@@ -124,7 +124,7 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(two):
     each chunk kept, so that a 23k-parameter model learns in a few rounds (64 of 4096 needs hundreds)."""
     folder, ranks = two["sparse"]
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    rounds = read_sync_rounds(folder / "run")
+    rounds = read_syncs(folder / "run")
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.3
     codec = make_codec("sparse", sparse_k=256, sparse_chunk=1024)
     for record in rounds:
@@ -141,7 +141,7 @@ def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path)
     steps = [step for step, _ in ranks[0]["digests"]]
     assert steps == [3, 6]
     assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
-    for record in read_sync_rounds(tmp_path / "groups-int8" / "run"):
+    for record in read_syncs(tmp_path / "groups-int8" / "run"):
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 
 
@@ -150,9 +150,9 @@ def test_several_buckets_give_the_same_bits_as_one(two, paper_run):
     """Syncing bucket by bucket is the same arithmetic as syncing everything at once (fp32, paper settings, H = 5,
     12 steps; the one-bucket run is the session's paper run, tests/conftest.py)."""
     one, _ = paper_run
-    assert read_sync_rounds(one / "run")[0]["collectives"] == 1
+    assert read_syncs(one / "run")[0]["collectives"] == 1
     folder, ranks = two["buckets"]
-    assert read_sync_rounds(folder / "run")[0]["collectives"] > 3
+    assert read_syncs(folder / "run")[0]["collectives"] > 3
     assert ranks[0]["digests"] == ranks[1]["digests"]
     first, second = torch.load(one / "final.pt"), torch.load(folder / "final.pt")
     assert all(torch.equal(first[name], second[name]) for name in first)
@@ -169,7 +169,7 @@ def test_streaming_fragments_sync_on_their_staggered_schedule(two, final_sync, e
     after the one before, from step 13 − 3 · τ = 10, so the last lands at step 13; blocking syncs every fragment at
     the last step. Either way every process ends with the same model."""
     folder, ranks = two[f"streaming-{final_sync}"]
-    rounds = read_sync_rounds(folder / "run")
+    rounds = read_syncs(folder / "run")
     schedule = [(r.get("launch_step", r["step"]), r["step"], r["fragments"]) for r in rounds]
     assert schedule == [(2, 3, [0]), (4, 5, [1]), (6, 7, [2]), (8, 9, [0]), *end]
     # One record per sync, numbered 1, 2, ...; three syncs make a round (one per fragment).
@@ -200,7 +200,7 @@ def test_a_staggered_end_leaves_the_last_step_nothing_to_wait_for(overlap_runs, 
     launched at step 10 and trains on through steps 11 and 12, so the last round keeps the loop waiting for under
     half its exchange. Blocking: the last round is launched at step 12 and the loop waits for all of it."""
     tmp, _ = overlap_runs[f"tau2-{final_sync}"]
-    rounds = read_sync_rounds(tmp / "run")
+    rounds = read_syncs(tmp / "run")
     last = rounds[-1]
     assert last["step"] == 12
     if final_sync == "staggered":
@@ -219,7 +219,7 @@ def test_overlapped_sync_does_not_make_the_inner_loop_wait(overlap_runs, sync_de
     a fraction of the sync's duration. The first round is all this reads: τ = 2 reads the staggered-end run above
     (final_sync auto with τ > 0 is staggered), τ = 0 a run of its own (auto: blocking)."""
     tmp, ranks = overlap_runs["tau2-staggered" if sync_delay else "tau0"]
-    rounds = read_sync_rounds(tmp / "run")
+    rounds = read_syncs(tmp / "run")
     first = rounds[0]
     assert first.get("launch_step", first["step"]) == 6
     for rank in ranks:

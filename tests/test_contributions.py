@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 from hf_diloco.runs import accelerate_command
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
@@ -139,21 +139,21 @@ def test_a_verdict_goes_into_the_record_and_a_replica_left_out_three_times_is_ca
     checks = ContributionChecks("exclude", Limits(), faulty_after=3)
     lines = []
     for sync in (1, 2, 3, 4):
-        record = {"sync": sync, "members": [{"replica": r, "participated": True, "weight": 1.0} for r in range(3)],
+        record = {"sync": sync, "replicas": [{"replica": r, "participated": True, "weight": 1.0} for r in range(3)],
                   "non_finite_replicas": [2], "participants": 2}
         lines += checks.record({2: "outlier: too large"}, record)
         assert record["excluded"] == [{"replica": 2, "reason": "outlier: too large"}]
-        assert record["members"][2] == {"replica": 2, "participated": False, "weight": 0.0,
+        assert record["replicas"][2] == {"replica": 2, "participated": False, "weight": 0.0,
                                         "excluded": "outlier: too large"}
         assert "non_finite_replicas" not in record, "left out by a check, not for a NaN"
     assert len(lines) == 1 and lines[0].startswith("[diloco] replica 2 looks faulty: its contribution was left out "
                                                    "of 3 syncs in a row (outlier: too large)")
     warned = ContributionChecks("warn", Limits(), faulty_after=3)
-    record = {"sync": 5, "members": [{"replica": 0, "participated": True, "weight": 1.0}]}
+    record = {"sync": 5, "replicas": [{"replica": 0, "participated": True, "weight": 1.0}]}
     assert warned.record({0: "size: too large"}, record) == ["[diloco] sync 5: replica 0 would be left out "
                                                               "(size: too large)"]
     assert record["excluded"] == [] and record["flagged"] == [{"replica": 0, "reason": "size: too large"}]
-    assert record["members"][0]["participated"] is True
+    assert record["replicas"][0]["participated"] is True
 
 
 # --- real runs ------------------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *ext
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     (out / "console.log").write_text(result.stdout + result.stderr)
-    return read_sync_rounds(out)
+    return read_syncs(out)
 
 
 def left_out(records: list[dict], key: str = "excluded") -> dict[int, list[int]]:
@@ -210,8 +210,8 @@ def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_i
     reasons = {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
     assert reasons <= {"apart", "opposed", "outlier"} and "apart" in reasons, reasons
     first = next(r for r in faulty if r["excluded"])
-    assert [m["participated"] for m in first["members"]] == [False, True, True]
-    assert first["members"][0]["excluded"] == first["excluded"][0]["reason"]
+    assert [m["participated"] for m in first["replicas"]] == [False, True, True]
+    assert first["replicas"][0]["excluded"] == first["excluded"][0]["reason"]
     assert sum(len(r["excluded"]) for r in faulty) == json.loads(
         (tmp_path / "garbage" / "diloco_summary.json").read_text())["contributions_excluded"]
     assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
@@ -246,7 +246,7 @@ def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flag
                            {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
                            "--contribution_checks", "warn")
     assert_found_out(flipped, 1, by_sync=2, key="flagged")
-    assert all(r["excluded"] == [] and all(m["weight"] == 1.0 for m in r["members"]) for r in flipped)
+    assert all(r["excluded"] == [] and all(m["weight"] == 1.0 for m in r["replicas"]) for r in flipped)
     assert "opposed" in flipped[1]["flagged"][0]["reason"]
     assert "sync 2: replica 1 would be left out (opposed:" in (tmp_path / "flipped" / "console.log").read_text()
 
@@ -258,7 +258,7 @@ def test_a_clean_run_of_80_rounds_leaves_nothing_out(tmp_path, corpora):
     records = torch_launch(tmp_path / "clean", corpora["clean"], None, "--max_steps", "800", "--eval_steps", "800")
     assert len(records) == 80
     assert all(r["excluded"] == [] and "flagged" not in r for r in records)
-    assert all(m["participated"] for r in records for m in r["members"])
+    assert all(m["participated"] for r in records for m in r["replicas"])
 
 
 @pytest.mark.process
@@ -309,7 +309,7 @@ def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpor
     agreement rules, the same code on both backends: the garbage shard above.)"""
     data = ["--dataset_name", str(corpora["clean"])]
     alone = torchft_sites(tmp_path / "alone", {0: data, 1: data})
-    without = read_sync_rounds(tmp_path / "alone" / "replica-0")
+    without = read_syncs(tmp_path / "alone" / "replica-0")
     assert all(r["excluded"] == [] for r in without), "two clean sites: nothing left out"
     assert [(r["round"], r["participants"]) for r in without] == [(n, 2) for n in range(1, 21)]
     from safetensors.torch import load_file
@@ -320,11 +320,11 @@ def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpor
         out = tmp_path / fault
         consoles = torchft_sites(out, {0: data, 1: data, 2: [*data, *extra]})
         for k in (0, 1, 2):
-            records = [r for r in read_sync_rounds(out / f"replica-{k}") if r.get("committed", True)]
+            records = [r for r in read_syncs(out / f"replica-{k}") if r.get("committed", True)]
             assert_found_out(records, 2, by_sync=by_sync)
             if k != 2:  # site 2 evaluates on its own copy of the data
                 assert final_eval(records) <= 1.02 * final_eval(without), (fault, final_eval(records))
-            assert all(next(m for m in r["members"] if m["replica"] == 2)["weight"] == 0 for r in records
+            assert all(next(m for m in r["replicas"] if m["replica"] == 2)["weight"] == 0 for r in records
                        if r["excluded"])
             if fault == "learning-rate":
                 assert records[0]["excluded"][0]["reason"].startswith("size: ")

@@ -24,5 +24,5 @@ def test_demo_reports_rounds_losses_and_bytes(tmp_path):
     run_metrics = json.loads((out / "run_metrics.json").read_text())
     assert run_metrics["eval_loss"] == summary["eval_loss_final"] and run_metrics["global_step"] == 20
     assert run_metrics["steady_steps"] == 18 and run_metrics["steady_tokens_per_second"] > 0  # steps 2..20
-    rounds = [json.loads(line) for line in (out / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2] and all(r.get("eval_loss") for r in rounds)

@@ -107,7 +107,7 @@ def test_no_collective_between_syncs_and_one_per_sync(paper_run):
 
 def test_loss_goes_down_and_rounds_are_reported(paper_run):
     tmp, _ = paper_run
-    rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
     assert [(r["sync"], r["round"]) for r in rounds] == [(1, 1), (2, 2), (3, 3)], "one fragment: a sync is a round"
     assert [r["sync_steps"] for r in rounds] == [5, 5, 2]
     assert len(rounds[0]["replica_losses"]) == 2
@@ -125,7 +125,7 @@ def test_replica_agreement_matches_the_recorded_norms(paper_run):
     """cos(Δ_i, Δ) arrives one round late; for M = 2 it follows from the norms recorded with the round:
     <Δ0, Δ1> = (4|Δ|² − |Δ0|² − |Δ1|²) / 2 and <Δi, Δ> = (|Δi|² + <Δ0, Δ1>) / 2."""
     tmp, _ = paper_run
-    rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
     assert "replica_agreement" not in rounds[0]
     for earlier, later in zip(rounds, rounds[1:], strict=False):
         assert later["agreement_sync"] == earlier["sync"]
@@ -139,12 +139,12 @@ def test_replica_agreement_matches_the_recorded_norms(paper_run):
 
 def test_round_metrics_reach_the_trackers_of_report_to(paper_run):
     """The round numbers go through Trainer's report_to integrations: with report_to tensorboard, Trainer's
-    TensorBoardCallback writes them (event files read back) at each round's step, equal to sync_rounds.jsonl, under
+    TensorBoardCallback writes them (event files read back) at each round's step, equal to syncs.jsonl, under
     train/diloco/<name> (TensorBoard's integration prefixes training metrics with train/), per replica too."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tmp, _ = paper_run
-    rounds = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
     (logdir,) = list((tmp / "run" / "runs").iterdir())  # Trainer's own: runs/<date>_<host>
     events = EventAccumulator(str(logdir))
     events.Reload()
@@ -272,7 +272,7 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
     """Each member sends only its half of the pseudo-gradient to the other replica: g = 2 halves the bytes."""
     rounds = {}
     for name, (tmp, _) in (("grouped", grouped_run), ("single", paper_run)):
-        rounds[name] = [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+        rounds[name] = [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
     numel = rounds["single"][0]["synced_parameters"]
     grouped = rounds["grouped"][0]
     assert grouped["replica_group_size"] == 2 and grouped["num_replicas"] == 2
@@ -285,7 +285,7 @@ def test_replica_groups_halve_the_bytes_crossing_replicas(grouped_run, paper_run
 
 
 def rounds_of(tmp) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
 
 
 def assert_reported_bytes_are_on_the_wire(tmp, ranks) -> None:
@@ -317,7 +317,7 @@ def test_replicas_that_start_apart_take_rank_0s_parameters_before_step_1(paper_r
     for rank in ranks:
         assert [name for step, name in rank["calls"] if step == 0] == ["all_reduce", "broadcast"], rank["calls"][:4]
     assert ranks[0]["digests"] == ranks[1]["digests"]
-    apart, alike = (json.loads((t / "run" / "sync_rounds.jsonl").read_text().splitlines()[0])
+    apart, alike = (json.loads((t / "run" / "syncs.jsonl").read_text().splitlines()[0])
                     for t in (folder, paper_tmp))
     parameters = sum(p.numel() for p in torch.load(paper_tmp / "final.pt").values())
     assert apart["startup_bytes"] >= 4 * apart["synced_parameters"] and apart["synced_parameters"] <= parameters
@@ -332,7 +332,7 @@ def test_inner_steps_auto_chooses_h_from_the_first_rounds_on_every_replica_alike
     with sync_seconds <= 0.05 * H * step_seconds, the following rounds are H steps apart, and the replicas stay
     identical (both made the same choice at the same step)."""
     folder, ranks = two["auto_h"]
-    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (folder / "run" / "syncs.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rounds[:2]] == [2, 4]
     (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
     choice = chosen_at["inner_steps_auto"]
@@ -353,7 +353,7 @@ def test_sync_delay_auto_overlaps_each_fragment_with_the_steps_its_exchange_take
     keeps the τ it was placed with), so fragment 2's first sync already overlaps more than one step; both replicas
     land at the same steps (they chose alike)."""
     folder, ranks = two["auto_tau"]
-    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (folder / "run" / "syncs.jsonl").read_text().splitlines()]
     delays = {}  # fragment -> τ in effect
     for number, record in enumerate(rounds):
         (fragment,) = record["fragments"]
@@ -379,7 +379,7 @@ def test_sync_delay_auto_and_inner_steps_auto_together_end_staggered_on_identica
     fragment; every τ chosen after that lies within the new H (1 to H/F − 1); the end is staggered (the last sync
     was launched before the last step and lands at it), and the replicas end identical."""
     folder, ranks = two["both_autos"]
-    rounds = [json.loads(line) for line in (folder / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (folder / "run" / "syncs.jsonl").read_text().splitlines()]
     (chosen_at,) = [r for r in rounds if "inner_steps_auto" in r]
     h = chosen_at["inner_steps_auto"]["chosen"]
     later = [r["sync_delay_auto"]["chosen"] for r in rounds if "sync_delay_auto" in r and r["sync"] >

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import REPO, accelerate_launch
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -20,7 +20,7 @@ def test_a_replica_with_nan_sits_the_round_out_and_training_goes_on(tmp_path):
     settings = {"out": str(tmp_path), "poison": {"1": [4]}}
     result = accelerate_launch([FAULT_RUN, json.dumps(settings)])
     assert result.returncode == 0, result.stderr[-4000:]
-    rounds = read_sync_rounds(tmp_path / "run")
+    rounds = read_syncs(tmp_path / "run")
     assert [r["step"] for r in rounds] == [4, 8, 12]
     assert rounds[0]["non_finite_replicas"] == [1] and rounds[0]["participants"] == 1
     assert "non_finite_replicas" not in rounds[1] and "non_finite_replicas" not in rounds[2]
@@ -39,7 +39,7 @@ def test_a_run_where_every_replica_goes_bad_stops_with_one_sentence(tmp_path):
     result = accelerate_launch([FAULT_RUN, json.dumps(settings)])
     assert result.returncode != 0
     assert "no replica had a finite pseudo-gradient for 2 consecutive rounds (last at step 8)" in result.stderr
-    rounds = read_sync_rounds(tmp_path / "run")
+    rounds = read_syncs(tmp_path / "run")
     assert rounds and rounds[0]["outer_step_skipped"] and rounds[0]["participants"] == 0
 
 
@@ -51,4 +51,4 @@ def test_a_replica_that_never_reaches_the_sync_is_named_when_the_timeout_expires
     assert result.returncode != 0
     assert ("the sync at step 8 gave up after waiting for replica 1 (last seen at the sync of step 4) "
             "(sync_timeout=5 s") in result.stderr
-    assert [r["step"] for r in read_sync_rounds(tmp_path / "run")] == [4]
+    assert [r["step"] for r in read_syncs(tmp_path / "run")] == [4]

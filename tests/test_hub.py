@@ -38,7 +38,7 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
         assert hub.repos["alice/tiny-diloco"]["visibility"] == "private"
     # Exactly what a model repository needs: weights, configs, tokenizer, card, curve, sync log and run config.
     assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
-                             "run_config.json", "sync_rounds.jsonl", "tokenizer_config.json", "training_curve.png"]
+                             "run_config.json", "syncs.jsonl", "tokenizer_config.json", "training_curve.png"]
     assert len(hub.commits) == 1, "one commit"
     assert f"[push] 8 files: {', '.join(sorted(files))}" in result.stdout
     # The run folder holds checkpoints (with per-replica optimizer states), TensorBoard files and run metrics;
@@ -56,7 +56,7 @@ def test_push_uploads_model_tokenizer_and_diloco_card(finished_run):
     assert "| H, inner steps between syncs (`inner_steps`) | 3 | 500 |" in card
     assert "| outer learning rate (`outer_lr`) | 0.7 | 0.7 |" in card
     assert "![training curve](training_curve.png)" in card and files["training_curve.png"][:4] == b"\x89PNG"
-    rounds = [json.loads(line) for line in files["sync_rounds.jsonl"].decode().splitlines()]
+    rounds = [json.loads(line) for line in files["syncs.jsonl"].decode().splitlines()]
     assert [r["step"] for r in rounds] == [3, 6]
     assert all(t == "Bearer hf_secret_token_123" for t in hub.tokens)
     # The token never reaches the uploaded files, the run folder or the output.
@@ -193,7 +193,7 @@ def test_push_to_hub_from_python_pushes_what_hf_diloco_push_pushes(tmp_path):
         assert [c["header"]["summary"] for c in hub.commits] == ["DiLoCo from Python"]
         assert f"push_to_hub returned CommitInfo {hub.url}/alice/from-python/commit/1" in result.stdout
     assert sorted(files) == ["README.md", "adapter_config.json", "adapter_model.safetensors", "run_config.json",
-                             "sync_rounds.jsonl", "training_curve.png"]
+                             "syncs.jsonl", "training_curve.png"]
     # What Trainer.push_to_hub would have sent holds the paths: the pickled args, peft's README and config.
     assert str(out).encode() in (out / "training_args.bin").read_bytes()
     assert str(private) in (out / "README.md").read_text() and str(private) in (out / "adapter_config.json").read_text()
@@ -258,9 +258,9 @@ def test_push_to_hub_during_training_pushes_what_push_to_hub_pushes(tmp_path):
     assert set(summaries[1:-1]) <= {"Training in progress, step 8"}, summaries
     at_step_4 = {name: content for commit, name, content in received.uploads if commit == 0}
     assert sorted(at_step_4) == ["README.md", "adapter_config.json", "adapter_model.safetensors", "run_config.json",
-                                 "sync_rounds.jsonl", "training_curve.png"]
+                                 "syncs.jsonl", "training_curve.png"]
     assert at_step_4["adapter_model.safetensors"] == (out / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
-    assert [json.loads(line)["step"] for line in at_step_4["sync_rounds.jsonl"].decode().splitlines()] == [4]
+    assert [json.loads(line)["step"] for line in at_step_4["syncs.jsonl"].decode().splitlines()] == [4]
     assert at_step_4["adapter_model.safetensors"] != received["adapter_model.safetensors"], "step 8 trained on"
     assert "> **This run was still training at step 4 of 8.**" in at_step_4["README.md"].decode()
     assert "| how the run ended | finished |" in received["README.md"].decode()
@@ -299,7 +299,7 @@ def test_card_of_a_slow_link_run_lists_its_codec_and_streaming_settings(tmp_path
                "bytes_per_replica": 1_000_000,
                "inner_steps_auto": {"chosen": 40, "from_step": 20, "step_seconds": 0.05, "sync_seconds": 0.1,
                                     "max_sync_overhead": 0.05}}]
-    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (tmp_path / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     card = model_card(tmp_path, settings=run_settings(args, trainer="diloco"), curve=False)
     assert "| fewer bytes than fp32 syncs (compression) | 7.6x |" in card
     assert "| H chosen by inner_steps auto | 40 from step 20 (a step 0.05 s, waiting for a sync 0.1 s, at most 5% " \
@@ -324,11 +324,11 @@ def test_card_counts_the_contributions_the_checks_left_out(tmp_path):
               {"round": 3, "step": 30, "loss": 2.4, "bytes_per_replica": 100, "excluded": left_out * 2},
               {"round": 4, "step": 40, "loss": 2.3, "bytes_per_replica": 100, "excluded": left_out,
                "committed": False}]
-    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (tmp_path / "syncs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     card = model_card(tmp_path, settings=run_settings(args, trainer="diloco"), curve=False)
     assert "| contributions left out by the checks | 3 |" in card
     assert "| contributions checked before each merge (`contribution_checks`) | exclude | off |" in card
-    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "excluded"})
+    (tmp_path / "syncs.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "excluded"})
                                                         + "\n" for r in rounds))
     assert "contributions left out" not in model_card(tmp_path, settings=run_settings(args, trainer="diloco"),
                                                       curve=False)

@@ -73,7 +73,7 @@ def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | Non
     with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer.land: count them
         patch.setattr(engine, "land", lambda *a, **k: landings.append(a[2] if len(a) > 2 else k) or land(*a, **k))
         trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "sync_rounds.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
     return start, trajectory.steps, records
 
 
@@ -157,6 +157,53 @@ def diloco_args(tmp_path, **settings) -> DiLoCoConfig:
                         disable_tqdm=True, use_cpu=True, **settings)
 
 
+class FragmentStates(TrainerCallback):
+    """Each fragment's (in_flight, last_synced) after every inner step, read from the engine's own objects."""
+
+    def __init__(self):
+        self.engine, self.steps = None, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps[state.global_step] = [(f.in_flight, f.last_synced) for f in self.engine.fragments]
+
+
+def test_each_fragment_owns_its_base_residual_sync_in_flight_and_last_sync(tmp_path):
+    """Two fragments, τ = 1, int8 with error feedback: a fragment's `in_flight` is the step its sync was launched at
+    from that step until it lands, then None, and `last_synced` the step it landed at, as the records say; its
+    `base` is θ_global's own tensors of its parameters (the final model, α = 0 at the end), its `residual` the
+    error-feedback residuals of its buckets and no other's."""
+    model = KnownGradients()
+    args = diloco_args(tmp_path, inner_steps=H, num_fragments=2, sync_delay=1, outer_lr=LAMBDA, outer_momentum=0.0,
+                       outer_nesterov=False, compression="int8", error_feedback=True, lr_scheduler_type="constant",
+                       warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0)
+    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=[{"x": torch.zeros(1)}] * STEPS,
+                            data_collator=default_data_collator)
+    states = FragmentStates()
+    states.engine = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "engine")).engine
+    trainer.add_callback(states)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
+    expected = {step: [(None, None), (None, None)] for step in range(1, STEPS + 1)}
+    for r in sorted(records, key=lambda r: r["step"]):
+        launched, landed = r.get("launch_step", r["step"]), r["step"]
+        for f in r["fragments"]:
+            for step in range(launched, STEPS + 1):
+                in_flight = launched if step < landed else expected[step][f][0] if step > landed else None
+                expected[step][f] = (in_flight, landed if step >= landed else expected[step][f][1])
+    assert any(r.get("launch_step", r["step"]) < r["step"] for r in records), "some syncs overlapped"
+    assert states.steps == expected
+    engine = states.engine
+    outer = engine.outer
+    for fragment in engine.fragments:
+        held = [outer.global_params[i] for b in fragment.buckets for i in outer.buckets[b]]
+        assert len(fragment.base) == len(held) and all(a is b for a, b in zip(fragment.base, held, strict=True))
+        assert sorted(fragment.residual) == sorted(str(b) for b in fragment.buckets)
+        assert all(t is engine.feedback.residuals[k] for k, t in fragment.residual.items())
+    final = torch.cat([p.detach().flatten() for p in model.parameters()])
+    bases = torch.cat([t.detach().flatten() for f in engine.fragments for t in f.base])
+    assert torch.equal(final.sort().values, bases.sort().values), "the final model is every fragment's base"
+
+
 def test_a_model_whose_parameters_are_all_in_layers_syncs_something_in_every_sync(tmp_path):
     """Fragment 0 holds the parameters outside the layers; with none, the layers are spread over every fragment
     instead of leaving fragment 0 empty (every other sync would exchange nothing)."""
@@ -164,7 +211,7 @@ def test_a_model_whose_parameters_are_all_in_layers_syncs_something_in_every_syn
     trainer = DiLoCoTrainer(model=model, args=diloco_args(tmp_path, num_fragments=2),
                             train_dataset=[{"x": torch.zeros(1)}] * STEPS, data_collator=default_data_collator)
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "sync_rounds.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
     assert {tuple(r["fragments"]) for r in records} >= {(0,), (1,)}
     assert all(r["synced_parameters"] == 2 for r in records if len(r["fragments"]) == 1), \
         [(r["fragments"], r["synced_parameters"]) for r in records]
@@ -179,7 +226,7 @@ def test_more_fragments_than_layers_is_refused_in_one_sentence_naming_the_parame
     message = str(raised.value)
     assert type(raised.value).__name__ == "ConfigError", message
     assert "num_fragments=3" in message and "layers.0.w" in message and "use at most 2 fragments" in message
-    assert not (tmp_path / "sync_rounds.jsonl").exists() or not (tmp_path / "sync_rounds.jsonl").read_text()
+    assert not (tmp_path / "syncs.jsonl").exists() or not (tmp_path / "syncs.jsonl").read_text()
 
 
 class Voting(ReplicaComm):

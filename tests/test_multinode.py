@@ -65,7 +65,7 @@ def test_two_node_diloco_over_veth_ends_with_identical_parameters(two_nodes, tmp
 
 
 def test_reported_bytes_match_the_veth_counters(two_nodes, tmp_path):
-    """The bytes sync_rounds.jsonl reports are what left each host: int8 syncs of the tiny Llama (1.08M values,
+    """The bytes syncs.jsonl reports are what left each host: int8 syncs of the tiny Llama (1.08M values,
     three rounds) between two namespaces, against the veth's tx counter. The counter also holds the start-up check
     (the replicas share a seed, so no parameters are broadcast), TCP/IP headers and the rendezvous; within 10%."""
     port = str(free_port())
@@ -89,7 +89,7 @@ def test_reported_bytes_match_the_veth_counters(two_nodes, tmp_path):
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     sent = [host.tx_bytes() - start for host, start in zip(two_nodes, before, strict=True)]
-    rounds = [json.loads(line) for line in (output_dir / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (output_dir / "syncs.jsonl").read_text().splitlines()]
     assert [r["compression"] for r in rounds] == ["int8"] * 3
     reported = sum(r["bytes_per_replica"] for r in rounds)
     assert 0 < rounds[0]["startup_bytes"] < 1000, "the digest check only"
@@ -128,7 +128,7 @@ def run_two_sites(hosts, overlay, tmp_path):
 
     from safetensors.torch import load_file
 
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
     port = free_port()
     lighthouse = subprocess.Popen([*hosts[0].exec_prefix(), sys.executable, "-m", "hf_diloco.cli", "lighthouse",
@@ -164,7 +164,7 @@ def run_two_sites(hosts, overlay, tmp_path):
                 process.kill()
     for process, output in zip(replicas, outputs, strict=True):
         assert process.returncode == 0, output[-4000:]
-    rounds = [read_sync_rounds(tmp_path / f"replica-{r}") for r in (0, 1)]
+    rounds = [read_syncs(tmp_path / f"replica-{r}") for r in (0, 1)]
     assert [[r["step"] for r in rs] for rs in rounds] == [[10, 20], [10, 20]]
     assert all(r["participants"] == 2 for rs in rounds for r in rs)
     first, second = (load_file(tmp_path / f"replica-{r}" / "model.safetensors") for r in (0, 1))

@@ -112,7 +112,7 @@ def test_ddp_baseline_is_data_parallel_training(tmp_path):
     result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", str(RECIPES / "ddp-baseline.yaml"),
                                 *short, "--output_dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert not (out / "sync_rounds.jsonl").exists(), "DDP has no outer rounds"
+    assert not (out / "syncs.jsonl").exists(), "DDP has no outer rounds"
     single = tmp_path / "single"
     result = hf_diloco("train", "--config", str(RECIPES / "ddp-baseline.yaml"), *short, "--output_dir", str(single),
                        "--per_device_train_batch_size", "16")
@@ -145,7 +145,7 @@ def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     adapter = load_file(out / "adapter_model.safetensors")
     adapter_numel = sum(t.numel() for t in adapter.values())
-    rounds = [json.loads(line) for line in (out / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
     assert {r["synced_parameters"] for r in rounds} == {adapter_numel}
     assert {r["num_replicas"] for r in rounds} == {2} and all(3.9 < r["compression_ratio"] < 4.0 for r in rounds)
     assert adapter_numel < sum(p.numel() for p in model.parameters()) / 10

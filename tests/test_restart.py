@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from hf_diloco import checkpoints
 from hf_diloco.files import read_json
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 SLOW_SAVE = str(REPO / "tests" / "scripts" / "slow_save_run.py")
@@ -86,7 +86,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 120, 10), "--resume_from_checkpoint", "auto"]))
     assert "removing checkpoint-20: an incomplete checkpoint" in resumed
     assert f"resuming from {out / 'checkpoint-10'}" in resumed
-    rounds = read_sync_rounds(out)
+    rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == list(range(10, 121, 10))
     assert rounds[1]["resumed_from"] == str(out / "checkpoint-10")
     assert 0 <= rounds[1]["steps_lost"] <= 10
@@ -162,7 +162,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     worker = max(set(pids) - {int(pid) for pid in launcher.stdout.split()})
     os.kill(worker, signal.SIGKILL)
     finish(run)
-    rounds = read_sync_rounds(out)
+    rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == list(range(10, 121, 10))
     resumed = [r for r in rounds if "resumed_from" in r]
     # At most the round in flight. progress.json, from which steps_lost is counted, is written at most once a
@@ -187,7 +187,7 @@ def test_sigterm_to_one_replica_stops_every_replica_at_the_round_end_with_a_chec
     stdout = finish(run)
     assert "SIGTERM: stopping at the end of this round" in stdout
     stopped = read_json(out / "stopped.json")
-    last = read_sync_rounds(out)[-1]["step"]
+    last = read_syncs(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert (out / f"checkpoint-{last}").is_dir()
 
@@ -210,7 +210,7 @@ def test_sigterm_to_the_launch_stops_the_run_at_the_round_end_and_exits_0(tmp_pa
     assert stdout.count("SIGTERM: stopping at the end of this round") == 2, stdout[-3000:]  # one per replica
     assert "restart" not in stdout
     stopped = read_json(out / "stopped.json")
-    last = read_sync_rounds(out)[-1]["step"]
+    last = read_syncs(out)[-1]["step"]
     assert stopped["step"] == last < 400 and last % 10 == 0
     assert stopped["checkpoint"] == f"checkpoint-{last}" and (out / stopped["checkpoint"]).is_dir()
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, wait_for
 
 from hf_diloco import runs
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 SHORT = ["--max_steps", "400", "--inner_steps", "5", "--block_size", "64", "--eval_strategy", "no",
@@ -18,7 +18,7 @@ SHORT = ["--max_steps", "400", "--inner_steps", "5", "--block_size", "64", "--ev
 
 
 def rounds_of(run) -> list[dict]:
-    path = run.folder / "output" / "sync_rounds.jsonl"
+    path = run.folder / "output" / "syncs.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -248,13 +248,13 @@ def test_a_stop_seen_by_one_torchft_replica_stops_every_replica_after_the_same_r
     run = runs.start(tmp_path, TORCHFT_RECIPE, TORCHFT_REPLICA, ELASTIC_SHORT, replicas=2)
     assert run.command[3:5] == ["launch", TORCHFT_RECIPE] and run.command[-2:] == ["--output_dir", run.output_dir]
     output = Path(run.output_dir)
-    wait_for(lambda: all(read_sync_rounds(output / f"replica-{r}") for r in (0, 1)), 120, "a round of both replicas")
+    wait_for(lambda: all(read_syncs(output / f"replica-{r}") for r in (0, 1)), 120, "a round of both replicas")
     (output / "replica-0" / runs.STOP_FILE).write_text(f"{time.time()}\n")
     final = wait_for(lambda: (r := runs.load(run.folder)).status not in runs.ACTIVE and r, 90, "the run to end")
     assert final.status == "stopped", (run.folder / runs.LOG_FILE).read_text()[-3000:]
     stopped = [json.loads((output / f"replica-{r}" / runs.STOPPED_FILE).read_text())["step"] for r in (0, 1)]
     assert stopped[0] == stopped[1] < 4000 and stopped[0] % 10 == 0, stopped
-    assert [read_sync_rounds(output / f"replica-{r}")[-1]["step"] for r in (0, 1)] == stopped
+    assert [read_syncs(output / f"replica-{r}")[-1]["step"] for r in (0, 1)] == stopped
     assert (output / runs.STOPPED_FILE).is_file(), "the launcher reports the stop in the run's own folder"
     assert runs.training_pids(final) == []
 
@@ -294,6 +294,26 @@ def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_repli
     assert ReplicaSupervisor([fail, fail], str(tmp_path / "all"), max_restarts=0).run() == 3, "no replica finished"
 
 
+def test_the_records_of_an_earlier_version_read_under_todays_names_and_a_resume_goes_on_in_syncs_jsonl(tmp_path):
+    """A run folder written before the records were renamed holds sync_rounds.jsonl, whose rows per replica are
+    `members`: it reads as a run with its `replicas` rows (not as a torchft launch of replica folders), and the
+    writer of a run resumed in it carries the records over into syncs.jsonl, leaving one file."""
+    from hf_diloco.metrics import SYNCS_FILE, SyncWriter, replica_folders, run_syncs
+
+    rows = [{"replica": 0, "participated": True, "steps": 5}, {"replica": 1, "participated": False}]
+    (tmp_path / "sync_rounds.jsonl").write_text("".join(json.dumps({"sync": n, "round": n, "step": 5 * n,
+                                                                    "members": rows}) + "\n" for n in (1, 2)))
+    (tmp_path / "replica-0").mkdir()  # a folder of that name alone does not make it a torchft launch's
+    assert replica_folders(tmp_path) == []
+    assert [(r["step"], r["replicas"], "members" in r) for r in run_syncs(tmp_path)] == [(5, rows, False),
+                                                                                          (10, rows, False)]
+    writer = SyncWriter(str(tmp_path))
+    writer.write({"sync": 3, "round": 3, "step": 15, "replicas": rows})
+    assert not (tmp_path / "sync_rounds.jsonl").exists()
+    assert [json.loads(line)["step"] for line in (tmp_path / SYNCS_FILE).read_text().splitlines()] == [5, 10, 15]
+    assert all("members" not in r and r["replicas"] == rows for r in read_syncs(tmp_path))
+
+
 def test_a_line_torn_by_a_kill_hides_no_later_record_and_appends_start_on_a_line_of_their_own(tmp_path, caplog):
     """A replica killed mid-write leaves a torn line; the one restarted appends after it (SyncWriter, the Trainer
     log's writer). Every whole record before and after reads back, the torn line is reported once in a warning
@@ -309,8 +329,8 @@ def test_a_line_torn_by_a_kill_hides_no_later_record_and_appends_start_on_a_line
     for step in (15, 20):  # the restarted replica's records
         writer.write({"sync": step // 5, "step": step})
     with caplog.at_level("WARNING"):
-        first = read_sync_rounds(tmp_path)
-        again = read_sync_rounds(tmp_path)
+        first = read_syncs(tmp_path)
+        again = read_syncs(tmp_path)
     assert [r["step"] for r in first] == [r["step"] for r in again] == [5, 10, 15, 20]
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert warnings == [f"{writer.path}: line 3 is damaged (not a JSON object); it is skipped and the lines after "

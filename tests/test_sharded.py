@@ -13,7 +13,7 @@ import torch
 from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, replica_runs, wait_for
 from safetensors.torch import load_file
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -106,7 +106,7 @@ def test_only_the_shards_cross_replicas(layouts):
     """Each process sends its shard to the other replica: the bytes across replicas per round equal DDP's
     1/g slice (within the shards' row padding), and inside the replica only the round's statistics move."""
     _, runs = layouts
-    rounds = {layout: [json.loads(line) for line in (tmp / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    rounds = {layout: [json.loads(line) for line in (tmp / "run" / "syncs.jsonl").read_text().splitlines()]
               for layout, (tmp, _) in runs.items()}
     for sharded, whole in zip(rounds["fsdp"], rounds["ddp"], strict=True):
         assert sharded["synced_parameters"] == whole["synced_parameters"]
@@ -150,7 +150,7 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
     os.kill(max(int(pid) for pid in workers.stdout.split()), signal.SIGKILL)
     finish(run)
-    rounds = read_sync_rounds(out)
+    rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == list(range(10, 61, 10))
     assert sum("resumed_from" in r for r in rounds) == 1
     finish(launch_sharded(clean))
@@ -190,7 +190,7 @@ def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_
     worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
     assert worst < 1e-4, f"largest parameter difference {worst:.2e}"
     assert ranks[0]["total_flos"] == pytest.approx(ddp_ranks[0]["total_flos"], rel=1e-6)
-    rounds, ddp_rounds = read_sync_rounds(tmp / "run"), read_sync_rounds(ddp_tmp / "run")
+    rounds, ddp_rounds = read_syncs(tmp / "run"), read_syncs(ddp_tmp / "run")
     for a, b in zip(rounds, ddp_rounds, strict=True):
         assert a["synced_parameters"] == b["synced_parameters"]
         for key in ("pseudo_grad_norm", "loss"):

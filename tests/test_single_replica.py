@@ -75,12 +75,12 @@ def test_outer_adamw_first_round_matches_hand_computation(tmp_path):
     assert worst <= 1e-6, f"largest difference from the hand-computed AdamW round {worst:.2e}"
 
 
-def test_sync_rounds_written_for_single_replica(tmp_path):
+def test_syncs_written_for_single_replica(tmp_path):
     args = DiLoCoConfig(output_dir=str(tmp_path), inner_steps=6, **COMMON)
     train(DiLoCoTrainer, args)
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
-    rounds = read_sync_rounds(tmp_path)
+    rounds = read_syncs(tmp_path)
     assert [r["step"] for r in rounds] == [6, 12, 18, 20]
     assert all(r["bytes_per_replica"] == 0 and r["num_replicas"] == 1 for r in rounds)
     assert rounds[0]["loss"] == pytest.approx(rounds[0]["replica_losses"][0])
@@ -91,9 +91,9 @@ def test_gradient_accumulation_counts_as_one_inner_step(tmp_path):
     """With 2 micro-batches per optimizer step, H = 3 means 3 optimizer steps, not 3 micro-batches."""
     settings = {**COMMON, "max_steps": 6, "gradient_accumulation_steps": 2}
     train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path), inner_steps=3, **settings))
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
-    assert [(r["step"], r["sync_steps"]) for r in read_sync_rounds(tmp_path)] == [(3, 3), (6, 3)]
+    assert [(r["step"], r["sync_steps"]) for r in read_syncs(tmp_path)] == [(3, 3), (6, 3)]
 
 
 def test_peft_model_syncs_only_trainable_parameters(tmp_path):
@@ -108,9 +108,9 @@ def test_peft_model_syncs_only_trainable_parameters(tmp_path):
     trainer = DiLoCoTrainer(model=model, args=args, train_dataset=pattern_dataset(),
                             data_collator=default_data_collator)
     trainer.train()
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
-    rounds = read_sync_rounds(tmp_path)
+    rounds = read_syncs(tmp_path)
     assert {r["synced_parameters"] for r in rounds} == {trainable}
     assert trainable < sum(p.numel() for p in model.parameters()) / 10
     assert rounds[-1]["pseudo_grad_norm"] > 0
@@ -130,7 +130,7 @@ def test_library_train_function_runs_a_whole_run_and_never_overwrites_one(tmp_pa
 
     from hf_diloco import RunArguments
     from hf_diloco.errors import ConfigError
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
     from hf_diloco.train import train as train_run
 
     corpus = tmp_path / "corpus.jsonl"
@@ -141,7 +141,7 @@ def test_library_train_function_runs_a_whole_run_and_never_overwrites_one(tmp_pa
     out = tmp_path / "diloco"
     trainer = train_run(RunArguments(**data), DiLoCoConfig(output_dir=str(out), inner_steps=2, **settings))
     assert isinstance(trainer, DiLoCoTrainer)
-    assert [r["step"] for r in read_sync_rounds(out)] == [2, 4]
+    assert [r["step"] for r in read_syncs(out)] == [2, 4]
     stored = json.loads((out / "run_config.json").read_text())
     assert stored["trainer"] == "diloco" and stored["diloco"]["inner_steps"] == 2
     assert stored["run"]["block_size"] == 32 and json.loads((out / "run_metrics.json").read_text())["global_step"] == 4
@@ -152,7 +152,7 @@ def test_library_train_function_runs_a_whole_run_and_never_overwrites_one(tmp_pa
 
     baseline = tmp_path / "ddp"
     trainer = train_run(RunArguments(**data, trainer="ddp"), DiLoCoConfig(output_dir=str(baseline), **settings))
-    assert type(trainer) is Trainer and not (baseline / "sync_rounds.jsonl").exists()
+    assert type(trainer) is Trainer and not (baseline / "syncs.jsonl").exists()
     assert json.loads((baseline / "run_config.json").read_text())["trainer"] == "ddp"
     assert set(load_file(baseline / "model.safetensors")) == set(load_file(out / "model.safetensors"))
 
@@ -163,7 +163,7 @@ def test_round_metrics_reach_every_tracker_callback(tmp_path):
     printers do not (the round's line is printed already)."""
     from transformers import TrainerCallback
 
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
     class Tracker(TrainerCallback):
         def __init__(self):
@@ -179,7 +179,7 @@ def test_round_metrics_reach_every_tracker_callback(tmp_path):
     trainer = DiLoCoTrainer(model=tiny_llama(seed=0), args=args, train_dataset=pattern_dataset(),
                             data_collator=default_data_collator, callbacks=[tracker])
     trainer.train()
-    rounds = read_sync_rounds(tmp_path / "run")
+    rounds = read_syncs(tmp_path / "run")
     assert [step for step, _ in tracker.logged] == [r["step"] for r in rounds] == [5, 10, 12]
     for (_, logs), record in zip(tracker.logged, rounds, strict=True):
         assert logs["diloco/loss"] == pytest.approx(record["loss"], rel=1e-12)
@@ -192,14 +192,14 @@ def test_round_metrics_reach_every_tracker_callback(tmp_path):
 @pytest.mark.process
 def test_round_metrics_read_back_from_a_local_trackio_project(tmp_path):
     """`report_to: trackio` (its local SQLite store, no Space): each round's diloco/ numbers are in the project, at
-    the round's step and equal to sync_rounds.jsonl, read back from trackio's own storage in another process."""
+    the round's step and equal to syncs.jsonl, read back from trackio's own storage in another process."""
     import json
     import subprocess
     import sys
 
     from helpers import REPO, env
 
-    from hf_diloco.metrics import read_sync_rounds
+    from hf_diloco.metrics import read_syncs
 
     out, store = tmp_path / "run", tmp_path / "trackio"
     environment = {**env(), "TRACKIO_DIR": str(store), "HF_HUB_OFFLINE": "1"}
@@ -214,7 +214,7 @@ def test_round_metrics_read_back_from_a_local_trackio_project(tmp_path):
     logs = json.loads(subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, check=True,
                                      env=environment, cwd=REPO, timeout=120).stdout)
     logged = [entry for entry in logs if "train/diloco/loss" in entry]
-    rounds = read_sync_rounds(out)
+    rounds = read_syncs(out)
     assert [entry["train/global_step"] for entry in logged] == [r["step"] for r in rounds] == [3, 6]
     for entry, record in zip(logged, rounds, strict=True):
         assert entry["train/diloco/loss"] == pytest.approx(record["loss"], rel=1e-9)

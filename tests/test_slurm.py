@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import REPO, env, free_port, wait_for
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -101,7 +101,7 @@ def test_a_torch_backend_run_of_two_replicas_runs_as_a_slurm_job(cluster, tmp_pa
     states = wait_for_job(cluster, job, 1, 300)
     log = next((out / "slurm").glob(f"slurm-{job}*.log")).read_text()
     assert states == ["COMPLETED"], log[-3000:]
-    rounds = read_sync_rounds(out)
+    rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == [10, 20] and all(len(r["replica_losses"]) == 2 for r in rounds)
     assert (out / "adapter_model.safetensors").exists()
     assert f"[hf-diloco slurm] job {job}" in log
@@ -120,7 +120,7 @@ def test_a_torchft_run_of_two_replicas_and_its_lighthouse_run_as_one_job_array(c
     assert states == ["COMPLETED"] * 3, json.dumps(logs)[-4000:]
     assert any("[hf-diloco slurm] Lighthouse on http://" in text for text in logs.values())
     for replica in (0, 1):
-        rounds = read_sync_rounds(out / f"replica-{replica}")
+        rounds = read_syncs(out / f"replica-{replica}")
         assert [r["step"] for r in rounds] == [10, 20], logs
         assert all(r["participants"] == 2 for r in rounds)
     from safetensors.torch import load_file

@@ -17,7 +17,7 @@ import pytest
 from helpers import REPO, env, wait_for
 
 from hf_diloco import checkpoints
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 from hf_diloco.runs import STOP_FILE, STOPPED_FILE
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -62,7 +62,7 @@ def test_a_python_built_trainer_stops_at_a_round_boundary_with_a_complete_checkp
     process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(out)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
     try:
-        wait_for(lambda: len(read_sync_rounds(out)) >= 2 or process.poll() is not None, timeout=90,
+        wait_for(lambda: len(read_syncs(out)) >= 2 or process.poll() is not None, timeout=90,
                  what="two rounds", every=0.1)
         assert process.poll() is None, f"the run ended before it was asked to stop:\n{process.stderr.read()[-3000:]}"
         ask_to_stop(how, process, out)
@@ -75,7 +75,7 @@ def test_a_python_built_trainer_stops_at_a_round_boundary_with_a_complete_checkp
     step = result["step"]
 
     assert 2 * INNER_STEPS <= step < MAX_STEPS and step % INNER_STEPS == 0, f"stopped at step {step}, mid-round"
-    assert read_sync_rounds(out)[-1]["step"] == step, "the last round recorded is the one it stopped after"
+    assert read_syncs(out)[-1]["step"] == step, "the last round recorded is the one it stopped after"
     assert checkpoints.is_complete(out / f"checkpoint-{step}")
     assert [p.name for p in checkpoints.complete_checkpoints(out)] == [f"checkpoint-{step}"]
     stopped = json.loads((out / STOPPED_FILE).read_text())

@@ -39,7 +39,7 @@ def launch(tmp_path, processes: int, **settings) -> list[dict]:
 
 
 def rounds_of(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "run" / "sync_rounds.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "run" / "syncs.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +209,6 @@ def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_mode
     card = hub.model_card(full)
     assert "| processes each layer is split over by tensor parallel (`tp_size`) | 2 | 1 |" in card
     assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" not in card
-    sent = [json.loads(line)["bytes_per_replica"] for line in (full / "sync_rounds.jsonl").read_text().splitlines()]
+    sent = [json.loads(line)["bytes_per_replica"] for line in (full / "syncs.jsonl").read_text().splitlines()]
     # Each process sends its pieces: about half of 4.33 MB.
     assert sent and all(2.1e6 < x < 2.4e6 for x in sent), sent

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, replica_runs
 
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -99,7 +99,7 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     sync, group = LAYOUTS[layout]
     folder, ranks = request.getfixturevalue("four" if group == 2 else "two")[layout]
     max_steps = MAX_STEPS
-    records = read_sync_rounds(folder / "run")
+    records = read_syncs(folder / "run")
 
     assert len(records) >= 3, records
     if "num_fragments" in sync:
@@ -123,12 +123,12 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     # model as well: after a save it can take a step fewer than replica 1 (measured once in 52 syncs).
     assert sum(f >= s for f, s in zip(fast[:-1], slow[:-1], strict=True)) >= 0.9 * (len(fast) - 1), (fast, slow)
     for record, steps in zip(records, zip(fast, slow, strict=True), strict=True):
-        members = record["members"]
-        assert [m["replica"] for m in members] == [0, 1] and all(m["participated"] for m in members), record
-        assert [m["steps"] for m in members] == list(steps), record
+        rows = record["replicas"]
+        assert [m["replica"] for m in rows] == [0, 1] and all(m["participated"] for m in rows), record
+        assert [m["steps"] for m in rows] == list(steps), record
         expected = [s / max(steps) for s in steps]  # tokens = steps x group x TOKENS_PER_STEP on both replicas
-        assert [m["tokens"] for m in members] == [s * group * TOKENS_PER_STEP for s in steps], record
-        assert [m["weight"] for m in members] == pytest.approx(expected, abs=1e-6), record
+        assert [m["tokens"] for m in rows] == [s * group * TOKENS_PER_STEP for s in steps], record
+        assert [m["weight"] for m in rows] == pytest.approx(expected, abs=1e-6), record
     for rank in ranks:
         waited = sum(rank["sync_seconds"])
         # the sync's exchange, the time-budget agreement and the contribution checks' table, 4 processes on 2 cores
@@ -136,8 +136,8 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     # Both arrive when their budget is spent: neither waited for the other longer than a step of the slow one (the
     # budget is checked after each step) plus scheduling, save for the last sync, which replica 0 reaches early.
     slow_step = ranks[group]["train_seconds"] / max(1, sum(slow))
-    assert all(m["waited_seconds"] <= 2 * slow_step + 0.1 for r in records[:-1] for m in r["members"]), \
-        ([[m["waited_seconds"] for m in r["members"]] for r in records], slow_step)
+    assert all(m["waited_seconds"] <= 2 * slow_step + 0.1 for r in records[:-1] for m in r["replicas"]), \
+        ([[m["waited_seconds"] for m in r["replicas"]] for r in records], slow_step)
     steps = [r["step"] for r in records]
     assert steps == sorted(steps) and len(set(steps)) == len(steps), "every sync at a later agreed step"
 
@@ -154,7 +154,7 @@ def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay
     over the most; the last sync, at max_steps, is blocking, carries both fragments, and the replicas end
     identical."""
     folder, (fast, slow) = two["overlap"]
-    records = read_sync_rounds(folder / "run")
+    records = read_syncs(folder / "run")
     assert len(records) >= 4, records
     assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]], records
     assert [r["sync"] for r in records] == list(range(1, len(records) + 1))
@@ -172,12 +172,12 @@ def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay
     slow_step = slow["train_seconds"] / max(1, slow["own_steps"])
     assert chosen and all(c["step_seconds"] < slow_step / 2 for c in chosen), (chosen, slow_step)
     for r in records:
-        members = r["members"]
-        most = max(m["tokens"] for m in members)
-        assert [m["tokens"] for m in members] == [TOKENS_PER_STEP * m["steps"] for m in members], members
-        assert [m["weight"] for m in members] == pytest.approx([m["tokens"] / most for m in members], abs=1e-6)
-    assert sum(m["steps"] for r in records for m in r["members"] if m["replica"] == 0) > \
-        1.5 * sum(m["steps"] for r in records for m in r["members"] if m["replica"] == 1)
+        rows = r["replicas"]
+        most = max(m["tokens"] for m in rows)
+        assert [m["tokens"] for m in rows] == [TOKENS_PER_STEP * m["steps"] for m in rows], rows
+        assert [m["weight"] for m in rows] == pytest.approx([m["tokens"] / most for m in rows], abs=1e-6)
+    assert sum(m["steps"] for r in records for m in r["replicas"] if m["replica"] == 0) > \
+        1.5 * sum(m["steps"] for r in records for m in r["replicas"] if m["replica"] == 1)
     for rank in (fast, slow):
         assert sum(rank["sync_seconds"]) <= 0.2 * rank["train_seconds"], (rank["sync_seconds"], rank["train_seconds"])
 
@@ -194,7 +194,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_and_nobody_waits(two):
     next sync comes after a step or two, and τ chosen from them stays short). The replicas end identical."""
     folder, (fast, slow) = two["slow-link"]
     assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
-    records = read_sync_rounds(folder / "run")
+    records = read_syncs(folder / "run")
     assert len(records) >= 8, records
     # The first sync waited for its exchange: the link is slow for this budget (to within 10%: the wait is timed
     # by the inner loop, from a moment after the exchange and its slow link began)
@@ -212,14 +212,14 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_and_nobody_waits(two):
 
 def test_with_rounds_of_h_steps_the_record_says_how_long_the_fast_replica_waited_for_the_slow_one(two):
     """Without a time budget both replicas take H steps a round, and replica 0 waits at every sync for replica 1
-    (a quarter of a core). Each record's members say how long before the last replica each arrived
+    (a quarter of a core). Each record's replica rows say how long before the last replica each arrived
     (`waited_seconds`); checked against what each process measured itself: both leave the sync together, so
     replica 0's seconds inside the sync exceed replica 1's by its wait (up to the outer step and a quota period of
     replica 1's)."""
     folder, (fast, slow) = two["rounds-of-h"]
-    records = read_sync_rounds(folder / "run")
+    records = read_syncs(folder / "run")
     assert len(records) == len(fast["sync_seconds"]) == len(slow["sync_seconds"]) == 10, records
-    waits = [[m["waited_seconds"] for m in r["members"]] for r in records]
+    waits = [[m["waited_seconds"] for m in r["replicas"]] for r in records]
     for (fast_waited, slow_waited), inside_fast, inside_slow in zip(waits, fast["sync_seconds"],
                                                                     slow["sync_seconds"], strict=True):
         assert slow_waited == 0.0, waits
@@ -239,7 +239,7 @@ def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syn
               "--disable_tqdm", "true", "--report_to", "none"]
     full = tmp_path / "full"
     train_cli("--output_dir", str(full), *common)
-    records = read_sync_rounds(full)
+    records = read_syncs(full)
     checkpoints = sorted(full.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
     assert [int(c.name.split("-")[1]) for c in checkpoints] == [r["step"] for r in records], "a save every sync"
     first = checkpoints[0]
@@ -247,7 +247,7 @@ def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syn
     assert state["backend"] == {"syncs": 1}
     resumed = tmp_path / "resumed"
     train_cli("--output_dir", str(resumed), "--resume_from_checkpoint", str(first), *common)
-    again = read_sync_rounds(resumed)
+    again = read_syncs(resumed)
     assert again[0]["sync"] == 2 and again[0]["step"] > records[0]["step"], again[0]
     assert [r["sync"] for r in again] == list(range(2, len(again) + 2))
     assert again[-1]["step"] == 60 and again[0]["resumed_from"] == str(first)

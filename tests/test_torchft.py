@@ -30,7 +30,7 @@ from helpers import (
 )
 
 from hf_diloco.contributions import CHECK_FIELDS
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 from hf_diloco.torchft_backend import MEMBER_FIELDS
 
 TORCHFT_RUN = str(REPO / "tests" / "scripts" / "torchft_run.py")
@@ -71,12 +71,12 @@ def step_of(folder: Path, replica: int) -> int:
 
 
 def committed(folder: Path) -> list[dict]:
-    return [r for r in read_sync_rounds(folder) if r["committed"]]
+    return [r for r in read_syncs(folder) if r["committed"]]
 
 
 def takes_part(record: dict, replica: int) -> bool:
     """Whether `replica` took part in the round of this record (its membership table, not the count)."""
-    return any(m["replica"] == replica and m.get("participated", True) for m in record["members"])
+    return any(m["replica"] == replica and m.get("participated", True) for m in record["replicas"])
 
 
 def held_until_2_restarts(folder: Path, replica: int, step: int = 60) -> dict:
@@ -193,11 +193,11 @@ def test_torchft_without_faults_matches_the_torch_backend(pair, torch_backend_pl
     expected, got = torch_backend_plain, final_parameters(pair / "plain")
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0
-    rounds = read_sync_rounds(pair / "plain" / "replica-0")
+    rounds = read_syncs(pair / "plain" / "replica-0")
     assert [r["step"] for r in rounds] == [4, 8, 12]
     assert all(r["participants"] == 2 and r["committed"] for r in rounds)
     # Each replica trained on 128 tokens in the round (4 steps x 2 blocks x 16 tokens): equal weights.
-    assert all(m["tokens"] == 128 and m["weight"] == 1.0 for r in rounds for m in r["members"])
+    assert all(m["tokens"] == 128 and m["weight"] == 1.0 for r in rounds for m in r["replicas"])
     # Built from one seed, the replicas agree on θ by digest: nobody heals at the start, nothing else is sent.
     assert rounds[0]["startup_bytes"] == 0
     logs = [(pair / "plain" / f"replica{r}.log").read_text() for r in range(2)]
@@ -214,7 +214,7 @@ def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameter
     assert max_difference(expected[0], expected[1]) == 0.0
     for replica in (0, 1):
         assert max_difference(expected[replica], got[replica]) == 0.0, replica
-    rounds = read_sync_rounds(pair / "seeds" / "replica-0")
+    rounds = read_syncs(pair / "seeds" / "replica-0")
     numel = sum(p.numel() for p in got[0])
     assert rounds[0]["startup_bytes"] == numel * 4  # ring all-reduce over 2: 2 (M - 1)/M x payload
     assert "started from different parameters" in (pair / "seeds" / "replica1.log").read_text()
@@ -231,8 +231,8 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(pair, torch_bac
     expected, got = final_parameters(torch_backend / codec), final_parameters(pair / codec)
     for rank in (0, 1):
         assert max_difference(expected[rank], got[rank]) == 0.0, rank
-    torch_rounds = read_sync_rounds(torch_backend / codec / "run")
-    ft_rounds = read_sync_rounds(pair / codec / "replica-0")
+    torch_rounds = read_syncs(torch_backend / codec / "run")
+    ft_rounds = read_syncs(pair / codec / "replica-0")
     assert [r["step"] for r in ft_rounds] == [r["step"] for r in torch_rounds]
     assert [r["fragments"] for r in ft_rounds] == [r["fragments"] for r in torch_rounds]
     assert [(r["sync"], r["round"]) for r in ft_rounds] == [(r["sync"], r["round"]) for r in torch_rounds]
@@ -252,7 +252,7 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(pair):
     τ steps after its launch, and the replicas end identical. torchft's end is blocking: the last round syncs every
     fragment."""
     folder = pair / "sync-delay-auto"
-    records = [read_sync_rounds(folder / f"replica-{r}") for r in range(2)]
+    records = [read_syncs(folder / f"replica-{r}") for r in range(2)]
     choices = [[(r["sync"], r["sync_delay_auto"]["fragments"], r["sync_delay_auto"]["chosen"]) for r in rounds
                 if "sync_delay_auto" in r] for rounds in records]
     assert choices[0] and choices[0] == choices[1], choices
@@ -278,7 +278,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s each).
     The replicas end identical."""
     folder = pair / "slow-link-budget"
-    records = [read_sync_rounds(folder / f"replica-{r}") for r in range(2)]
+    records = [read_syncs(folder / f"replica-{r}") for r in range(2)]
     budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
                for rounds in records]
     # Alike where both chose: a replica whose last sync lands at max_steps makes no choice for a next round, and
@@ -310,13 +310,13 @@ def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, 
     expected, got = run_both_backends(tmp_path, round_settings, group=2)
     for replica in (0, 1):
         assert max_difference(expected[replica], got[replica]) == 0.0, replica
-    torch_rounds = read_sync_rounds(tmp_path / "torch" / "run")
-    ft_rounds = read_sync_rounds(tmp_path / "torchft" / "replica-0")
+    torch_rounds = read_syncs(tmp_path / "torch" / "run")
+    ft_rounds = read_syncs(tmp_path / "torchft" / "replica-0")
     assert [(r["step"], r["fragments"]) for r in ft_rounds] == [(r["step"], r["fragments"]) for r in torch_rounds]
     assert all(r["committed"] and r["participants"] == 2 for r in ft_rounds)
     # A replica's weight is the tokens of both its processes (per process: H/F steps x 2 blocks x 16 tokens).
     steps = 4 // round_settings.get("num_fragments", 1)
-    assert all(m["tokens"] == 2 * steps * 2 * 16 for r in ft_rounds[:-1] for m in r["members"])
+    assert all(m["tokens"] == 2 * steps * 2 * 16 for r in ft_rounds[:-1] for m in r["replicas"])
 
 
 @pytest.mark.process
@@ -340,21 +340,21 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
         killed_at = step_of(tmp_path, 0)
 
         def rounds_without_2():
-            return [r for r in read_sync_rounds(tmp_path / "replica-0") if not takes_part(r, 2)]
+            return [r for r in read_syncs(tmp_path / "replica-0") if not takes_part(r, 2)]
 
         wait_for(lambda: len(rounds_without_2()) >= 2, 60, "two rounds without replica 2")
         replicas[2] = start_replica(settings(2, **restarted_2(tmp_path)), logs[2])
         finish(replicas, logs)
-    rounds = read_sync_rounds(tmp_path / "replica-0")
+    rounds = read_syncs(tmp_path / "replica-0")
     absent = [r for r in rounds if not takes_part(r, 2)]
-    assert absent and all({"replica": 2, "participated": False} in r["members"] for r in absent)
+    assert absent and all({"replica": 2, "participated": False} in r["replicas"] for r in absent)
     assert all(r["step"] > killed_at - 4 for r in absent)
     rejoined = [r for r in rounds if r["participants"] == 3 and r["step"] > absent[-1]["step"]]
     assert rejoined, "replica 2 took part again after its restart"
-    healed = [m for r in rounds for m in r["members"] if m["replica"] == 2 and m.get("healed")]
+    healed = [m for r in rounds for m in r["replicas"] if m["replica"] == 2 and m.get("healed")]
     assert healed, "replica 2's first round after the restart was a heal"
     for replica in (0, 1):
-        waits = [r["quorum_seconds"] + r["sync_seconds"] for r in read_sync_rounds(tmp_path / f"replica-{replica}")]
+        waits = [r["quorum_seconds"] + r["sync_seconds"] for r in read_syncs(tmp_path / f"replica-{replica}")]
         assert max(waits) <= grace + heartbeat + 3.0, waits
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
@@ -379,7 +379,7 @@ def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on
         wait_for(lambda: step_of(tmp_path, 0) >= 7, 120, "replica 0 to reach its hold at step 8")
         replicas.append(start_replica(settings(1, announce=str(ready)), logs[1]))
         finish(replicas, logs)
-    own = read_sync_rounds(tmp_path / "replica-1")
+    own = read_syncs(tmp_path / "replica-1")
     refusals = [r["heal_refused"] for r in own if "heal_refused" in r]
     start = "refused the state sent by replica 0 to heal this one: "
     assert refusals[:3] == [
@@ -390,12 +390,12 @@ def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on
     assert len(refusals) == 3 and not any(r["committed"] for r in own if "heal_refused" in r)
     assert len(logs[1].read_text().split(start + "its global_step 480")) == 3  # said once, and once as the vote
     refused_steps = {r["step"] for r in own if "heal_refused" in r}
-    sender = read_sync_rounds(tmp_path / "replica-0")
+    sender = read_syncs(tmp_path / "replica-0")
     with_1 = [r for r in sender if takes_part(r, 1)]
     assert with_1 and all(r["committed"] for r in with_1)
-    at_weight_0 = [r for r in with_1 if any(m["replica"] == 1 and m["weight"] == 0 for m in r["members"])]
+    at_weight_0 = [r for r in with_1 if any(m["replica"] == 1 and m["weight"] == 0 for m in r["replicas"])]
     assert len(at_weight_0) >= 3 and max(r["sync_seconds"] for r in with_1) < 10, with_1
-    healed = [r for r in own if r["committed"] and any(m["replica"] == 1 and m["healed"] for m in r["members"])]
+    healed = [r for r in own if r["committed"] and any(m["replica"] == 1 and m["healed"] for m in r["replicas"])]
     assert healed and healed[0]["step"] > max(refused_steps)
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
     assert all(bool(torch.isfinite(p).all()) for p in final[1]) and max_difference(final[0], final[1]) == 0.0
@@ -421,23 +421,23 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
         assert replicas[2].wait(timeout=180) == -signal.SIGKILL, logs[2].read_text()[-3000:]
 
         def rounds_without_2():
-            return [r for r in read_sync_rounds(tmp_path / "replica-0") if not takes_part(r, 2)]
+            return [r for r in read_syncs(tmp_path / "replica-0") if not takes_part(r, 2)]
 
         wait_for(lambda: len(rounds_without_2()) >= 2, 90, "two rounds without replica 2")
         replicas[2] = start_replica(settings(2, **restarted_2(tmp_path)), logs[2])
         finish(replicas, logs)
     for survivor in (0, 1):
-        rounds = read_sync_rounds(tmp_path / f"replica-{survivor}")
+        rounds = read_syncs(tmp_path / f"replica-{survivor}")
         failed = [i for i, r in enumerate(rounds) if not r["committed"]]
         assert failed, "the round replica 2 died in did not commit"
         rolled_back, after = rounds[failed[0]], rounds[failed[0] + 1]
         assert rolled_back["outer_step_skipped"] and after["committed"]
-        mine = [m for m in after["members"] if m["replica"] == survivor][0]
-        own = [m for m in rolled_back["members"] if m["replica"] == survivor][0]
+        mine = [m for m in after["replicas"] if m["replica"] == survivor][0]
+        own = [m for m in rolled_back["replicas"] if m["replica"] == survivor][0]
         assert mine["tokens"] > own["tokens"], "the rolled-back round's tokens come with the next round"
         assert all(r["compression"] == "int4+ef" for r in rounds)
-    rounds = read_sync_rounds(tmp_path / "replica-0")
-    assert any(m["replica"] == 2 and m.get("healed") for r in rounds for m in r["members"])
+    rounds = read_syncs(tmp_path / "replica-0")
+    assert any(m["replica"] == 2 and m.get("healed") for r in rounds for m in r["replicas"])
     assert [r for r in rounds if r["participants"] == 3 and r["step"] > rounds_without_2()[-1]["step"]]
     # Healed inside an overlapped sync (its quorum runs while the others train on), replica 2 takes the step that
     # sync started at, so it runs every later sync at the others' steps and ends with them. (The sync it healed
@@ -445,8 +445,8 @@ def test_a_replica_killed_inside_a_streamed_int4_round_rolls_it_back_then_heals(
     # Only the restarted process's syncs after its heal count: the first process's syncs (before the kill) may
     # start with a sync it joined blocking, recorded at the step it joined.
     steps = {r["sync"]: r["step"] for r in rounds if r["committed"]}
-    own = read_sync_rounds(tmp_path / "replica-2")
-    healed_at = max(i for i, r in enumerate(own) if any(m["replica"] == 2 and m.get("healed") for m in r["members"]))
+    own = read_syncs(tmp_path / "replica-2")
+    healed_at = max(i for i, r in enumerate(own) if any(m["replica"] == 2 and m.get("healed") for m in r["replicas"]))
     healer = [r for r in own[healed_at + 1:] if r["committed"]]
     assert healer, "replica 2 took part in syncs after it healed"
     assert [(r["sync"], r["step"]) for r in healer] == [(r["sync"], steps[r["sync"]]) for r in healer]
@@ -471,9 +471,9 @@ def test_a_replica_behind_when_the_last_round_commits_ends_with_the_final_model(
         started = time.monotonic()
         finish(replicas[2:], logs[2:], timeout=240)
         late_exit = time.monotonic() - started
-    finished = read_sync_rounds(tmp_path / "replica-0")
+    finished = read_syncs(tmp_path / "replica-0")
     assert finished[-1]["round"] == 10 and finished[-1]["participants"] == 2
-    assert max(r["step"] for r in read_sync_rounds(tmp_path / "replica-2")) < 40, "replica 2 was behind at the end"
+    assert max(r["step"] for r in read_syncs(tmp_path / "replica-2")) < 40, "replica 2 was behind at the end"
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
     assert "handed the final model to replica(s) 2" in logs[0].read_text() + logs[1].read_text()
@@ -515,26 +515,26 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
     assert rounds[-1]["step"] == max_steps, "the run ends when a replica reaches max_steps"
     without = [r for r in rounds if not takes_part(r, 0)]
     again = [r for r in rounds if takes_part(r, 0) and r["round"] > without[-1]["round"]]
-    assert len(without) >= 2 and again, [[m["replica"] for m in r["members"] if m["participated"]] for r in rounds]
-    assert any(m["replica"] == 0 and m.get("healed") for r in again for m in r["members"])
-    took_part = [m for r in rounds for m in r["members"] if m["participated"]]
+    assert len(without) >= 2 and again, [[m["replica"] for m in r["replicas"] if m["participated"]] for r in rounds]
+    assert any(m["replica"] == 0 and m.get("healed") for r in again for m in r["replicas"])
+    took_part = [m for r in rounds for m in r["replicas"] if m["participated"]]
     steps = {i: sorted(m["steps"] for m in took_part if m["replica"] == i and not m["healed"]) for i in range(3)}
     fast, slow = sorted(steps[0] + steps[1]), steps[2]
     assert 0.15 <= slow[len(slow) // 2] / fast[len(fast) // 2] <= 0.6, steps
     for r in rounds:
-        members = [m for m in r["members"] if m["participated"]]
-        largest = max(m["tokens"] / (1 + m["staleness"]) for m in members)
+        took_part = [m for m in r["replicas"] if m["participated"]]
+        largest = max(m["tokens"] / (1 + m["staleness"]) for m in took_part)
         assert all(m["weight"] == pytest.approx(m["tokens"] / (1 + m["staleness"]) / largest, abs=1e-12)
-                   for m in members), r["members"]
+                   for m in took_part), r["replicas"]
     # Syncs of all three with no heal, after one that committed (a rolled-back sync's tokens ride with the next):
-    own = read_sync_rounds(tmp_path / "replica-1")
+    own = read_syncs(tmp_path / "replica-1")
     # (The last sync is left out: the fast replicas reach max_steps before their budget is spent and wait there.)
     calm = [r for before, r in zip(own, own[1:-1], strict=False) if before["committed"] and r["committed"] and
-            r["participants"] == 3 and not any(m["healed"] for m in r["members"])]
-    assert calm and all(m["tokens"] == 32 * m["steps"] for r in calm for m in r["members"]), \
-        [r["members"] for r in calm]
-    assert all(m["waited_seconds"] <= budget / 3 for r in calm for m in r["members"]), \
-        [[m["waited_seconds"] for m in r["members"]] for r in calm]
+            r["participants"] == 3 and not any(m["healed"] for m in r["replicas"])]
+    assert calm and all(m["tokens"] == 32 * m["steps"] for r in calm for m in r["replicas"]), \
+        [r["replicas"] for r in calm]
+    assert all(m["waited_seconds"] <= budget / 3 for r in calm for m in r["replicas"]), \
+        [[m["waited_seconds"] for m in r["replicas"]] for r in calm]
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
 
@@ -547,10 +547,10 @@ def test_a_replica_that_goes_non_finite_sits_the_round_out_on_torchft(pair):
     tmp_path = pair / "non-finite"
     logs = [tmp_path / f"replica{r}.log" for r in range(2)]
     for r in range(2):
-        rounds = read_sync_rounds(tmp_path / f"replica-{r}")
+        rounds = read_syncs(tmp_path / f"replica-{r}")
         bad = [x for x in rounds if x.get("non_finite_replicas")]
         assert [(x["step"], x["non_finite_replicas"]) for x in bad] == [(8, [1])], rounds
-        weights = {m["replica"]: m["weight"] for m in bad[0]["members"]}
+        weights = {m["replica"]: m["weight"] for m in bad[0]["replicas"]}
         assert weights[1] == 0.0 and weights[0] > 0 and bad[0]["committed"]
         assert all(not x.get("non_finite_replicas") and x["committed"] for x in rounds if x["step"] > 8)
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
@@ -570,15 +570,15 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
                                    "min_replicas": 2, "max_steps": 200, "inner_steps": 4, "step_sleep": 0.05,
                                    **({"pause": [6, 8.0]} if r == 2 else {})}, logs[r]) for r in range(3)]
         finish(replicas, logs)
-    rounds = {x["round"]: x for r in range(3) for x in read_sync_rounds(tmp_path / f"replica-{r}")}
-    late = [(x, m) for x in rounds.values() for m in x["members"]
+    rounds = {x["round"]: x for r in range(3) for x in read_syncs(tmp_path / f"replica-{r}")}
+    late = [(x, m) for x in rounds.values() for m in x["replicas"]
             if m["replica"] == 2 and m.get("participated") and m["staleness"] > 0]
-    assert len(late) == 1, [x["members"] for x in rounds.values()]
+    assert len(late) == 1, [x["replicas"] for x in rounds.values()]
     record, member = late[0]
     assert member["healed"] and member["steps"] > 0 and record["committed"]
-    largest = max(m["tokens"] / (1 + m["staleness"]) for m in record["members"] if m.get("participated"))
+    largest = max(m["tokens"] / (1 + m["staleness"]) for m in record["replicas"] if m.get("participated"))
     assert member["weight"] == pytest.approx(member["tokens"] / (1 + member["staleness"]) / largest, abs=1e-12), \
-        record["members"]
+        record["replicas"]
     missed = [x for x in rounds.values() if x["round"] < record["round"] and x["participants"] == 2]
     assert len(missed) >= member["staleness"], "the rounds it missed were merged without it"
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
@@ -633,7 +633,7 @@ def test_without_torchft_installed_the_backend_says_how_to_install_it(tmp_path, 
 
 def healed(record: dict, replica: int) -> bool:
     """Whether `replica` took θ_global from a live peer in this sync's quorum."""
-    return any(m["replica"] == replica and m.get("healed") for m in record.get("members", []))
+    return any(m["replica"] == replica and m.get("healed") for m in record.get("replicas", []))
 
 
 def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str) -> str:
@@ -663,10 +663,10 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
-                                     lambda: len(read_sync_rounds(out / "replica-1")) >= 1, "a round of replica 1")
+                                     lambda: len(read_syncs(out / "replica-1")) >= 1, "a round of replica 1")
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
-    rounds = read_sync_rounds(out / "replica-0")
+    rounds = read_syncs(out / "replica-0")
     # A sync the kill rolled back carries its steps to the next one: 40 syncs, one fewer committed for each.
     assert rounds[-1]["step"] == 400 and rounds[-1]["participants"] == 3
     assert rounds[-1]["round"] == 40 - sum(not r["committed"] for r in rounds), \
@@ -720,14 +720,14 @@ def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_kill
     # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once both
     # have taken part in a round.
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
-                                     lambda: any(r["participants"] == 2 for r in read_sync_rounds(out / "replica-1")),
+                                     lambda: any(r["participants"] == 2 for r in read_syncs(out / "replica-1")),
                                      "a round of both replicas")
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     # Started twice; the second time replica 1 healed (from replica 0 mid-run, or, on a slow machine, from replica 0
     # lingering after the last round with the final model).
     joins = [line for line in text.splitlines() if line.startswith("[diloco] replica 1 joined at round")]
     assert len(joins) == 2 and "healed from a live peer" in joins[1], joins
-    rounds = read_sync_rounds(out / "replica-0")
+    rounds = read_syncs(out / "replica-0")
     assert rounds[-1]["step"] == steps  # a sync the kill rolled back carries its steps to the next one
     assert rounds[-1]["round"] == steps // 10 - sum(not r["committed"] for r in rounds)
     together = [r["round"] for r in rounds if r["participants"] == 2]

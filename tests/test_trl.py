@@ -12,7 +12,7 @@ from helpers import REPO, accelerate_launch, cli, env, free_port
 from safetensors import safe_open
 
 from hf_diloco.hub import model_card
-from hf_diloco.metrics import read_sync_rounds
+from hf_diloco.metrics import read_syncs
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -81,7 +81,7 @@ def test_the_trl_recipes_run_through_hf_diloco_launch_in_every_layout(tmp_path, 
     for other in saved[1:]:  # torchft: each replica saves its own copy
         with safe_open(str(other), "pt") as f:
             assert all(f.get_tensor(name).equal(tensor) for name, tensor in tensors.items())
-    rounds = read_sync_rounds(folders[0])
+    rounds = read_syncs(folders[0])
     assert [r["synced_parameters"] for r in rounds] == [sum(t.numel() for t in tensors.values())] * 2
     assert lora == all("lora_" in name for name in tensors)
     assert {r.get("participants", r.get("num_replicas")) for r in rounds} == {2}
