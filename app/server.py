@@ -89,8 +89,7 @@ class App:
     def run(self, run_id: str | None) -> runs.Run | None:
         if not run_id or "/" in run_id or run_id.startswith("."):
             return None
-        folder = self.runs_dir / run_id
-        return runs.load(folder) if (folder / runs.RUN_FILE).exists() else None
+        return runs.load_folder(self.runs_dir / run_id) if (self.runs_dir / run_id).is_dir() else None
 
     def run_ids(self) -> list[str]:
         return [r.id for r in runs.list_runs(self.runs_dir)]
@@ -183,6 +182,9 @@ class App:
         run = self.run(run_id)
         if run is None or run.status not in runs.ACTIVE:
             return "Nothing to stop: select a running run."
+        if run.found:
+            return f"**{run.id}** was not started from the app: stop it where it was started (Ctrl-C stops it at " \
+                f"the end of its round), or write the file {Path(run.output_dir) / runs.STOP_FILE}."
         runs.stop(run.folder)
         return f"Stopping **{run.id}**: it stops at the next sync (DiLoCo) or step (DDP), saves a " \
             "checkpoint and exits; the status turns to stopped once it has."
@@ -233,7 +235,7 @@ class App:
         run = self.run(run_id)
         rounds = views.read_rounds(run)
         trainer_log = views.read_trainer_log(run)
-        active = run is not None and run.status in runs.ACTIVE
+        active = run is not None and run.status in runs.ACTIVE and not run.found  # Stop: the runs it started
         count = views.replicas(run) if run is not None else ""
         membership = views.membership_rows(rounds, int(count) if count.isdigit() else 0,
                                            views.read_replica_states(run))

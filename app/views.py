@@ -40,7 +40,7 @@ from hf_diloco.metrics import SUMMARY_FILE, sync_number
 from hf_diloco.runs import ACTIVE, LOG_FILE, PROGRESS_FILE, REPLICAS_FILE, STOPPED_FILE, TRAINER_LOG_FILE, Run
 
 STATUS_COLORS = {"starting": "#6b7280", "running": "#2563eb", "stopping": "#d97706", "finished": "#16a34a",
-                 "stopped": "#7c3aed", "failed": "#dc2626"}
+                 "stopped": "#7c3aed", "failed": "#dc2626", "unfinished": "#b45309"}
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ROUND_COLUMNS = ["round", "step", "fragments", "train loss", "eval loss", "Δ norm", "MB sent", "compression", "× fewer",
                  "sync s", "blocked s", "compute s", "tokens/s", "steps per replica",
@@ -129,7 +129,13 @@ def _yaml(path: str | Path) -> dict:
 
 
 def recipe_value(run: Run, key: str) -> str | None:
-    """A setting as the run got it: a --key override, else the recipe's `key`."""
+    """A setting as the run got it: a --key override, else the recipe's `key`; for a run the app did not start,
+    what its run_config.json recorded."""
+    if run.found:
+        config = _json(lead_folder(run) / RUN_CONFIG_FILE)
+        sections = [config, *(config.get(s, {}) for s in ("training", "diloco", "run"))]
+        value = next((section[key] for section in sections if isinstance(section, dict) and key in section), None)
+        return None if value is None else str(value)
     values = dict(zip(run.overrides[::2], run.overrides[1::2], strict=False))
     if f"--{key}" in values:
         return values[f"--{key}"]
@@ -152,7 +158,13 @@ def trainer_kind(run: Run) -> str:
 
 def replicas(run: Run) -> str:
     """How many replicas the run starts: a torchft run's --replicas, else its processes (--num_processes, else the
-    accelerate config's num_processes)."""
+    accelerate config's num_processes); for a run the app did not start, its replica folders, else its processes
+    (run_config.json) over the processes of a replica."""
+    if run.found:
+        if replica_folders(run):
+            return str(len(replica_folders(run)))
+        processes, group = recipe_value(run, "num_processes"), recipe_value(run, "replica_group_size") or "1"
+        return "" if processes is None else str(max(1, int(processes) // max(1, int(group))))
     for flag in ("--replicas", "--num_processes"):
         if flag in run.command:
             return run.command[run.command.index(flag) + 1]
@@ -583,6 +595,9 @@ def log_tail(run: Run | None, lines: int = 200) -> str:
     if run is None:
         return ""
     path = Path(run.folder) / LOG_FILE
+    if run.found:
+        return (f"This run was not started from the app: its console is where it was started. Its files are in "
+                f"{run.output_dir}.")
     if not path.exists():
         return ""
     with path.open("rb") as f:

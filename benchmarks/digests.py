@@ -346,8 +346,9 @@ def summarise(folders: list[Path], kind: str, log: Path) -> dict:
         result["healed"] = "healed from a live peer" in text
         result["restarted"] = "replica 1 exited with status" in text and "starting it again" in text
         result["rounds_without_replica_1"] = [r["round"] for r in first if not trained_in(r, 1)]
-        result["rounds_replica_1_healed"] = [r["round"] for r in first
-                                             if any(m.get("replica") == 1 and m.get("healed") for m in r["members"])]
+        result["rounds_replica_1_healed"] = [
+            r["round"] for r in first
+            if any(m.get("replica") == 1 and m.get("healed") for m in r.get("replicas", r.get("members", [])))]
         result["replica_1_trained_after_heal"] = any(
             trained_in(r, 1) for r in first if r["round"] > max(result["rounds_replica_1_healed"] or [1 << 30]))
     return result

@@ -351,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     app = sub.add_parser("app", help="the Gradio app: launch recipes, watch sync rounds, push to the Hub")
     app.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     app.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    app.add_argument("--runs-dir", default="runs", help="where runs live (default runs/)")
+    app.add_argument("--runs-dir", default="runs",
+                     help="the folder whose runs the app shows (its own, and every folder a run of hf-diloco wrote: "
+                          "make demo's, a recipe's) and where it starts new ones (default runs/)")
     app.add_argument("--auth", default=os.environ.get("HF_DILOCO_APP_AUTH"),
                      help="'user:password' required to use the app (default: $HF_DILOCO_APP_AUTH)")
     app.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")

@@ -47,7 +47,7 @@ from .metrics import (
     replica_folders,
     run_syncs,
 )
-from .runs import PROGRESS_FILE, RUN_FILE, STOPPED_FILE
+from .runs import PROGRESS_FILE, run_outcome
 
 CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"
@@ -244,32 +244,6 @@ def write_training_curve(output_dir: Path, target: Path) -> Path | None:
     fig.savefig(target, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return target
-
-
-def run_outcome(folder: str | Path) -> dict:
-    """How the run whose model is in `folder` ended: {"ended": "finished" | "stopped" | "failed" | "unfinished",
-    "step", "max_steps", "checkpoint"}. Read from the run's own files: `stopped.json` (a stop on request),
-    `progress.json` (its last step and phase; a torchft launch's furthest replica) and, for a run started by the
-    app, run.json's status. A folder with none of them (a model saved by a script of one's own) counts as
-    finished."""
-    folder = Path(folder)
-    root = launch_folder(folder)
-    stopped = read_json(root / STOPPED_FILE, {}) or read_json(folder / STOPPED_FILE, {})
-    # A torchft launch ended where its furthest replica did: a replica that missed the last round is handed the
-    # final model by a peer, so every replica folder holds the run's end.
-    progress = max((read_json(f / PROGRESS_FILE, {}) for f in replica_folders(root) or [folder]),
-                   key=lambda p: p.get("step") or 0)
-    started = read_json(root.parent / RUN_FILE, {})  # runs.start puts output/ inside the run's folder
-    step, total = progress.get("step"), progress.get("max_steps")
-    if started.get("status") == "failed":
-        ended = "failed"
-    elif stopped:
-        ended, step = "stopped", stopped.get("step", step)
-    elif progress and (progress.get("phase") != "finished" or (total and step is not None and step < total)):
-        ended = "unfinished"
-    else:
-        ended = "finished"
-    return {"ended": ended, "step": step, "max_steps": total, "checkpoint": stopped.get("checkpoint")}
 
 
 def describe_outcome(outcome: dict) -> str:

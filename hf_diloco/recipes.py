@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from .checks import TRL_TRAINERS
 from .errors import ConfigError, first_line
@@ -63,6 +64,8 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
     from .config import RunArguments
 
     values = read_yaml(recipe, "recipe") if recipe else {}
+    # A recipe that names no output folder writes under runs/, where `hf-diloco app` looks by default.
+    values.setdefault("output_dir", f"runs/{Path(recipe).stem if recipe else 'run'}")
     try:
         arguments = config_class(_trainer_named(values, overrides))
     except ConfigError as error:

@@ -53,6 +53,7 @@ import psutil
 
 from .errors import DamagedFile, first_line
 from .files import WHAT_TO_DO, read_json, write_json
+from .metrics import EARLIER_SYNCS_FILE, SUMMARY_FILE, SYNCS_FILE, launch_folder, replica_folders
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -64,6 +65,11 @@ STOPPED_FILE = "stopped.json"
 PROGRESS_FILE = "progress.json"
 TRAINER_LOG_FILE = "trainer_log.jsonl"
 REPLICAS_FILE = "replicas.json"  # a torchft launch's replica states, written by launch.ReplicaSupervisor
+CONFIG_FILE = "run_config.json"  # the run's settings, written by `hf-diloco train` and DiLoCoTrainer
+# Files every run of hf-diloco writes into its output folder, whoever started it: a folder under the runs directory
+# that holds one of them (or whose replica-r folders do) is a run, shown beside those the app started.
+RUN_MARKERS = (SYNCS_FILE, EARLIER_SYNCS_FILE, PROGRESS_FILE, TRAINER_LOG_FILE, CONFIG_FILE, SUMMARY_FILE)
+GROWING_SECONDS = 120.0  # a found run that has not finished is running while its files changed this recently
 ACTIVE = ("starting", "running", "stopping")
 ERROR_PREFIX = "hf-diloco: error: "
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
@@ -111,12 +117,15 @@ class Run:
     name: str = ""
     reason: str = ""
     form: dict = field(default_factory=dict)  # the app's knobs as the user filled them in (a reload refills these)
+    # a folder a run wrote that the app did not start (`hf-diloco train`, `launch`, `slurm`, `demo`, Python): it is
+    # its own output folder, has no run.json, and is watched, compared and pushed, not stopped or restarted
+    found: bool = False
     # keys of run.json this version does not know (written by a newer one): kept as they were when it is rewritten
     unknown: dict = field(default_factory=dict, repr=False)
 
     @property
     def folder(self) -> Path:
-        return Path(self.output_dir).parent
+        return Path(self.output_dir) if self.found else Path(self.output_dir).parent
 
 
 def _write(run_dir: Path, run: Run) -> None:
@@ -201,11 +210,74 @@ def _mtime(path: Path) -> float:
 
 
 def list_runs(runs_dir: Path) -> list[Run]:
-    """Every run under `runs_dir`, newest first."""
+    """Every run under `runs_dir`, newest first: those the app started (a run.json) and every other folder a run
+    of hf-diloco wrote (`found_run`)."""
     if not runs_dir.is_dir():
         return []
-    runs = [load(p.parent) for p in runs_dir.glob(f"*/{RUN_FILE}")]
+    runs = [run for p in runs_dir.iterdir() if p.is_dir() and (run := load_folder(p)) is not None]
     return sorted(runs, key=lambda r: r.created, reverse=True)
+
+
+def load_folder(folder: Path) -> Run | None:
+    """The run in `folder`: one the app started (`load`), one found there (`found_run`), or None."""
+    return load(folder) if (folder / RUN_FILE).exists() else found_run(folder)
+
+
+def found_run(folder: Path) -> Run | None:
+    """A run that `folder` holds without a run.json (started by `hf-diloco train`, `launch`, `slurm` or `demo`, or by
+    a DiLoCoTrainer in a script), with what its files say: its name is the folder's, its clock runs from its first
+    file to its newest, and its status is read as a pushed card reads it (`run_outcome`: finished, stopped, or not
+    finished), a run that has not finished being `running` while its files still change (GROWING_SECONDS) and
+    `failed` when its launch says every replica ended in an error (a torchft launch's replicas.json). None when no
+    run of hf-diloco wrote the folder."""
+    written = [path for base in [folder, *replica_folders(folder)] for path in (base / name for name in RUN_MARKERS)
+               if path.is_file()]
+    if not written:
+        return None
+    first, newest = min(map(_mtime, written)), max(map(_mtime, written))
+    try:
+        status = run_outcome(folder)["ended"]
+        replicas = read_json(folder / REPLICAS_FILE, [], list)
+    except DamagedFile as error:  # shown as the reason it cannot be read, as a damaged run.json is
+        return Run(folder.name, "", "", [], [], str(folder), status="failed", created=first, ended=newest,
+                   name=folder.name, reason=str(error), found=True)
+    if status == "finished" and not any(p.name in (SUMMARY_FILE, PROGRESS_FILE) for p in written):
+        # no progress.json (a DiLoCoTrainer of one's own script) and no summary yet: not known to have finished
+        status = "unfinished"
+    if status == "unfinished" and time.time() - newest < GROWING_SECONDS:
+        status = "running"
+    elif status == "unfinished" and replicas and all(r.get("exit_code") not in (None, 0) for r in replicas):
+        status = "failed"
+    return Run(folder.name, "", "", [], [], str(folder), status=status, created=first,
+               ended=None if status == "running" else newest, name=folder.name, found=True)
+
+
+def run_outcome(folder: str | Path) -> dict:
+    """How the run whose model is in `folder` ended: {"ended": "finished" | "stopped" | "failed" | "unfinished",
+    "step", "max_steps", "checkpoint"}. Read from the run's own files: `stopped.json` (a stop on request),
+    `progress.json` (its last step and phase; a torchft launch's furthest replica) and, for a run started by the
+    app, run.json's status. A folder with none of them (a model saved by a script of one's own) counts as
+    finished."""
+    folder = Path(folder)
+    root = launch_folder(folder)
+    stopped = read_json(root / STOPPED_FILE, {}) or read_json(folder / STOPPED_FILE, {})
+    # A torchft launch ended where its furthest replica did: a replica that missed the last round is handed the
+    # final model by a peer, so every replica folder holds the run's end.
+    progress = max((read_json(f / PROGRESS_FILE, {}) for f in replica_folders(root) or [folder]),
+                   key=lambda p: p.get("step") or 0)
+    started = read_json(root.parent / RUN_FILE, {})  # runs.start puts output/ inside the run's folder
+    step, total = progress.get("step"), progress.get("max_steps")
+    if started.get("status") == "failed":
+        ended = "failed"
+    elif stopped:
+        ended, step = "stopped", stopped.get("step", step)
+    elif progress and (progress.get("phase") != "finished" or (total and step is not None and step < total)):
+        ended = "unfinished"
+    else:
+        ended = "finished"
+    return {"ended": ended, "step": step, "max_steps": total, "checkpoint": stopped.get("checkpoint")}
+
+
 
 
 def slug(name: str) -> str:

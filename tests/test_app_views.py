@@ -404,3 +404,65 @@ def test_the_status_bar_and_compare_table_count_the_contributions_left_out(tmp_p
     assert table.columns[-1] == "contributions left out"
     counted = table["contributions left out"].tolist()
     assert counted[:2] == [3, 0] and pd.isna(counted[2]), counted
+
+
+def test_every_folder_a_run_wrote_is_a_run_of_the_app_whoever_started_it(tmp_path):
+    """Under the runs folder: a run trained here by `hf_diloco.train.train` (what `hf-diloco train` calls, no app),
+    folders left by runs that stopped, still train, ended early or whose every replica failed, a run the app
+    started (run.json), and the app's drafts folder. Every run folder is listed with what its files say (name,
+    status, trainer, H, replicas, step); the drafts folder is not a run; the app's Stop refuses a run it did not
+    start in one sentence saying how to stop it, and its Stop button stays off."""
+    import os
+    import time
+
+    from app.server import App
+    from hf_diloco import DiLoCoConfig, RunArguments, runs
+    from hf_diloco.train import train as train_run
+
+    runs_dir = tmp_path / "runs"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {i}: " + "some words " * 10}) for i in range(60)))
+    train_run(RunArguments(dataset_name=str(corpus), block_size=32),
+              DiLoCoConfig(output_dir=str(runs_dir / "from-python"), inner_steps=2, max_steps=4,
+                           per_device_train_batch_size=4, eval_strategy="no", save_strategy="no", report_to="none",
+                           disable_tqdm=True, use_cpu=True))
+
+    def progress(name, step, phase="training", age=0.0, **files):
+        folder = runs_dir / name
+        folder.mkdir(parents=True)
+        (folder / runs.PROGRESS_FILE).write_text(json.dumps({"phase": phase, "step": step, "max_steps": 100}))
+        for file, value in files.items():
+            (folder / file).write_text(json.dumps(value))
+        for path in folder.iterdir():
+            os.utime(path, (time.time() - age,) * 2)
+
+    progress("stopped-one", 40, **{runs.STOPPED_FILE: {"step": 40, "checkpoint": "checkpoint-40"}})
+    progress("still-training", 30)
+    progress("ended-early", 20, age=3600)
+    (runs_dir / "torchft-failed" / "replica-0").mkdir(parents=True)
+    (runs_dir / "torchft-failed" / "replica-0" / "syncs.jsonl").write_text(json.dumps(sync_record(1)) + "\n")
+    (runs_dir / "torchft-failed" / runs.REPLICAS_FILE).write_text(json.dumps([{"replica": 0, "exit_code": 1}]))
+    os.utime(runs_dir / "torchft-failed" / "replica-0" / "syncs.jsonl", (time.time() - 3600,) * 2)
+    (runs_dir / "drafts").mkdir()
+    (runs_dir / "drafts" / "draft-1.yaml").write_text("max_steps: 5\n")
+    started = runs.plan(runs_dir, str(REPO / "recipes" / "tiny-pretrain.yaml"), "c.yaml", [], name="by-the-app")
+    started.folder.mkdir(parents=True)
+    runs._write(started.folder, started)
+
+    listed = {run.id: run for run in runs.list_runs(runs_dir)}
+    assert sorted(listed) == ["by-the-app", "ended-early", "from-python", "still-training", "stopped-one",
+                              "torchft-failed"]
+    assert {name: run.status for name, run in listed.items() if run.found} == {
+        "from-python": "finished", "stopped-one": "stopped", "still-training": "running", "ended-early": "unfinished",
+        "torchft-failed": "failed"}
+    assert not listed["by-the-app"].found
+    table = views.runs_table([listed["from-python"]])
+    assert table.iloc[0][["run", "status", "trainer", "H", "replicas", "step"]].tolist() == \
+        ["from-python", "finished", "diloco", "2", "1", 4]
+    assert "round 2 " in views.status_html(listed["from-python"]) + " "
+    app = App(runs_dir)
+    assert app.run("from-python").output_dir == str(runs_dir / "from-python")
+    refusal = app.stop("still-training")
+    assert refusal.startswith("**still-training** was not started from the app") and runs.STOP_FILE in refusal
+    assert not (runs_dir / "still-training" / runs.STOP_FILE).exists()
+    assert app.refresh("still-training", None)[12]["interactive"] is False, "no Stop for a run it did not start"
