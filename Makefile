@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # pip resolves torch from pyproject.toml as usual.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast lint docs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,3 +27,6 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -259,7 +259,8 @@ def status_html(run: Run | None) -> str:
         sent = known_sum(r.get("bytes_per_replica") for r in rounds)
         blocked = known_sum(blocked_seconds(r) for r in rounds)
         codec = last.get("compression", "none")
-        ratio = f" ({last['compression_ratio']:.1f}× fewer bytes)" if last.get("compression_ratio") else ""
+        fewer = last.get("compression_ratio") or 1.0  # fp32 syncs: 1.0, nothing to say
+        ratio = f" ({fewer:.1f}× fewer bytes)" if fewer > 1.05 else ""
         if is_torchft(last):
             listed = len(last["replicas"]) if "replicas" in last else MISSING
             present = f"{last.get('participants', MISSING)} of {listed}"

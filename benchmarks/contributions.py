@@ -43,7 +43,7 @@ from hf_diloco.metrics import read_syncs
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 WORK = Path("/tmp/hf-diloco-bench-contributions")
 H = 5
-# SparseLoCo's outer step (README "Slow links"): plain averaging of sparse values at outer lr 1, no momentum
+# SparseLoCo's outer step (docs/guides/slow-links.md): plain averaging of sparse values at outer lr 1, no momentum
 SPARSE = ("--compression", "sparse", "--error_feedback", "true", "--error_feedback_decay", "0.95", "--outer_lr", "1",
           "--outer_momentum", "0")
 FAULTS = {  # name: (data, hook environment, the faulty replica, more launch arguments)

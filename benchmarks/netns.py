@@ -109,8 +109,8 @@ class Overlay:
 
 
 def close_all_but_overlay(host: Host, interface: str) -> None:
-    """The firewall rule the README gives for a machine on an overlay: new TCP connections to unprivileged ports
-    are dropped unless they arrive on the overlay interface (or loopback)."""
+    """The firewall rule docs/guides/across-machines.md gives for a machine on an overlay: new TCP connections to
+    unprivileged ports are dropped unless they arrive on the overlay interface (or loopback)."""
     rules = "\n".join(["table inet hfdiloco {", "  chain input {",
                        "    type filter hook input priority 0; policy accept;",
                        f'    iifname != {{ "lo", "{interface}" }} tcp dport 1024-65535 ct state new drop',

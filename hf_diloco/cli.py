@@ -157,6 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "--max_steps", str(args.max_steps),
         "--inner_steps", str(args.inner_steps),
         "--eval_steps", str(args.inner_steps),
+        *(["--verbose", "true"] if args.verbose else []),
     ]
     command = accelerate_command(str(DEMO_RECIPE), str(DEMO_ACCELERATE_CONFIG), overrides, args.port)
     print("$ " + launch.shown(command), flush=True)
@@ -189,6 +190,8 @@ def print_demo_summary(output_dir: Path, seconds: float) -> None:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print(f"  per sync: {output_dir / 'syncs.jsonl'}   TensorBoard: tensorboard --logdir {output_dir / 'runs'}")
+    runs_dir = output_dir.parent
+    print(f"  watch it in the app: hf-diloco app{'' if runs_dir == Path('runs') else f' --runs-dir {runs_dir}'}")
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------
@@ -335,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-steps", type=int, default=300, help="inner steps per replica (default 300)")
     demo.add_argument("--inner-steps", type=int, default=50, help="H, steps between syncs (default 50)")
     demo.add_argument("--port", type=int, help="rendezvous port (default: the config's)")
+    demo.add_argument("--verbose", action="store_true",
+                      help="every process's progress bars and Trainer's dicts of logs (default: one bar, one line "
+                           "per sync)")
     demo.set_defaults(func=cmd_demo)
 
     push = sub.add_parser("push", help="push a finished run's model to the Hugging Face Hub with a DiLoCo card")

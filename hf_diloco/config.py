@@ -251,8 +251,8 @@ class DiLoCoConfig(TrainingArguments):
     contribution_checks: str = field(
         default="exclude",
         metadata={"help": "Check every replica's pseudo-gradient before it is merged (its norm against the learning "
-                          "rate and the others', its agreement with the others; README: \"Contributions that do not "
-                          "belong\"). exclude: a replica found out is left out of the sync (weight 0) and named in "
+                          "rate and the others', its agreement with the others; docs/guides/contributions.md). "
+                          "exclude: a replica found out is left out of the sync (weight 0) and named in "
                           "the record's `excluded`; warn: named in `flagged` and on the console, still merged; off: "
                           "no checks (and no check exchange on the torch backend)."},
     )
@@ -663,6 +663,12 @@ class RunArguments:
     merge_lora: bool = field(
         default=False,
         metadata={"help": "After training, also save the model with the adapters merged in, to <output_dir>/merged."},
+    )
+    verbose: bool = field(
+        default=False,
+        metadata={"help": "Show on the console what Trainer shows on every process: each one's progress bars, its "
+                          "dicts of logs and its warnings. By default the run's main process draws one progress bar "
+                          "and prints one [diloco] line per sync; the logs go to trainer_log.jsonl and report_to."},
     )
     dry_run: bool = field(
         default=False,

@@ -8,7 +8,7 @@ seconds, bytes per replica and wire seconds for every codec, blocked seconds wit
 utilisation, the memory per device (the dry run's figures), and the (H, codec, F, τ) that meets a target
 utilisation with the fewest bytes. Arithmetic only: nothing is trained, nothing is downloaded.
 
-The model of a round (the symbols the README's "Planning a run across sites" uses):
+The model of a round (the symbols docs/guides/planning.md uses):
 - compute   C = H · t, t = tokens per inner step of a replica ÷ its tokens/s; tokens/s is measured
             (--tokens-per-second) or G · MFU · peak ÷ FLOPs per token, FLOPs per token = 6 N + 12 · layers · hidden ·
             sequence (weights, forward and backward, plus attention; Chowdhery et al., PaLM, arXiv 2204.02311,

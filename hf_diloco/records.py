@@ -80,7 +80,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
                  num_replicas: int, group_size: int, ddp_payload: int, compression: str,
                  synced_parameters: int, sharded: bool = False) -> dict:
     """The record of one sync (sync number `sync_number`, of round `round_number`), as
-    `<output_dir>/syncs.jsonl` holds it (the contract: README, "What a run writes").
+    `<output_dir>/syncs.jsonl` holds it (the contract: docs/reference/outputs.md).
 
     A replica's loss is over all its members' micro-batches, its tokens are its members' sum, its compute time its
     slowest member's; members share one pseudo-gradient, which a sharded replica's members hold a shard each of
@@ -252,6 +252,7 @@ class Records:
 
     def __init__(self, plain_console: bool, num_fragments: int = 1):
         self.plain_console = plain_console  # print lines as they are (disable_tqdm), else through tqdm.write
+        self.console = True  # print each sync's line (hf_diloco.console: on the run's main process only)
         self.num_fragments = num_fragments
         self.pending: list[dict] = []  # syncs landed at this step, written once its eval is known
         self.history: list[dict] = []
@@ -314,6 +315,8 @@ class Records:
             if self.report is not None:
                 self.report(record)
             line = format_sync(record, self.total_syncs, self.num_fragments)
+            if not self.console:
+                continue
             if self.plain_console:
                 print(line, flush=True)
             else:

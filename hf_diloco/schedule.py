@@ -7,7 +7,7 @@ Streaming DiLoCo (arXiv 2501.18512) staggers F fragments: fragment f syncs at th
 s mod H = (f + 1)·H/F mod H, so one fragment syncs every H/F steps and each fragment every H steps. F = 1 is plain
 DiLoCo (every H steps).
 
-Two words, used the same way in the code, the records, the app, the card and the README:
+Two words, used the same way in the code, the records, the app, the card and the docs:
 - a **sync** is one launch and landing: one fragment's exchange and outer step (every fragment's, at a blocking
   end). Syncs are numbered from 1; each writes one record.
 - a **round** is H inner steps, in which every fragment syncs once: round r holds syncs (r − 1)·F + 1 .. r·F

@@ -463,6 +463,7 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     from transformers import Trainer, default_data_collator
 
     from .callbacks import SteadyClock
+    from .console import calm, quiet_other_processes
     from .data import build_datasets
     from .trainer import DiLoCoTrainer, data_shard
 
@@ -473,6 +474,8 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     from transformers import set_seed
 
     set_seed(config.seed)  # every replica builds the same LoRA adapters (and anything else drawn at random)
+    if not run.verbose:
+        quiet_other_processes(config)
     model, tokenizer = build_model(run)
     # A stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate.
     shard = data_shard(config) if run.trainer != "ddp" else None
@@ -503,6 +506,8 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
             trainer.request_stop()
     else:
         trainer = Trainer(**common, callbacks=[clock, recorder, stopper, *callbacks])
+    if not run.verbose:
+        calm(trainer)
     if trainer.is_world_process_zero():
         write_run_config(config.output_dir, run, config)
     output = trainer.train(resume_from_checkpoint=checkpoint)

@@ -419,7 +419,7 @@ class DiLoCoTrainer(DiLoCoMixin, Trainer):
     every replica at the same step, with a checkpoint (see `request_stop`). DiLoCo for another Trainer subclass:
     `DiLoCoMixin`.
 
-    Example (a runnable version is in the README's "Python" section)::
+    Example (a runnable version is the README's "Python" section)::
 
         trainer = DiLoCoTrainer(model=model, args=DiLoCoConfig(output_dir="out", inner_steps=50),
                                 train_dataset=train, eval_dataset=held_out)

@@ -3,12 +3,14 @@
 What a person sees is asserted: lines and points drawn in the plots' SVG, the log box scrolled to its newest line,
 the status bar's text. Screenshots go to test-artifacts/: app-launch.png, app-live.png (mid-run, never reloaded),
 app-stopped.png, app-failed.png, app-compare.png (a DiLoCo, a FedAvg and a DDP run), app-membership.png (a torchft
-run's rounds and who took part in them).
+run's rounds and who took part in them), app-demo.png (the demo's run, which the app did not start).
 """
 
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -74,6 +76,58 @@ LOG_AT_BOTTOM = """() => { const b = document.querySelector('#log textarea');
     return [b.scrollHeight > b.clientHeight + 50, b.scrollTop + b.clientHeight >= b.scrollHeight - 30]; }"""
 
 
+def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds(browser, tmp_path):
+    """The main job, shortened, as a first-time user meets it: `hf-diloco demo` (what `make demo` runs; its run goes
+    to runs/demo-<time>, here <runs>/demo) trains two CPU replicas, says what happened (rounds, held-out loss before
+    and after, bytes against DDP's) and prints at most 40 lines in all, one progress bar and one line per sync among
+    them; then `hf-diloco app` over that runs folder, opened fresh and told nothing, shows the demo run: selected,
+    finished, its rounds in the status bar and a line per replica in the loss plot."""
+    runs_dir = tmp_path / "runs"
+    out = runs_dir / "demo"
+    # As bytes: a progress bar redraws its line with carriage returns, which text mode would turn into newlines.
+    demo = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "demo", "--output-dir", str(out), "--max-steps",
+                           "20", "--inner-steps", "10", "--port", str(free_port())], capture_output=True, env=env(),
+                          cwd=REPO, timeout=300)
+    result = subprocess.CompletedProcess(demo.args, demo.returncode, demo.stdout.decode(), demo.stderr.decode())
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "diloco_summary.json").read_text())
+    assert summary["num_replicas"] == 2 and summary["rounds"] == 2 and summary["steps"] == 20
+    assert summary["eval_loss_final"] < summary["eval_loss_initial"]
+    # Ten inner steps per sync: DDP would all-reduce gradients ten times as often (metric slots aside).
+    assert 9.9 < summary["ddp_bytes_per_replica"] / summary["bytes_per_replica"] <= 10
+    report = result.stdout[result.stdout.index("hf-diloco demo: what happened"):]
+    for row in ("eval loss before -> after", "tokens/s", "sent per replica", "DDP would have sent"):
+        assert row in report
+    assert report.rstrip().endswith(f"watch it in the app: hf-diloco app --runs-dir {runs_dir}"), report
+    run_metrics = json.loads((out / "run_metrics.json").read_text())
+    assert run_metrics["eval_loss"] == summary["eval_loss_final"] and run_metrics["global_step"] == 20
+    assert run_metrics["steady_steps"] == 18 and run_metrics["steady_tokens_per_second"] > 0  # steps 2..20
+    rounds = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2] and all(r.get("eval_loss") for r in rounds)
+    # What a terminal shows: lines end at a newline (a progress bar redraws its own line with carriage returns).
+    shown = result.stdout.split("\n") + result.stderr.split("\n")
+    assert len(shown) <= 40, "\n".join(shown)
+    assert sum(line.lstrip().startswith("[diloco] round") for line in shown) == 2, "one line per sync"
+    assert sum("20/20" in line for line in shown) == 1, "one progress bar, ending at the last step"
+    assert not any(line.lstrip().startswith("{'") for line in shown), "no dicts of logs"
+    logged = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert any("loss" in entry for entry in logged) and any("eval_loss" in entry for entry in logged)
+
+    with app_server(runs_dir) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_role("tab", name="Live").click()
+        wait_for(lambda: "demo" in status(page) and page.evaluate(
+            "document.querySelector('#hfd-status')?.dataset.status") == "finished", 30, "the demo run, finished")
+        assert "FINISHED" in status(page) and "round 2 " in status(page) and "fewer bytes" not in status(page), \
+            status(page)
+        wait_for(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
+                 "a line per replica in the loss plot")
+        page.get_by_role("tab", name="Runs").click()
+        page.locator("#runs-table [role=gridcell]").filter(has_text="demo").first.wait_for(timeout=20_000)
+        page.screenshot(path=str(ARTIFACTS / "app-demo.png"), full_page=True)
+
+
 def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_checkpoint(browser, tmp_path):
     """Fresh app, no runs: Start from the form, switch to Live, never reload. The plots draw lines and points
     (their first frame was empty), the held-out series that appears later is drawn too, the progress moves
@@ -134,7 +188,8 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
         assert {page.evaluate(DRAWN_BY, f"{name}-plot") for name in ("loss", "bytes", "norm", "agreement", "time")} \
             == {"plotly"}, "every figure on the page is drawn by one library"
         assert any(step % 5 for step in steps), f"progress moves between syncs, not once per round: {steps}"
-        wait_for(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 10, "the log to show its newest line")
+        # One line per sync: the log outgrows its box as the run goes on, and then follows its newest line.
+        wait_for(lambda: page.evaluate(LOG_AT_BOTTOM) == [True, True], 120, "the log to show its newest line")
         page.screenshot(path=str(ARTIFACTS / "app-live.png"), full_page=True)
 
         page.click("#stop")

@@ -225,7 +225,8 @@ def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_
     exchange overlapped one step (sync_delay 1). The agreement is measured on the decoded values, about a fifth of
     the full Δ_i's for every replica, and the `apart` gap scales down with it: replica 0 is left out by its fourth
     sync and in most after. Left out of an overlapped sync it keeps its Δ_i unsent, so its agreement is still
-    measured and it stays out. (Its held-out loss against the run without it: README, 3.1027 against 3.0572.)"""
+    measured and it stays out. (Its held-out loss against the run without it, docs/guides/contributions.md: 3.1027
+    against 3.0572.)"""
     codec = ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]
     faulty = torch_launch(tmp_path / "garbage", corpora["garbage"], None, *codec)
     assert_found_out(faulty, 0, by_sync=4)
@@ -278,10 +279,10 @@ def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
 
 
 def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
-    """Sites started one by one with the README's "Across machines or sites" commands, on one machine: a Lighthouse
-    (`hf-diloco lighthouse`), then one `hf-diloco launch ... --lighthouse URL --replica_id k --num_replicas 3
-    --replica_address 127.0.0.1 --max-restarts 3` per site (`sites`: id → its extra arguments); each site's
-    console."""
+    """Sites started one by one with the commands of docs/guides/elastic.md ("Across machines or sites"), on one
+    machine: a Lighthouse (`hf-diloco lighthouse`), then one `hf-diloco launch ... --lighthouse URL --replica_id k
+    --num_replicas 3 --replica_address 127.0.0.1 --max-restarts 3` per site (`sites`: id → its extra arguments); each
+    site's console."""
     logs = {}
     out.mkdir(parents=True)
     with lighthouse(min_replicas=len(sites), grace=5, log=out / "lighthouse.log") as address:
@@ -302,9 +303,9 @@ def torchft_sites(out: Path, sites: dict[int, list[str]]) -> dict[int, str]:
 
 @pytest.mark.process
 def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpora):
-    """Three torchft sites against one Lighthouse, started with the README's commands; site 2 is started with
-    --learning_rate 0.1 (100x the recipe's): it is left out from the very first sync on, by the size rule, every
-    site's records name it, its launch says it looks faulty, and the run ends no more than 2% above sites 0 and 1
+    """Three torchft sites against one Lighthouse, started with the commands of docs/guides/elastic.md; site 2 is
+    started with --learning_rate 0.1 (100x the recipe's): it is left out from the very first sync on, by the size rule,
+    every site's records name it, its launch says it looks faulty, and the run ends no more than 2% above sites 0 and 1
     alone, which take part in every round and end with one model. (A site reading corrupted data is found by the
     agreement rules, the same code on both backends: the garbage shard above.)"""
     data = ["--dataset_name", str(corpora["clean"])]
@@ -315,7 +316,7 @@ def test_torchft_a_site_with_100x_the_learning_rate_is_left_out(tmp_path, corpor
     from safetensors.torch import load_file
 
     a, b = (load_file(tmp_path / "alone" / f"replica-{k}" / "model.safetensors") for k in (0, 1))
-    assert all(torch.equal(a[k], b[k]) for k in a), "the README's two sites end with one model"
+    assert all(torch.equal(a[k], b[k]) for k in a), "the two sites of the docs end with one model"
     for fault, extra, by_sync in (("learning-rate", ["--learning_rate", "0.1"], 1),):
         out = tmp_path / fault
         consoles = torchft_sites(out, {0: data, 1: data, 2: [*data, *extra]})

@@ -99,14 +99,14 @@ def test_reported_bytes_match_the_veth_counters(two_nodes, tmp_path):
 
 
 def test_a_two_site_torchft_run_over_wireguard_keeps_every_connection_on_the_overlay(tmp_path):
-    """Two sites (namespaces) joined by a link shaped to 20 Mbit/s, a WireGuard overlay over it (wireguard-go), and
-    at each site the README's firewall rule: new TCP connections are dropped unless they come over the overlay.
-    The Lighthouse binds site A's overlay address; each site runs one torchft replica whose replica_address is its
-    overlay address and whose gloo uses the overlay interface. Both replicas take part in every round and end with
-    identical models, the tunnels carried at least the bytes the rounds report, and every listener of each site
-    (read with ss while it runs) is on that site's overlay address: none on the link address or every interface,
-    gloo included with no GLOO_SOCKET_IFNAME given (it follows replica_address); each port refuses a connection to
-    the site's link address (tried from inside the site, past its firewall, as soon as the port is seen)."""
+    """Two sites (namespaces) joined by a link shaped to 20 Mbit/s, a WireGuard overlay over it (wireguard-go), and at
+    each site the firewall rule of docs/guides/across-machines.md: new TCP connections are dropped unless they come over
+    the overlay. The Lighthouse binds site A's overlay address; each site runs one torchft replica whose replica_address
+    is its overlay address and whose gloo uses the overlay interface. Both replicas take part in every round and end
+    with identical models, the tunnels carried at least the bytes the rounds report, and every listener of each site
+    (read with ss while it runs) is on that site's overlay address: none on the link address or every interface, gloo
+    included with no GLOO_SOCKET_IFNAME given (it follows replica_address); each port refuses a connection to the site's
+    link address (tried from inside the site, past its firewall, as soon as the port is seen)."""
     from netns import close_all_but_overlay, wireguard
 
     try:

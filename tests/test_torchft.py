@@ -843,8 +843,8 @@ def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
 
 @pytest.mark.process
 def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path):
-    """`hf-diloco launch recipes/torchft-3.yaml --replicas 2`, as the README starts it on one machine, read with
-    psutil every 0.1 s while it runs: every listener of every process of the launch (the launcher with its
+    """`hf-diloco launch recipes/torchft-3.yaml --replicas 2`, as docs/guides/elastic.md starts it on one machine,
+    read with psutil every 0.1 s while it runs: every listener of every process of the launch (the launcher with its
     Lighthouse; each replica's torchft manager, store, process group and healing server) is on 127.0.0.1, and
     each replica's training process holds at least four of them (manager, store, gloo, healing). Each port, as
     soon as it is seen, refuses a connection to this machine's external address."""
