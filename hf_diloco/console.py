@@ -77,5 +77,5 @@ def calm(trainer) -> None:
         trainer.add_callback(CalmProgress(main))
     diloco = getattr(trainer, "diloco", None)
     if diloco is not None and not main:
-        diloco.records.console = False
+        diloco.records.quiet()
     transformers_logging.disable_progress_bar()

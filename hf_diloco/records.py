@@ -305,6 +305,11 @@ class Records:
         elif step == 0:  # eval_on_start: the model before any training
             self.initial_eval_loss = eval_loss
 
+    def quiet(self) -> None:
+        """Keep writing and reporting the syncs, but print no line for them (hf_diloco.console: a process other
+        than the run's main one)."""
+        self.console = False
+
     def flush(self) -> None:
         records, self.pending = self.pending, []
         for record in records:

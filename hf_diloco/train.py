@@ -443,7 +443,9 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
     (`<output_dir>/stop.request`, and with `stop_signals`, called from the main thread, SIGUSR1, SIGTERM and
     SIGINT): DiLoCo at the end of a round, as every DiLoCoTrainer does; the `trainer: ddp` baseline after the
     current step (`StopOnRequest`). A request made while the model and data load is honoured at the start.
-    `callbacks` are added to the trainer. Returns the trainer.
+    Unless `run.verbose`, the console is calm (hf_diloco.console: one progress bar, one line per sync;
+    transformers' own progress bars are turned off for the process). `callbacks` are added to the trainer.
+    Returns the trainer.
     """
     from .callbacks import RunRecorder, StopOnRequest
     from .trainer import graceful_stop_signals

@@ -466,3 +466,7 @@ def test_every_folder_a_run_wrote_is_a_run_of_the_app_whoever_started_it(tmp_pat
     assert refusal.startswith("**still-training** was not started from the app") and runs.STOP_FILE in refusal
     assert not (runs_dir / "still-training" / runs.STOP_FILE).exists()
     assert app.refresh("still-training", None)[12]["interactive"] is False, "no Stop for a run it did not start"
+    compared = app.compare(["from-python", "stopped-one"])[1]
+    assert compared.iloc[0]["run"] == "from-python" and compared.iloc[0]["H"] == "2", compared
+    card = app.card("from-python", "alice/found")[0]
+    assert "## DiLoCo settings" in card, "the push tab's card preview is written from the found run's folder"

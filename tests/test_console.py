@@ -1,4 +1,5 @@
-"""The console of a run `hf-diloco train` starts (hf_diloco.console): calm by default, Trainer's with `verbose`."""
+"""The console of a run `hf-diloco train` starts (hf_diloco.console): calm by default, Trainer's with `verbose`; and
+where such a run writes when its recipe names no folder."""
 
 import json
 
@@ -31,3 +32,17 @@ def test_trainers_dicts_of_logs_reach_the_console_only_with_verbose(tmp_path, ca
         assert any("'loss'" in line for line in dicts) and any("'eval_loss'" in line for line in dicts), dicts
     else:
         assert dicts == [], dicts
+
+
+def test_a_recipe_without_an_output_folder_writes_under_runs_where_the_app_looks(tmp_path):
+    """`hf-diloco train --config RECIPE` for a recipe that names no output_dir: the run goes to runs/<recipe name>,
+    the app's default runs folder; a recipe's own output_dir, and a flag, still win."""
+    from hf_diloco.recipes import parse_train_args
+
+    recipe = tmp_path / "my-recipe.yaml"
+    recipe.write_text("max_steps: 4\ninner_steps: 2\n")
+    assert parse_train_args(str(recipe), [])[1].output_dir == "runs/my-recipe"
+    assert parse_train_args(str(recipe), ["--output_dir", str(tmp_path / "elsewhere")])[1].output_dir == \
+        str(tmp_path / "elsewhere")
+    recipe.write_text("max_steps: 4\noutput_dir: mine\n")
+    assert parse_train_args(str(recipe), [])[1].output_dir == "mine"
