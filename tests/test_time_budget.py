@@ -89,13 +89,13 @@ def four(tmp_path_factory, slow_group):
 def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by_its_tokens(request, layout):
     """Both replicas sync every ROUND_SECONDS of training (every ROUND_SECONDS / 2 with two fragments): replica 0
     takes more steps than replica 1 (at least as many in nine syncs of ten; a round's checkpoint save is timed in
-    the next budget), no process spends more than 25% of its training time waiting inside
-    syncs, every sync's merge weights are each replica's tokens over the most any replica trained (checked against
-    the steps each replica counted itself), and every replica continues at the furthest one's step, so the run
-    ends at max_steps on both. With one fragment every process holds the same parameters after every sync; with
-    two, the fragments sync in turn, the last sync carries both, and the replicas end identical. Replicas of two
-    processes (DDP inside; replica 1's two share the quota) enter each sync together, and member j of both replicas
-    holds the same parameters after every sync."""
+    the next budget), no process spends more than 30% of its training time inside syncs (40% with replicas of two
+    processes on the 2 cores), every sync's merge weights are each replica's tokens over the most any replica
+    trained (checked against the steps each replica counted itself), and every replica continues at the furthest
+    one's step, so the run ends at max_steps on both. With one fragment every process holds the same parameters
+    after every sync; with two, the fragments sync in turn, the last sync carries both, and the replicas end
+    identical. Replicas of two processes (DDP inside; replica 1's two share the quota) enter each sync together, and
+    member j of both replicas holds the same parameters after every sync."""
     sync, group = LAYOUTS[layout]
     folder, ranks = request.getfixturevalue("four" if group == 2 else "two")[layout]
     max_steps = MAX_STEPS
@@ -129,10 +129,14 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
         expected = [s / max(steps) for s in steps]  # tokens = steps x group x TOKENS_PER_STEP on both replicas
         assert [m["tokens"] for m in rows] == [s * group * TOKENS_PER_STEP for s in steps], record
         assert [m["weight"] for m in rows] == pytest.approx(expected, abs=1e-6), record
-    for rank in ranks:
+    # Time inside syncs: the exchange, the time-budget agreement, the contribution checks' table, and the slow
+    # replica's arrival, up to one of its steps late. Replicas of two processes put 4 processes on the 2 cores and
+    # replica 1's two share a quarter of one: its steps are about twice as long against the same 0.5 s budget
+    # (measured: up to 30% of the training time inside syncs there, under 20% with replicas of one process).
+    share = 0.4 if group == 2 else 0.3
+    for r, rank in enumerate(ranks):
         waited = sum(rank["sync_seconds"])
-        # the sync's exchange, the time-budget agreement and the contribution checks' table, 4 processes on 2 cores
-        assert waited <= 0.3 * rank["train_seconds"], (waited, rank["train_seconds"])
+        assert waited <= share * rank["train_seconds"], (r, waited, rank["train_seconds"])
     # Both arrive when their budget is spent: neither waited for the other longer than a step of the slow one (the
     # budget is checked after each step) plus scheduling, save for the last sync, which replica 0 reaches early.
     slow_step = ranks[group]["train_seconds"] / max(1, sum(slow))
