@@ -49,6 +49,13 @@ def _launched_on_cpu_only() -> bool:
     return launched_processes() > 1 and not torch.cuda.is_available()
 
 
+def _has_accelerator() -> bool:
+    """True where torch sees an accelerator (a CUDA, ROCm, XPU or MPS device)."""
+    import torch
+
+    return torch.cuda.is_available() or torch.accelerator.is_available()
+
+
 AUTO_START = 20  # H of the measuring rounds of `inner_steps: auto`
 AUTO_DELAY_START = 1  # τ of every fragment until its first exchange is measured (`sync_delay: auto`)
 
@@ -367,6 +374,10 @@ class DiLoCoConfig(TrainingArguments):
                 "include_num_input_tokens_seen gathers a token count from every replica at every step, which DiLoCo "
                 "forbids; leave it off (tokens per round are reported in syncs.jsonl instead)."
             )
+        if not self.use_cpu and (self.bf16 or self.bf16_full_eval or self.tf32) and not _has_accelerator():
+            # A recipe written for GPUs, run where there is none: bf16 becomes bfloat16 autocast on the CPU (the run
+            # says so when it starts) and tf32, a matmul mode of NVIDIA GPUs, has nothing to act on.
+            self.use_cpu, self.tf32 = True, None
         if not self.use_cpu and _launched_on_cpu_only():
             # Under `accelerate launch --multi_gpu` on a machine without GPUs, TrainingArguments would otherwise
             # see a single process and every replica would train the same data alone; use_cpu makes it a gloo
@@ -608,6 +619,9 @@ def env_parallelism() -> dict[str, int]:
     return {key: int(os.environ.get(f"PARALLELISM_CONFIG_{name}") or 1) for key, name in sizes.items()}
 
 
+TORCH_DTYPES = ("auto", "float32", "bfloat16")  # RunArguments.torch_dtype
+
+
 @dataclass
 class RunArguments:
     """What to train on: the model and the data. Parsed beside DiLoCoConfig by the CLI (YAML keys and flags)."""
@@ -616,6 +630,13 @@ class RunArguments:
         default="tiny-llama",
         metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M), a local model "
                           "directory, or a Hub model id."},
+    )
+    torch_dtype: str = field(
+        default="auto",
+        metadata={"help": "The dtype the model's weights are loaded in (and trained in): 'auto' (a checkpoint's own, "
+                          "float32 for a preset), 'float32', or 'bfloat16' (half the memory of the weights, their "
+                          "gradients and AdamW's moments; usually with bf16: true). θ_global and the outer "
+                          "optimizer's state are float32 whatever it is.", "choices": list(TORCH_DTYPES)},
     )
     tokenizer_name_or_path: str | None = field(
         default=None,
@@ -682,3 +703,5 @@ class RunArguments:
         if self.trainer not in TRAINERS:
             raise ConfigError(f"trainer must be one of {', '.join(map(repr, TRAINERS))}, got {self.trainer!r}.")
         checks.check(self, ["lora_r"])
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ConfigError(f"torch_dtype must be one of {', '.join(TORCH_DTYPES)}, got {self.torch_dtype!r}.")

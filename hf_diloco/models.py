@@ -68,22 +68,29 @@ def build_preset(name: str, tokenizer, max_positions: int = 256, seed: int = 0) 
         return LlamaForCausalLM(config)
 
 
+def weights_dtype(name: str) -> torch.dtype | str:
+    """The dtype RunArguments.torch_dtype names, as `from_pretrained` takes it ("auto" stays a string)."""
+    return name if name == "auto" else getattr(torch, name)
+
+
 def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: int = 0,
-                             tokenizer_name_or_path: str | None = None):
-    """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id. The tokenizer is the
-    model's own (a preset's: the byte tokenizer), or the one `tokenizer_name_or_path` names ("byte": the built-in
-    byte tokenizer; a preset's vocabulary is then sized to it). A model that is not a causal language model, and a
-    tokenizer that cannot be loaded, is empty or has more ids than the model's embeddings, are refused in one
-    sentence (ConfigError): nothing is substituted."""
+                             tokenizer_name_or_path: str | None = None, dtype: str = "auto"):
+    """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id, its weights in `dtype`
+    ("auto": a checkpoint's own, float32 for a preset; a preset in bfloat16 is initialised in float32 and rounded,
+    so it starts where the float32 one does). The tokenizer is the model's own (a preset's: the byte tokenizer), or
+    the one `tokenizer_name_or_path` names ("byte": the built-in byte tokenizer; a preset's vocabulary is then
+    sized to it). A model that is not a causal language model, and a tokenizer that cannot be loaded, is empty or
+    has more ids than the model's embeddings, are refused in one sentence (ConfigError): nothing is substituted."""
     shown = f"tokenizer {tokenizer_name_or_path!r}" if tokenizer_name_or_path else \
         f"the tokenizer of model {name_or_path!r}"
     if name_or_path in PRESETS:
         tokenizer = load_tokenizer(tokenizer_name_or_path or BYTE, shown)
-        return build_preset(name_or_path, tokenizer, max_positions, seed), tokenizer
+        model = build_preset(name_or_path, tokenizer, max_positions, seed)
+        return (model if dtype == "auto" else model.to(weights_dtype(dtype))), tokenizer
     source = _source(name_or_path)
     check_causal(load_model_config(name_or_path), name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype(dtype))
     except (OSError, ValueError) as error:
         raise ConfigError(_unloadable(name_or_path, error, source)) from None
     tokenizer = load_tokenizer(tokenizer_name_or_path or source, shown)

@@ -21,8 +21,8 @@ staleness weights on a quorum; a replica whose parameters are not finite takes p
 votes on each sync (torchft) applies a sync only if it commits.
 
 Design choices:
-- θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`), so the
-  outer loop costs no accelerator memory.
+- θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`; pinned
+  host memory under a CUDA model), so the outer loop costs no accelerator memory.
 - Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking sync forms,
   sends, receives and applies one bucket before it starts the next. The extra memory of a sync is the bucket's
   Δ_i, its average Δ and the codec's payloads, whatever the model's size. (A sync that waits for a vote, or runs
@@ -242,9 +242,11 @@ class OuterState:
         self.params = [local_shard(p) for p in params]
         self.laid_out = params  # as handed in: DTensors (FSDP2, tensor parallel) say how they are laid out
         state_device = torch.device("cpu") if offload else self.params[0].device
-        self.global_params = [
-            nn.Parameter(p.detach().to(device=state_device, dtype=torch.float32, copy=True)) for p in self.params
-        ]
+        # Offloaded from a CUDA model, θ_global sits in pinned (page-locked) host memory, which CUDA copies to and
+        # from without staging it through a buffer of its own.
+        pin = offload and self.params[0].is_cuda
+        held = [p.detach().to(device=state_device, dtype=torch.float32, copy=True) for p in self.params]
+        self.global_params = [nn.Parameter(h.pin_memory() if pin else h) for h in held]
         self.optimizer = build_outer_optimizer(self.global_params, optimizer, lr, momentum, nesterov,
                                                momentum_delay, delayed_scale)
         # Buckets never straddle fragments: fragment f syncs buckets fragment_buckets[f].

@@ -148,9 +148,6 @@ def _drop_device_requirements(namespace: argparse.Namespace) -> None:
         namespace.tf32 = None
 
 
-
-
-
 def config_class(trainer: str) -> type:
     """The arguments class of `trainer`: DiLoCoConfig, or with TRL's trainers the config that joins theirs to it
     (ConfigError in one sentence when TRL is not installed)."""

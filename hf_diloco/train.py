@@ -197,7 +197,7 @@ def build_model(run: RunArguments):
     from .models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model,
-                                                run.tokenizer_name_or_path)
+                                                run.tokenizer_name_or_path, run.torch_dtype)
     if run.lora_r > 0:
         model = add_lora(model, run)
     return model, tokenizer
@@ -255,7 +255,7 @@ def shape_only_model(run: RunArguments):
     its modules."""
     import torch
 
-    from .models import PRESETS, check_causal, load_model_config
+    from .models import PRESETS, check_causal, load_model_config, weights_dtype
 
     if run.model_name_or_path in PRESETS:
         with torch.device("meta"):
@@ -264,9 +264,10 @@ def shape_only_model(run: RunArguments):
     check_causal(config, run.model_name_or_path)
     from transformers import AutoModelForCausalLM
 
+    dtype = getattr(config, "dtype", None) if run.torch_dtype == "auto" else weights_dtype(run.torch_dtype)
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as error:  # a config of no causal language model
             raise ConfigError(f"could not load model {run.model_name_or_path!r}: {first_line(error)}.") from None
         return add_lora(model, run) if run.lora_r > 0 else model
@@ -511,6 +512,9 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     if not run.verbose:
         calm(trainer)
     if trainer.is_world_process_zero():
+        if config.bf16 and trainer.accelerator.device.type == "cpu":  # a GPU recipe where there is no GPU, say
+            weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+            print(f"[diloco] bf16 on the CPU: bfloat16 autocast, weights in {weights}", flush=True)
         write_run_config(config.output_dir, run, config)
     output = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()

@@ -1,6 +1,7 @@
 """The command line: bad input gets one sentence and a non-zero exit, never a traceback; launch builds the command."""
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import REPO, cli, hf_diloco, launch_reading_listeners
@@ -258,6 +259,57 @@ def test_every_spelling_of_the_dry_run_skips_device_checks(tmp_path, spelling):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "hf-diloco dry run" in result.stdout
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.process
+def test_a_gpu_recipe_trains_on_a_machine_without_a_gpu_with_bf16_autocast_and_bf16_weights(tmp_path):
+    """A recipe with `bf16: true` and `tf32: true`, run by `hf-diloco train` alone (no use_cpu given) on this machine,
+    which has no GPU: it trains, on the CPU with bfloat16 autocast, and says so in one line. With `torch_dtype:
+    bfloat16` the weights load, train and are saved in bfloat16 (the saved model reloads in it), while the round
+    checkpoint's θ_global and outer momentum are float32."""
+    import torch
+    from safetensors.torch import load_file
+
+    recipe = tmp_path / "gpu.yaml"
+    recipe.write_text(Path(RECIPE).read_text() + "\nbf16: true\ntf32: true\ntorch_dtype: bfloat16\n")
+    out = tmp_path / "out"
+    result = hf_diloco("train", "--config", str(recipe), "--output_dir", str(out), "--max_steps", "4",
+                       "--inner_steps", "2", "--block_size", "32", "--eval_strategy", "no", "--eval_on_start", "false",
+                       "--report_to", "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stdout.splitlines() if "autocast" in line]
+    assert said == ["[diloco] bf16 on the CPU: bfloat16 autocast, weights in bfloat16"], result.stdout[-2000:]
+    saved = load_file(out / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    outer = torch.load(out / "checkpoint-4" / "diloco_outer.pt", weights_only=True)
+    assert {p.dtype for p in outer["global_params"]} == {torch.float32}
+    momentum = [v for state in outer["optimizer"]["state"].values() for v in state.values() if torch.is_tensor(v)]
+    assert momentum and {v.dtype for v in momentum} == {torch.float32}
+    records = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+
+
+def test_torch_dtype_sets_the_dry_runs_memory_and_anything_else_is_refused(tmp_path):
+    """The dry run counts bfloat16 weights, gradients and AdamW moments at half the bytes of float32 ones, and the
+    outer state at the same float32 bytes; a dtype other than auto, float32 and bfloat16 is refused in one sentence,
+    from a flag or a recipe."""
+    import re
+
+    plans = {dtype: cli("train", "--config", RECIPE, "--dry-run", "--model_name_or_path", "llama-20m",
+                        "--torch_dtype", dtype).stdout for dtype in ("float32", "bfloat16")}
+    sizes = {dtype: dict(re.findall(r"(parameters|gradients|inner optimizer|outer state) ([\d.]+) MB", plan))
+             for dtype, plan in plans.items()}
+    assert set(sizes["float32"]) == {"parameters", "gradients", "inner optimizer", "outer state"}, plans["float32"]
+    for part in ("parameters", "gradients", "inner optimizer"):
+        assert float(sizes["bfloat16"][part]) == pytest.approx(float(sizes["float32"][part]) / 2, rel=1e-3), part
+    assert sizes["bfloat16"]["outer state"] == sizes["float32"]["outer state"]
+    flag = cli("train", "--config", RECIPE, "--torch_dtype", "float16", "--output_dir", str(tmp_path / "a"))
+    assert_one_sentence_error(flag, "--torch_dtype", "float16", "bfloat16")
+    recipe = tmp_path / "half.yaml"
+    recipe.write_text("torch_dtype: float16\n")
+    key = cli("train", "--config", str(recipe), "--output_dir", str(tmp_path / "b"))
+    assert_one_sentence_error(key, "torch_dtype must be one of auto, float32, bfloat16, got 'float16'.")
 
 
 def test_streaming_with_non_iid_sharding_is_refused(tmp_path):

@@ -130,6 +130,11 @@ CODECS = {
     "streaming-int4+ef-overlap": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
                                   "fragment_alpha": 0.5},
 }
+# Every codec on a model whose weights are bfloat16 (bf16 autocast, the CPU chosen as no GPU is here): the torch
+# backend trains each, torchft the one with error feedback.
+BF16_CODECS = {"none": {}, "bf16": {"compression": "bf16"}, "fp16": {"compression": "fp16"},
+               "int8": {"compression": "int8"}, "int4+ef": {"compression": "int4", "error_feedback": True},
+               "sparse+ef": CODECS["sparse+ef"]}
 # Runs of two torchft replicas that one pair of replica processes trains in turn, against one Lighthouse (min
 # replicas 2): the process start-up, most of a run's time here, is paid once. Each run has its own folder and logs.
 PAIR = {
@@ -141,6 +146,7 @@ PAIR = {
     "slow-link-budget": {"max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03, "slow_sync_seconds": 0.6,
                          "round": {"sync_delay": "auto"}},
     "non-finite": {"max_steps": 16, "inner_steps": 4, "replica 1": {"nan_at_step": 6}},
+    "bf16-weights-int4+ef": {"max_steps": 12, "inner_steps": 4, "weights": "bfloat16", "round": BF16_CODECS["int4+ef"]},
 }
 
 
@@ -168,6 +174,9 @@ def torch_backend(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("torch")
     runs = [{"out": str(folder / name), "backend": "torch", "max_steps": 12, "inner_steps": 4, "group": 1,
              "round": {**PAIR[name]["round"], "final_sync": "blocking"}} for name in ("plain", *CODECS)]
+    runs += [{"out": str(folder / f"bf16-weights-{name}"), "backend": "torch", "max_steps": 12, "inner_steps": 4,
+              "group": 1, "weights": "bfloat16", "round": {**codec, "final_sync": "blocking"}}
+             for name, codec in BF16_CODECS.items()]
     result = accelerate_launch([TORCHFT_RUN, json.dumps(runs)], config=ACCELERATE_CPU_2PROC)
     assert result.returncode == 0, result.stderr[-4000:]
     return folder
@@ -242,6 +251,37 @@ def test_codecs_and_streaming_on_torchft_match_the_torch_backend(pair, torch_bac
         # checks' table the checks' numbers.
         assert ft["bytes_per_replica"] - fixed["bytes_per_replica"] == 2 * len(MEMBER_FIELDS) * 8 - \
             2 * len(CHECK_FIELDS) * 8
+
+
+@pytest.mark.process
+def test_bf16_weights_train_with_every_codec_on_both_backends(pair, torch_backend):
+    """Weights in bfloat16 with bf16 autocast, on a machine without a GPU and no use_cpu given (the CPU is chosen),
+    two replicas, 12 steps, H = 4: with every codec the replicas end identical, their weights bfloat16 and moved from
+    the start, the loss lower at the last sync than at the first, and the outer state (θ_global and the momentum)
+    float32: each codec sends θ_global − θ, formed in float32 from the bfloat16 weights. Two torchft replicas with
+    int4 + error feedback end bit for bit where the torch backend's do."""
+    from helpers import tiny_llama
+
+    start = [p.detach() for p in tiny_llama(seed=0).to(torch.bfloat16).parameters()]
+    for name in BF16_CODECS:
+        folder = torch_backend / f"bf16-weights-{name}"
+        final = final_parameters(folder)
+        assert max_difference(final[0], final[1]) == 0.0, name
+        assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in final[0]), name
+        assert max_difference(final[0], start) > 0.01, name
+        records = read_syncs(folder / "run")
+        assert [r["step"] for r in records] == [4, 8, 12], name
+        assert {r["compression"] for r in records} == {name}, name
+        assert records[-1]["loss"] < records[0]["loss"], (name, [r["loss"] for r in records])
+        for rank in (0, 1):
+            outer = json.loads((folder / f"outer{rank}.json").read_text())
+            assert outer["global"] == ["torch.float32"] and outer["optimizer"] == ["torch.float32"], (name, outer)
+            assert outer["optimizer_tensors"] == len(start), "a momentum buffer per parameter"
+    name = "bf16-weights-int4+ef"
+    expected, got = final_parameters(torch_backend / name), final_parameters(pair / name)
+    for rank in (0, 1):
+        assert max_difference(expected[rank], got[rank]) == 0.0, rank
+    assert json.loads((pair / name / "outer0.json").read_text())["global"] == ["torch.float32"]
 
 
 @pytest.mark.process

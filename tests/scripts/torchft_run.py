@@ -19,6 +19,8 @@ a round whose other collectives went through. "seed_by_replica": true builds eac
 "slow_sync_seconds": every cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
 "bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th
 way (its first parameter a scalar, its first parameter NaN, its global_step past the run's end); later ones are sound.
+"weights": "bfloat16" trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on
+a machine without one); the replica then also writes the dtypes of its outer state to `outer<r>.json`.
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output
@@ -172,12 +174,15 @@ def run(settings: dict) -> None:
         inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0,
         replica_group_size=settings.get("group", 1), **torchft_fields,
-        **settings.get("round", {}),
+        **({"bf16": True} if "weights" in settings else {}), **settings.get("round", {}),
     )
     # "seed_by_replica": each replica (torch: each process) builds its model from its own seed, so they start apart.
     seed = (replica if backend == "torchft" else int(os.environ.get("RANK", 0))) \
         if settings.get("seed_by_replica") else 0
-    trainer = DiLoCoTrainer(model=tiny_llama(seed=seed), args=config, train_dataset=pattern_dataset(256),
+    model = tiny_llama(seed=seed)
+    if "weights" in settings:
+        model = model.to(getattr(torch, settings["weights"]))
+    trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(256),
                             data_collator=default_data_collator, callbacks=[Pace(settings, out, replica)])
     trainer.train()
     # Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
@@ -185,6 +190,12 @@ def run(settings: dict) -> None:
         rank = trainer.args.process_index if backend == "torch" else replica
         params = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
         torch.save(params, out / f"params{rank}.pt")
+        if "weights" in settings:
+            outer = trainer.diloco.outer
+            states = [v for state in outer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+            (out / f"outer{rank}.json").write_text(json.dumps({
+                "global": sorted({str(p.dtype) for p in outer.global_params}),
+                "optimizer": sorted({str(v.dtype) for v in states}), "optimizer_tensors": len(states)}))
     if backend == "torch":  # every process done with this run before any begins the next
         import torch.distributed as dist
 
