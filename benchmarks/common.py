@@ -311,22 +311,24 @@ def machine() -> str:
 MACHINE_AT_START = machine()
 
 
-def save(name: str, table: str, raw: dict, figure=None, quick: bool = False, seconds: float | None = None) -> None:
-    """Print the table and write results/<name>.md, .json and .png (a quick run says so in all three)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def save(name: str, table: str, raw: dict, figure=None, quick: bool = False, seconds: float | None = None,
+         folder: Path = RESULTS) -> None:
+    """Print the table and write <folder>/<name>.md, .json and .png (results/ by default; a quick run says so in all
+    three)."""
+    folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     mode = "quick run (--quick: fewer steps, same method)" if quick else "full run"
     took = f", {seconds:.0f} s" if seconds is not None else ""
     text = f"{table}\n\n_{mode}, {stamp}, {MACHINE_AT_START}{took}_\n"
     print(text)
-    (RESULTS / f"{name}.md").write_text(text)
+    (folder / f"{name}.md").write_text(text)
     meta = {"date": stamp, "machine": MACHINE_AT_START, "quick": quick, "seconds": seconds}
-    (RESULTS / f"{name}.json").write_text(json.dumps({**meta, **raw}, indent=2) + "\n")
+    (folder / f"{name}.json").write_text(json.dumps({**meta, **raw}, indent=2) + "\n")
     if figure is not None:
         if quick:
             figure.text(0.99, 0.01, "quick run", ha="right", va="bottom", fontsize=8, color="#888")
-        figure.savefig(RESULTS / f"{name}.png", dpi=120, bbox_inches="tight")
-        print(f"plot: {RESULTS / f'{name}.png'}")
+        figure.savefig(folder / f"{name}.png", dpi=120, bbox_inches="tight")
+        print(f"plot: {folder / f'{name}.png'}")
 
 
 def skip(benchmark: str, reason: str) -> None:

@@ -105,6 +105,14 @@ SECTIONS = {
                     "seeds 0, 1 and 2 interleaved. A study of DiLoCo fine-tuning at scale (arXiv 2511.13761) found "
                     "it below DDP; here the gap is within about 1% after 40 rounds with outer Nesterov momentum, "
                     "which trails DDP over the first rounds while the momentum builds up."),
+    "gpu": ("One CUDA device: throughput, one outer sync, the codecs and memory", "python benchmarks/gpu.py",
+            "The llama-150m preset in bf16 autocast, batch 8 × 1,024 tokens: DiLoCoTrainer (M = 1, H = 50) against "
+            "plain Trainer, 3 interleaved repeats; two torchft replicas sharing the device (gloo across them, as "
+            "NCCL refuses two ranks on one device); one outer sync with the outer state in pinned host memory and "
+            "on the device; int8, int4 + EF and sparse + EF against H steps' compute; peak memory against the dry "
+            "run plus one batch's activations. Targets: ≥ 99% of plain Trainer's tokens/s, one sync under 1% of H "
+            "steps, peak memory within 10%. No GPU machine could be had so far: `--smoke` runs the same code on "
+            "the tiny preset in the tests (tests/test_gpu_benchmark.py)."),
 }
 
 
