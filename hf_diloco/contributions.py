@@ -14,19 +14,26 @@ slot unused). Each row holds
     left_out    1 if it was left out of its last sync
     loss_gain   with contribution_loss_check: the held-out batch's loss at the global parameters the round started
                 from, less its loss at the replica's parameters now (NaN without the check)
+    base_lr     the learning rate its settings give it (the peak of its schedule): known before any step, so a
+                replica that joins, heals or brings no steps to a sync still reports it
 
 and every replica applies the same rules to the same table (`judge`), so every replica reaches the same verdict
 without a vote. A replica found out sends weight 0 (the others divide by the weight that took part, its
 error-feedback residual is left alone, it takes θ_global after the sync, as a replica with a non-finite
 pseudo-gradient does) and every record names it in `excluded`. The rules, with the thresholds' defaults:
 
-    size      ‖Δ_i‖ > 2.0 · √P · steps_i · η  where P is the number of values synced and η the median replica's
-              mean learning rate (of two replicas the smaller: too low a learning rate only slows a replica, too high
-              a one spoils the merge), for an AdamW-family inner optimizer: AdamW moves each value by about η a
-              step at most, so a replica far beyond that trained with a wrong learning rate (or sends something
-              else). Works at M = 2. Not applied when every replica is beyond it (then the run's own learning rate
-              is what is too high).
-    outlier   M ≥ 3: ‖Δ_i‖ > 2.3 · the median of every reporting replica's norm (itself included).
+    size      ‖Δ_i‖ > 2.0 · √P · Σ η  where P is the number of values synced and Σ η the learning rates of exactly
+              the steps Δ_i covers (since the replica's own base, syncs it missed or rolled back included) on its
+              schedule, scaled to the agreed base learning rate: the median of every participant's base_lr, those
+              that bring no steps included (of two the smaller: too low a learning rate only slows a replica, too
+              high a one spoils the merge). For an AdamW-family inner optimizer: AdamW moves each value by about η
+              a step at most, so a replica far beyond that trained with a wrong learning rate (or sends something
+              else). Works at M = 2, and on a lone contribution, judged against a replica that joined the sync
+              with no steps. When every contribution is beyond it and each was given the agreed learning rate,
+              none is left out (the run's own rate is what is too high); one given another rate is left out even
+              when it is the only contribution, and then the sync does not move θ_global.
+    outlier   M ≥ 3: ‖Δ_i‖ / Σ η > 2.3 · the median of every reporting replica's (itself included), Σ η as in
+              `size`: per unit of learning rate spent, so a Δ_i covering more steps is not an outlier for it.
     opposed   M ≥ 3: λ_i < −0.3 in its last sync: it pulled against the others.
     apart     M ≥ 3: median_{j≠i} λ_j − λ_i > 0.35 · min(1, median_{j≠i} λ_j / 0.5) in each of its last two
               syncs: it agrees with the others far less than they agree with each other (a replica reading other
@@ -62,7 +69,7 @@ import math
 from dataclasses import dataclass
 
 CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
-                "check_loss_gain")
+                "check_loss_gain", "check_base_lr")
 MIN_MAJORITY = 3  # replicas reporting, for the rules that compare a replica with the others
 AGREEMENT_LEVEL = 0.5  # the others' median λ below which the `apart` gap scales down with it
 
@@ -103,7 +110,8 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
     """The replicas to leave out of this sync, each with one sentence why, from every replica's row (replica id →
     CHECK_FIELDS values; NaN where a replica has no such number: its first syncs, a heal). `parameters`: the number
     of values the sync carries; `adam`: whether the inner optimizer is AdamW-like (the `size` rule). Never every
-    replica that reports: when all would be left out, none can be told from the others and none is.
+    replica that reports: when all would be left out, none can be told from the others and none is, save one that
+    `size` leaves out for having been given another learning rate than the agreed one.
 
     >>> rows = {0: [1.0, 10, 0.01, 0.6, 0.6, 0], 1: [1.2, 10, 0.01, 0.5, 0.7, 0], 2: [9.0, 10, 0.01, 0.6, 0.5, 0]}
     >>> judge(rows, parameters=400, adam=False, limits=Limits())
@@ -111,23 +119,31 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
     """
     norms = {r: row[0] for r, row in rows.items() if math.isfinite(row[0]) and row[0] > 0}
     verdicts: dict[int, str] = {}
-    rates = [row[2] for r, row in rows.items() if r in norms and math.isfinite(row[2]) and row[2] > 0]
-    if adam and rates and parameters > 0:
-        # The agreed learning rate: the median replica's, or of two the smaller (too low a rate only slows a
-        # replica down; too high a one spoils the merge)
-        rate = _median(rates) if len(rates) >= MIN_MAJORITY else min(rates)
-        bound = {r: math.sqrt(parameters) * max(rows[r][1], 1.0) * rate for r in norms}
-        over = {r: n / bound[r] for r, n in norms.items() if n / bound[r] > limits.adam_ratio}
-        if len(over) < len(norms):
-            for r, ratio in over.items():
-                verdicts[r] = (f"size: its pseudo-gradient norm {norms[r]:.4g} is {ratio:.1f}x what {rows[r][1]:.0f} "
-                               f"AdamW steps at the agreed learning rate {rate:.3g} can make; the check leaves out "
-                               f"above {limits.adam_ratio:g}x: is its learning rate the others'?")
+    given_other_rate: set[int] = set()  # left out by `size` for a base learning rate other than the agreed one
+    bases = {r: row[7] for r, row in rows.items() if len(row) > 7 and row[7] > 0}  # NaN > 0 is False
+    agreed = (_median(list(bases.values())) if len(bases) >= MIN_MAJORITY else min(bases.values())) if bases \
+        else float("nan")
+    spent = {r: _spent(rows[r], bases.get(r, agreed), agreed) for r in norms} if bases else {}
+    if adam and spent and parameters > 0:
+        over = {r: norms[r] / (math.sqrt(parameters) * spent[r]) for r in norms}
+        over = {r: ratio for r, ratio in over.items() if ratio > limits.adam_ratio}
+        given_other_rate = {r for r in over if not math.isclose(bases.get(r, agreed), agreed, rel_tol=1e-6)}
+        for r, ratio in over.items():
+            if len(over) < len(norms) or r in given_other_rate:
+                given = f" (it was given {bases[r]:.3g})" if r in given_other_rate else ""
+                verdicts[r] = (f"size: its pseudo-gradient norm {norms[r]:.4g} is {ratio:.1f}x what its "
+                               f"{rows[r][1]:.0f} AdamW steps can make at the agreed learning rate {agreed:.3g} (Σ η "
+                               f"{spent[r]:.3g} over those steps); the check leaves out above {limits.adam_ratio:g}x: "
+                               f"is its learning rate the others'?{given}")
     if len(norms) >= MIN_MAJORITY:
-        middle = _median(list(norms.values()))
-        for r, n in norms.items():
+        # Norms per unit of learning rate spent (Σ η over the steps each covers, at the agreed rate): a replica whose
+        # Δ_i covers more steps (it missed a sync, or trained faster under time budgets) is not an outlier for it.
+        scaled = {r: n / spent[r] for r, n in norms.items()} if spent else norms
+        middle = _median(list(scaled.values()))
+        for r, n in scaled.items():
             if r not in verdicts and middle > 0 and n / middle > limits.norm_ratio:
-                verdicts[r] = (f"outlier: its pseudo-gradient norm {n:.4g} is {n / middle:.1f}x the median "
+                per = " per unit of learning rate over its steps" if spent else ""
+                verdicts[r] = (f"outlier: its pseudo-gradient norm{per} {n:.4g} is {n / middle:.1f}x the median "
                                f"replica's ({middle:.4g}); the check leaves out above {limits.norm_ratio:g}x")
         # a cosine outside [-1, 1] from a peer is not a number to judge by: it does not report
         loo = {r: rows[r][3] for r in norms if -1.0 <= rows[r][3] <= 1.0}
@@ -157,8 +173,17 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
                                f"replica's changed it by {-_median(list(gains.values())):+.3f}; the check leaves out "
                                f"{limits.loss_margin:g} below the median (or below no change)")
     if verdicts and len(verdicts) >= len(norms):
-        return {}
+        # Never every contribution, unless it was given another learning rate than the agreed one: that one is
+        # told apart by what the others were given, not by what they sent.
+        return {r: verdicts[r] for r in given_other_rate}
     return verdicts
+
+
+def _spent(row: list[float], own: float, agreed: float) -> float:
+    """Σ η of exactly the steps a row's Δ_i covers, on its replica's schedule scaled from its base rate `own` to
+    the `agreed` one (its mean rate over those steps; the base rate where it reports none)."""
+    steps, mean = max(row[1], 1.0), row[2]
+    return steps * (mean if math.isfinite(mean) and mean > 0 else own) * agreed / own
 
 
 def _gap(loo: dict[int, float], replica: int, rows: dict[int, list[float]]) -> tuple[float, float] | None:
@@ -183,8 +208,9 @@ class ContributionChecks:
     """One replica's side of the checks: its row for the table, what it remembers of its last two syncs (λ), and
     how many syncs in a row each replica was left out (`faulty_after` in a row: said once on the console)."""
 
-    def __init__(self, mode: str, limits: Limits, faulty_after: int):
+    def __init__(self, mode: str, limits: Limits, faulty_after: int, base_lr: float = float("nan")):
         self.mode = mode
+        self.base_lr = base_lr  # the learning rate this replica's settings give it
         self.limits = limits
         self.faulty_after = faulty_after
         self.loo = [float("nan"), float("nan")]  # λ of this replica's last sync, and of the one before
@@ -196,8 +222,16 @@ class ContributionChecks:
         return self.mode != "off"
 
     def row(self, norm: float, steps: int, lr_sum: float, loss_gain: float = float("nan")) -> list[float]:
+        """This replica's CHECK_FIELDS for a sync whose Δ_i has norm `norm` and covers `steps` inner steps of
+        learning rates summing to `lr_sum`."""
         return [norm, float(steps), lr_sum / steps if steps else float("nan"), *self.loo, float(self.left_out),
-                loss_gain]
+                loss_gain, self.base_lr]
+
+    def presence_row(self) -> list[float]:
+        """The row of a replica that brings no contribution to a sync (it joins or heals): its base learning rate,
+        which the others' `size` bounds agree on, and nothing to judge."""
+        nan = float("nan")
+        return [nan, 0.0, nan, nan, nan, 0.0, nan, self.base_lr]
 
     def landed(self, loo: float, left_out: bool) -> None:
         self.loo = [loo, self.loo[0]]

@@ -314,6 +314,8 @@ class SyncEngine:
             self.comm.rendezvous.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         checking = self.gate.checking(joining, self.comm.num_replicas)
+        if joining and self.gate.active:  # its base learning rate, for the others' checks (torchft's table)
+            local["checks"] = self.gate.presence_row()
         for fragment in self.fragments:
             fragment.launch(step, self.progress.steps, self.progress.lr_sum, carried=fragment.index in fragments)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():

@@ -35,7 +35,7 @@ class Gate:
                                              min_agreement=args.contribution_min_agreement,
                                              agreement_gap=args.contribution_agreement_gap,
                                              loss_margin=args.contribution_loss_margin),
-            faulty_after=args.contribution_faulty_after)
+            faulty_after=args.contribution_faulty_after, base_lr=args.learning_rate)
         self.base_loss = float("nan")  # contribution_loss_check: the held-out batch's loss where the round started
         self.loss_batch: dict | None = None
 
@@ -57,6 +57,10 @@ class Gate:
         since its base, and (`with_loss`, a blocking sync) the loss its round removed."""
         return self.checks.row(norm(comm, buckets, deltas), *since_base,
                                *([self._loss_gain()] if with_loss else []))
+
+    def presence_row(self) -> list[float]:
+        """The row of a replica that joins a sync with nothing to judge: its base learning rate, for the others."""
+        return self.checks.presence_row()
 
     def judge(self, start: SyncStart, local: dict, comm, parameters: int, replica: int) -> SyncStart:
         """`start` with the verdict: every replica's row judged alike (`excluded`), weight 0 for this replica if it

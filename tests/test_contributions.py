@@ -81,11 +81,12 @@ def test_with_a_codec_the_agreement_is_measured_on_what_the_others_decoded(tmp_p
 
 def rows(*replicas: tuple) -> dict[int, list[float]]:
     """Check rows from (norm, η over one step, λ last, λ before, left out of the last sync): NaN for a λ not given,
-    0 for the last."""
+    0 for the last; no loss gain; the replica's base learning rate its η."""
     table = {}
     for r, values in enumerate(replicas):
         padded = [*values[:4], *[float("nan")] * (4 - len(values[:4]))]
-        table[r] = [float(padded[0]), 1.0, *map(float, padded[1:])] + [float(values[4]) if len(values) > 4 else 0.0]
+        table[r] = [float(padded[0]), 1.0, *map(float, padded[1:])] + [float(values[4]) if len(values) > 4 else 0.0,
+                                                                      float("nan"), float(padded[1])]
     return table
 
 
@@ -96,7 +97,8 @@ def test_each_rule_leaves_out_the_replica_it_is_about_and_no_other():
     assert list(judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=True, limits=limits)) == [1]
     assert judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=True, limits=limits)[1].startswith("size: ")
     assert judge(rows((0.4, 0.01), (30.0, 1.0)), p, adam=False, limits=limits) == {}, "size is for AdamW only"
-    unequal = {0: [0.3, 3.0, 0.01, *[float("nan")] * 2, 0.0], 1: [9.0, 10.0, 0.01, *[float("nan")] * 2, 0.0]}
+    nan = float("nan")
+    unequal = {0: [0.3, 3.0, 0.01, nan, nan, 0.0, nan, 0.01], 1: [9.0, 10.0, 0.01, nan, nan, 0.0, nan, 0.01]}
     assert judge(unequal, p, adam=True, limits=limits) == {}, "bounded by each replica's own steps (time budgets)"
     assert judge(rows((30.0, 0.01), (31.0, 0.01)), p, adam=True, limits=limits) == {}, \
         "every replica beyond it: the run's own rate is too high, nobody is told apart"
@@ -133,6 +135,60 @@ def test_each_rule_leaves_out_the_replica_it_is_about_and_no_other():
     assert judge(rows((1, .01, .6, .6), (1, .01, -7.0, .6), (1, .01, .5, .5)), p, adam=False, limits=limits) == {}
     # never everyone: three replicas all opposed to each other tell nothing apart
     assert judge(rows((1, .01, -.5), (1, .01, -.6), (1, .01, -.7)), p, adam=False, limits=limits) == {}
+
+
+def test_the_size_rule_bounds_the_steps_each_pseudo_gradient_covers_and_judges_a_lone_contribution():
+    """The sites of a real run come and go (issue: a lone wrong site moved the shared model; an honest site that
+    missed a sync was left out). Rows as CHECK_FIELDS: norm, steps, mean η over them, λ, λ before, left out, loss
+    gain, base learning rate. P = 10,000 (√P = 100)."""
+    limits, p, nan = Limits(), 10_000, float("nan")
+    joined = ContributionChecks("exclude", limits, faulty_after=3, base_lr=1e-3).presence_row()
+    # A lone contribution at 100x the learning rate, with a site that joined with no steps given the recipe's: left
+    # out, although it is every contribution there is (the sync then moves nothing: its total weight is 0).
+    wrong = [5.0, 10.0, 0.0275, nan, nan, 0.0, nan, 0.1]  # 10 warm-up steps at 100x: Σ η 0.275
+    verdict = judge({1: joined, 2: wrong}, p, adam=True, limits=limits)
+    assert list(verdict) == [2] and verdict[2].startswith("size: ") and "(it was given 0.1)" in verdict[2], verdict
+    # Σ η at the agreed 1e-3 is 0.00275 over those steps: 5 / (100 · 0.00275) = 18x
+    assert "is 18.2x what its 10 AdamW steps can make at the agreed learning rate 0.001" in verdict[2], verdict
+    right = [0.05, 10.0, 0.000275, nan, nan, 0.0, nan, 1e-3]
+    assert judge({1: joined, 2: right}, p, adam=True, limits=limits) == {}, "the same site at the recipe's rate"
+    assert judge({2: wrong}, p, adam=True, limits=limits) == {}, "truly alone: nothing to tell it from"
+    # A majority given the recipe's rate outvotes one given another, whoever brings steps.
+    assert list(judge({0: joined, 1: joined, 2: wrong}, p, adam=True, limits=limits)) == [2]
+    # A site that missed a sync late in a decaying schedule: its Δ covers 20 steps at their own (higher) rates.
+    # Bounded by exactly those (Σ η 6e-4: 0.1 is 1.7x), not by 20 steps at the others' mean rate of their last 10
+    # (1e-5: 5x).
+    late = {0: [0.1, 20.0, 3e-5, nan, nan, 0.0, nan, 1e-3], 1: [0.015, 10.0, 1e-5, nan, nan, 0.0, nan, 1e-3],
+            2: [0.016, 10.0, 1e-5, nan, nan, 0.0, nan, 1e-3]}
+    assert judge(late, p, adam=True, limits=limits) == {}
+    # Every contribution beyond the bound, each given the agreed rate: the run's own rate is too high, none is out.
+    high = {0: [9.0, 10.0, 1e-3, nan, nan, 0.0, nan, 1e-3], 1: [8.0, 10.0, 1e-3, nan, nan, 0.0, nan, 1e-3]}
+    assert judge(high, p, adam=True, limits=limits) == {}
+
+
+def test_a_sync_whose_every_contribution_is_left_out_does_not_move_theta_global():
+    """Weights all 0 (every contribution left out): θ_global and the outer momentum stay as they were, with outer
+    Nesterov momentum already built up, and the replica takes θ_global."""
+    import torch.nn as nn
+
+    from hf_diloco.comm import ReplicaComm
+    from hf_diloco.outer import OuterState, outer_round
+
+    replica = [nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))]
+    outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True)
+    comm = ReplicaComm()
+    with torch.no_grad():
+        replica[0].sub_(0.5)
+    outer_round(outer, comm, [0])  # a first sync that counts: momentum now holds its Δ
+    before = [t.clone() for t in outer.global_params]
+    momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"].clone()
+    with torch.no_grad():
+        replica[0].add_(10.0)  # a contribution that will be left out
+    result = outer_round(outer, comm, [0], weight=0.0)
+    assert result.participants == 0
+    assert torch.equal(outer.global_params[0], before[0])
+    assert torch.equal(outer.optimizer.state[outer.global_params[0]]["momentum_buffer"], momentum)
+    assert torch.equal(replica[0].detach(), before[0]), "the replica takes θ_global"
 
 
 def test_a_verdict_goes_into_the_record_and_a_replica_left_out_three_times_is_called_faulty():
