@@ -65,7 +65,9 @@ class Gate:
     def judge(self, start: SyncStart, local: dict, comm, parameters: int, replica: int) -> SyncStart:
         """`start` with the verdict: every replica's row judged alike (`excluded`), weight 0 for this replica if it
         is found out (mode exclude), and the bytes the rows cost. `parameters`: the values the sync carries."""
-        if "checks" not in local or start.empty or start.joining:
+        # A replica joining a torchft sync (healing, no steps) judges the others' rows too, so that its record
+        # holds the verdict every other participant reached; on the torch backend every replica joins together.
+        if "checks" not in local or start.empty or (start.joining and not start.participants):
             return start
         sent = 0
         if start.participants:
