@@ -1,8 +1,8 @@
 """Contribution checks: a replica whose pseudo-gradient does not belong is left out of the merge, and named.
 
-Before each sync's exchange every replica's numbers go round in one small table (torchft: seven more columns of the
-membership table it exchanges anyway; torch backend: one all-reduce of M rows of eight float64 numbers, its tokens
-slot unused). Each row holds
+Before each sync's exchange every replica's numbers go round in one small table (torchft: eight more columns of the
+membership table it exchanges anyway; torch backend: one all-reduce of M rows of eight float64 numbers). Each row
+holds
 
     norm        ‖Δ_i‖ of the sync (taken before a codec: the rules judge what the replica trained)
     steps       the inner steps Δ_i covers (since its base: a rolled-back torchft sync's steps count too)
