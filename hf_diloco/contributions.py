@@ -120,7 +120,8 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
     norms = {r: row[0] for r, row in rows.items() if math.isfinite(row[0]) and row[0] > 0}
     verdicts: dict[int, str] = {}
     given_other_rate: set[int] = set()  # left out by `size` for a base learning rate other than the agreed one
-    bases = {r: row[7] for r, row in rows.items() if len(row) > 7 and row[7] > 0}  # NaN > 0 is False
+    # A base rate from a peer counts only as a positive finite number (NaN: a replica of an older row, or none)
+    bases = {r: row[7] for r, row in rows.items() if len(row) > 7 and math.isfinite(row[7]) and row[7] > 0}
     agreed = (_median(list(bases.values())) if len(bases) >= MIN_MAJORITY else min(bases.values())) if bases \
         else float("nan")
     spent = {r: _spent(rows[r], bases.get(r, agreed), agreed) for r in norms} if bases else {}

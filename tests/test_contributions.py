@@ -159,6 +159,8 @@ def test_the_size_rule_bounds_the_steps_each_pseudo_gradient_covers_and_judges_a
     right = [0.05, 10.0, 0.000275, nan, nan, 0.0, nan, 1e-3]
     assert judge({1: joined, 2: right}, p, adam=True, limits=limits) == {}, "the same site at the recipe's rate"
     assert judge({2: wrong}, p, adam=True, limits=limits) == {}, "truly alone: nothing to tell it from"
+    broken = [nan, 0.0, nan, nan, nan, 0.0, nan, float("inf")]  # a peer's base rate that is no number to agree on
+    assert list(judge({1: joined, 2: wrong, 3: broken}, p, adam=True, limits=limits)) == [2]
     # A majority given the recipe's rate outvotes one given another, whoever brings steps.
     assert list(judge({0: joined, 1: joined, 2: wrong}, p, adam=True, limits=limits)) == [2]
     # A site that missed a sync late in a decaying schedule: its Δ covers 20 steps at their own (higher) rates.

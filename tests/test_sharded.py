@@ -53,9 +53,13 @@ def all_layouts(tmp_path_factory) -> dict[tuple[str, str], tuple]:
     settings = {f"{layout}-{rounds.split()[0]}": {**SETTINGS, **ROUNDS[rounds], **({"fsdp": True} if layout == "fsdp"
                                                                                    else {})}
                 for rounds in ROUNDS for layout in ("fsdp", "ddp")}
+    settings["fsdp-bf16"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16"}
+    settings["fsdp-autocast"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16", "bf16": True}
     ranks = replica_runs(folder, settings, config=ACCELERATE_CPU_4PROC, script="replica_run.py")
-    return {(name.split("-")[0], rounds): (folder / name, ranks[name])
-            for rounds in ROUNDS for name in settings if name.endswith(rounds.split()[0])}
+    found = {(name.split("-")[0], rounds): (folder / name, ranks[name])
+             for rounds in ROUNDS for name in settings if name.endswith(rounds.split()[0])}
+    return {**found, ("fsdp", "bf16 weights"): (folder / "fsdp-bf16", ranks["fsdp-bf16"]),
+            ("fsdp", "bf16 autocast"): (folder / "fsdp-autocast", ranks["fsdp-autocast"])}
 
 
 @pytest.fixture(scope="module", params=list(ROUNDS))
@@ -170,6 +174,27 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
     assert "| processes per replica (`replica_group_size`) | 2 | 1 |" in card
     assert "| each replica sharded over its processes by FSDP2 (`sharded_replica`) | True | False |" in card
     assert "2 replicas trained independently" in card
+
+
+def test_sharded_replicas_train_bf16_weights_with_a_float32_outer_state(all_layouts):
+    """Weights in bfloat16 (torch_dtype bfloat16), FSDP2 inside each replica, fp32 syncs, the same 10 steps: each
+    process holds half the parameter bytes of the float32 run and its shard of θ_global and the outer momentum in
+    float32 (4 bytes each for the 2 of its bfloat16 shard: the outer state's bytes are 4x the parameters'), shard j
+    is bit-identical in both replicas after every sync, and the final weights are bfloat16 and finite. With bf16
+    autocast on as well, accelerate's FSDP2 preparation keeps the sharded weights in float32 (its mixed precision
+    computes in bfloat16): the parameter bytes are the float32 run's (docs/guides/big-models.md says so)."""
+    fp32 = all_layouts["fsdp", "fp32"][1]
+    autocast = all_layouts["fsdp", "bf16 autocast"][1]
+    assert [r["held_bytes"]["parameters"] for r in autocast] == [r["held_bytes"]["parameters"] for r in fp32]
+    folder, ranks = all_layouts["fsdp", "bf16 weights"]
+    for rank, whole in zip(ranks, fp32, strict=True):
+        held = rank["held_bytes"]
+        assert held["outer"] == 4 * held["parameters"] and 2 * held["parameters"] == whole["held_bytes"]["parameters"]
+    assert [step for step, _ in ranks[0]["digests"]] == [3, 6, 9, 10]
+    assert ranks[0]["digests"] == ranks[2]["digests"] and ranks[1]["digests"] == ranks[3]["digests"]
+    final = torch.load(folder / "final.pt")
+    assert {t.dtype for t in final.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert all(bool(torch.isfinite(t).all()) for t in final.values() if t.is_floating_point())
 
 
 def test_fsdp2_and_tensor_parallel_in_one_replica_end_where_ddp_inside_ends(tmp_path_factory, all_layouts):

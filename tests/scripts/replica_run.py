@@ -14,7 +14,7 @@ that rank's process into a cgroup v1 `cpu` folder the test made (a real CPU quot
 also records the seconds it spent inside the sync (`sync_seconds`) and the inner steps it took since the sync before
 (`steps_between`), and its whole training time (`train_seconds`). `model_folder: path` trains a model saved there
 with `save_pretrained` instead of the tiny Llama, and `save_to: path` saves the trained model there at the end with
-`Trainer.save_model`, as `hf-diloco train` does.
+`Trainer.save_model`, as `hf-diloco train` does; `weights: bfloat16` trains the model's weights in that dtype.
 """
 
 import gc
@@ -75,7 +75,7 @@ def local(tensor):
 def digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(local(p).detach().cpu().contiguous().numpy().tobytes())
+        h.update(local(p).detach().float().cpu().contiguous().numpy().tobytes())  # bfloat16 exactly, as float32
     return h.hexdigest()
 
 
@@ -119,6 +119,7 @@ def run(settings: dict) -> None:
     probe = Probe(settings.pop("stop_at_step", None), settings.pop("stop_after_syncs", None))
     seed_by_rank = settings.pop("seed_by_rank", False)  # each process builds its model from another seed
     model_folder = settings.pop("model_folder", None)  # train this saved model instead of the tiny Llama
+    weights = settings.pop("weights", None)  # "bfloat16": the model's weights in that dtype
     save_to = settings.pop("save_to", None)  # then save it there with Trainer.save_model, as hf-diloco train does
     slow_sync_seconds = settings.pop("slow_sync_seconds", 0)  # every all-reduce between replicas takes this longer
     cgroup = settings.pop("cgroup_by_rank", {}).get(os.environ.get("RANK", "0"))
@@ -147,6 +148,8 @@ def run(settings: dict) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_folder)
     else:
         model = tiny_llama(seed=int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
+    if weights:
+        model = model.to(getattr(torch, weights))
     trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(),
                             data_collator=default_data_collator, callbacks=[probe])
     probe.trainer = trainer
