@@ -36,9 +36,10 @@ from helpers import (
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
 from hf_diloco.metrics import read_syncs
-from hf_diloco.runs import accelerate_command
+from hf_diloco.runs import LAUNCHER
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
+RUN_MARK = "=== run {} ==="  # what tests/scripts/train_runs.py prints before each run
 SETTINGS = ["--max_steps", "200", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
             "--eval_strategy", "steps", "--eval_steps", "200", "--disable_tqdm", "true", "--report_to", "none"]
 
@@ -228,20 +229,47 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
     return corrupted_corpora(tmp_path_factory.mktemp("corpora"))
 
 
-def torch_launch(out: Path, data: Path, hook: dict[str, str] | None = None, *extra: str,
-                 replicas: int = 3) -> list[dict]:
-    """`replicas` on the torch backend, each reading its own slice (non_iid), started by the command `hf-diloco
-    launch` runs (hf_diloco.runs.accelerate_command; the launch's own checks are tests/test_launch_checks.py's);
-    its records."""
-    command = accelerate_command("recipes/tiny-pretrain.yaml", str(ACCELERATE_CPU_4PROC),
-                                 [*SETTINGS, "--output_dir", str(out), "--eval_on_start", "false",
-                                  "--save_every_rounds", "0", "--data_sharding", "non_iid", "--dataset_name", str(data),
-                                  *extra], port=free_port(), launch_args=["--num_processes", str(replicas)])
-    result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK), **(hook or {})},
-                            capture_output=True, text=True, timeout=400)
+def torch_launches(folder: Path, data: dict[str, Path], runs: dict[str, tuple[str, dict, list[str]]],
+                   replicas: int = 3) -> dict[str, Path]:
+    """`replicas` on the torch backend, each reading its own slice (non_iid), training each of `runs` (name →
+    corpus, test hook settings, flags) in turn, as `hf-diloco train` does, in one `accelerate launch`
+    (tests/scripts/train_runs.py: the start-up of the processes is paid once; the launch's own checks are
+    tests/test_launch_checks.py's). Returns name → the run's folder, with its share of the console in console.log."""
+    payload = [{"name": name, "recipe": "recipes/tiny-pretrain.yaml", "env": hook,
+                "args": [*SETTINGS, "--output_dir", str(folder / name), "--eval_on_start", "false",
+                         "--save_every_rounds", "0", "--data_sharding", "non_iid", "--dataset_name", str(data[corpus]),
+                         *extra]}
+               for name, (corpus, hook, extra) in runs.items()]
+    command = [sys.executable, "-m", LAUNCHER, "--config_file", str(ACCELERATE_CPU_4PROC), "--main_process_port",
+               str(free_port()), "--num_processes", str(replicas), str(REPO / "tests" / "scripts" / "train_runs.py"),
+               json.dumps(payload)]
+    result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK)}, capture_output=True,
+                            text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    (out / "console.log").write_text(result.stdout + result.stderr)
-    return read_syncs(out)
+    console = result.stdout + result.stderr
+    for name in runs:
+        mark = RUN_MARK.format(name)
+        (folder / name / "console.log").write_text(
+            "".join(part.split("=== run ")[0] for part in console.split(mark + "\n")[1:]))
+    return {name: folder / name for name in runs}
+
+
+# The faulty and clean runs of three replicas on the torch backend, trained by one launch (name → corpus, hook,
+# flags): the tests below read their records.
+THREE_REPLICAS = {
+    "garbage": ("garbage", {}, []),
+    "without": ("garbage", {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"}, []),
+    "sparse-garbage": ("garbage", {}, ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]),
+    "scaled": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, []),
+    "flipped": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
+                ["--contribution_checks", "warn"]),
+    "clean-80-rounds": ("clean", {}, ["--max_steps", "800", "--eval_steps", "800"]),
+}
+
+
+@pytest.fixture(scope="module")
+def three_replicas(tmp_path_factory, corpora) -> dict[str, Path]:
+    return torch_launches(tmp_path_factory.mktemp("three-replicas"), corpora, THREE_REPLICAS)
 
 
 def left_out(records: list[dict], key: str = "excluded") -> dict[int, list[int]]:
@@ -264,12 +292,11 @@ def final_eval(records: list[dict]) -> float:
 
 
 @pytest.mark.process
-def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_it(tmp_path, corpora):
+def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_it(three_replicas):
     """Replica 0 reads random characters (its third of a local dataset is garbage): from its third sync on it is
     left out (its agreement with the others is far below theirs), the records say why, and the run's held-out loss
     ends no more than 2% above the same launch with replica 0 left out from the first sync."""
-    faulty = torch_launch(tmp_path / "garbage", corpora["garbage"])
-    without = torch_launch(tmp_path / "without", corpora["garbage"], {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"})
+    faulty, without = read_syncs(three_replicas["garbage"]), read_syncs(three_replicas["without"])
     assert_found_out(faulty, 0, by_sync=4)
     reasons = {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
     assert reasons <= {"apart", "opposed", "outlier"} and "apart" in reasons, reasons
@@ -277,50 +304,46 @@ def test_torch_backend_a_garbage_shard_is_left_out_and_the_run_ends_as_without_i
     assert [m["participated"] for m in first["replicas"]] == [False, True, True]
     assert first["replicas"][0]["excluded"] == first["excluded"][0]["reason"]
     assert sum(len(r["excluded"]) for r in faulty) == json.loads(
-        (tmp_path / "garbage" / "diloco_summary.json").read_text())["contributions_excluded"]
+        (three_replicas["garbage"] / "diloco_summary.json").read_text())["contributions_excluded"]
     assert final_eval(faulty) <= 1.02 * final_eval(without), (final_eval(faulty), final_eval(without))
-    console = (tmp_path / "garbage" / "console.log").read_text()
+    console = (three_replicas["garbage"] / "console.log").read_text()
     assert "left out: replica 0 (apart)" in console and "[diloco] replica 0 looks faulty" in console
 
 
 @pytest.mark.process
-def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_as_well(tmp_path, corpora):
+def test_with_a_sparse_codec_and_an_overlapped_sync_a_garbage_shard_is_left_out_as_well(three_replicas):
     """The garbage shard again, sent through the sparse codec (64 of every 4096 values, error feedback) with the
     exchange overlapped one step (sync_delay 1). The agreement is measured on the decoded values, about a fifth of
     the full Δ_i's for every replica, and the `apart` gap scales down with it: replica 0 is left out by its fourth
     sync and in most after. Left out of an overlapped sync it keeps its Δ_i unsent, so its agreement is still
     measured and it stays out. (Its held-out loss against the run without it, docs/guides/contributions.md: 3.1027
     against 3.0572.)"""
-    codec = ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]
-    faulty = torch_launch(tmp_path / "garbage", corpora["garbage"], None, *codec)
+    faulty = read_syncs(three_replicas["sparse-garbage"])
     assert_found_out(faulty, 0, by_sync=4)
     assert "apart" in {e["reason"].split(":")[0] for r in faulty for e in r["excluded"]}
     assert all(r["compression"] == "sparse+ef" and r.get("launch_step", r["step"]) == r["step"] - 1 for r in faulty)
 
 
 @pytest.mark.process
-def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(tmp_path, corpora):
+def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flagged_in_warn_mode(three_replicas):
     """At M = 3, replica 1 sends 3 Δ_1 (a test hook): left out from the first sync, as an outlier. Replica 1 sends
     −Δ_1 with contribution_checks warn: flagged from its second sync on (its agreement in the first is negative),
     named on the console, and still merged (every replica's weight stays 1)."""
-    scaled = torch_launch(tmp_path / "scaled", corpora["clean"],
-                          {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"})
+    scaled = read_syncs(three_replicas["scaled"])
     assert_found_out(scaled, 1, by_sync=1)
     assert scaled[0]["excluded"][0]["reason"].startswith("outlier: ")
-    flipped = torch_launch(tmp_path / "flipped", corpora["clean"],
-                           {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
-                           "--contribution_checks", "warn")
+    flipped = read_syncs(three_replicas["flipped"])
     assert_found_out(flipped, 1, by_sync=2, key="flagged")
     assert all(r["excluded"] == [] and all(m["weight"] == 1.0 for m in r["replicas"]) for r in flipped)
     assert "opposed" in flipped[1]["flagged"][0]["reason"]
-    assert "sync 2: replica 1 would be left out (opposed:" in (tmp_path / "flipped" / "console.log").read_text()
+    assert "sync 2: replica 1 would be left out (opposed:" in (three_replicas["flipped"] / "console.log").read_text()
 
 
 @pytest.mark.process
-def test_a_clean_run_of_80_rounds_leaves_nothing_out(tmp_path, corpora):
+def test_a_clean_run_of_80_rounds_leaves_nothing_out(three_replicas):
     """Three replicas on their own thirds (non_iid), 80 rounds of H = 10 (800 steps, learning-rate warm-up and decay
     included): no contribution is left out or flagged, and every replica takes part in every sync."""
-    records = torch_launch(tmp_path / "clean", corpora["clean"], None, "--max_steps", "800", "--eval_steps", "800")
+    records = read_syncs(three_replicas["clean-80-rounds"])
     assert len(records) == 80
     assert all(r["excluded"] == [] and "flagged" not in r for r in records)
     assert all(m["participated"] for r in records for m in r["replicas"])
@@ -331,8 +354,9 @@ def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
     """At M = 2 no gradient statistic says which replica reads garbage; with contribution_loss_check the replica whose
     rounds raise the held-out batch's loss is left out (rule `loss`) from its fifth sync on, in most syncs, and the
     healthy one never. A setting the check cannot serve is refused in one sentence before anything starts."""
-    records = torch_launch(tmp_path / "loss", corpora["garbage-half"], None, "--contribution_loss_check", "true",
-                           replicas=2)
+    loss = torch_launches(tmp_path, corpora, {"loss": ("garbage-half", {}, ["--contribution_loss_check", "true"])},
+                          replicas=2)
+    records = read_syncs(loss["loss"])
     assert_found_out(records, 0, by_sync=6)
     assert {e["reason"].split(":")[0] for r in records for e in r["excluded"]} == {"loss"}
     refused = cli("train", "--config", "recipes/tiny-pretrain.yaml", "--contribution_loss_check", "true",

@@ -1,5 +1,6 @@
 """Test-only faults for the contribution checks, put on PYTHONPATH of a launch's processes (Python imports
-sitecustomize at start-up); it changes nothing unless one of these is set:
+sitecustomize at start-up); it changes nothing unless one of these is set in the environment when the hooked code
+runs (read at each call, so one process can train a faulty run and then a clean one: tests/scripts/train_runs.py):
 
     CONTRIBUTION_HOOK_SCALE=s       this process's pseudo-gradient is multiplied by s before it is measured and sent
                                     (s = 3: a scaled contribution; s = -1: a sign flip)
@@ -11,32 +12,49 @@ sitecustomize at start-up); it changes nothing unless one of these is set:
 
 import os
 
-if any(os.environ.get(name) for name in ("CONTRIBUTION_HOOK_SCALE", "CONTRIBUTION_HOOK_LEAVE_OUT",
-                                         "CONTRIBUTION_HOOK_LR")) and \
-        os.environ.get("CONTRIBUTION_HOOK_RANK", os.environ.get("RANK")) == os.environ.get("RANK") and \
-        "RANK" in os.environ:
+
+def _setting(name: str) -> str | None:
+    """The hook's setting `name` when it is set and this process is the one hooked."""
+    value = os.environ.get(name)
+    rank = os.environ.get("RANK")
+    return value if value and os.environ.get("CONTRIBUTION_HOOK_RANK", rank) == rank else None
+
+
+def _hook(module) -> None:
+    if module.__name__ == "hf_diloco.config":
+        post_init = module.DiLoCoConfig.__post_init__
+
+        def scaled(self):
+            post_init(self)
+            if _setting("CONTRIBUTION_HOOK_LR"):
+                self.learning_rate *= float(_setting("CONTRIBUTION_HOOK_LR"))
+
+        module.DiLoCoConfig.__post_init__ = scaled
+    if module.__name__ == "hf_diloco.outer":
+        original = module.OuterState.pseudo_gradient
+
+        def pseudo_gradient(self, *args, **kwargs):
+            delta = original(self, *args, **kwargs)
+            return delta.mul_(float(_setting("CONTRIBUTION_HOOK_SCALE"))) if _setting("CONTRIBUTION_HOOK_SCALE") \
+                else delta
+
+        module.OuterState.pseudo_gradient = pseudo_gradient
+    if module.__name__ == "hf_diloco.gate":
+        judge = module.judge
+
+        def judged(rows, *args, **kwargs):
+            verdicts = judge(rows, *args, **kwargs)
+            left_out = _setting("CONTRIBUTION_HOOK_LEAVE_OUT")
+            if left_out is not None and int(left_out) in rows:
+                verdicts = {**verdicts, int(left_out): "left out by the test"}
+            return verdicts
+
+        module.judge = judged
+
+
+if "RANK" in os.environ:  # a process of a launch
     import importlib.abc
     import sys
-
-    def _hook(module) -> None:
-        if module.__name__ == "hf_diloco.config" and os.environ.get("CONTRIBUTION_HOOK_LR"):
-            factor = float(os.environ["CONTRIBUTION_HOOK_LR"])
-            post_init = module.DiLoCoConfig.__post_init__
-
-            def scaled(self):
-                post_init(self)
-                self.learning_rate *= factor
-
-            module.DiLoCoConfig.__post_init__ = scaled
-        if module.__name__ == "hf_diloco.outer" and os.environ.get("CONTRIBUTION_HOOK_SCALE"):
-            scale = float(os.environ["CONTRIBUTION_HOOK_SCALE"])
-            original = module.OuterState.pseudo_gradient
-            module.OuterState.pseudo_gradient = lambda self, *a, **k: original(self, *a, **k).mul_(scale)
-        if module.__name__ == "hf_diloco.gate" and os.environ.get("CONTRIBUTION_HOOK_LEAVE_OUT"):
-            left_out = int(os.environ["CONTRIBUTION_HOOK_LEAVE_OUT"])
-            judge = module.judge
-            module.judge = lambda rows, *a, **k: {**judge(rows, *a, **k), left_out: "left out by the test"} \
-                if left_out in rows else judge(rows, *a, **k)
 
     class _Finder(importlib.abc.MetaPathFinder):
         """Hooks hf_diloco.config, hf_diloco.outer and hf_diloco.gate right after they are first imported."""

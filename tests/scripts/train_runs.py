@@ -1,0 +1,45 @@
+"""Several `hf-diloco train` runs in one `accelerate launch`, trained in turn by the same processes.
+
+Argument: a JSON list of runs, each `{"name": ..., "recipe": path, "args": [hf-diloco train's flags],
+"env": {...}}`. Before a run its `env` is put into the environment (and taken out after it), so the test hooks that
+read it at each call (tests/scripts/contribution_hook) apply to that run alone. Each run goes through what
+`hf-diloco train` runs (`parse_train_args`, then `hf_diloco.train.train`), in its own output folder; rank 0 prints
+`=== run NAME ===` on stdout and stderr before each, after every process has finished the run before (a barrier),
+so a test can cut the launch's console into the runs' own. A launch of the tiny model spends most of its time
+starting Pythons: this pays for them once.
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from hf_diloco import train as training
+from hf_diloco.recipes import parse_train_args
+
+RUN_MARK = "=== run {} ==="
+
+
+def main() -> None:
+    for run in json.loads(sys.argv[1]):
+        if dist.is_initialized():
+            dist.barrier()
+        if os.environ.get("RANK", "0") == "0":
+            for stream in (sys.stdout, sys.stderr):
+                print(RUN_MARK.format(run["name"]), file=stream, flush=True)
+        saved = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
+        try:
+            arguments, config = parse_train_args(run["recipe"], run["args"])
+            training.train(arguments, config)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+if __name__ == "__main__":
+    main()
