@@ -55,9 +55,9 @@ def assert_same_model(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """The run the interrupted ones must end as: 120 steps, H = 10, never stopped."""
+    """The run the interrupted ones must end as: 60 steps, H = 10, never stopped."""
     clean = tmp_path_factory.mktemp("uninterrupted") / "clean"
-    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 120, 10)]))
+    finish(launch(["-m", "hf_diloco.cli", *train_args(clean, 60, 10)]))
     return clean
 
 
@@ -67,7 +67,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     (not complete), checkpoint-10 is complete; `auto` removes checkpoint-20 with a notice, resumes from
     checkpoint-10, and ends with the model of a run that was never interrupted (1e-5)."""
     out, saving = tmp_path / "run", tmp_path / "saving"
-    run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 120, 10)])
+    run = launch([SLOW_SAVE, str(saving), "20", *train_args(out, 60, 10)])
     wait_for(saving.exists, 300, "the slow save of checkpoint-20 to begin", every=0.2)
     # torchelastic starts each worker in a session of its own: the launcher's group, then every worker.
     workers = subprocess.run(["pgrep", "-f", f"{SLOW_SAVE} .*{out}"], capture_output=True, text=True).stdout.split()
@@ -83,15 +83,15 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     assert checkpoints.is_complete(out / "checkpoint-10") and not checkpoints.is_complete(out / "checkpoint-20")
     assert not (out / "checkpoint-20" / checkpoints.MARKER_FILE).exists()
 
-    resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 120, 10), "--resume_from_checkpoint", "auto"]))
+    resumed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 60, 10), "--resume_from_checkpoint", "auto"]))
     assert "removing checkpoint-20: an incomplete checkpoint" in resumed
     assert f"resuming from {out / 'checkpoint-10'}" in resumed
     rounds = read_syncs(out)
-    assert [r["step"] for r in rounds] == list(range(10, 121, 10))
+    assert [r["step"] for r in rounds] == list(range(10, 61, 10))
     assert rounds[1]["resumed_from"] == str(out / "checkpoint-10")
     assert 0 <= rounds[1]["steps_lost"] <= 10
-    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-110", "checkpoint-120"]
-    assert checkpoints.is_complete(out / "checkpoint-110") and checkpoints.is_complete(out / "checkpoint-120")
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-50", "checkpoint-60"]
+    assert checkpoints.is_complete(out / "checkpoint-50") and checkpoints.is_complete(out / "checkpoint-60")
     assert_same_model(out, uninterrupted)
 
 
@@ -142,7 +142,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", RECIPE, "--accelerate-config",
                str(ACCELERATE_CPU_2PROC), "--port", str(free_port()), "--max-restarts", "1",
-               *train_args(out, 120, 10)[3:]]
+               *train_args(out, 60, 10)[3:]]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
                            start_new_session=True)
 
@@ -163,14 +163,14 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     os.kill(worker, signal.SIGKILL)
     finish(run)
     rounds = read_syncs(out)
-    assert [r["step"] for r in rounds] == list(range(10, 121, 10))
+    assert [r["step"] for r in rounds] == list(range(10, 61, 10))
     resumed = [r for r in rounds if "resumed_from" in r]
     # At most the round in flight. progress.json, from which steps_lost is counted, is written at most once a
     # second, so a kill just after a round boundary can record 0.
     assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10, resumed
 
     assert_same_model(out, uninterrupted)
-    assert read_json(out / "diloco_summary.json")["steps"] == 120
+    assert read_json(out / "diloco_summary.json")["steps"] == 60
 
 
 @pytest.mark.process
