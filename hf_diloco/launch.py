@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -390,12 +391,13 @@ class ReplicaSupervisor:
     per replica its `state` ("running"; "rejoining" once started again, until `records_at_restart` is passed by its
     sync log; "finished"; "exited" with no restart left; "ended" when started again too late), `restarts`,
     `exit_code` and its `outages` (`after_sync`: the newest sync it took part in before it went down, and whether it
-    was started again).
+    was started again), and `final_model_from` when it did not save the final model itself.
 
     The run succeeds (exit 0) when any replica finished it: a replica exits 0 only after the run's last round
-    committed (or after a stop), and a replica that died for good does not undo what the others committed. The
-    closing line names every replica's exit. A replica whose worker ended on bad input is not started again
-    (`Launch`); when no replica finished, the run ends with that sentence (ConfigError) instead of the closing
+    committed (or after a stop), and a replica that died for good does not undo what the others committed; every
+    replica folder then holds the final model (copied from a finished replica into the folders of those that did not
+    save it). The closing line names every replica's exit. A replica whose worker ended on bad input is not started
+    again (`Launch`); when no replica finished, the run ends with that sentence (ConfigError) instead of the closing
     line."""
 
     def __init__(self, commands: list[list[str]], output_dir: str, max_restarts: int, linger_seconds: float = 15.0):
@@ -493,14 +495,46 @@ class ReplicaSupervisor:
         bad_input = next((process.input_error for process in processes if process.input_error), None)
         if bad_input and 0 not in codes:
             raise ConfigError(bad_input)
+        if 0 in codes and not any(path.exists() for path in stopped):
+            self._hand_over_final_model()
         print(self.ending(codes), flush=True)
         return 0 if 0 in codes else next(code for code in codes if code)
+
+    def _hand_over_final_model(self) -> None:
+        """Every replica ends with the run's final model: one that did not finish it (started again too late, or
+        out of restarts) gets a copy of the final model a finished replica saved (every finished replica saved the
+        same θ_global), said on the console and in replicas.json (`final_model_from`)."""
+        from .hub import MODEL_PATTERNS
+
+        def model_files(folder: Path) -> list[Path]:
+            return [path for pattern in MODEL_PATTERNS for path in folder.glob(pattern) if path.is_file()]
+
+        folders = [Path(replica_folder(self.output_dir, r)) for r in range(len(self.states))]
+        finished = [r for r, state in enumerate(self.states) if state["state"] == "finished"
+                    and any(p.suffix == ".safetensors" for p in model_files(folders[r]))]
+        if not finished:
+            return
+        source = finished[0]
+        for r, state in enumerate(self.states):
+            if state["state"] == "finished" or any(p.suffix == ".safetensors" for p in model_files(folders[r])):
+                continue
+            folders[r].mkdir(parents=True, exist_ok=True)
+            for path in model_files(folders[source]):
+                shutil.copy2(path, folders[r] / path.name)
+            if (folders[source] / "merged").is_dir():  # a LoRA run's merged model
+                shutil.copytree(folders[source] / "merged", folders[r] / "merged", dirs_exist_ok=True)
+            self._note(r, final_model_from=source)
+            why = "was started again too late to rejoin" if state["state"] == "ended" else \
+                f"exited with status {state['exit_code']} and had no restart left"
+            print(f"[diloco] replica {r} {why}: it did not save the final model; copied replica {source}'s into "
+                  f"{folders[r]}", flush=True)
 
     def ending(self, codes: list[int | None]) -> str:
         """One line on how the run ended: the last round and who took part in it, and how each replica exited."""
         rounds = [r for replica in range(len(codes)) for r in read_syncs(replica_folder(self.output_dir, replica))
                   if r.get("committed", True)]
-        exits = ", ".join(f"replica {r} exit {code}" for r, code in enumerate(codes))
+        exits = ", ".join(f"replica {r} ended late" if self.states[r]["state"] == "ended" else
+                          f"replica {r} exit {code}" for r, code in enumerate(codes))
         if not rounds:
             return f"[diloco] no round committed; {exits}"
         last = max(rounds, key=sync_number)

@@ -285,13 +285,51 @@ def test_a_torchft_launch_whose_other_replica_finished_succeeds_though_one_repli
     story as it happened."""
     from hf_diloco.launch import ReplicaSupervisor
 
-    finish = [sys.executable, "-c", "import time; time.sleep(3)"]
+    finish = [sys.executable, "-c", SAVES_A_MODEL.format(folder=str(tmp_path / "replica-0"))]
     fail = [sys.executable, "-c", "raise SystemExit(3)"]
     assert ReplicaSupervisor([finish, fail], str(tmp_path), max_restarts=1).run() == 0
     states = json.loads((tmp_path / runs.REPLICAS_FILE).read_text())
     assert [(s["state"], s["restarts"], s["exit_code"]) for s in states] == [("finished", 0, 0), ("exited", 1, 3)]
     assert [o["restarted"] for o in states[1]["outages"]] == [True, False]
+    # Every replica ends with the final model: the one that died for good gets the finished one's, and says so.
+    assert states[1]["final_model_from"] == 0 and "final_model_from" not in states[0]
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "replica-1" / name).read_bytes() == (tmp_path / "replica-0" / name).read_bytes()
+    assert not (tmp_path / "replica-1" / "syncs.jsonl").exists(), "its own records are not the finished one's"
     assert ReplicaSupervisor([fail, fail], str(tmp_path / "all"), max_restarts=0).run() == 3, "no replica finished"
+    assert not (tmp_path / "all" / "replica-0").exists()
+
+
+# A replica's stand-in that saves a model and its records, as a finished replica does.
+SAVES_A_MODEL = ("import pathlib, time; f = pathlib.Path({folder!r}); f.mkdir(parents=True, exist_ok=True); "
+                 "time.sleep(1); [(f / n).write_text(n + ' of the final model') for n in ('model.safetensors', "
+                 "'config.json')]; (f / 'syncs.jsonl').write_text('')")
+
+
+@pytest.mark.process
+def test_a_replica_started_again_too_late_is_ended_and_given_the_final_model(tmp_path, capfd):
+    """Replica 1 fails once and is started again; replica 0 finishes the run meanwhile, and the restarted replica,
+    which finds no one left to form a round with, is ended once the linger time has passed. It did not save the
+    final model: the launch copies replica 0's into its folder, says so, and its closing line says replica 1 ended
+    late (not that it exited 0)."""
+    from hf_diloco.launch import ReplicaSupervisor
+
+    marker = tmp_path / "failed-once"
+    finish = [sys.executable, "-c", SAVES_A_MODEL.format(folder=str(tmp_path / "replica-0"))]
+    late = [sys.executable, "-c", f"import pathlib, sys, time; m = pathlib.Path({str(marker)!r}); "
+                                  "(m.touch(), sys.exit(3)) if not m.exists() else time.sleep(120)"]
+    started = time.monotonic()
+    assert ReplicaSupervisor([finish, late], str(tmp_path), max_restarts=1, linger_seconds=1).run() == 0
+    assert time.monotonic() - started < 60, "the latecomer was ended, not waited for"
+    states = json.loads((tmp_path / runs.REPLICAS_FILE).read_text())
+    assert [(s["state"], s["restarts"]) for s in states] == [("finished", 0), ("ended", 1)]
+    assert states[1]["final_model_from"] == 0
+    assert (tmp_path / "replica-1" / "model.safetensors").read_text() == "model.safetensors of the final model"
+    out = capfd.readouterr().out
+    assert "[diloco] replica 1 was started again too late to rejoin: the run had finished; ended it" in out
+    assert (f"[diloco] replica 1 was started again too late to rejoin: it did not save the final model; copied "
+            f"replica 0's into {tmp_path / 'replica-1'}") in out
+    assert out.rstrip().endswith("replica 0 exit 0, replica 1 ended late"), out
 
 
 def test_the_records_of_an_earlier_version_read_under_todays_names_and_a_resume_goes_on_in_syncs_jsonl(tmp_path):
