@@ -383,6 +383,10 @@ class DiLoCoConfig(TrainingArguments):
             # see a single process and every replica would train the same data alone; use_cpu makes it a gloo
             # MULTI_CPU run with one replica per process.
             self.use_cpu = True
+        if self.use_cpu or not _has_accelerator():
+            # Pinned host memory only speeds up copies to an accelerator; without one torch's DataLoader warns on
+            # every process that it cannot pin.
+            self.dataloader_pin_memory = False
         super().__post_init__()
         # With an iterable (streaming) dataset Accelerate would otherwise read every batch on rank 0 and send it
         # to the other processes at every step; each replica reads its own shard instead.
