@@ -76,12 +76,20 @@ LOG_AT_BOTTOM = """() => { const b = document.querySelector('#log textarea');
     return [b.scrollHeight > b.clientHeight + 50, b.scrollTop + b.clientHeight >= b.scrollHeight - 30]; }"""
 
 
-def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds(browser, tmp_path):
+def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds_and_compares_it_with_fedavg_and_ddp(
+        browser, tmp_path, monkeypatch):
     """The main job, shortened, as a first-time user meets it: `hf-diloco demo` (what `make demo` runs; its run goes
     to runs/demo-<time>, here <runs>/demo) trains two CPU replicas, says what happened (rounds, held-out loss before
     and after, bytes against DDP's) and prints at most 40 lines in all, one progress bar and one line per sync among
     them; then `hf-diloco app` over that runs folder, opened fresh and told nothing, shows the demo run: selected,
-    finished, its rounds in the status bar and a line per replica in the loss plot."""
+    finished, its rounds in the status bar and a line per replica in the loss plot.
+
+    Then three short runs side by side in that app (the demo's DiLoCo run and two more started beside it, a FedAvg
+    and a DDP run): the DDP baseline is watchable from Trainer's logs (loss and progress, no syncs), a click in Runs
+    selects a run, Start stays available for a new run, and Compare draws held-out loss against tokens and bytes
+    with a table of totals."""
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
     runs_dir = tmp_path / "runs"
     out = runs_dir / "demo"
     # As bytes: a progress bar redraws its line with carriage returns, which text mode would turn into newlines.
@@ -127,20 +135,119 @@ def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds(br
         page.locator("#runs-table [role=gridcell]").filter(has_text="demo").first.wait_for(timeout=20_000)
         page.screenshot(path=str(ARTIFACTS / "app-demo.png"), full_page=True)
 
+        # Compare: the demo's DiLoCo run beside a FedAvg and a DDP run started now (one demo, one app: a DiLoCo run
+        # and an app start fewer than a test of its own).
+        (demo_run,) = runs.list_runs(runs_dir)
+        started = [start_short_run(runs_dir, "fedavg-baseline.yaml", "fedavg-H5", ["--inner_steps", "5"]),
+                   start_short_run(runs_dir, "ddp-baseline.yaml", "ddp", [])]
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.get_by_text("Preview command").wait_for(timeout=60_000)
+        assert runs.load(started[-1].folder).status in runs.ACTIVE
+        assert page.locator("#start").is_enabled(), "a new run can start while others train"
+        page.get_by_role("tab", name="Runs").click()
+        # The page opened on the newest run (ddp); a click on another row selects that one.
+        page.locator("#runs-table [role=gridcell]").filter(has_text="demo").first.click()
+        wait_for(lambda: "demo" in status(page), 20, "the clicked run in the status bar")
+        wait_for(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
+                 "the two runs to end")
+        for run in started:
+            assert runs.load(run.folder).status == "finished", (run.folder / "run.log").read_text()[-2000:]
+        page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
+        page.get_by_role("tab", name="Live").click()
+        wait_for(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
+        wait_for(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
+        page.get_by_role("tab", name="Compare").click()
+        for run in [demo_run, *started]:
+            page.locator("#compare-select input").click()
+            page.locator("#compare-select input").fill(run.id)
+            page.keyboard.press("Enter")
+        page.keyboard.press("Escape")
+        page.locator("#compare-table").click()  # close the run list so the figure shows
+        wait_for(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
+        wait_for(lambda: {"#2563eb", "#ea580c", "#16a34a"} <= set(page.evaluate(LINES, "compare-plot")), 30,
+                 "a line per run in its own colour")
+        assert page.evaluate(DRAWN_BY, "compare-plot") == "plotly"
+        table = page.locator("#compare-table").inner_text()
+        assert "ddp" in table and "fedavg-H5" in table and "demo" in table
+        page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
 
-def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_checkpoint(browser, tmp_path):
-    """Fresh app, no runs: Start from the form, switch to Live, never reload. The plots draw lines and points
-    (their first frame was empty), the held-out series that appears later is drawn too, the progress moves
-    between syncs, the log follows its newest line, and Stop ends the run with a checkpoint. The stopped run is
-    then pushed (to a local server speaking the Hub's endpoints) only once the user says it may be, with a card
-    that says how it ended, and the token reaches no file of the run."""
+
+LIVE_YAML = (REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("block_size: 256", "block_size: 64")
+
+
+def test_preview_refuses_three_bad_forms_then_the_live_view_draws_without_reload_and_stop_ends_with_a_checkpoint(
+        browser, tmp_path):
+    """Fresh app: three forms that would fail a minute into the run are refused by Preview, each with its sentence
+    shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table.
+
+    Then, in that app and page, still no runs: Start from the form, switch to Live, never reload. The plots draw
+    lines and points (their first frame was empty), the held-out series that appears later is drawn too, the
+    progress moves between syncs, the log follows its newest line, and Stop ends the run with a checkpoint. The
+    stopped run is then pushed (to a local server speaking the Hub's endpoints) only once the user says it may be,
+    with a card that says how it ended, and the token reaches no file of the run."""
     from hub_server import FakeHub
 
     runs_dir = tmp_path / "runs"
+    empty = tmp_path / "my-data"
+    empty.mkdir()
+    (empty / "README.md").write_text("notes, no data\n")
     with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_text("Preview command").wait_for(timeout=60_000)
+        message = page.locator("#form-message")
+
+        def refused(words: str) -> None:
+            # A person clicks again when nothing happens: on a cold machine the first answer has once taken over a
+            # minute (cause not found); three clicks, 30 s each, and the sentence must be there.
+            for attempt in range(3):
+                page.click("#preview")
+                try:
+                    message.get_by_text(words).wait_for(timeout=30_000)
+                    break
+                except Exception:
+                    if attempt == 2:
+                        knobs = {k: page.locator(f"#knob-{k} input, #knob-{k} textarea").first.input_value()
+                                 for k in ("inner_steps", "max_steps")}
+                        print("shown:", repr(message.inner_text()), knobs, page.locator("#command").inner_text()[:300])
+                        raise
+            assert "Cannot start" in message.inner_text(), message.inner_text()
+
+        fill(page, "knob-inner_steps", "1000000000")
+        fill(page, "knob-max_steps", "150")
+        refused("H = 1000000000 inner steps is above max steps = 150")
+        fill(page, "knob-inner_steps", "5")
+        fill(page, "knob-dataset_name", str(empty))
+        refused(f"dataset folder '{empty}' holds no data file")
+        fill(page, "knob-dataset_name", "")
+        # Across sites: with a link typed in, Preview also shows the planner's table for the form as it is.
+        page.get_by_text("Across sites: Preview also predicts").click()
+        fill(page, "plan-link", "10mbit")
+        fill(page, "plan-speed", "15000")
+        page.click("#preview")
+        plan = page.locator("#plan")
+        plan.get_by_text("Recommended:").wait_for(timeout=90_000)
+        assert plan.locator("table tr").count() >= 10 and "Predicted for" in plan.inner_text(), plan.inner_text()
+        page.get_by_text("Recipe YAML").click()
+        editor = page.locator("#recipe-yaml .cm-content")
+        editor.click()
+        page.keyboard.press("Control+End")
+        page.keyboard.type("\ninner_stepz: 5\n")
+        page.locator("#recipe-source").get_by_text("unsaved edits").wait_for(timeout=20_000)
+        refused("unknown key 'inner_stepz' (did you mean 'inner_steps'?)")
+        page.screenshot(path=str(ARTIFACTS / "app-refused.png"), full_page=True)
+        assert runs.list_runs(runs_dir) == []
+
+        # The live part. No link: Preview predicts nothing more. The recipe edited to blocks of 64 tokens, not 256
+        # (and the unknown key gone): the same rounds, syncs, evaluations and log lines for a quarter of the
+        # compute (a draft keeps its recipe's default name).
+        fill(page, "plan-link", "")
+        editor.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.insert_text(LIVE_YAML)
+        wait_for(lambda: "inner_stepz" not in editor.inner_text() and "block_size: 64" in editor.inner_text(), 20,
+                 "the edited recipe in the editor")
         fill(page, "knob-max_steps", "-5")
         page.locator("#form-message").get_by_text("max steps must be at least 1").wait_for(timeout=10_000)
         fill(page, "knob-max_steps", "400")
@@ -227,156 +334,6 @@ def test_live_view_draws_in_a_fresh_app_without_reload_and_stop_ends_with_a_chec
     assert leaked == [], "the token never reaches the run folders"
 
 
-def test_preview_refuses_an_h_above_max_steps_a_folder_without_data_and_an_unknown_recipe_key(browser, tmp_path):
-    """Fresh app: three forms that would fail a minute into the run are refused by Preview, each with its sentence
-    shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table."""
-    runs_dir = tmp_path / "runs"
-    empty = tmp_path / "my-data"
-    empty.mkdir()
-    (empty / "README.md").write_text("notes, no data\n")
-    with app_server(runs_dir) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
-        page.get_by_text("Preview command").wait_for(timeout=60_000)
-        message = page.locator("#form-message")
-
-        def refused(words: str) -> None:
-            # A person clicks again when nothing happens: on a cold machine the first answer has once taken over a
-            # minute (cause not found); three clicks, 30 s each, and the sentence must be there.
-            for attempt in range(3):
-                page.click("#preview")
-                try:
-                    message.get_by_text(words).wait_for(timeout=30_000)
-                    break
-                except Exception:
-                    if attempt == 2:
-                        knobs = {k: page.locator(f"#knob-{k} input, #knob-{k} textarea").first.input_value()
-                                 for k in ("inner_steps", "max_steps")}
-                        print("shown:", repr(message.inner_text()), knobs, page.locator("#command").inner_text()[:300])
-                        raise
-            assert "Cannot start" in message.inner_text(), message.inner_text()
-
-        fill(page, "knob-inner_steps", "1000000000")
-        fill(page, "knob-max_steps", "150")
-        refused("H = 1000000000 inner steps is above max steps = 150")
-        fill(page, "knob-inner_steps", "5")
-        fill(page, "knob-dataset_name", str(empty))
-        refused(f"dataset folder '{empty}' holds no data file")
-        fill(page, "knob-dataset_name", "")
-        # Across sites: with a link typed in, Preview also shows the planner's table for the form as it is.
-        page.get_by_text("Across sites: Preview also predicts").click()
-        fill(page, "plan-link", "10mbit")
-        fill(page, "plan-speed", "15000")
-        page.click("#preview")
-        plan = page.locator("#plan")
-        plan.get_by_text("Recommended:").wait_for(timeout=90_000)
-        assert plan.locator("table tr").count() >= 10 and "Predicted for" in plan.inner_text(), plan.inner_text()
-        page.get_by_text("Recipe YAML").click()
-        editor = page.locator("#recipe-yaml .cm-content")
-        editor.click()
-        page.keyboard.press("Control+End")
-        page.keyboard.type("\ninner_stepz: 5\n")
-        page.locator("#recipe-source").get_by_text("unsaved edits").wait_for(timeout=20_000)
-        refused("unknown key 'inner_stepz' (did you mean 'inner_steps'?)")
-        page.screenshot(path=str(ARTIFACTS / "app-refused.png"), full_page=True)
-    assert runs.list_runs(runs_dir) == []
-
-
-def test_a_failed_run_shows_its_reason_and_its_draft_recipe_after_a_reload(browser, tmp_path):
-    """A run from an edited recipe fails at run time (its corpus is shorter than one block, which only tokenizing
-    it finds): the status bar shows the run's own one-sentence reason, and after a reload the form says it holds
-    that saved draft."""
-    runs_dir = tmp_path / "runs"
-    data = tmp_path / "notes.txt"
-    data.write_text("hello world\n")
-    draft = TINY_YAML.replace("dataset_name: builtin", f"dataset_name: {data}")
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=20),
-                                 api_name="/start")[0]
-        assert message.startswith("Started"), message
-        (run,) = runs.list_runs(runs_dir)
-        wait_for(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(url)
-        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'failed'", timeout=60_000)
-        shown = status(page)
-        assert "fewer than" in shown and "tokens of text" in shown and "exit code" not in shown, shown
-        assert runs.load(run.folder).reason in shown
-        page.locator("#recipe-source").get_by_text("saved draft").wait_for(timeout=20_000)
-        assert "drafts/tiny-pretrain-edited-" in page.locator("#recipe-source").inner_text()
-        page.screenshot(path=str(ARTIFACTS / "app-failed.png"), full_page=True)
-
-
-def test_a_torchft_run_started_from_the_form_shows_its_membership_and_stops(browser, tmp_path):
-    """Fresh app: choosing torchft-3 (outer_backend torchft) picks the one-process-per-replica config (the
-    torch backend's cpu-2proc is refused for it); 2 replicas, H = 5. Preview shows, and Start runs, one `hf-diloco
-    launch ... --replicas 2`. On Live, the membership table appears with the first round: one row per round, a
-    column per replica, each replica's steps in its cells. Stop ends the run as stopped, every replica after the
-    same round; the run wrote only replica-r/ folders, and the tables then hold exactly the rounds the replicas
-    recorded (each round once, newest first, its loss; a cell per replica with its steps), as do the status bar,
-    the Runs table and the model card."""
-    runs_dir = tmp_path / "runs"
-    with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
-        wrong = client.predict("", "torchft-3.yaml", "", "cpu-2proc.yaml", *knobs(replicas=2), api_name="/preview")[1]
-        assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
-        page = open_form(browser, url, "torchft-3.yaml")
-        wait_for(lambda: page.locator("#config input").input_value() == "torchft-replica.yaml", 10,
-                 "the torchft replica config to be chosen")
-        fill(page, "knob-replicas", "2")
-        fill(page, "knob-inner_steps", "5")
-        fill(page, "knob-max_steps", "400")
-        page.click("#preview")
-        page.get_by_text("Form is valid").wait_for(timeout=60_000)
-        previewed = page.locator("#command").inner_text()
-        assert " -m hf_diloco.cli launch " in previewed and " --replicas 2 --max-restarts 3 " in previewed, previewed
-        assert "accelerate_configs/torchft-replica.yaml" in previewed and "--main_process_port" not in previewed
-        page.click("#start")
-        page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
-        (run,) = runs.list_runs(runs_dir)
-        assert " ".join(run.command) in " ".join(previewed.split()), "Start runs exactly the previewed command"
-        page.get_by_role("tab", name="Live").click()
-        assert page.locator("#membership").count() == 0, "no membership table before the first round"
-        rows = page.locator("#membership .virtual-row")
-        wait_for(lambda: page.locator("#membership").count() and rows.count() >= 2, 120, "two membership rows")
-        headers = page.locator("#membership thead").inner_text()
-        assert "replica 0" in headers and "replica 1" in headers and "replica 2" not in headers, headers
-        assert rows.first.inner_text().count("✓ 5 steps") == 2, rows.first.inner_text()
-        page.screenshot(path=str(ARTIFACTS / "app-membership.png"), full_page=True)
-
-        page.click("#stop")
-        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
-                               timeout=90_000)
-        output = Path(run.output_dir)
-        recorded = {r["round"] for k in (0, 1) for r in read_syncs(output / f"replica-{k}")}
-        wait_for(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
-        assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
-        assert not (output / "syncs.jsonl").exists() and (output / "replica-1" / "syncs.jsonl").exists()
-        both = [r for r in read_syncs(output / "replica-0") if r["participants"] == 2]
-        client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
-        live = client.predict(run.id, api_name="/refresh")
-        rounds = table(live[6])
-        shown = {row[0]: row for row in rounds["data"]}
-        assert [row[0] for row in rounds["data"]] == sorted(shown, reverse=True), "newest first, once each"
-        assert all(shown[r["round"]][1] == r["step"] and shown[r["round"]][3] == round(r["loss"], 4) for r in both)
-        membership = table(live[8])
-        assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
-        cells = {row[0]: row for row in membership["data"]}
-        assert all(cells[r["round"]] == [r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
-                                                                             r["replicas"])] for r in both)
-        assert "2 of 2 replicas" in live[0]
-        assert table(live[11])["data"][0][:5] == [run.id, "stopped", "diloco", "5", "2"]
-        card = client.predict(run.id, "alice/elastic", api_name="/card")[0]
-        assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
-        page.reload()  # the form is refilled from the run: its replica count and config
-        replicas = page.locator("#knob-replicas input, #knob-replicas textarea").first
-        wait_for(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
-        assert page.locator("#config input").input_value() == "torchft-replica.yaml"
-    stopped = [json.loads((Path(run.output_dir) / f"replica-{k}" / runs.STOPPED_FILE).read_text()) for k in (0, 1)]
-    assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
-
-
 def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_run_ends_finished(browser, tmp_path):
     """A torchft run of 2 replicas (min_replicas 1) from the app, restarts left at the default (3). Replica 1's
     training process is SIGKILLed from outside after round 2: the Replicas table shows it restarting, then rejoined;
@@ -461,56 +418,21 @@ def start_short_run(runs_dir, recipe: str, name: str, extra: list[str]) -> runs.
                       port=free_port(), name=name)
 
 
-def test_compare_a_diloco_a_fedavg_and_a_ddp_run(browser, tmp_path, monkeypatch):
-    """Three short runs side by side: the DDP baseline is watchable from Trainer's logs (loss and progress, no
-    syncs), a click in Runs selects a run, Start stays available for a new run, and Compare draws held-out loss
-    against tokens and bytes with a table of totals."""
-    for key, value in env().items():
-        monkeypatch.setenv(key, value)
-    runs_dir = tmp_path / "runs"
-    runs_dir.mkdir()
-    started = [start_short_run(runs_dir, "tiny-pretrain.yaml", "diloco-H5", ["--inner_steps", "5"]),
-               start_short_run(runs_dir, "fedavg-baseline.yaml", "fedavg-H5", ["--inner_steps", "5"]),
-               start_short_run(runs_dir, "ddp-baseline.yaml", "ddp", [])]
-    with app_server(runs_dir) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
-        page.get_by_text("Preview command").wait_for(timeout=60_000)
-        assert page.locator("#start").is_enabled(), "a new run can start while others train"
-        page.get_by_role("tab", name="Runs").click()
-        # The page opened on the newest run (ddp); a click on another row selects that one.
-        page.locator("#runs-table [role=gridcell]").filter(has_text="diloco-H5").first.click()
-        wait_for(lambda: "diloco-H5" in status(page), 20, "the clicked run in the status bar")
-        wait_for(lambda: all(runs.load(r.folder).status not in runs.ACTIVE for r in started), 400,
-                 "the three runs to end", every=2)
-        for run in started:
-            assert runs.load(run.folder).status == "finished", (run.folder / "run.log").read_text()[-2000:]
-        page.locator("#runs-table [role=gridcell]").filter(has_text="ddp").first.click()
-        page.get_by_role("tab", name="Live").click()
-        wait_for(lambda: "no syncs" in status(page) and "step 20/20" in status(page), 20, "the DDP status")
-        wait_for(lambda: len(page.evaluate(LINES, "loss-plot")) >= 2, 20, "DDP train and held-out loss lines")
-        page.get_by_role("tab", name="Compare").click()
-        for run in started:
-            page.locator("#compare-select input").click()
-            page.locator("#compare-select input").fill(run.id)
-            page.keyboard.press("Enter")
-        page.keyboard.press("Escape")
-        page.locator("#compare-table").click()  # close the run list so the figure shows
-        wait_for(lambda: page.locator("#compare-table .virtual-row").count() == 3, 30, "three rows in the table")
-        wait_for(lambda: {"#2563eb", "#ea580c", "#16a34a"} <= set(page.evaluate(LINES, "compare-plot")), 30,
-                 "a line per run in its own colour")
-        assert page.evaluate(DRAWN_BY, "compare-plot") == "plotly"
-        table = page.locator("#compare-table").inner_text()
-        assert "ddp" in table and "fedavg-H5" in table and "diloco-H5" in table
-        page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
-
-
-
-def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_path):
+def test_a_one_round_run_draws_lines_a_failed_run_shows_its_reason_and_a_contribution_left_out_is_named(browser,
+                                                                                                    tmp_path):
     """A finished run of a single round (its folder written here, as a run writes it), beside older folders whose
     run.json is empty or holds a JSON list: the page still draws a line per replica, the Runs table lists the
     damaged ones as failed, and the model card preview shows the rendered card, not its YAML header or a broken
-    image."""
+    image.
+
+    Then, in the same app: a run from an edited recipe fails at run time (its corpus is shorter than one block,
+    which only tokenizing it finds): the status bar shows the run's own one-sentence reason, and after a reload the
+    form says it holds that saved draft.
+
+    Then, still in that app, a run of 3 replicas started from the form in which replica 1 sends 3 Δ_1 (the test hook
+    on the app's environment, which changes nothing in the runs before: one written here, one that fails before
+    its first sync): once it finishes, the Live round table's `left out` column names replica 1 and the rule on the
+    syncs the records say it was left out of, and the status bar counts them."""
     import os
 
     runs_dir = tmp_path / "runs"
@@ -528,7 +450,9 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
     recipe = str(REPO / "recipes" / "tiny-pretrain.yaml")
     runs._write(folder, runs.Run("one-round", recipe, str(ACCELERATE_CPU_2PROC), ["--max_steps", "20"], ["true"],
                                  str(folder / "output"), status="finished", ended=time.time()))
-    with app_server(runs_dir) as url:
+    hook = {"PYTHONPATH": str(REPO / "tests" / "scripts" / "contribution_hook"), "CONTRIBUTION_HOOK_SCALE": "3",
+            "CONTRIBUTION_HOOK_RANK": "1"}
+    with app_server(runs_dir, extra_env=hook) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_role("tab", name="Live").click()
@@ -546,17 +470,73 @@ def test_a_one_round_run_draws_lines_and_the_card_preview_renders(browser, tmp_p
         assert "DiLoCo" in card and "library_name" not in card and not card.lstrip().startswith("---"), card
         assert page.locator("#card img").count() == 0, "no broken image: the curve is shown beside the card"
 
+        # The failed run, started in the same app (one app start less than a test of its own).
+        data = tmp_path / "notes.txt"
+        data.write_text("hello world\n")
+        draft = TINY_YAML.replace("dataset_name: builtin", f"dataset_name: {data}")
+        before = {run.id for run in runs.list_runs(runs_dir)}
+        client = Client(url, verbose=False)
+        message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=20),
+                                 api_name="/start")[0]
+        assert message.startswith("Started"), message
+        (run,) = [run for run in runs.list_runs(runs_dir) if run.id not in before]
+        wait_for(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'failed'", timeout=60_000)
+        shown = status(page)
+        assert "fewer than" in shown and "tokens of text" in shown and "exit code" not in shown, shown
+        assert runs.load(run.folder).reason in shown
+        page.locator("#recipe-source").get_by_text("saved draft").wait_for(timeout=20_000)
+        assert "drafts/tiny-pretrain-edited-" in page.locator("#recipe-source").inner_text()
+        page.screenshot(path=str(ARTIFACTS / "app-failed.png"), full_page=True)
+
+        # The contribution left out, from a run of 3 replicas started in the same app (one app start less).
+        draft = TINY_YAML.replace("block_size: 64", "block_size: 32")
+        before = {run.id for run in runs.list_runs(runs_dir)}
+        form = ["", "tiny-pretrain.yaml", draft, "cpu-4proc.yaml", *knobs(replicas=3, inner_steps=5, max_steps=40)]
+        message = client.predict(*form, api_name="/start")[0]
+        assert message.startswith("Started"), message
+        (run,) = [run for run in runs.list_runs(runs_dir) if run.id not in before]
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(url)
+        page.get_by_role("tab", name="Live").click()
+        wait_for(lambda: run.name in status(page), 30, "the new run selected")
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
+                               timeout=240_000)
+        records = read_syncs(run.output_dir)
+        left_out = {r["round"] for r in records if r["excluded"]}
+        assert left_out and all(e["replica"] == 1 for r in records for e in r["excluded"]), records
+        assert f"{len(left_out)} contribution{'s' if len(left_out) > 1 else ''} left out" in status(page)
+        headers = page.locator("#rounds thead").inner_text()
+        assert "left out" in headers, headers
+        rows = page.locator("#rounds .virtual-row")
+        wait_for(lambda: rows.count() == len(records), 30, "one row per sync")
+        shown = {int(rows.nth(i).inner_text().split()[0]): rows.nth(i).inner_text() for i in range(rows.count())}
+        assert {r for r, text in shown.items() if "replica 1 (outlier)" in text} == left_out, shown
+        page.screenshot(path=str(ARTIFACTS / "app-left-out.png"), full_page=True)
+
 
 NAME_BOX = "#run-name input, #run-name textarea"
 NAME = "ddp-baseline-steps400-llama-20m"  # the default name: the recipe plus the knobs changed
 
 
-def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_checkpoint(browser, tmp_path):
+def test_two_ddp_runs_stop_in_their_first_seconds_then_a_torchft_run_shows_its_membership_and_stops(browser,
+                                                                                                      tmp_path):
     """Fresh app, the DDP baseline recipe: the name box shows the default name; Preview, then Start twice (a second
     run beside the first, from the Launch tab) and Stop each while it is still starting. The status bar shows the
     start-up phase and a clock that counts from Start, not from Preview; both runs end `stopped` with a checkpoint
     and no process left (a stop that happened, not a kill); after a reload the name box is blank again with the
-    default shown, so the next Start is a new run."""
+    default shown, so the next Start is a new run.
+
+    Then, from that reloaded form (one app for both parts): choosing torchft-3 (outer_backend torchft) picks the
+    one-process-per-replica config (the torch backend's cpu-2proc is refused for it) and leaves the rendezvous
+    settings the DDP runs got out; 2 replicas, H = 5. Preview shows, and Start runs, one `hf-diloco launch ...
+    --replicas 2`. On Live, the membership table appears with the first round: one row per round, a column per
+    replica, each replica's steps in its cells. Stop ends the run as stopped, every replica after the same round;
+    the run wrote only replica-r/ folders, and the tables then hold exactly the rounds the replicas recorded (each
+    round once, newest first, its loss; a cell per replica with its steps), as do the status bar, the Runs table and
+    the model card."""
     runs_dir = tmp_path / "runs"
     with app_server(runs_dir) as url:
         page = open_form(browser, url, "ddp-baseline.yaml")
@@ -618,49 +598,65 @@ def test_two_ddp_runs_started_from_the_form_stop_in_their_first_seconds_with_a_c
         page.get_by_text("Distributed settings").click()
         for knob in ("main_process_port", "main_process_ip", "num_machines", "machine_rank"):
             assert page.locator(f"#knob-{knob} input, #knob-{knob} textarea").first.input_value() == "", knob
+        client = Client(url, verbose=False)
+        wrong = client.predict("", "torchft-3.yaml", "", "cpu-2proc.yaml", *knobs(replicas=2), api_name="/preview")[1]
+        assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
         fill(page, "knob-model_name_or_path", "")
         fill(page, "knob-replicas", "2")
         fill(page, "knob-inner_steps", "5")
-        fill(page, "knob-max_steps", "20")
+        fill(page, "knob-max_steps", "400")
+        page.click("#preview")
+        page.get_by_text("Form is valid").wait_for(timeout=60_000)
+        previewed = page.locator("#command").inner_text()
+        assert " -m hf_diloco.cli launch " in previewed and " --replicas 2 --max-restarts 3 " in previewed, previewed
+        assert "accelerate_configs/torchft-replica.yaml" in previewed and "--main_process_port" not in previewed
         page.click("#start")
         page.locator("#form-message").get_by_text("Started").wait_for(timeout=60_000)
-        torchft = runs.list_runs(runs_dir)[0]
-        assert " --replicas 2 " in " ".join(torchft.command) and torchft.status == "running"
-    for run in (first, second):
-        run = runs.load(run.folder)
-        stopped = json.loads((Path(run.output_dir) / runs.STOPPED_FILE).read_text())
-        assert run.status == "stopped" and stopped["step"] < 400, (run.status, stopped)
-        assert (Path(run.output_dir) / stopped["checkpoint"]).is_dir(), stopped
-        assert runs.training_pids(run) == []
-
-
-def test_a_contribution_left_out_is_named_in_the_live_round_table_and_the_status_bar(browser, tmp_path):
-    """Fresh app, a run of 3 replicas started from the form in which replica 1 sends 3 Δ_1 (the test hook on the
-    app's environment): once it finishes, the Live round table's `left out` column names replica 1 and the rule on
-    the syncs the records say it was left out of, and the status bar counts them."""
-    runs_dir = tmp_path / "runs"
-    hook = {"PYTHONPATH": str(REPO / "tests" / "scripts" / "contribution_hook"), "CONTRIBUTION_HOOK_SCALE": "3",
-            "CONTRIBUTION_HOOK_RANK": "1"}
-    draft = TINY_YAML.replace("block_size: 64", "block_size: 32")
-    with app_server(runs_dir, extra_env=hook) as url:
-        client = Client(url, verbose=False)
-        form = ["", "tiny-pretrain.yaml", draft, "cpu-4proc.yaml", *knobs(replicas=3, inner_steps=5, max_steps=40)]
-        message = client.predict(*form, api_name="/start")[0]
-        assert message.startswith("Started"), message
-        (run,) = runs.list_runs(runs_dir)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(url)
+        run = runs.list_runs(runs_dir)[0]
+        assert run.id not in (first.id, second.id) and run.status == "running"
+        assert " ".join(run.command) in " ".join(previewed.split()), "Start runs exactly the previewed command"
         page.get_by_role("tab", name="Live").click()
-        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
-                               timeout=240_000)
-        records = read_syncs(run.output_dir)
-        left_out = {r["round"] for r in records if r["excluded"]}
-        assert left_out and all(e["replica"] == 1 for r in records for e in r["excluded"]), records
-        assert f"{len(left_out)} contribution{'s' if len(left_out) > 1 else ''} left out" in status(page)
-        headers = page.locator("#rounds thead").inner_text()
-        assert "left out" in headers, headers
-        rows = page.locator("#rounds .virtual-row")
-        wait_for(lambda: rows.count() == len(records), 30, "one row per sync")
-        shown = {int(rows.nth(i).inner_text().split()[0]): rows.nth(i).inner_text() for i in range(rows.count())}
-        assert {r for r, text in shown.items() if "replica 1 (outlier)" in text} == left_out, shown
-        page.screenshot(path=str(ARTIFACTS / "app-left-out.png"), full_page=True)
+        assert page.locator("#membership").count() == 0, "no membership table before the first round"
+        rows = page.locator("#membership .virtual-row")
+        wait_for(lambda: page.locator("#membership").count() and rows.count() >= 2, 120, "two membership rows")
+        headers = page.locator("#membership thead").inner_text()
+        assert "replica 0" in headers and "replica 1" in headers and "replica 2" not in headers, headers
+        assert rows.first.inner_text().count("✓ 5 steps") == 2, rows.first.inner_text()
+        page.screenshot(path=str(ARTIFACTS / "app-membership.png"), full_page=True)
+
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'stopped'",
+                               timeout=90_000)
+        output = Path(run.output_dir)
+        recorded = {r["round"] for k in (0, 1) for r in read_syncs(output / f"replica-{k}")}
+        wait_for(lambda: rows.count() == len(recorded), 10, f"{len(recorded)} rows, one per recorded round")
+        assert rows.first.inner_text().split()[0] == str(max(recorded)), "newest round first"
+        assert not (output / "syncs.jsonl").exists() and (output / "replica-1" / "syncs.jsonl").exists()
+        both = [r for r in read_syncs(output / "replica-0") if r["participants"] == 2]
+        client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
+        live = client.predict(run.id, api_name="/refresh")
+        rounds = table(live[6])
+        shown = {row[0]: row for row in rounds["data"]}
+        assert [row[0] for row in rounds["data"]] == sorted(shown, reverse=True), "newest first, once each"
+        assert all(shown[r["round"]][1] == r["step"] and shown[r["round"]][3] == round(r["loss"], 4) for r in both)
+        membership = table(live[8])
+        assert membership["headers"] == ["round", "step", "participants", "committed", "replica 0", "replica 1"]
+        cells = {row[0]: row for row in membership["data"]}
+        assert all(cells[r["round"]] == [r["round"], r["step"], 2, "yes", *(f"✓ {m['steps']} steps" for m in
+                                                                             r["replicas"])] for r in both)
+        assert "2 of 2 replicas" in live[0]
+        assert table(live[11])["data"][0][:5] == [run.id, "stopped", "diloco", "5", "2"]
+        card = client.predict(run.id, "alice/elastic", api_name="/card")[0]
+        assert "## DiLoCo settings" in card, "the card is written from a replica's folder"
+        page.reload()  # the form is refilled from the run: its replica count and config
+        replicas = page.locator("#knob-replicas input, #knob-replicas textarea").first
+        wait_for(lambda: replicas.input_value() == "2", 30, "the replicas knob refilled")
+        assert page.locator("#config input").input_value() == "torchft-replica.yaml"
+    stopped = [json.loads((Path(run.output_dir) / f"replica-{k}" / runs.STOPPED_FILE).read_text()) for k in (0, 1)]
+    assert stopped[0]["step"] == stopped[1]["step"] < 400 and runs.training_pids(runs.load(run.folder)) == []
+    for ddp in (first, second):
+        ddp = runs.load(ddp.folder)
+        stopped = json.loads((Path(ddp.output_dir) / runs.STOPPED_FILE).read_text())
+        assert ddp.status == "stopped" and stopped["step"] < 400, (ddp.status, stopped)
+        assert (Path(ddp.output_dir) / stopped["checkpoint"]).is_dir(), stopped
+        assert runs.training_pids(ddp) == []
