@@ -69,7 +69,7 @@ import math
 from dataclasses import dataclass
 
 CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
-                "check_loss_gain", "check_base_lr")
+                "check_loss_gain", "check_base_lr", "check_optimizer_age")
 MIN_MAJORITY = 3  # replicas reporting, for the rules that compare a replica with the others
 AGREEMENT_LEVEL = 0.5  # the others' median λ below which the `apart` gap scales down with it
 
@@ -140,9 +140,13 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
         # Norms per unit of learning rate spent (Σ η over the steps each covers, at the agreed rate): a replica whose
         # Δ_i covers more steps (it missed a sync, or trained faster under time budgets) is not an outlier for it.
         scaled = {r: n / spent[r] for r, n in norms.items()} if spent else norms
-        middle = _median(list(scaled.values()))
+        # A replica whose inner optimizer started inside the steps its Δ_i covers (a restarted process: fresh AdamW
+        # moments take steps of about η per value) is not measured against replicas whose optimizers are older, nor
+        # counted in their median; `size` still bounds it.
+        fresh = _fresh_optimizers(rows, norms)
+        middle = _median([n for r, n in scaled.items() if r not in fresh] or list(scaled.values()))
         for r, n in scaled.items():
-            if r not in verdicts and middle > 0 and n / middle > limits.norm_ratio:
+            if r not in verdicts and r not in fresh and middle > 0 and n / middle > limits.norm_ratio:
                 per = " per unit of learning rate over its steps" if spent else ""
                 verdicts[r] = (f"outlier: its pseudo-gradient norm{per} {n:.4g} is {n / middle:.1f}x the median "
                                f"replica's ({middle:.4g}); the check leaves out above {limits.norm_ratio:g}x")
@@ -178,6 +182,15 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
         # told apart by what the others were given, not by what they sent.
         return {r: verdicts[r] for r in given_other_rate}
     return verdicts
+
+
+def _fresh_optimizers(rows: dict[int, list[float]], norms: dict[int, float]) -> set[int]:
+    """The replicas whose inner optimizer's age (its step count, CHECK_FIELDS' last) is no more than the steps their
+    Δ_i covers, while another replica's optimizer is older than its own Δ_i: restarted among running ones. At a
+    run's start every optimizer is that young, and none is set apart."""
+    age = {r: rows[r][8] for r in norms if len(rows[r]) > 8 and math.isfinite(rows[r][8])}
+    young = {r for r, a in age.items() if a <= rows[r][1]}
+    return young if any(a > rows[r][1] for r, a in age.items()) else set()
 
 
 def _spent(row: list[float], own: float, agreed: float) -> float:
@@ -222,17 +235,19 @@ class ContributionChecks:
     def active(self) -> bool:
         return self.mode != "off"
 
-    def row(self, norm: float, steps: int, lr_sum: float, loss_gain: float = float("nan")) -> list[float]:
+    def row(self, norm: float, steps: int, lr_sum: float, loss_gain: float = float("nan"),
+            optimizer_age: float = float("nan")) -> list[float]:
         """This replica's CHECK_FIELDS for a sync whose Δ_i has norm `norm` and covers `steps` inner steps of
-        learning rates summing to `lr_sum`."""
+        learning rates summing to `lr_sum`; `optimizer_age`: the steps its inner optimizer's state has taken (NaN:
+        unknown)."""
         return [norm, float(steps), lr_sum / steps if steps else float("nan"), *self.loo, float(self.left_out),
-                loss_gain, self.base_lr]
+                loss_gain, self.base_lr, float(optimizer_age)]
 
     def presence_row(self) -> list[float]:
         """The row of a replica that brings no contribution to a sync (it joins or heals): its base learning rate,
         which the others' `size` bounds agree on, and nothing to judge."""
         nan = float("nan")
-        return [nan, 0.0, nan, nan, nan, 0.0, nan, self.base_lr]
+        return [nan, 0.0, nan, nan, nan, 0.0, nan, self.base_lr, nan]
 
     def landed(self, loo: float, left_out: bool) -> None:
         self.loo = [loo, self.loo[0]]

@@ -56,7 +56,7 @@ class Gate:
         """This replica's row: ‖Δ_i‖ over `buckets` (`deltas`: a list or an iterator of Δ_i), the steps and Σ η
         since its base, and (`with_loss`, a blocking sync) the loss its round removed."""
         return self.checks.row(norm(comm, buckets, deltas), *since_base,
-                               *([self._loss_gain()] if with_loss else []))
+                               self._loss_gain() if with_loss else float("nan"), self._optimizer_age())
 
     def presence_row(self) -> list[float]:
         """The row of a replica that joins a sync with nothing to judge: its base learning rate, for the others."""
@@ -127,9 +127,20 @@ class Gate:
         finally:
             model.train(training)
 
-    def _adam(self) -> bool:
-        """Whether the inner optimizer is AdamW-like (the `size` check bounds its steps by the learning rate)."""
+    def _inner_optimizer(self):
         optimizer = self.trainer.optimizer
         while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
             optimizer = optimizer.optimizer
-        return "adam" in type(optimizer).__name__.lower()
+        return optimizer
+
+    def _adam(self) -> bool:
+        """Whether the inner optimizer is AdamW-like (the `size` check bounds its steps by the learning rate)."""
+        return "adam" in type(self._inner_optimizer()).__name__.lower()
+
+    def _optimizer_age(self) -> float:
+        """The steps the inner optimizer's state has taken (AdamW's `step`: since this process built it, or since
+        the run's start when it was loaded from a checkpoint); NaN for an optimizer that does not count them."""
+        for state in self._inner_optimizer().state.values():
+            if "step" in state:
+                return float(state["step"])
+        return float("nan")

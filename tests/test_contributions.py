@@ -175,6 +175,32 @@ def test_the_size_rule_bounds_the_steps_each_pseudo_gradient_covers_and_judges_a
     assert judge(high, p, adam=True, limits=limits) == {}
 
 
+def test_a_restarted_replicas_fresh_optimizer_is_not_an_outlier_among_older_ones():
+    """A replica started again heals and brings its first H steps taken by a fresh AdamW (moments from zero: steps
+    of about η per value), 2.3x and more the median norm of replicas whose optimizers are 64 steps old (seen in a
+    real torchft run: an honest restarted replica left out as an outlier). Its optimizer's age (CHECK_FIELDS'
+    last) sets it apart from `outlier` and from the others' median; the same norm from a replica whose optimizer is
+    as old as the others' is still left out, and at a run's start, where every optimizer is as young as its steps,
+    the rule judges as before. `size` still bounds a fresh one."""
+    limits, p, nan = Limits(), 10_000, float("nan")
+
+    def row(norm, age, steps=4.0):
+        return [norm, steps, 1e-3, nan, nan, 0.0, nan, 1e-3, age]
+
+    restarted = {0: row(0.10, 68.0), 1: row(0.11, 68.0), 2: row(0.26, 4.0)}
+    assert judge(restarted, p, adam=True, limits=limits) == {}
+    older = {**restarted, 2: row(0.26, 68.0)}
+    assert list(judge(older, p, adam=True, limits=limits)) == [2] and \
+        judge(older, p, adam=True, limits=limits)[2].startswith("outlier: ")
+    start = {0: row(0.10, 4.0), 1: row(0.11, 4.0), 2: row(0.9, 4.0)}
+    assert list(judge(start, p, adam=True, limits=limits)) == [2], "at the start every optimizer is young"
+    # 5 / (√P · Σ η = 100 · 0.004) = 12.5x the size bound: fresh or not, it is left out
+    too_big = {**restarted, 2: row(5.0, 4.0)}
+    assert judge(too_big, p, adam=True, limits=limits)[2].startswith("size: ")
+    # A row of an earlier version, without the age, is judged as before.
+    assert list(judge({r: v[:8] for r, v in older.items()}, p, adam=True, limits=limits)) == [2]
+
+
 def test_a_sync_whose_every_contribution_is_left_out_does_not_move_theta_global():
     """Weights all 0 (every contribution left out): θ_global and the outer momentum stay as they were, with outer
     Nesterov momentum already built up, and the replica takes θ_global."""
