@@ -187,9 +187,11 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
 def _fresh_optimizers(rows: dict[int, list[float]], norms: dict[int, float]) -> set[int]:
     """The replicas whose inner optimizer's age (its step count, CHECK_FIELDS' last) is no more than the steps their
     Δ_i covers, while another replica's optimizer is older than its own Δ_i: restarted among running ones. At a
-    run's start every optimizer is that young, and none is set apart."""
-    age = {r: rows[r][8] for r in norms if len(rows[r]) > 8 and math.isfinite(rows[r][8])}
-    young = {r for r, a in age.items() if a <= rows[r][1]}
+    run's start every optimizer is that young, and none is set apart. The age is the replica's own word: it counts
+    only with the rest of a new process's row (no agreement λ from a last sync), so a replica can claim it for one
+    sync after each start, not at every sync."""
+    age = {r: rows[r][8] for r in norms if len(rows[r]) > 8 and math.isfinite(rows[r][8]) and rows[r][8] >= 0}
+    young = {r for r, a in age.items() if a <= rows[r][1] and not math.isfinite(rows[r][3])}
     return young if any(a > rows[r][1] for r, a in age.items()) else set()
 
 

@@ -53,6 +53,7 @@ from typing import Any
 from .checks import require_torchft
 from .errors import ConfigError
 from .files import read_json, write_json
+from .hub import MODEL_PATTERNS
 from .metrics import read_syncs, sync_number
 from .runs import (
     ACTIVE,
@@ -504,8 +505,6 @@ class ReplicaSupervisor:
         """Every replica ends with the run's final model: one that did not finish it (started again too late, or
         out of restarts) gets a copy of the final model a finished replica saved (every finished replica saved the
         same θ_global), said on the console and in replicas.json (`final_model_from`)."""
-        from .hub import MODEL_PATTERNS
-
         def model_files(folder: Path) -> list[Path]:
             return [path for pattern in MODEL_PATTERNS for path in folder.glob(pattern) if path.is_file()]
 

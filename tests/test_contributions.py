@@ -197,6 +197,11 @@ def test_a_restarted_replicas_fresh_optimizer_is_not_an_outlier_among_older_ones
     # 5 / (√P · Σ η = 100 · 0.004) = 12.5x the size bound: fresh or not, it is left out
     too_big = {**restarted, 2: row(5.0, 4.0)}
     assert judge(too_big, p, adam=True, limits=limits)[2].startswith("size: ")
+    # The age is the replica's own word: it counts only with a new process's row (no λ from a last sync), and a
+    # negative one not at all.
+    claims = {**restarted, 2: [0.26, 4.0, 1e-3, 0.5, 0.5, 0.0, nan, 1e-3, 4.0]}
+    assert list(judge(claims, p, adam=True, limits=limits)) == [2]
+    assert list(judge({**restarted, 2: row(0.26, -1.0)}, p, adam=True, limits=limits)) == [2]
     # A row of an earlier version, without the age, is judged as before.
     assert list(judge({r: v[:8] for r, v in older.items()}, p, adam=True, limits=limits)) == [2]
 
