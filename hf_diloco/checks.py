@@ -29,6 +29,7 @@ from typing import Any
 from .errors import ConfigError
 
 OUTER_OPTIMIZERS = ("sgd", "adamw")
+INNER_OPTIMIZERS = ("adamw", "muon")  # Trainer's own (`optim`), or Muon + AdamW (hf_diloco.inner)
 FINAL_SYNCS = ("auto", "staggered", "blocking")
 DATA_SHARDINGS = ("iid", "non_iid")
 FRAGMENT_PATTERNS = ("strided", "sequential")

@@ -26,6 +26,7 @@ from .checks import (
     DATA_SHARDINGS,
     FINAL_SYNCS,
     FRAGMENT_PATTERNS,
+    INNER_OPTIMIZERS,
     OUTER_BACKENDS,
     OUTER_OPTIMIZERS,
     TRAINERS,
@@ -116,6 +117,14 @@ class DiLoCoConfig(TrainingArguments):
         default="sgd",
         metadata={"help": "Outer optimizer: 'sgd' (the paper's choice) or 'adamw' (for ablations).",
                   "choices": list(OUTER_OPTIMIZERS)},
+    )
+    inner_optimizer: str = field(
+        default="adamw",
+        metadata={"help": "What each replica trains with between syncs: 'adamw' (Trainer's own optimizer, as `optim` "
+                          "sets it: AdamW by default) or 'muon' (Muon for the weight matrices, AdamW for embeddings, "
+                          "heads and vectors; the learning rate, schedule and weight decay serve both). Muon needs "
+                          "whole matrices in each process: not with FSDP2 or tensor parallel inside a replica.",
+                  "choices": list(INNER_OPTIMIZERS)},
     )
     offload_outer_state: bool = field(
         default=True,
@@ -455,7 +464,18 @@ class DiLoCoConfig(TrainingArguments):
         self._validate_compression()
         self._validate_streaming()
         self._check_sharded_replicas()
+        self._validate_inner_optimizer()
         checks.check(self, ["learning_rate"])
+
+    def _validate_inner_optimizer(self) -> None:
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ConfigError(f"inner_optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, got "
+                              f"{self.inner_optimizer!r}.")
+        if self.inner_optimizer == "muon" and (self.sharded_replica or self.tensor_parallel):
+            raise ConfigError("inner_optimizer muon orthogonalizes each whole weight matrix, and with "
+                              f"{'FSDP2' if self.sharded_replica else 'tensor parallel'} inside a replica each "
+                              "process holds a piece of it; use DDP inside the replica (replica_group_size without "
+                              "fsdp or tp_size) or inner_optimizer adamw.")
 
     def _validate_compression(self) -> None:
         if self.compression not in CODECS:

@@ -134,8 +134,10 @@ class Gate:
         return optimizer
 
     def _adam(self) -> bool:
-        """Whether the inner optimizer is AdamW-like (the `size` check bounds its steps by the learning rate)."""
-        return "adam" in type(self._inner_optimizer()).__name__.lower()
+        """Whether the inner optimizer's steps are bounded by the learning rate, as AdamW's are (the `size` check):
+        an AdamW-family optimizer, or one that says so (inner_optimizer muon: MuonWithAdamW)."""
+        optimizer = self._inner_optimizer()
+        return getattr(optimizer, "steps_bounded_by_lr", "adam" in type(optimizer).__name__.lower())
 
     def _optimizer_age(self) -> float:
         """The steps the inner optimizer's state has taken (AdamW's `step`: since this process built it, or since

@@ -64,6 +64,7 @@ TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}  # trainer: what the card
 DILOCO_ROWS = (
     ("inner_steps", "H, inner steps between syncs", 500),
     ("outer_optimizer", "outer optimizer", "sgd"),
+    ("inner_optimizer", "inner optimizer (adamw: Trainer's `optim`; muon: Muon for weight matrices)", "adamw"),
     ("outer_lr", "outer learning rate", 0.7),
     ("outer_momentum", "outer momentum", 0.9),
     ("outer_nesterov", "Nesterov", True),

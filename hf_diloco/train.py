@@ -340,7 +340,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         + (" Nesterov" if config.outer_nesterov else "")
         + (f", its momentum moved every {config.outer_momentum_delay} syncs (pseudo-gradients × "
            f"{config.outer_delayed_scale:g} in between)" if config.outer_momentum_delay > 1 else ""),
-        "inner optimizer": f"{optim} lr {config.learning_rate} weight decay {config.weight_decay}, "
+        "inner optimizer": ("muon (weight matrices) + adamw (embeddings, heads, vectors)"
+                            if config.inner_optimizer == "muon" else optim)
+        + f" lr {config.learning_rate} weight decay {config.weight_decay}, "
         f"warmup {config.warmup_steps}, {schedule}",
         "tokens per inner step per process": ("at most " if run.trainer in TRL_TRAINERS else "")
         + f"{tokens_per_step(run, config):,}",
@@ -402,8 +404,8 @@ def parameter_shares(model, shards: int = 1, tp: int = 1) -> dict[str, float]:
 def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str, float] | None = None) -> str:
     """The bytes of the tensors one process holds for training, each parameter's `share` of them (see
     parameter_shares; by default 1/shards of each, FSDP2 over a replica, or all): parameters, gradients, inner
-    optimizer state (AdamW: two moments), and the outer state (θ_global in fp32 plus the outer optimizer's fp32
-    buffers). Activations are not counted."""
+    optimizer state (AdamW: two moments; inner_optimizer muon: one momentum per Muon matrix), and the outer state
+    (θ_global in fp32 plus the outer optimizer's fp32 buffers). Activations are not counted."""
     from .metrics import format_bytes
 
     share = share or parameter_shares(model, shards)
@@ -412,12 +414,19 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
     gradients = sum(p.numel() * p.element_size() * share[n] for n, p in named if p.requires_grad)
     optim = str(getattr(config.optim, "value", config.optim))
     states = next((count for name, count in OPTIMIZER_STATES.items() if name in optim), None)
+    state_bytes = None if states is None else states * gradients
+    if config.inner_optimizer == "muon":  # Muon: one momentum buffer per matrix; AdamW's two moments elsewhere
+        from .inner import muon_parameter_names
+
+        muon = set(muon_parameter_names(model))
+        state_bytes = sum(p.numel() * p.element_size() * share[n] * (1 if n in muon else 2)
+                          for n, p in named if p.requires_grad)
     outer_buffers = 2 if config.outer_optimizer == "adamw" else \
         int(config.outer_momentum > 0) + int(config.outer_momentum_delay > 1)  # the delayed momentum's sum
     outer = sum(p.numel() * share[n] for n, p in named if p.requires_grad) * 4 * (1 + outer_buffers)
     split = any(value < 1 for value in share.values())
-    inner = "not estimated for " + optim if states is None else format_bytes(states * gradients)
-    total = parameters + gradients + outer + (states or 0) * gradients
+    inner = "not estimated for " + optim if state_bytes is None else format_bytes(state_bytes)
+    total = parameters + gradients + outer + (state_bytes or 0)
     return (f"{format_bytes(total)}: parameters {format_bytes(parameters)}, gradients {format_bytes(gradients)}, "
             f"inner optimizer {inner}, outer state {format_bytes(outer)}"
             + (f" (tensor parallel: the split layers' share, norms and tied embeddings whole; 1/{shards} of that, "
@@ -508,7 +517,12 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
         if stopper.requested:
             trainer.request_stop()
     else:
-        trainer = Trainer(**common, callbacks=[clock, recorder, stopper, *callbacks])
+        baseline = Trainer
+        if config.inner_optimizer == "muon":  # the baseline trains with the optimizer DiLoCo's replicas use
+            from .inner import muon_trainer
+
+            baseline = muon_trainer(Trainer)
+        trainer = baseline(**common, callbacks=[clock, recorder, stopper, *callbacks])
     if not run.verbose:
         calm(trainer)
     if trainer.is_world_process_zero():

@@ -46,6 +46,7 @@ from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
 from .files import read_json, write_json
+from .inner import muon_for
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,12 @@ class DiLoCoMixin:
             logger.warning(f"hub_strategy {args.hub_strategy.value}: DiLoCoTrainer pushes each checkpoint's model, "
                            f"never the checkpoint folder (its optimizer and outer state stay local).")
 
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer (`optim`), or Muon + AdamW with inner_optimizer muon (hf_diloco.inner)."""
+        if self.args.inner_optimizer == "muon" and self.optimizer is None:
+            self.optimizer = muon_for(self, self.model if model is None else model)
+        return super().create_optimizer(model)
+
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -257,10 +264,8 @@ class DiLoCoMixin:
         return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // args.tp_size)
 
     def store_flos(self) -> None:
-        # Trainer sums the floating point operations of all processes with an all-gather at every log. Replicas
-        # run the same number of steps on batches of the same shape, so this process's count times the number of
-        # processes with batches of their own is the total, with no collective. Tensor parallel: the processes of
-        # a replica compute one batch together, and each counts the whole model's operations for it.
+        # Trainer all-gathers the operations count at every log; replicas take the same steps on batches of one
+        # shape, so no collective is needed (tensor parallel: a replica's processes count one batch together).
         self.state.total_flos += self.current_flos * (self.args.world_size // self.args.tp_size)
         self.current_flos = 0
 
@@ -279,8 +284,7 @@ class DiLoCoMixin:
             return super().train(*args, **kwargs)
 
     def request_stop(self) -> None:
-        """Stop training at the end of the current round, with a checkpoint; every replica stops after the same
-        step. What SIGTERM and the stop file do; safe to call from a signal handler or another thread."""
+        """Stop at the round's end, every replica after the same step, with a checkpoint (as SIGTERM; signal-safe)."""
         self.stopper.request()
 
     def continue_at_step(self, step: int) -> None:
@@ -299,11 +303,8 @@ class DiLoCoMixin:
         """Save the model and push what `hf-diloco push` pushes (hf_diloco.pushing.push_trained, which says what
         is and is not pushed); arguments as `Trainer.push_to_hub`, and `allow_unfinished=False` refuses a run that
         did not finish. The main process returns huggingface_hub's CommitInfo (a Future of it when not
-        `blocking`); the others return None.
-
-        For example, after `trainer.train()`: `trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url`
-        (tested against a local server that speaks the Hub's endpoints, tests/test_hub.py).
-        """
+        `blocking`); the others return None. For example, after `trainer.train()`:
+        `trainer.push_to_hub(commit_message="DiLoCo, H = 50").commit_url` (tests/test_hub.py, against a local Hub)."""
         from .pushing import push_trained
 
         return push_trained(self, commit_message, blocking=blocking, token=token, revision=revision,

@@ -35,7 +35,8 @@ TWO = {
                 "fragment_alpha": 0.0, "fragment_pattern": "sequential", "compression": "none",
                 "error_feedback": False},
 }
-FOUR = {"groups-int8": {"replica_group_size": 2, "inner_steps": 3, "max_steps": 6, "compression": "int8"}}
+FOUR = {"groups-int8": {"replica_group_size": 2, "inner_steps": 3, "max_steps": 6, "compression": "int8"},
+        "groups-muon": {"replica_group_size": 2, "inner_steps": 3, "max_steps": 6, "inner_optimizer": "muon"}}
 # tests/scripts/overlap_run.py: a slow link (0.6 s per sync), slow steps (0.4 s), H = 6, 12 steps; τ and final_sync.
 SLOW = {"comm_sleep": 0.6, "step_sleep": 0.4}
 OVERLAP = {"tau2-staggered": {**SLOW, "sync_delay": 2, "final_sync": "staggered"},
@@ -135,12 +136,14 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(two):
 
 
 @pytest.mark.process
-def test_replica_groups_with_a_codec_keep_all_four_processes_identical(tmp_path):
-    """2 replicas x 2 processes, int8: each member sends its half across replicas, then gathers inside."""
-    ranks = replica_runs(tmp_path, FOUR, ACCELERATE_CPU_4PROC)["groups-int8"]
-    steps = [step for step, _ in ranks[0]["digests"]]
-    assert steps == [3, 6]
-    assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
+def test_replica_groups_with_a_codec_or_muon_keep_all_four_processes_identical(tmp_path):
+    """2 replicas x 2 processes (DDP inside), int8: each member sends its half across replicas, then gathers
+    inside; and replicas trained by Muon (inner_optimizer muon: each member orthogonalizes the same averaged
+    gradient of whole matrices): all four processes hold the same parameters after every sync."""
+    runs = replica_runs(tmp_path, FOUR, ACCELERATE_CPU_4PROC)
+    for ranks in runs.values():
+        assert [step for step, _ in ranks[0]["digests"]] == [3, 6]
+        assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
     for record in read_syncs(tmp_path / "groups-int8" / "run"):
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 

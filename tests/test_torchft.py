@@ -129,6 +129,7 @@ CODECS = {
     "sparse+ef": {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
     "streaming-int4+ef-overlap": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
                                   "fragment_alpha": 0.5},
+    "muon-inner": {"inner_optimizer": "muon"},  # the round does not care what trained the replicas
 }
 # Every codec on a model whose weights are bfloat16 (bf16 autocast, the CPU chosen as no GPU is here): the torch
 # backend trains each, torchft the one with error feedback.
@@ -231,9 +232,10 @@ def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameter
 
 @pytest.mark.process
 @pytest.mark.parametrize("codec", list(CODECS))
-def test_codecs_and_streaming_on_torchft_match_the_torch_backend(pair, torch_backend, codec):
+def test_codecs_streaming_and_muon_on_torchft_match_the_torch_backend(pair, torch_backend, codec):
     """The round is one code path: the codecs with error feedback (sparse; int4 with F = 2 fragments whose exchange
-    overlaps one inner step and mixes with alpha 0.5) give bit-identical parameters on both backends (12 steps,
+    overlaps one inner step and mixes with alpha 0.5) and replicas trained by Muon (inner_optimizer muon, fp32
+    syncs) give bit-identical parameters on both backends (12 steps,
     H = 4: three rounds, six with two fragments; int8 differs from int4 in its codec alone, tests/test_codecs.py).
     The torchft records carry the same bytes per round as the torch backend's, with the membership table in place
     of the contribution checks' table (torchft carries the checks' numbers in it)."""

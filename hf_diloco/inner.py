@@ -1,0 +1,150 @@
+"""The inner optimizer a replica trains with between syncs: Trainer's own (`inner_optimizer: adamw`, whatever
+`optim` says, AdamW by default), or Muon for the weight matrices with AdamW for the rest (`inner_optimizer: muon`).
+
+MuLoCo (arXiv 2505.23725) reports Muon as DiLoCo's inner optimizer ahead of AdamW; DiLoCo itself does not change:
+the pseudo-gradient is still θ_global − θ_i, whatever made θ_i. Muon's usual split is kept:
+
+    Muon    every trainable 2-D weight inside the model's body (attention and MLP projections, LoRA's A and B);
+    AdamW   embeddings (input and output, tied or not), task heads, and every vector (biases, norms).
+
+`torch.optim.Muon` (momentum 0.95, Nesterov, five Newton-Schulz steps) with `adjust_lr_fn="match_rms_adamw"`: each
+matrix's update is scaled to the root-mean-square of an AdamW step (0.2 · η per value), so the recipe's learning
+rate, schedule and weight decay serve both parts unchanged, and the contribution checks' `size` rule (at most η
+per value per step) bounds a Muon replica's pseudo-gradient as it bounds an AdamW one's.
+
+Muon orthogonalizes each whole matrix: a replica whose processes each hold a piece of it (FSDP2 or tensor
+parallel inside the replica) is refused by DiLoCoConfig; DDP inside a replica gives every process the whole
+matrix and the same averaged gradient, and is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+# Modules whose parameters are a task's head, trained by AdamW: causal and masked LM heads, sequence and token
+# classifiers, question answering, BERT's pre-training heads.
+HEAD_MODULES = ("lm_head", "score", "classifier", "qa_outputs", "cls", "pooler")
+MUON_MOMENTUM = 0.95
+
+
+def muon_parameter_names(model: nn.Module) -> list[str]:
+    """The names of the trainable parameters Muon takes: 2-D, not an embedding (any module's nn.Embedding weight,
+    or the output embeddings, tied or not), not in a task head (HEAD_MODULES)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None and getattr(output, "weight", None) is not None:
+        embeddings.add(id(output.weight))
+    names = []
+    for name, param in model.named_parameters():
+        in_head = any(part in HEAD_MODULES for part in name.split(".")[:-1])
+        if param.requires_grad and param.dim() == 2 and id(param) not in embeddings and not in_head:
+            names.append(name)
+    return names
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer over two: `torch.optim.Muon` for the matrices, `torch.optim.AdamW` for the rest. Its
+    `param_groups` are the two optimizers' own group dicts (Muon's first), so a learning-rate scheduler that sets
+    `lr` on them steers both; `step`, `zero_grad`, `state_dict` and `load_state_dict` go to both.
+
+    `muon_groups` and `adamw_groups`: parameter groups as torch optimizers take them (each a dict with `params`
+    and, optionally, its own `weight_decay`)."""
+
+    # The contribution checks' `size` rule: no step moves a value by much more than the learning rate.
+    steps_bounded_by_lr = True
+
+    def __init__(self, muon_groups: Iterable[dict], adamw_groups: Iterable[dict], lr: float, weight_decay: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        muon_groups = [g for g in muon_groups if g["params"]]
+        adamw_groups = [g for g in adamw_groups if g["params"]]
+        if not muon_groups:
+            raise ConfigError("inner_optimizer muon found no weight matrix among the trainable parameters for Muon "
+                              "(it takes 2-D weights outside embeddings and heads); use inner_optimizer adamw.")
+        self.muon = torch.optim.Muon(muon_groups, lr=lr, weight_decay=weight_decay, momentum=MUON_MOMENTUM,
+                                     nesterov=True, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, weight_decay=weight_decay, betas=betas,
+                                       eps=eps) if adamw_groups else None
+        super().__init__(self._groups(), {"lr": lr})
+        self._link()
+
+    def _parts(self) -> list[torch.optim.Optimizer]:
+        return [self.muon] + ([self.adamw] if self.adamw is not None else [])
+
+    def _groups(self) -> list[dict]:
+        return [group for part in self._parts() for group in part.param_groups]
+
+    def _link(self) -> None:
+        """This optimizer's groups and state are its parts' (their dicts, not copies)."""
+        self.param_groups = self._groups()
+        self.state = {param: state for part in self._parts() for param, state in part.state.items()}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self._parts():
+            part.step()
+        self._link()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self._parts():
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": None if self.adamw is None else self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != {"muon", "adamw"}:
+            raise ValueError("this optimizer state was not saved by inner_optimizer muon (MuonWithAdamW); resume "
+                             "with the inner_optimizer the run was saved with.")
+        self.muon.load_state_dict(state_dict["muon"])
+        if self.adamw is not None:
+            self.adamw.load_state_dict(state_dict["adamw"])
+        self._link()
+
+
+def muon_with_adamw(model: nn.Module, decay_names: Iterable[str], lr: float, weight_decay: float,
+                    betas: tuple[float, float], eps: float) -> MuonWithAdamW:
+    """The optimizer of `inner_optimizer: muon` over `model`'s trainable parameters: Muon for
+    `muon_parameter_names(model)` (with weight decay), AdamW for the rest (weight decay on `decay_names` only, as
+    Trainer's AdamW has it: not on biases and norms)."""
+    muon = set(muon_parameter_names(model))
+    decay = set(decay_names)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return MuonWithAdamW(
+        [{"params": [p for n, p in named if n in muon]}],
+        [{"params": [p for n, p in named if n not in muon and n in decay]},
+         {"params": [p for n, p in named if n not in muon and n not in decay], "weight_decay": 0.0}],
+        lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def muon_for(trainer, model: nn.Module) -> MuonWithAdamW:
+    """`muon_with_adamw` over `model` with a Trainer's settings: its learning rate, weight decay (on the parameters
+    Trainer decays: not biases and norms), AdamW betas and epsilon."""
+    args = trainer.args
+    return muon_with_adamw(model, trainer.get_decay_parameter_names(model), lr=args.learning_rate,
+                           weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                           eps=args.adam_epsilon)
+
+
+def muon_trainer(base: type) -> type:
+    """`base` (a Trainer class) training with inner_optimizer muon's optimizer: the data-parallel baseline's Trainer
+    when a recipe compares DiLoCo with Muon against DDP with the same optimizer."""
+
+    class MuonTrainer(base):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = muon_for(self, self.model if model is None else model)
+            return self.optimizer
+
+    MuonTrainer.__name__ = MuonTrainer.__qualname__ = f"Muon{base.__name__}"
+    return MuonTrainer
+
