@@ -7,7 +7,6 @@ starts a process, in its body or in a fixture it sets up, fails with a sentence 
 """
 
 import contextlib
-import json
 import multiprocessing.process
 import os
 import subprocess
@@ -19,9 +18,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
-from helpers import ACCELERATE_CPU_2PROC, REPO, accelerate_launch  # noqa: E402
-
-REPLICA_RUN = str(REPO / "tests" / "scripts" / "replica_run.py")
+from helpers import ACCELERATE_CPU_2PROC, share, train_shared  # noqa: E402
 
 
 class StartsAProcess(RuntimeError):
@@ -60,18 +57,32 @@ def pytest_runtest_call(item):
         return (yield)
 
 
+# Two replicas of one process with the paper's outer settings (SGD lr 0.7, momentum 0.9, Nesterov), H = 5, 12 steps:
+# rounds end at 5, 10, 12; Trainer reports to TensorBoard. Every other field at its default, so a run of the same
+# settings spelled otherwise must end with its bits. The first run of the session's shared launch: the collectives
+# before its first step are the launch's own.
+share("conftest", {"paper": {"inner_steps": 5, "max_steps": 12, "outer_lr": 0.7, "outer_momentum": 0.9,
+                             "outer_nesterov": True, "report_to": "tensorboard"}}, first=True)
+
+
 @pytest.fixture(scope="session")
-def paper_run(tmp_path_factory):
-    """Two replicas of one process (tests/scripts/replica_run.py) with the paper's outer settings (SGD lr 0.7,
-    momentum 0.9, Nesterov), H = 5, 12 steps: rounds end at 5, 10, 12; Trainer reports to TensorBoard. Every other
-    field at its default, so a run of the same settings spelled otherwise must end with its bits. Returns (folder,
-    every rank's record)."""
-    tmp = tmp_path_factory.mktemp("paper")
-    settings = {"out": str(tmp), "inner_steps": 5, "max_steps": 12, "outer_lr": 0.7, "outer_momentum": 0.9,
-                "outer_nesterov": True, "report_to": "tensorboard"}
-    result = accelerate_launch([REPLICA_RUN, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
-    assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+def shared_runs(tmp_path_factory):
+    """`shared_runs(key, config)`: module `key`'s runs of the shared launch of `config` (tests/helpers.py share),
+    name → (folder, every rank's record); the launch runs once, when first asked."""
+    trained: dict[Path, dict] = {}
+
+    def runs_of(key: str, config: Path = ACCELERATE_CPU_2PROC) -> dict[str, tuple[Path, list[dict]]]:
+        if config not in trained:
+            trained[config] = train_shared(tmp_path_factory.mktemp("shared"), config)
+        return trained[config][key]
+
+    return runs_of
+
+
+@pytest.fixture(scope="session")
+def paper_run(shared_runs):
+    """The paper run above: (folder, every rank's record)."""
+    return shared_runs("conftest")["paper"]
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hf_diloco.launch import free_port, wait_for  # noqa: F401  (what every test starts and watches processes with)
@@ -35,6 +36,49 @@ def accelerate_launch(target: list[str], timeout: int = 300, config: Path = ACCE
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--main_process_port", str(free_port()), *target]
     return run(command, timeout)
+
+
+def train_runs(runs: list[dict], config: Path = ACCELERATE_CPU_2PROC, processes: int | None = None,
+               environ: dict[str, str] | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """Several `hf-diloco train` runs in one launch (tests/scripts/train_runs.py: each {"name", "recipe", "args",
+    "env"}, trained in turn by the same processes, through what `hf-diloco train` runs), started as `hf-diloco
+    launch` starts its processes (hf_diloco.accelerate_launch with `config`, `processes` of them if given). The
+    launch's own checks are tests/test_launch_checks.py's. Asserts it exits 0; returns it."""
+    from hf_diloco.runs import LAUNCHER
+
+    command = [sys.executable, "-m", LAUNCHER, "--config_file", str(config), "--main_process_port", str(free_port()),
+               *(["--num_processes", str(processes)] if processes else []),
+               str(REPO / "tests" / "scripts" / "train_runs.py"), json.dumps(runs)]
+    result = subprocess.run(command, cwd=REPO, env={**env(), **(environ or {})}, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+# Runs of tests/scripts/replica_run.py that several modules train in one launch per accelerate config (the start-up
+# of a launch is most of a tiny run's time). A module declares its runs when it is imported (`share`), which pytest
+# does for every collected module before any test runs; the session fixture `shared_runs` (tests/conftest.py)
+# trains every declared run of a config, in declaration order (`first`: ahead of the rest), the first time a test
+# asks for one, and gives each module its own: name → (folder, every rank's record).
+SHARED: dict[Path, dict[str, tuple[bool, Callable[[Path], dict[str, dict]]]]] = {}
+
+
+def share(key: str, runs: Callable[[Path], dict[str, dict]] | dict[str, dict], config: Path = ACCELERATE_CPU_2PROC,
+          first: bool = False) -> None:
+    """Declare the runs module `key` reads through `shared_runs(key, config)`: name → settings, or a function that
+    makes them given their folder (models to write first). `first`: trained before the others' runs (runs whose
+    timing is measured, in processes fresh from start)."""
+    SHARED.setdefault(config, {})[key] = (first, runs if callable(runs) else lambda _folder: runs)
+
+
+def train_shared(folder: Path, config: Path) -> dict[str, dict[str, tuple[Path, list[dict]]]]:
+    """Every run declared for `config`, in one launch: key → name → (folder, every rank's record)."""
+    declared = sorted(SHARED.get(config, {}).items(), key=lambda item: not item[1][0])
+    runs = {key: make(folder / key) for key, (_, make) in declared}
+    trained = replica_runs(folder, {f"{key}/{name}": settings for key, named in runs.items()
+                                    for name, settings in named.items()}, config, timeout=1500)
+    return {key: {name: (folder / key / name, trained[f"{key}/{name}"]) for name in named}
+            for key, named in runs.items()}
 
 
 def replica_runs(folder: Path, runs: dict[str, dict], config: Path = ACCELERATE_CPU_2PROC, timeout: int = 600,

@@ -1,7 +1,7 @@
 """Six architectures a user might bring, each built tiny from its config and saved with `save_pretrained` as a
 user's own model folder (tests/helpers.py ARCHITECTURES): Llama, GPT-2 (Conv1D layers, tied head), Qwen3,
 Qwen3-MoE (router and experts), Gemma 3 and Mistral. Each trains as 2 replicas x 2 rounds (tests/scripts/
-replica_run.py, accelerate launch, gloo; the models of one layout trained in turn by one launch); three of them with
+replica_run.py, accelerate launch, gloo; in the session's shared launch of its layout); three of them with
 FSDP2 inside each replica of two processes, the others as replicas of one process; GPT-2
 with LoRA through `hf-diloco launch` of the LoRA recipe. A masked LM and an encoder-decoder are refused:
 tests/test_models.py."""
@@ -20,7 +20,7 @@ from helpers import (
     REPO,
     env,
     free_port,
-    replica_runs,
+    share,
     tiny_model_folder,
 )
 from safetensors import safe_open
@@ -38,27 +38,45 @@ def saved_names(folder) -> set[str]:
         return set(f.keys())
 
 
-def runs(base, kinds: list[str], processes: int = 2, **settings) -> dict[str, tuple[list[dict], dict]]:
-    """Each of `kinds`' tiny models trained by `processes` processes, H = 2, 4 steps (two syncs), then saved, all
-    in one launch (tests/helpers.py replica_runs): kind → (every rank's record, its folders: `model` the folder it
-    was built in, `run` its records, `saved` the model saved at the end)."""
-    folders = {kind: {"model": tiny_model_folder(kind, base / kind / "model"), "run": base / kind,
-                      "saved": base / kind / "saved"} for kind in kinds}
-    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
-    per_kind = {kind: {"model_folder": str(folders[kind]["model"]), "save_to": str(folders[kind]["saved"]),
-                       "inner_steps": 2, "max_steps": 4, **settings} for kind in kinds}
-    ranks = replica_runs(base, per_kind, config)
-    return {kind: (ranks[kind], folders[kind]) for kind in kinds}
+def folders_of(base, kind: str) -> dict:
+    """Where kind's run lives: `model` the folder its model was built in, `run` its records, `saved` the model saved
+    at the end."""
+    return {"model": base / kind / "model", "run": base / kind, "saved": base / kind / "saved"}
+
+
+def runs_of(kinds: list[str], **settings):
+    """The runs of `kinds`' tiny models, each built and saved as a user's folder first, trained H = 2, 4 steps (two
+    syncs), then saved: a function of their folder, for the shared launches (tests/helpers.py share)."""
+    def make(base) -> dict[str, dict]:
+        made = {}
+        for kind in kinds:
+            folders = folders_of(base, kind)
+            tiny_model_folder(kind, folders["model"])
+            made[kind] = {"model_folder": str(folders["model"]), "save_to": str(folders["saved"]),
+                          "inner_steps": 2, "max_steps": 4, **settings}
+        return made
+
+    return make
+
+
+share("architectures", runs_of([kind for kind in CAUSAL if kind not in SHARDED]))
+share("architectures", runs_of(SHARDED, replica_group_size=2, fsdp=True), ACCELERATE_CPU_4PROC)
+
+
+def trained(shared_runs, config=ACCELERATE_CPU_2PROC) -> dict[str, tuple[list[dict], dict]]:
+    """kind → (every rank's record, its folders) of the shared launch of `config`."""
+    return {kind: (ranks, folders_of(folder.parent, kind))
+            for kind, (folder, ranks) in shared_runs("architectures", config).items()}
 
 
 @pytest.fixture(scope="module")
-def one_process_replicas(tmp_path_factory):
-    return runs(tmp_path_factory.mktemp("plain"), [kind for kind in CAUSAL if kind not in SHARDED])
+def one_process_replicas(shared_runs):
+    return trained(shared_runs)
 
 
 @pytest.fixture(scope="module")
-def sharded_replicas(tmp_path_factory):
-    return runs(tmp_path_factory.mktemp("fsdp"), SHARDED, processes=4, replica_group_size=2, fsdp=True)
+def sharded_replicas(shared_runs):
+    return trained(shared_runs, ACCELERATE_CPU_4PROC)
 
 
 def assert_saved_as_trained(folders: dict) -> None:

@@ -1,9 +1,9 @@
 """Compressed, streamed and overlapped syncs in real 2- and 4-process runs (accelerate launch, gloo).
 
 Each run is tests/scripts/replica_run.py (every collective counted, a parameter digest after every sync) or
-tests/scripts/overlap_run.py (a deliberately slow link), with DiLoCoConfig settings passed through. The runs of
-each script and layout are trained in turn by one launch (tests/helpers.py replica_runs): TWO and OVERLAP by two
-processes, FOUR by four.
+tests/scripts/overlap_run.py (a deliberately slow link), with DiLoCoConfig settings passed through. TWO and FOUR
+are trained in the session's shared launches of two and four processes (tests/helpers.py share), OVERLAP in one
+launch of two processes of its own.
 """
 
 import json
@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_4PROC, GATHER, REPO, replica_runs
+from helpers import ACCELERATE_CPU_4PROC, GATHER, REPO, replica_runs, share
 
 from hf_diloco.codecs import make_codec
 from hf_diloco.contributions import CHECK_FIELDS
@@ -31,6 +31,8 @@ TWO = {
     "buckets": {"inner_steps": 5, "max_steps": 12, "sync_bucket_mb": 0.01},  # 2,621 values a bucket
     "streaming-auto": {**STREAMING, "final_sync": "auto"},
     "streaming-blocking": {**STREAMING, "final_sync": "blocking"},
+    "streaming-muon": {"inner_optimizer": "muon", "inner_steps": 6, "max_steps": 24, "num_fragments": 2,
+                       "sync_delay": 1, "compression": "int4", "error_feedback": True, "final_sync": "blocking"},
     "neutral": {"inner_steps": 5, "max_steps": 12, **PAPER_OUTER, "num_fragments": 1, "sync_delay": 0,
                 "fragment_alpha": 0.0, "fragment_pattern": "sequential", "compression": "none",
                 "error_feedback": False},
@@ -44,11 +46,14 @@ OVERLAP = {"tau2-staggered": {**SLOW, "sync_delay": 2, "final_sync": "staggered"
            "tau0": {**SLOW, "sync_delay": 0, "final_sync": "auto"}}
 
 
+share("compression", TWO)
+share("compression", FOUR, ACCELERATE_CPU_4PROC)
+
+
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    """name → (folder, every rank's record) of each run of TWO."""
-    folder = tmp_path_factory.mktemp("two")
-    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, TWO).items()}
+def two(shared_runs):
+    """name → (folder, every rank's record) of each run of TWO (the session's shared launch of two processes)."""
+    return shared_runs("compression")
 
 
 def collectives_by_step(rank: dict) -> dict[int, list[str]]:
@@ -136,15 +141,27 @@ def test_sparse_with_error_feedback_converges_and_stays_identical(two):
 
 
 @pytest.mark.process
-def test_replica_groups_with_a_codec_or_muon_keep_all_four_processes_identical(tmp_path):
+def test_replicas_trained_by_muon_stream_int4_fragments_and_end_identical(two):
+    """inner_optimizer muon, 2 fragments in int4 with error feedback, overlapped one step (H = 6, 24 steps), a
+    blocking end: the fragments sync in turn, the last sync carries both, both processes end with the same
+    parameters, and the loss fell by the last sync."""
+    folder, ranks = two["streaming-muon"]
+    records = read_syncs(folder / "run")
+    assert [r["fragments"] for r in records] == [[n % 2] for n in range(len(records) - 1)] + [[0, 1]]
+    assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1] and ranks[0]["digests"][-1][0] == 24
+    assert records[-1]["loss"] < records[0]["loss"] - 0.2, [r["loss"] for r in records]
+
+
+@pytest.mark.process
+def test_replica_groups_with_a_codec_or_muon_keep_all_four_processes_identical(shared_runs):
     """2 replicas x 2 processes (DDP inside), int8: each member sends its half across replicas, then gathers
     inside; and replicas trained by Muon (inner_optimizer muon: each member orthogonalizes the same averaged
     gradient of whole matrices): all four processes hold the same parameters after every sync."""
-    runs = replica_runs(tmp_path, FOUR, ACCELERATE_CPU_4PROC)
-    for ranks in runs.values():
+    runs = shared_runs("compression", ACCELERATE_CPU_4PROC)
+    for _, ranks in runs.values():
         assert [step for step, _ in ranks[0]["digests"]] == [3, 6]
         assert all(rank["digests"] == ranks[0]["digests"] for rank in ranks)
-    for record in read_syncs(tmp_path / "groups-int8" / "run"):
+    for record in read_syncs(runs["groups-int8"][0] / "run"):
         assert record["intra_replica_bytes"] > 0 and record["compression_ratio"] > 3.5
 
 

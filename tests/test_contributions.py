@@ -28,15 +28,14 @@ from helpers import (
     cli,
     corrupted_corpora,
     env,
-    free_port,
     lighthouse,
     replica_training_pid,
+    train_runs,
     wait_for,
 )
 
 from hf_diloco.contributions import ContributionChecks, Limits, judge, leave_one_out
 from hf_diloco.metrics import read_syncs
-from hf_diloco.runs import LAUNCHER
 
 HOOK = REPO / "tests" / "scripts" / "contribution_hook"
 RUN_MARK = "=== run {} ==="  # what tests/scripts/train_runs.py prints before each run
@@ -271,12 +270,7 @@ def torch_launches(folder: Path, data: dict[str, Path], runs: dict[str, tuple[st
                          "--save_every_rounds", "0", "--data_sharding", "non_iid", "--dataset_name", str(data[corpus]),
                          *extra]}
                for name, (corpus, hook, extra) in runs.items()]
-    command = [sys.executable, "-m", LAUNCHER, "--config_file", str(ACCELERATE_CPU_4PROC), "--main_process_port",
-               str(free_port()), "--num_processes", str(replicas), str(REPO / "tests" / "scripts" / "train_runs.py"),
-               json.dumps(payload)]
-    result = subprocess.run(command, cwd=REPO, env={**env(), "PYTHONPATH": str(HOOK)}, capture_output=True,
-                            text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = train_runs(payload, ACCELERATE_CPU_4PROC, processes=replicas, environ={"PYTHONPATH": str(HOOK)})
     console = result.stdout + result.stderr
     for name in runs:
         mark = RUN_MARK.format(name)

@@ -1,9 +1,9 @@
 """Two real replica processes under `accelerate launch` (gloo): the algorithm, checked end to end.
 
 Each test reads back what every rank of tests/scripts/replica_run.py recorded. The runs of replicas of one process
-are trained by one launch of two processes (`two`), those of replicas of two processes by one launch of four
-(`four`), each run in its own folder (tests/helpers.py replica_runs); the tests of `paper_run` read one run (paper
-outer settings, H = 5, 12 steps: rounds end at 5, 10, 12), which tests/conftest.py launches once for the session.
+(`two`) and those of replicas of two processes (`four`) are trained in the session's shared launches of two and
+four processes, each run in its own folder (tests/helpers.py share); the tests of `paper_run` read one run (paper
+outer settings, H = 5, 12 steps: rounds end at 5, 10, 12), the first of the shared launch of two.
 """
 
 import copy
@@ -17,7 +17,7 @@ from helpers import (
     ACCELERATE_CPU_4PROC,
     GATHER,
     pattern_blocks,
-    replica_runs,
+    share,
     tiny_llama,
 )
 
@@ -65,18 +65,20 @@ FOUR = {
 }
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    """name → (folder, every rank's record) of each run of TWO."""
-    folder = tmp_path_factory.mktemp("two")
-    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, TWO).items()}
+share("distributed", TWO)
+share("distributed", FOUR, ACCELERATE_CPU_4PROC)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    """name → (folder, every rank's record) of each run of FOUR."""
-    folder = tmp_path_factory.mktemp("four")
-    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, FOUR, ACCELERATE_CPU_4PROC).items()}
+def two(shared_runs):
+    """name → (folder, every rank's record) of each run of TWO (the session's shared launch of two processes)."""
+    return shared_runs("distributed")
+
+
+@pytest.fixture(scope="module")
+def four(shared_runs):
+    """name → (folder, every rank's record) of each run of FOUR (the shared launch of four processes)."""
+    return shared_runs("distributed", ACCELERATE_CPU_4PROC)
 
 
 def test_replicas_hold_bit_identical_parameters_after_every_sync(paper_run):

@@ -13,13 +13,21 @@ pytestmark = pytest.mark.process  # every test here starts processes
 FAULT_RUN = str(REPO / "tests" / "scripts" / "fault_run.py")
 
 
-def test_a_replica_with_nan_sits_the_round_out_and_training_goes_on(tmp_path):
+@pytest.fixture(scope="module")
+def bad_replicas(tmp_path_factory):
+    """One launch of two processes: a run where replica 1 goes NaN once, then one where both do until the run
+    stops (last: it ends the processes with its error). Returns (the launch, the two runs' folders)."""
+    folder = tmp_path_factory.mktemp("faults")
+    runs = [{"out": str(folder / "nan"), "poison": {"1": [4]}},
+            {"out": str(folder / "all-bad"), "poison": {"0": [4, 8], "1": [4, 8]}, "max_bad_rounds": 2}]
+    return accelerate_launch([FAULT_RUN, json.dumps(runs)]), folder / "nan", folder / "all-bad"
+
+
+def test_a_replica_with_nan_sits_the_round_out_and_training_goes_on(bad_replicas):
     """Replica 1's parameters turn NaN just before the sync at step 4. That round averages replica 0 alone: with
     FedAvg (outer lr 1, no momentum) θ_global becomes replica 0's parameters, and both replicas take it; the next
     rounds have both replicas again and finite losses. The round record names the replica."""
-    settings = {"out": str(tmp_path), "poison": {"1": [4]}}
-    result = accelerate_launch([FAULT_RUN, json.dumps(settings)])
-    assert result.returncode == 0, result.stderr[-4000:]
+    _, tmp_path, _ = bad_replicas
     rounds = read_syncs(tmp_path / "run")
     assert [r["step"] for r in rounds] == [4, 8, 12]
     assert rounds[0]["non_finite_replicas"] == [1] and rounds[0]["participants"] == 1
@@ -33,10 +41,9 @@ def test_a_replica_with_nan_sits_the_round_out_and_training_goes_on(tmp_path):
         assert all(json.loads((tmp_path / f"rank{rank}.json").read_text())["finite_after_sync"])
 
 
-def test_a_run_where_every_replica_goes_bad_stops_with_one_sentence(tmp_path):
+def test_a_run_where_every_replica_goes_bad_stops_with_one_sentence(bad_replicas):
     """Both replicas NaN before the syncs at 4 and 8: the outer step is skipped twice, then the run stops."""
-    settings = {"out": str(tmp_path), "poison": {"0": [4, 8], "1": [4, 8]}, "max_bad_rounds": 2}
-    result = accelerate_launch([FAULT_RUN, json.dumps(settings)])
+    result, _, tmp_path = bad_replicas
     assert result.returncode != 0
     assert "no replica had a finite pseudo-gradient for 2 consecutive rounds (last at step 8)" in result.stderr
     rounds = read_syncs(tmp_path / "run")

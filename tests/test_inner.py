@@ -1,25 +1,20 @@
 """The inner optimizer (hf_diloco.inner): `inner_optimizer: muon` splits the model as Muon's users do, steps each
-part as a hand computation says, follows the learning-rate schedule, resumes exactly, and trains replicas that stay
-identical after every sync in real launches (tests/test_torchft.py runs it on torchft, tests/test_compression.py
-with DDP inside replicas of two processes)."""
+part as a hand computation says, follows the learning-rate schedule and resumes exactly. Real processes elsewhere:
+the recipes with Muon for DiLoCo and its DDP baseline (tests/test_recipes.py), replicas identical after every
+sync (tests/test_compression.py: streamed int4 with error feedback, DDP inside replicas of two processes;
+tests/test_torchft.py: torchft against the torch backend)."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, pattern_dataset, replica_runs, tiny_llama
+from helpers import pattern_dataset, tiny_llama
 from torch import nn
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer
 from hf_diloco.config import ConfigError
-from hf_diloco.hub import model_card
 from hf_diloco.inner import MuonWithAdamW, muon_parameter_names, muon_with_adamw
-from hf_diloco.metrics import read_syncs
-from hf_diloco.runs import LAUNCHER
 
 COMMON = dict(per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=3, lr_scheduler_type="cosine",
               weight_decay=0.1, max_grad_norm=1.0, save_strategy="no", report_to="none", disable_tqdm=True,
@@ -202,68 +197,3 @@ def test_muon_is_refused_where_a_replica_splits_its_matrices_and_for_an_unknown_
     assert said["fsdp"].startswith("inner_optimizer muon orthogonalizes each whole weight matrix, and with FSDP2")
     assert "with tensor parallel inside a replica" in said["tp"]
     assert said["name"] == "inner_optimizer must be one of adamw, muon, got 'sgd'."
-
-
-# --- real replicas -----------------------------------------------------------------------------------------------
-
-RUNS = {
-    "muon": {"inner_optimizer": "muon", "inner_steps": 5, "max_steps": 40, "learning_rate": 3e-3},
-    "muon-streamed-int4+ef": {"inner_optimizer": "muon", "inner_steps": 6, "max_steps": 24, "num_fragments": 2,
-                              "sync_delay": 1, "compression": "int4", "error_feedback": True},
-}
-
-
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("inner")
-    return {name: (folder / name, ranks) for name, ranks in replica_runs(folder, RUNS).items()}
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("name", list(RUNS))
-def test_two_replicas_with_muon_are_identical_after_every_sync_and_learn(two, name):
-    """Two replicas of one process on the torch backend, inner_optimizer muon, fp32 syncs (8 of H = 5) and
-    2 streamed fragments in int4 with error feedback, overlapped one step: both processes hold the same parameters
-    after every sync (streamed: at the end, when the last sync carries both fragments), and the loss at the last
-    sync is below the first sync's."""
-    folder, ranks = two[name]
-    records = read_syncs(folder / "run")
-    assert len(records) >= 4 and ranks[0]["digests"][-1][0] == records[-1]["step"]
-    if "num_fragments" in RUNS[name]:  # a fragment's sync leaves the other fragment each replica's own
-        assert ranks[0]["digests"][-1] == ranks[1]["digests"][-1]
-    else:
-        assert ranks[0]["digests"] == ranks[1]["digests"]
-    assert records[-1]["loss"] < records[0]["loss"] - 0.2, [r["loss"] for r in records]
-
-
-@pytest.mark.process
-def test_recipes_train_with_muon_through_hf_diloco_train_diloco_and_its_ddp_baseline(tmp_path):
-    """`hf-diloco train` of recipes/tiny-pretrain.yaml and recipes/ddp-baseline.yaml with `--inner_optimizer muon`
-    on two processes (one launch, tests/scripts/train_runs.py): the checkpoint each saves holds Muon's and
-    AdamW's states (DiLoCo: each replica's own; DDP: the one optimizer: Muon's momentum for the 7 matrices of each
-    of tiny-llama's layers), the run's record and model card name the inner optimizer, and DiLoCo's held-out loss
-    fell from its evaluation at the start."""
-    short = ["--max_steps", "20", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
-             "--eval_strategy", "steps", "--eval_steps", "20", "--eval_on_start", "true", "--disable_tqdm", "true",
-             "--report_to", "none", "--inner_optimizer", "muon", "--save_strategy", "steps", "--save_steps", "20"]
-    runs = [{"name": name, "recipe": f"recipes/{recipe}", "args": [*short, "--output_dir", str(tmp_path / name)]}
-            for name, recipe in (("diloco", "tiny-pretrain.yaml"), ("ddp", "ddp-baseline.yaml"))]
-    result = subprocess.run(
-        [sys.executable, "-m", LAUNCHER, "--config_file", str(ACCELERATE_CPU_2PROC), "--main_process_port",
-         str(free_port()), str(REPO / "tests" / "scripts" / "train_runs.py"), json.dumps(runs)],
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    saved = {"diloco": tmp_path / "diloco" / "checkpoint-20" / "process-1" / "optimizer.pt",
-             "ddp": tmp_path / "ddp" / "checkpoint-20" / "optimizer.pt"}
-    layers = json.loads((tmp_path / "diloco" / "config.json").read_text())["num_hidden_layers"]
-    for name, path in saved.items():
-        state = torch.load(path, weights_only=True)
-        assert set(state) == {"muon", "adamw"}, name
-        muon = state["muon"]["state"]
-        assert len(muon) == 7 * layers and all("momentum_buffer" in s for s in muon.values()), name
-    card = model_card(tmp_path / "diloco")
-    assert "(`inner_optimizer`) | muon | adamw |" in card
-    assert json.loads((tmp_path / "diloco" / "run_config.json").read_text())["diloco"]["inner_optimizer"] == "muon"
-    log = [json.loads(line) for line in (tmp_path / "diloco" / "trainer_log.jsonl").read_text().splitlines()]
-    evaluations = [entry["eval_loss"] for entry in log if "eval_loss" in entry]
-    assert len(evaluations) == 2 and evaluations[1] < evaluations[0] - 0.3, evaluations

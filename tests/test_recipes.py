@@ -7,8 +7,10 @@ import re
 import pytest
 import torch
 import yaml
-from helpers import REPO, accelerate_launch, cli, hf_diloco
+from helpers import REPO, cli, hf_diloco, train_runs
 from safetensors.torch import load_file
+
+from hf_diloco.hub import model_card
 
 RECIPES = REPO / "recipes"
 SHORT = ["--max_steps", "4", "--inner_steps", "2", "--block_size", "64", "--eval_strategy", "no",
@@ -102,16 +104,42 @@ def test_paper_recipe_dry_run_describes_the_paper_setup():
     assert sent_gb == pytest.approx(params * 4 * 2 * 7 / 8 / 1e9, abs=0.01)
 
 
+# The runs of two processes below, trained in turn by one launch (tests/scripts/train_runs.py: `hf-diloco train`'s
+# own path; the start-up paid once). MUON: DiLoCo and its DDP baseline with `--inner_optimizer muon`, evaluated at
+# the start and the end, saving at step 20.
+MUON = ["--max_steps", "20", "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4",
+        "--eval_strategy", "steps", "--eval_steps", "20", "--eval_on_start", "true", "--disable_tqdm", "true",
+        "--report_to", "none", "--inner_optimizer", "muon", "--save_strategy", "steps", "--save_steps", "20"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict:
+    """name → output folder of each run of two processes; "base" is the tiny-llama the LoRA run fine-tunes."""
+    folder = tmp_path_factory.mktemp("recipes")
+    from hf_diloco.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    model.save_pretrained(folder / "base")
+    tokenizer.save_pretrained(folder / "base")
+    runs = {
+        "ddp": ("ddp-baseline.yaml", [*SHORT, "--warmup_steps", "0"]),  # full learning rate: the weights move
+        "lora": ("lora-finetune.yaml", [*SHORT, "--model_name_or_path", str(folder / "base"), "--compression",
+                                        "int8"]),
+        "diloco-muon": ("tiny-pretrain.yaml", MUON),
+        "ddp-muon": ("ddp-baseline.yaml", MUON),
+    }
+    train_runs([{"name": name, "recipe": str(RECIPES / recipe), "args": [*args, "--output_dir", str(folder / name)]}
+                for name, (recipe, args) in runs.items()])
+    return {name: folder / name for name in [*runs, "base"]}
+
+
 @pytest.mark.process
-def test_ddp_baseline_is_data_parallel_training(tmp_path):
+def test_ddp_baseline_is_data_parallel_training(two_processes, tmp_path):
     """trainer: ddp all-reduces gradients every step: two processes with batch 8 end where one process with batch 16
     does (same shuffle, equal token counts, so the mean of the two gradients is the batch-16 gradient); tol 1e-5.
     Independent replicas would end far apart from it."""
-    out = tmp_path / "ddp"
-    short = [*SHORT, "--warmup_steps", "0"]  # full learning rate from the first step, so the weights move
-    result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", str(RECIPES / "ddp-baseline.yaml"),
-                                *short, "--output_dir", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = two_processes["ddp"]
+    short = [*SHORT, "--warmup_steps", "0"]
     assert not (out / "syncs.jsonl").exists(), "DDP has no outer rounds"
     single = tmp_path / "single"
     result = hf_diloco("train", "--config", str(RECIPES / "ddp-baseline.yaml"), *short, "--output_dir", str(single),
@@ -129,30 +157,42 @@ def test_ddp_baseline_is_data_parallel_training(tmp_path):
 
 
 @pytest.mark.process
-def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(tmp_path):
+def test_lora_finetune_syncs_only_adapters_and_saves_merged_model(two_processes):
     """Two replicas fine-tune LoRA adapters with the int8 codec: only the adapters are synced (and counted), int8
     sends about a quarter of their fp32 bytes, and the merged model holds the trained attention weights."""
-    base = tmp_path / "base"
-    from hf_diloco.models import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer("tiny-llama")
-    model.save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    out = tmp_path / "lora"
-    result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", str(RECIPES / "lora-finetune.yaml"),
-                                *SHORT, "--model_name_or_path", str(base), "--output_dir", str(out),
-                                "--compression", "int8"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = two_processes["lora"]
+    original = load_file(two_processes["base"] / "model.safetensors")
     adapter = load_file(out / "adapter_model.safetensors")
     adapter_numel = sum(t.numel() for t in adapter.values())
     rounds = [json.loads(line) for line in (out / "syncs.jsonl").read_text().splitlines()]
     assert {r["synced_parameters"] for r in rounds} == {adapter_numel}
     assert {r["num_replicas"] for r in rounds} == {2} and all(3.9 < r["compression_ratio"] < 4.0 for r in rounds)
-    assert adapter_numel < sum(p.numel() for p in model.parameters()) / 10
+    assert adapter_numel < sum(t.numel() for t in original.values()) / 10
     merged = load_file(out / "merged" / "model.safetensors")
-    original = model.state_dict()
     changed = [k for k in merged if "q_proj" in k and not (merged[k] == original[k]).all()]
     assert changed, "merging the trained adapters changes the attention weights"
+
+
+@pytest.mark.process
+def test_recipes_train_with_muon_for_diloco_and_its_ddp_baseline(two_processes):
+    """recipes/tiny-pretrain.yaml and recipes/ddp-baseline.yaml with `--inner_optimizer muon` on two processes:
+    the checkpoint each saves holds Muon's and AdamW's states (DiLoCo: each replica's own; DDP: the one
+    optimizer), Muon's a momentum for each of the 7 weight matrices of every layer, the run's record and model card
+    name the inner optimizer, and DiLoCo's held-out loss fell from its evaluation at the start."""
+    diloco = two_processes["diloco-muon"]
+    saved = {"diloco": diloco / "checkpoint-20" / "process-1" / "optimizer.pt",
+             "ddp": two_processes["ddp-muon"] / "checkpoint-20" / "optimizer.pt"}
+    layers = json.loads((diloco / "config.json").read_text())["num_hidden_layers"]
+    for name, path in saved.items():
+        state = torch.load(path, weights_only=True)
+        assert set(state) == {"muon", "adamw"}, name
+        muon = state["muon"]["state"]
+        assert len(muon) == 7 * layers and all("momentum_buffer" in s for s in muon.values()), name
+    assert "(`inner_optimizer`) | muon | adamw |" in model_card(diloco)
+    assert json.loads((diloco / "run_config.json").read_text())["diloco"]["inner_optimizer"] == "muon"
+    log = [json.loads(line) for line in (diloco / "trainer_log.jsonl").read_text().splitlines()]
+    evaluations = [entry["eval_loss"] for entry in log if "eval_loss" in entry]
+    assert len(evaluations) == 2 and evaluations[1] < evaluations[0] - 0.3, evaluations
 
 
 def test_launch_refuses_the_sharded_layouts_it_cannot_keep_inside_a_replica(tmp_path):

@@ -1,10 +1,8 @@
 """Checkpoints at round boundaries hold everything DiLoCo needs; resuming reproduces the uninterrupted run."""
 
-import shutil
-
 import pytest
 import torch
-from helpers import REPO, accelerate_launch, pattern_dataset, tiny_llama
+from helpers import REPO, pattern_dataset, tiny_llama, train_runs
 from safetensors.torch import load_file
 from transformers import default_data_collator
 
@@ -16,22 +14,31 @@ SMALL = ["--max_steps", "30", "--inner_steps", "10", "--block_size", "64", "--pe
          "--save_steps", "10", "--disable_tqdm", "true"]
 
 
-def train_cli(*extra):
-    result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", RECIPE, *SMALL, *extra])
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result
-
-
 def max_difference(a, b) -> float:
     x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume") / "full"
-    train_cli("--output_dir", str(out))
-    return out
+def runs(tmp_path_factory):
+    """Three `hf-diloco train` runs of two replicas in one launch: `full` (30 steps, a round checkpoint every 10),
+    `resumed` from its checkpoint-20, and `partial` from a copy of checkpoint-20 without the outer state."""
+    folder = tmp_path_factory.mktemp("resume")
+    checkpoint = str(folder / "full" / "checkpoint-20")
+
+    def run(name, *extra, **prepare):
+        return {"name": name, "recipe": RECIPE, "args": [*SMALL, "--output_dir", str(folder / name), *extra],
+                **prepare}
+
+    train_runs([run("full"), run("resumed", "--resume_from_checkpoint", checkpoint),
+                run("partial", "--resume_from_checkpoint", str(folder / "copy"),
+                    copy=[checkpoint, str(folder / "copy")], leave_out=["diloco_outer.pt"])])
+    return {name: folder / name for name in ("full", "resumed", "partial", "copy")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    return runs["full"]
 
 
 @pytest.mark.process
@@ -50,21 +57,15 @@ def test_round_checkpoint_holds_every_replica_and_the_outer_state(uninterrupted)
 
 
 @pytest.mark.process
-def test_resume_from_round_checkpoint_matches_uninterrupted_run(uninterrupted, tmp_path):
-    resumed = tmp_path / "resumed"
-    train_cli("--output_dir", str(resumed), "--resume_from_checkpoint", str(uninterrupted / "checkpoint-20"))
-    assert max_difference(uninterrupted, resumed) <= 1e-6
+def test_resume_from_round_checkpoint_matches_uninterrupted_run(runs):
+    assert max_difference(runs["full"], runs["resumed"]) <= 1e-6
 
 
 @pytest.mark.process
-def test_resume_without_outer_state_does_not_match(uninterrupted, tmp_path):
+def test_resume_without_outer_state_does_not_match(runs):
     """The comparison above can fail: dropping the outer momentum from the checkpoint changes the result."""
-    partial = tmp_path / "checkpoint-20"
-    shutil.copytree(uninterrupted / "checkpoint-20", partial)
-    (partial / "diloco_outer.pt").unlink()
-    resumed = tmp_path / "resumed"
-    train_cli("--output_dir", str(resumed), "--resume_from_checkpoint", str(partial))
-    assert max_difference(uninterrupted, resumed) > 1e-5
+    assert (runs["copy"] / "model.safetensors").is_file() and not (runs["copy"] / "diloco_outer.pt").exists()
+    assert max_difference(runs["full"], runs["partial"]) > 1e-5
 
 
 def test_saves_inside_a_round_are_postponed_to_its_end(tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, replica_runs, wait_for
+from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, env, free_port, share, train_runs, wait_for
 from safetensors.torch import load_file
 
 from hf_diloco.metrics import read_syncs
@@ -45,21 +45,23 @@ ROUNDS = {
 }
 
 
+# The 2 x 2 run with FSDP2 ("fsdp") or DDP ("ddp") inside each replica, for each kind of ROUNDS, and FSDP2 with bf16
+# weights (alone, and with autocast): in the session's shared launch of four processes (tests/helpers.py share).
+LAYOUT_RUNS = {f"{layout}-{rounds.split()[0]}": {**SETTINGS, **ROUNDS[rounds], **({"fsdp": True} if layout == "fsdp"
+                                                                                 else {})}
+               for rounds in ROUNDS for layout in ("fsdp", "ddp")}
+LAYOUT_RUNS["fsdp-bf16"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16"}
+LAYOUT_RUNS["fsdp-autocast"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16", "bf16": True}
+share("sharded", LAYOUT_RUNS, ACCELERATE_CPU_4PROC)
+
+
 @pytest.fixture(scope="module")
-def all_layouts(tmp_path_factory) -> dict[tuple[str, str], tuple]:
-    """(layout, rounds) → (folder, every rank's record): the 2 x 2 run with FSDP2 ("fsdp") or DDP ("ddp") inside
-    each replica, for each kind of ROUNDS, trained in turn by the processes of one launch."""
-    folder = tmp_path_factory.mktemp("layouts")
-    settings = {f"{layout}-{rounds.split()[0]}": {**SETTINGS, **ROUNDS[rounds], **({"fsdp": True} if layout == "fsdp"
-                                                                                   else {})}
-                for rounds in ROUNDS for layout in ("fsdp", "ddp")}
-    settings["fsdp-bf16"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16"}
-    settings["fsdp-autocast"] = {**SETTINGS, "fsdp": True, "weights": "bfloat16", "bf16": True}
-    ranks = replica_runs(folder, settings, config=ACCELERATE_CPU_4PROC, script="replica_run.py")
-    found = {(name.split("-")[0], rounds): (folder / name, ranks[name])
-             for rounds in ROUNDS for name in settings if name.endswith(rounds.split()[0])}
-    return {**found, ("fsdp", "bf16 weights"): (folder / "fsdp-bf16", ranks["fsdp-bf16"]),
-            ("fsdp", "bf16 autocast"): (folder / "fsdp-autocast", ranks["fsdp-autocast"])}
+def all_layouts(shared_runs) -> dict[tuple[str, str], tuple]:
+    """(layout, rounds) → (folder, every rank's record) of LAYOUT_RUNS."""
+    runs = shared_runs("sharded", ACCELERATE_CPU_4PROC)
+    found = {(name.split("-")[0], rounds): runs[name]
+             for rounds in ROUNDS for name in LAYOUT_RUNS if name.endswith(rounds.split()[0])}
+    return {**found, ("fsdp", "bf16 weights"): runs["fsdp-bf16"], ("fsdp", "bf16 autocast"): runs["fsdp-autocast"]}
 
 
 @pytest.fixture(scope="module", params=list(ROUNDS))
@@ -157,7 +159,10 @@ def test_a_killed_sharded_run_resumes_from_its_round_checkpoint_and_ends_where_a
     rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == list(range(10, 41, 10))
     assert sum("resumed_from" in r for r in rounds) == 1
-    finish(launch_sharded(clean))
+    # The uninterrupted run, started as `hf-diloco launch` starts its processes (its own checks ran above).
+    train_runs([{"name": "clean", "recipe": "recipes/fsdp-replicas.yaml", "args": [*short, "--output_dir",
+                                                                                   str(clean)]}],
+               REPO / "accelerate_configs" / "cpu-fsdp-2x2.yaml")
     killed, uninterrupted = load_file(out / "model.safetensors"), load_file(clean / "model.safetensors")
     assert killed.keys() == uninterrupted.keys()
     worst = max((killed[k] - uninterrupted[k]).abs().max().item() for k in killed)

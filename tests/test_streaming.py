@@ -18,43 +18,52 @@ def write_documents(path: Path, count: int) -> None:
                             for i in range(count)))
 
 
-def launch_stream_run(tmp_path: Path, settings: dict) -> list[list[int]]:
-    """Each rank's documents in the order it trained on them."""
-    result = accelerate_launch([str(SCRIPT), json.dumps({"out": str(tmp_path), **settings})])
+MODES = ["cli, one file: every other document", "python, 4 shards: 2 each", "sft, one file of conversations"]
+
+
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory) -> dict[str, tuple[list[list[int]], set[int], int]]:
+    """mode → (each rank's documents in the order it trained on them, the held-out documents, one epoch's rows),
+    the three modes trained in turn by one launch of two processes."""
+    folder = tmp_path_factory.mktemp("streams")
+
+    def common(name: str) -> list[str]:
+        return ["--streaming", "true", "--eval_blocks", "4", "--max_steps", "12", "--inner_steps", "4",
+                "--per_device_train_batch_size", "2", "--eval_strategy", "no", "--output_dir",
+                str(folder / name / "run"), "--save_strategy", "no", "--save_every_rounds", "0", "--report_to",
+                "none", "--disable_tqdm", "true"]
+
+    chats, corpus = folder / "chats.jsonl", folder / "corpus.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q-{i:05d}"},
+                                                      {"role": "assistant", "content": "a"}]}) + "\n"
+                             for i in range(40)))
+    write_documents(corpus, 40)
+    runs = {
+        MODES[0]: {"mode": "cli", "args": ["--dataset_name", str(corpus), "--block_size", str(BLOCK), *common("cli")]},
+        MODES[1]: {"mode": "python", "documents": 40, "shards": 4, "inner_steps": 4, "max_steps": 12, "batch": 2},
+        MODES[2]: {"mode": "cli", "args": ["--config", "recipes/sft-lora.yaml", "--dataset_name", str(chats),
+                                           "--max_length", "64", *common("sft")]},
+    }
+    outs = {mode: folder / f"mode{i}" for i, mode in enumerate(runs)}
+    for out in outs.values():
+        out.mkdir()
+    result = accelerate_launch([str(SCRIPT), json.dumps([{"out": str(outs[m]), **s} for m, s in runs.items()])],
+                               timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [[d for step in json.loads((tmp_path / f"rank{r}.json").read_text()) for d in step] for r in range(2)]
+    held_out = {MODES[0]: (set(range(4)), 18), MODES[1]: (set(), 20), MODES[2]: (set(range(4)), 18)}
+    return {mode: ([[d for step in json.loads((outs[mode] / f"rank{r}.json").read_text()) for d in step]
+                    for r in range(2)], *held_out[mode]) for mode in runs}
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("mode", ["cli, one file: every other document", "python, 4 shards: 2 each",
-                                  "sft, one file of conversations"])
-def test_each_replica_trains_its_own_part_of_a_stream_once_per_epoch(tmp_path, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_each_replica_trains_its_own_part_of_a_stream_once_per_epoch(streams, mode):
     """40 one-block documents, 2 replicas, batch 2. `hf-diloco train` on one jsonl file (datasets gives each
     replica every other document) holding out the first 4; DiLoCoTrainer handed a stream of 4 shards (each replica
     reads two whole shards); `trainer: sft` (recipes/sft-lora.yaml) on 40 conversations in one jsonl file, the
     first 4 held out. Within its first epoch a replica trains on each document of its part once, the parts are
     disjoint and together cover every training document; the second epoch reads the same part again."""
-    common = ["--streaming", "true", "--eval_blocks", "4", "--max_steps", "12", "--inner_steps", "4",
-              "--per_device_train_batch_size", "2", "--eval_strategy", "no", "--output_dir", str(tmp_path / "run"),
-              "--save_strategy", "no", "--save_every_rounds", "0", "--report_to", "none", "--disable_tqdm", "true"]
-    if mode.startswith("sft"):
-        corpus = tmp_path / "chats.jsonl"
-        corpus.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q-{i:05d}"},
-                                                           {"role": "assistant", "content": "a"}]}) + "\n"
-                                  for i in range(40)))
-        held_out, epoch = set(range(4)), 18
-        seen = launch_stream_run(tmp_path, {"mode": "cli", "args": [
-            "--config", "recipes/sft-lora.yaml", "--dataset_name", str(corpus), "--max_length", "64", *common]})
-    elif mode.startswith("cli"):
-        corpus = tmp_path / "corpus.jsonl"
-        write_documents(corpus, 40)
-        held_out, epoch = set(range(4)), 18
-        seen = launch_stream_run(tmp_path, {"mode": "cli", "args": [
-            "--dataset_name", str(corpus), "--block_size", str(BLOCK), *common]})
-    else:
-        held_out, epoch = set(), 20
-        seen = launch_stream_run(tmp_path, {"mode": "python", "documents": 40, "shards": 4, "inner_steps": 4,
-                                            "max_steps": 12, "batch": 2})
+    seen, held_out, epoch = streams[mode]
     assert [len(s) for s in seen] == [24, 24]  # 12 steps of 2 rows
     first = [s[:epoch] for s in seen]
     for part in first:

@@ -3,20 +3,16 @@ every attention and MLP weight (transformers' tensor-parallel plan), and DiLoCo 
 piece. Real launches (gloo): 2 replicas x 2 processes against 2 replicas of one process on the same data."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from helpers import (
-    ACCELERATE_CPU_2PROC,
     ACCELERATE_CPU_4PROC,
     REPO,
-    accelerate_launch,
-    env,
-    free_port,
     replica_runs,
+    share,
     tiny_llama,
+    train_runs,
 )
 from safetensors.torch import load_file
 
@@ -29,13 +25,6 @@ SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 SETTINGS = dict(inner_steps=3, max_steps=10, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
 # Streaming: 2 fragments (one every 2 steps), each overlapped with 1 inner step, int4 with error feedback.
 STREAMED = {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "inner_steps": 4}
-
-
-def launch(tmp_path, processes: int, **settings) -> list[dict]:
-    config = ACCELERATE_CPU_4PROC if processes == 4 else ACCELERATE_CPU_2PROC
-    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), **SETTINGS, **settings})], config=config)
-    assert result.returncode == 0, f"replica run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
 def rounds_of(tmp_path) -> list[dict]:
@@ -53,12 +42,14 @@ def split_runs(tmp_path_factory):
     return {name: (folder / name, ranks) for name, ranks in runs.items()}
 
 
+share("tensor_parallel", {"plain": SETTINGS})  # replicas of one process, in the session's shared launch of two
+
+
 @pytest.fixture(scope="module")
-def fp32_layouts(tmp_path_factory, split_runs):
+def fp32_layouts(split_runs, shared_runs):
     """The same two replicas twice, with fp32 syncs: each split over 2 processes by tensor parallel, and each one
     process."""
-    plain = tmp_path_factory.mktemp("plain-fp32")
-    return {"tp": split_runs["fp32"], "plain": (plain, launch(plain, 2))}
+    return {"tp": split_runs["fp32"], "plain": shared_runs("tensor_parallel")["plain"]}
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +160,9 @@ def test_tensor_parallel_refusals_say_why_in_one_sentence():
 
 
 @pytest.mark.process
-def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_model(tmp_path):
-    """`hf-diloco launch recipes/tp-replicas.yaml --accelerate-config accelerate_configs/cpu-tp-2x2.yaml`: 20 steps
-    with a round checkpoint every 10; a second launch resumed from checkpoint-10 ends with the same model (each
+def test_a_tensor_parallel_run_resumes_exactly_and_saves_an_ordinary_model(tmp_path):
+    """`hf-diloco train recipes/tp-replicas.yaml` under `accelerate_configs/cpu-tp-2x2.yaml`: 20 steps with a
+    round checkpoint every 10; a second run resumed from checkpoint-10 ends with the same model (each
     process reads its own AdamW pieces, and θ_global and the outer momentum of its rank), and the final save is an
     ordinary consolidated model that loads whole. `recipes/fsdp-tp-replicas.yaml` with `cpu-fsdp-tp-2x4.yaml` (each
     piece sharded by FSDP2 too: 8 processes, twice as long) is not run here: its save and resume take the
@@ -181,20 +172,14 @@ def test_launch_resumes_a_tensor_parallel_run_exactly_and_saves_an_ordinary_mode
     short = ["--max_steps", "20", "--inner_steps", "10", "--block_size", "64", "--per_device_train_batch_size", "2",
              "--eval_strategy", "no", "--eval_on_start", "false", "--logging_steps", "1000", "--disable_tqdm", "true",
              "--report_to", "none"]
-
-    def launch_tp(output_dir, *extra):
-        command = [sys.executable, "-m", "hf_diloco.cli", "launch", str(REPO / "recipes" / "tp-replicas.yaml"),
-                   "--accelerate-config", str(REPO / "accelerate_configs" / "cpu-tp-2x2.yaml"),
-                   "--port", str(free_port()), "--", "--output_dir", str(output_dir), *short, *extra]
-        result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO, timeout=600)
-        assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-        return result
-
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    launch_tp(full)
-    resumed.mkdir()
-    subprocess.run(["cp", "-r", str(full / "checkpoint-10"), str(resumed)], check=True)
-    launch_tp(resumed, "--resume_from_checkpoint", str(resumed / "checkpoint-10"))
+    # Both runs in one launch of the processes `hf-diloco launch` starts (train_runs: the start-up paid once; the
+    # launch's own path for this layout is tests/test_trl.py's tensor-parallel run): the second resumes the first's
+    # round checkpoint into a folder of its own.
+    train_runs([{"name": name, "recipe": "recipes/tp-replicas.yaml", "args": [*short, "--output_dir", str(out), *extra]}
+                for name, out, extra in (("full", full, []), ("resumed", resumed, [
+                    "--resume_from_checkpoint", str(full / "checkpoint-10")]))],
+               REPO / "accelerate_configs" / "cpu-tp-2x2.yaml")
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

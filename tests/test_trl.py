@@ -19,14 +19,29 @@ pytestmark = pytest.mark.process  # every test here starts processes
 SCRIPT = str(REPO / "tests" / "scripts" / "trl_run.py")
 
 
-@pytest.mark.parametrize("trainer, lora", [("sft", False), ("dpo", True)], ids=["sft", "dpo-lora"])
-def test_trl_trainers_run_as_replicas_with_nothing_crossing_between_syncs(tmp_path, trainer, lora):
+TRL_RUNS = {"sft": ("sft", False), "dpo-lora": ("dpo", True)}
+
+
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory):
+    """name → folder of each TRL_RUNS run, both trained in turn by one launch of two processes."""
+    folder = tmp_path_factory.mktemp("trl")
+    runs = [{"out": str(folder / name), "trainer": trainer, "lora": lora} for name, (trainer, lora) in TRL_RUNS.items()]
+    for run in runs:
+        (folder / run["out"]).mkdir()
+    result = accelerate_launch([SCRIPT, json.dumps(runs)], timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: folder / name for name in TRL_RUNS}
+
+
+@pytest.mark.parametrize("name", list(TRL_RUNS))
+def test_trl_trainers_run_as_replicas_with_nothing_crossing_between_syncs(trl_runs, name):
     """2 replicas, H = 2, 4 steps: no collective inside any training step (TRL gathers its metrics there: 4 a step
     for SFT, 15 for DPO, kept on each replica), both replicas hold the same parameters after each sync (with LoRA,
     the reference adapter TRL keeps included), TRL's own metrics are logged every step, and the model (or the
     adapter) is saved."""
-    result = accelerate_launch([SCRIPT, json.dumps({"out": str(tmp_path), "trainer": trainer, "lora": lora})])
-    assert result.returncode == 0, result.stderr[-4000:]
+    trainer, lora = TRL_RUNS[name]
+    tmp_path = trl_runs[name]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
         assert rank["calls"] == [], rank["calls"][:10]

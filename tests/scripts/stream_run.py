@@ -1,10 +1,11 @@
 """A streamed corpus trained by DiLoCo replicas under `accelerate launch`; each rank records what it trained on.
 
-Argument: a JSON object. `mode: cli` runs `hf-diloco train` (hf_diloco.cli.main) with `args`, where the corpus is
-split between replicas before it is tokenized; `mode: python` hands DiLoCoTrainer an unsplit
-`datasets.IterableDataset` of `documents` one-block documents in `shards` shards (block i starts with token i),
-which the trainer splits itself. Every training step's input rows are recorded; each rank writes
-`rank<r>.json` into `out`: per step, the document of each row (cli: the number written in its text, "doc-00012"
+Argument: a JSON object, or a list of them trained in turn by the same processes (the start-up paid once).
+`mode: cli` runs what `hf-diloco train` runs with `args` (its command line parsed by hf_diloco.cli, then
+hf_diloco.train.train), where the corpus is split between replicas before it is tokenized; `mode: python` hands
+DiLoCoTrainer an unsplit `datasets.IterableDataset` of `documents` one-block documents in `shards` shards (block i
+starts with token i), which the trainer splits itself. Every training step's input rows are recorded; each rank writes
+`rank<r>.json` into its `out`: per step, the document of each row (cli: the number written in its text, "doc-00012"
 or, in a conversation, "q-00012"; python: its first token); `record: false` records nothing.
 """
 
@@ -18,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_diloco.trainer import DiLoCoMixin  # noqa: E402
 
-settings = json.loads(sys.argv[1])
-out = Path(settings["out"])
 rank = int(os.environ.get("RANK", "0"))
+
+settings: dict = {}
 seen: list[list[int]] = []
 tokenizer = None
 training_step = DiLoCoMixin.training_step
@@ -39,13 +40,18 @@ def recording(self, model, inputs, num_items_in_batch=None):
 
 DiLoCoMixin.training_step = recording
 
-try:
+
+def train() -> None:
+    global tokenizer
     if settings["mode"] == "cli":
         from hf_diloco import cli
+        from hf_diloco import train as training
         from hf_diloco.models import byte_tokenizer
+        from hf_diloco.recipes import parse_train_args
 
         tokenizer = byte_tokenizer()
-        cli.main(["train", *settings["args"]])
+        args = cli.parse_command_line(["train", *settings["args"]])
+        training.train(*parse_train_args(args.config, args.overrides))
     else:
         from datasets import Dataset
         from helpers import tiny_llama
@@ -57,11 +63,18 @@ try:
         blocks = [[i] + [(i + t) % 64 for t in range(1, 16)] for i in range(n)]
         stream = Dataset.from_dict({"input_ids": blocks, "labels": blocks}).to_iterable_dataset(
             num_shards=settings["shards"])
-        config = DiLoCoConfig(output_dir=str(out / "run"), inner_steps=settings["inner_steps"],
+        config = DiLoCoConfig(output_dir=str(Path(settings["out"]) / "run"), inner_steps=settings["inner_steps"],
                               max_steps=settings["max_steps"], per_device_train_batch_size=settings["batch"],
                               learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True,
                               logging_steps=1000, disable_tqdm=True)
         DiLoCoTrainer(model=tiny_llama(), args=config, train_dataset=stream,
                       data_collator=default_data_collator).train()
-finally:
-    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+given = json.loads(sys.argv[1])
+for settings in given if isinstance(given, list) else [given]:
+    seen = []
+    try:
+        train()
+    finally:
+        (Path(settings["out"]) / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -6,12 +6,15 @@ read it at each call (tests/scripts/contribution_hook) apply to that run alone. 
 `hf-diloco train` runs (`parse_train_args`, then `hf_diloco.train.train`), in its own output folder; rank 0 prints
 `=== run NAME ===` on stdout and stderr before each, after every process has finished the run before (a barrier),
 so a test can cut the launch's console into the runs' own. A launch of the tiny model spends most of its time
-starting Pythons: this pays for them once.
+starting Pythons: this pays for them once. `"copy": [source, destination]` has rank 0 copy a folder a run before
+wrote (a checkpoint) before the run starts, leaving out the files named in `"leave_out"`.
 """
 
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -23,6 +26,9 @@ RUN_MARK = "=== run {} ==="
 
 def main() -> None:
     for run in json.loads(sys.argv[1]):
+        if "copy" in run and os.environ.get("RANK", "0") == "0":
+            source, destination = (Path(p) for p in run["copy"])
+            shutil.copytree(source, destination, ignore=shutil.ignore_patterns(*run.get("leave_out", [])))
         if dist.is_initialized():
             dist.barrier()
         if os.environ.get("RANK", "0") == "0":

@@ -1,6 +1,7 @@
 """One replica of TRL's SFTTrainer or DPOTrainer with DiLoCo (hf_diloco.trl), run under `accelerate launch`.
 
-Argument: a JSON object: `out` (folder), `trainer` ("sft" or "dpo"), `lora` (bool). The tiny-llama preset with the
+Argument: a JSON object: `out` (folder), `trainer` ("sft" or "dpo"), `lora` (bool); or a list of them, trained in
+turn by the same processes. The tiny-llama preset with the
 byte tokenizer (and its chat template) trains on the first 64 rows of the built-in chat or preference data, H = 2,
 4 steps, logging every step. Each rank writes `rank<r>.json`: the torch.distributed collectives it made inside
 training steps (TRL gathers its metrics there), a digest of its parameters after every sync, and the metrics TRL
@@ -23,8 +24,6 @@ from hf_diloco.models import give_chat_template, load_model_and_tokenizer
 from hf_diloco.train import add_lora
 from hf_diloco.trl import DiLoCoDPOConfig, DiLoCoDPOTrainer, DiLoCoSFTConfig, DiLoCoSFTTrainer
 
-settings = json.loads(sys.argv[1])
-out = Path(settings["out"])
 inside_step = [False]
 calls: list[str] = []
 
@@ -45,37 +44,6 @@ for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_o
         setattr(dist, name, counting(name, original))
         setattr(dist.distributed_c10d, name, getattr(dist, name))
 
-set_seed(0)  # the same LoRA initialisation on every replica, as hf-diloco train seeds it
-model, tokenizer = load_model_and_tokenizer("tiny-llama", max_positions=256)
-give_chat_template(tokenizer)
-reference = copy.deepcopy(model) if settings["trainer"] == "dpo" and not settings["lora"] else None
-if settings["lora"]:
-    model = add_lora(model, RunArguments(lora_r=4))
-common = dict(output_dir=str(out / "run"), inner_steps=2, max_steps=4, per_device_train_batch_size=2,
-              learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", save_every_rounds=0,
-              gradient_checkpointing=False, bf16=False, disable_tqdm=True, seed=0, max_length=128)
-if settings["trainer"] == "sft":
-    trainer = DiLoCoSFTTrainer(model=model, args=DiLoCoSFTConfig(**common), train_dataset=builtin_chat().select(
-        range(64)), processing_class=tokenizer)
-else:
-    trainer = DiLoCoDPOTrainer(model=model, ref_model=reference, args=DiLoCoDPOConfig(**common),
-                               train_dataset=builtin_preferences().select(range(64)), processing_class=tokenizer)
-
-step = trainer.training_step
-
-
-def counted_step(*args, **kwargs):
-    inside_step[0] = True
-    try:
-        return step(*args, **kwargs)
-    finally:
-        inside_step[0] = False
-
-
-trainer.training_step = counted_step
-sync = trainer.diloco.sync
-digests = []
-
 
 def digest(module) -> str:
     h = hashlib.sha256()
@@ -84,17 +52,53 @@ def digest(module) -> str:
     return h.hexdigest()
 
 
-def recorded_sync(step, max_steps):
-    stop = sync(step, max_steps)
-    if stop is not None:
-        digests.append((trainer.state.global_step, digest(trainer.model)))
-    return stop
+def run(settings: dict) -> None:
+    out = Path(settings["out"])
+    calls.clear()
+    set_seed(0)  # the same LoRA initialisation on every replica, as hf-diloco train seeds it
+    model, tokenizer = load_model_and_tokenizer("tiny-llama", max_positions=256)
+    give_chat_template(tokenizer)
+    reference = copy.deepcopy(model) if settings["trainer"] == "dpo" and not settings["lora"] else None
+    if settings["lora"]:
+        model = add_lora(model, RunArguments(lora_r=4))
+    common = dict(output_dir=str(out / "run"), inner_steps=2, max_steps=4, per_device_train_batch_size=2,
+                  learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", save_every_rounds=0,
+                  gradient_checkpointing=False, bf16=False, disable_tqdm=True, seed=0, max_length=128)
+    if settings["trainer"] == "sft":
+        trainer = DiLoCoSFTTrainer(model=model, args=DiLoCoSFTConfig(**common), train_dataset=builtin_chat().select(
+            range(64)), processing_class=tokenizer)
+    else:
+        trainer = DiLoCoDPOTrainer(model=model, ref_model=reference, args=DiLoCoDPOConfig(**common),
+                                   train_dataset=builtin_preferences().select(range(64)), processing_class=tokenizer)
+    step = trainer.training_step
+
+    def counted_step(*args, **kwargs):
+        inside_step[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside_step[0] = False
+
+    trainer.training_step = counted_step
+    sync = trainer.diloco.sync
+    digests = []
+
+    def recorded_sync(step, max_steps):
+        stop = sync(step, max_steps)
+        if stop is not None:
+            digests.append((trainer.state.global_step, digest(trainer.model)))
+        return stop
+
+    trainer.diloco.sync = recorded_sync
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"calls": list(calls), "digests": digests,
+                                                                  "logged": logged}))
+    trainer.save_model(str(out / "saved"))
 
 
-trainer.diloco.sync = recorded_sync
-trainer.train()
-logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-(out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"calls": calls, "digests": digests, "logged": logged}))
-trainer.save_model(str(out / "saved"))
+given = json.loads(sys.argv[1])
+for settings in given if isinstance(given, list) else [given]:
+    run(settings)
 launch.destroy_process_groups()
 launch.exit_process(0)
