@@ -102,13 +102,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return {"muon": self.muon.state_dict(), "adamw": None if self.adamw is None else self.adamw.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if set(state_dict) != {"muon", "adamw"}:
-            raise ValueError("this optimizer state was not saved by inner_optimizer muon (MuonWithAdamW); resume "
-                             "with the inner_optimizer the run was saved with.")
+        if not saved_by_muon(state_dict):
+            raise ConfigError("the checkpoint's optimizer state was saved by inner_optimizer adamw, and this run "
+                              "trains with inner_optimizer muon; resume with the inner_optimizer it was saved with.")
         self.muon.load_state_dict(state_dict["muon"])
         if self.adamw is not None:
             self.adamw.load_state_dict(state_dict["adamw"])
         self._link()
+
+
+def saved_by_muon(state_dict: dict) -> bool:
+    """Whether an optimizer state dict is MuonWithAdamW's (its two parts), not a single torch optimizer's."""
+    return set(state_dict) == {"muon", "adamw"}
+
+
+def check_resumable(optimizer, state_dict: dict) -> None:
+    """Refuse, in one sentence, a checkpoint of inner_optimizer muon resumed by another optimizer (the other way
+    round, MuonWithAdamW.load_state_dict refuses). `optimizer` may be wrapped (accelerate's AcceleratedOptimizer)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if saved_by_muon(state_dict) and not isinstance(optimizer, MuonWithAdamW):
+        raise ConfigError("the checkpoint's optimizer state was saved by inner_optimizer muon, and this run trains "
+                          "with inner_optimizer adamw; resume with the inner_optimizer it was saved with.")
 
 
 def muon_with_adamw(model: nn.Module, decay_names: Iterable[str], lr: float, weight_decay: float,

@@ -46,7 +46,7 @@ from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
 from .files import read_json, write_json
-from .inner import muon_for
+from .inner import check_resumable, muon_for
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
@@ -395,8 +395,8 @@ class DiLoCoMixin:
             return
         replica_dir = self._replica_dir(checkpoint)
         if (replica_dir / "optimizer.pt").exists():
-            # Loaded to CPU; the optimizer moves its state next to the parameters.
-            state = torch.load(replica_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+            state = torch.load(replica_dir / "optimizer.pt", map_location="cpu", weights_only=True)  # moved on load
+            check_resumable(self.optimizer, state)
             self.optimizer.load_state_dict(state)
             parallel.as_parameter_shards(self.optimizer)
             self.lr_scheduler.load_state_dict(torch.load(replica_dir / "scheduler.pt", weights_only=True))

@@ -167,9 +167,10 @@ def test_diloco_with_muon_at_one_replica_and_outer_lr1_is_trainer_with_the_same_
 
 def test_a_muon_run_resumes_from_its_round_checkpoint_exactly(tmp_path):
     """Muon's momentum and AdamW's moments are saved with the round checkpoint and loaded on resume: 10 steps
-    (H = 5) end where a run resumed from checkpoint-5 ends, to 1e-6; an AdamW state is refused by it."""
-    def run(out, resume=None):
-        args = DiLoCoConfig(output_dir=str(out), inner_steps=5, inner_optimizer="muon", max_steps=10,
+    (H = 5) end where a run resumed from checkpoint-5 ends, to 1e-6; a checkpoint of the other inner optimizer is
+    refused in one sentence, either way round."""
+    def run(out, resume=None, inner_optimizer="muon"):
+        args = DiLoCoConfig(output_dir=str(out), inner_steps=5, inner_optimizer=inner_optimizer, max_steps=10,
                             save_every_rounds=1, **{**COMMON, "save_strategy": "steps", "save_steps": 5})
         model = tiny_llama(seed=0)
         DiLoCoTrainer(model=model, args=args, train_dataset=pattern_dataset(),
@@ -182,8 +183,12 @@ def test_a_muon_run_resumes_from_its_round_checkpoint_exactly(tmp_path):
     model = untied_llama()
     adamw = torch.optim.AdamW(model.parameters())
     optimizer = muon_with_adamw(model, [], lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    with pytest.raises(ValueError, match="was not saved by inner_optimizer muon"):
+    with pytest.raises(ConfigError, match="saved by inner_optimizer adamw, and this run trains with inner_optimizer "
+                                          "muon; resume with the inner_optimizer it was saved with"):
         optimizer.load_state_dict(adamw.state_dict())
+    with pytest.raises(ConfigError, match="saved by inner_optimizer muon, and this run trains with inner_optimizer "
+                                          "adamw"):
+        run(tmp_path / "full", resume=str(tmp_path / "full" / "checkpoint-5"), inner_optimizer="adamw")
 
 
 def test_muon_is_refused_where_a_replica_splits_its_matrices_and_for_an_unknown_name(tmp_path):
