@@ -13,14 +13,26 @@ RECIPE = str(REPO / "recipes" / "tiny-pretrain.yaml")
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pushme") / "run"
-    command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", RECIPE, "--output_dir", str(out),
-               "--max_steps", "6", "--inner_steps", "3", "--block_size", "64", "--eval_steps", "3",
-               "--save_strategy", "steps", "--save_steps", "3", "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO)
+def one_process_runs(tmp_path_factory) -> dict:
+    """Two `hf-diloco train` runs of one process, trained in turn by one Python (tests/scripts/train_runs.py):
+    "run", tiny-pretrain for 6 steps with a checkpoint every 3, and "ddp", the DDP baseline recipe for 2 steps."""
+    folder = tmp_path_factory.mktemp("pushme")
+    runs = {"run": (RECIPE, ["--max_steps", "6", "--inner_steps", "3", "--block_size", "64", "--eval_steps", "3",
+                             "--save_strategy", "steps", "--save_steps", "3", "--disable_tqdm", "true"]),
+            "ddp": (str(REPO / "recipes" / "ddp-baseline.yaml"), [
+                "--max_steps", "2", "--block_size", "32", "--eval_strategy", "no", "--eval_on_start", "false",
+                "--disable_tqdm", "true"])}
+    payload = [{"name": name, "recipe": recipe, "args": [*args, "--output_dir", str(folder / name)]}
+               for name, (recipe, args) in runs.items()]
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "train_runs.py"), json.dumps(payload)],
+                            capture_output=True, text=True, env=env(), cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return {name: folder / name for name in runs}
+
+
+@pytest.fixture(scope="module")
+def finished_run(one_process_runs):
+    return one_process_runs["run"]
 
 
 def push(out, hub, *extra, token="hf_secret_token_123"):
@@ -267,16 +279,11 @@ def test_push_to_hub_during_training_pushes_what_push_to_hub_pushes(tmp_path):
 
 
 @pytest.mark.process
-def test_ddp_baseline_card_describes_data_parallel_training(tmp_path):
+def test_ddp_baseline_card_describes_data_parallel_training(one_process_runs):
     """A `trainer: ddp` run is pushed with a card that says what ran: no DiLoCo description, settings or tag."""
     from hf_diloco.hub import model_card
 
-    out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "hf_diloco.cli", "train", "--config", str(REPO / "recipes" / "ddp-baseline.yaml"),
-               "--output_dir", str(out), "--max_steps", "2", "--block_size", "32", "--eval_strategy", "no",
-               "--eval_on_start", "false", "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = one_process_runs["ddp"]
     card = model_card(out, "alice/ddp")
     assert "data-parallel baseline" in card and "gradients all-reduced at every step" in card
     assert "using DiLoCo" not in card and "DiLoCo settings" not in card and "- diloco" not in card
