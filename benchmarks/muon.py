@@ -6,7 +6,7 @@ fp32 syncs) and DDP on as many processes for the same 200 steps (the same tokens
 `--inner_optimizer adamw` and `--inner_optimizer muon`, seeds 0, 1 and 2 (the model's initialisation and the data
 order), interleaved seed by seed. The peer task (recipes/tiny-pretrain.yaml: tiny Llama, the built-in corpus,
 learning rate 1e-3 with warm-up and cosine decay, weight decay 0.1) with 64-token blocks, so that the 24 runs fit
-about 25 minutes on 2 cores; the final held-out loss is measured once at the end. MuLoCo (arXiv 2505.23725)
+about 42 minutes on 2 cores; the final held-out loss is measured once at the end. MuLoCo (arXiv 2505.23725)
 reports Muon ahead of AdamW inside DiLoCo from 150M to 3.1B parameters; this is the same comparison at 1M.
 
     python benchmarks/muon.py [--quick]

@@ -26,7 +26,7 @@ FAULT_BENCHMARKS = ["goodput", "recovery", "chaos"]
 LAYOUT_BENCHMARKS = ["sharded"]
 # Users' trainers, run on their own (`--only sft_quality`, about 24 minutes; needs TRL).
 TRAINER_BENCHMARKS = ["sft_quality"]
-# Inner optimizers, run on their own (`--only muon`, about 25 minutes).
+# Inner optimizers, run on their own (`--only muon`, about 42 minutes).
 OPTIMIZER_BENCHMARKS = ["muon"]
 
 INTRO = """# Benchmarks
