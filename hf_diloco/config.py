@@ -274,9 +274,9 @@ class DiLoCoConfig(TrainingArguments):
     )
     contribution_adam_ratio: float = field(
         default=2.0,
-        metadata={"help": "Contribution check `size` (AdamW-family inner optimizers): leave out a replica whose "
-                          "pseudo-gradient norm is more than this many times √P·steps·η (P values synced, η the agreed "
-                          "mean learning rate over its steps)."},
+        metadata={"help": "Contribution check `size` (AdamW-family inner optimizers, and muon): leave out a replica "
+                          "whose pseudo-gradient norm is more than this many times √P·steps·η (P values synced, η the "
+                          "agreed mean learning rate over its steps)."},
     )
     contribution_norm_ratio: float = field(
         default=2.3,

@@ -26,12 +26,13 @@ pseudo-gradient does) and every record names it in `excluded`. The rules, with t
               the steps Δ_i covers (since the replica's own base, syncs it missed or rolled back included) on its
               schedule, scaled to the agreed base learning rate: the median of every participant's base_lr, those
               that bring no steps included (of two the smaller: too low a learning rate only slows a replica, too
-              high a one spoils the merge). For an AdamW-family inner optimizer: AdamW moves each value by about η
-              a step at most, so a replica far beyond that trained with a wrong learning rate (or sends something
-              else). Works at M = 2, and on a lone contribution, judged against a replica that joined the sync
-              with no steps. When every contribution is beyond it and each was given the agreed learning rate,
-              none is left out (the run's own rate is what is too high); one given another rate is left out even
-              when it is the only contribution, and then the sync does not move θ_global.
+              high a one spoils the merge). For an AdamW-family inner optimizer (or inner_optimizer muon, whose Muon
+              steps are scaled to 0.2·η per value): AdamW moves each value by about η a step at most, so a replica far
+              beyond that trained with a wrong learning rate (or sends something else). Works at M = 2, and on a lone
+              contribution, judged against a replica that joined the sync with no steps. When every contribution is
+              beyond it and each was given the agreed learning rate, none is left out (the run's own rate is what is
+              too high); one given another rate is left out even when it is the only contribution, and then the sync
+              does not move θ_global.
     outlier   M ≥ 3: ‖Δ_i‖ / Σ η > 2.3 · the median of every reporting replica's (itself included), Σ η as in
               `size`: per unit of learning rate spent, so a Δ_i covering more steps is not an outlier for it.
     opposed   M ≥ 3: λ_i < −0.3 in its last sync: it pulled against the others.
@@ -133,7 +134,7 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
             if len(over) < len(norms) or r in given_other_rate:
                 given = f" (it was given {bases[r]:.3g})" if r in given_other_rate else ""
                 verdicts[r] = (f"size: its pseudo-gradient norm {norms[r]:.4g} is {ratio:.1f}x what its "
-                               f"{rows[r][1]:.0f} AdamW steps can make at the agreed learning rate {agreed:.3g} (Σ η "
+                               f"{rows[r][1]:.0f} inner steps can make at the agreed learning rate {agreed:.3g} (Σ η "
                                f"{spent[r]:.3g} over those steps); the check leaves out above {limits.adam_ratio:g}x: "
                                f"is its learning rate the others'?{given}")
     if len(norms) >= MIN_MAJORITY:

@@ -155,7 +155,7 @@ def test_the_size_rule_bounds_the_steps_each_pseudo_gradient_covers_and_judges_a
     verdict = judge({1: joined, 2: wrong}, p, adam=True, limits=limits)
     assert list(verdict) == [2] and verdict[2].startswith("size: ") and "(it was given 0.1)" in verdict[2], verdict
     # Σ η at the agreed 1e-3 is 0.00275 over those steps: 5 / (100 · 0.00275) = 18x
-    assert "is 18.2x what its 10 AdamW steps can make at the agreed learning rate 0.001" in verdict[2], verdict
+    assert "is 18.2x what its 10 inner steps can make at the agreed learning rate 0.001" in verdict[2], verdict
     right = [0.05, 10.0, 0.000275, nan, nan, 0.0, nan, 1e-3]
     assert judge({1: joined, 2: right}, p, adam=True, limits=limits) == {}, "the same site at the recipe's rate"
     assert judge({2: wrong}, p, adam=True, limits=limits) == {}, "truly alone: nothing to tell it from"
