@@ -696,12 +696,12 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
 def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which_heals(tmp_path):
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
-    live replicas and rejoins, the launch exits 0 at step 400 and all three replicas end with the same model. (40
+    live replicas and rejoins, the launch exits 0 at step 300 and all three replicas end with the same model. (30
     syncs of 10 steps: the restarted replica has been back by about round 11, killed after round 1.)"""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
-               "--output_dir", str(out), "--max_steps", "400", "--inner_steps", "10", "--block_size", "32",
+               "--output_dir", str(out), "--max_steps", "300", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
@@ -710,12 +710,12 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_syncs(out / "replica-0")
     # A sync the kill rolled back carries its steps to the next one: 40 syncs, one fewer committed for each.
-    assert rounds[-1]["step"] == 400 and rounds[-1]["participants"] == 3
-    assert rounds[-1]["round"] == 40 - sum(not r["committed"] for r in rounds), \
+    assert rounds[-1]["step"] == 300 and rounds[-1]["participants"] == 3
+    assert rounds[-1]["round"] == 30 - sum(not r["committed"] for r in rounds), \
         [(r["round"], r["step"], r["committed"]) for r in rounds]
     # A round went on without the killed replica, or (restarted quicker than a round) it healed into the next one.
     assert any(r["participants"] == 2 or healed(r, 1) for r in rounds), "replica 1 missed no round and never healed"
-    assert (f"[diloco] the run ended at round {rounds[-1]['round']} (step 400), committed by replica(s) 0, 1, 2; "
+    assert (f"[diloco] the run ended at round {rounds[-1]['round']} (step 300), committed by replica(s) 0, 1, 2; "
             "replica 0 exit 0, replica 1 exit 0, replica 2 exit 0") in text
     from safetensors.torch import load_file
 
@@ -726,7 +726,7 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     from hf_diloco.hub import run_outcome
 
     for folder in (out, *(out / f"replica-{r}" for r in range(3))):
-        assert run_outcome(folder) == {"ended": "finished", "step": 400, "max_steps": 400, "checkpoint": None}
+        assert run_outcome(folder) == {"ended": "finished", "step": 300, "max_steps": 300, "checkpoint": None}
 
 
 # Each layout of a torchft replica: its accelerate config, the settings that choose it, and the steps of the run.
