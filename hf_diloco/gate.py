@@ -20,6 +20,7 @@ import torch
 from .backends import SyncStart
 from .config import ConfigError, DiLoCoConfig
 from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
+from .inner import unwrapped
 from .outer import SyncResult, norm
 
 
@@ -128,10 +129,7 @@ class Gate:
             model.train(training)
 
     def _inner_optimizer(self):
-        optimizer = self.trainer.optimizer
-        while hasattr(optimizer, "optimizer"):  # accelerate's wrapper
-            optimizer = optimizer.optimizer
-        return optimizer
+        return unwrapped(self.trainer.optimizer)
 
     def _adam(self) -> bool:
         """Whether the inner optimizer's steps are bounded by the learning rate, as AdamW's are (the `size` check):

@@ -91,7 +91,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 loss = closure()
         for part in self._parts():
             part.step()
-        self._link()
+        if len(self.state) != sum(len(part.state) for part in self._parts()):  # the first step made their state
+            self._link()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -111,6 +112,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._link()
 
 
+def unwrapped(optimizer):
+    """The torch optimizer inside accelerate's wrapper (AcceleratedOptimizer), or `optimizer` itself."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def saved_by_muon(state_dict: dict) -> bool:
     """Whether an optimizer state dict is MuonWithAdamW's (its two parts), not a single torch optimizer's."""
     return set(state_dict) == {"muon", "adamw"}
@@ -119,9 +127,7 @@ def saved_by_muon(state_dict: dict) -> bool:
 def check_resumable(optimizer, state_dict: dict) -> None:
     """Refuse, in one sentence, a checkpoint of inner_optimizer muon resumed by another optimizer (the other way
     round, MuonWithAdamW.load_state_dict refuses). `optimizer` may be wrapped (accelerate's AcceleratedOptimizer)."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    if saved_by_muon(state_dict) and not isinstance(optimizer, MuonWithAdamW):
+    if saved_by_muon(state_dict) and not isinstance(unwrapped(optimizer), MuonWithAdamW):
         raise ConfigError("the checkpoint's optimizer state was saved by inner_optimizer muon, and this run trains "
                           "with inner_optimizer adamw; resume with the inner_optimizer it was saved with.")
 
@@ -150,16 +156,12 @@ def muon_for(trainer, model: nn.Module) -> MuonWithAdamW:
                            eps=args.adam_epsilon)
 
 
-def muon_trainer(base: type) -> type:
-    """`base` (a Trainer class) training with inner_optimizer muon's optimizer: the data-parallel baseline's Trainer
-    when a recipe compares DiLoCo with Muon against DDP with the same optimizer."""
+class InnerOptimizer:
+    """Trainer's `create_optimizer` with `inner_optimizer` (a DiLoCoConfig field) followed: Trainer's own optimizer
+    (`optim`) for adamw, `muon_for` for muon. Put before Trainer in the bases: DiLoCoMixin has it, and so has the
+    data-parallel baseline's Trainer when a recipe compares DiLoCo with Muon against DDP with the same optimizer."""
 
-    class MuonTrainer(base):
-        def create_optimizer(self, model=None):
-            if self.optimizer is None:
-                self.optimizer = muon_for(self, self.model if model is None else model)
-            return self.optimizer
-
-    MuonTrainer.__name__ = MuonTrainer.__qualname__ = f"Muon{base.__name__}"
-    return MuonTrainer
-
+    def create_optimizer(self, model=None):
+        if getattr(self.args, "inner_optimizer", "adamw") == "muon" and self.optimizer is None:
+            self.optimizer = muon_for(self, self.model if model is None else model)
+        return super().create_optimizer(model)

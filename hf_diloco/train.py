@@ -517,11 +517,11 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
         if stopper.requested:
             trainer.request_stop()
     else:
-        baseline = Trainer
-        if config.inner_optimizer == "muon":  # the baseline trains with the optimizer DiLoCo's replicas use
-            from .inner import muon_trainer
+        baseline = Trainer  # the ordinary Trainer, with the inner optimizer DiLoCo's replicas use (muon: its own)
+        if config.inner_optimizer == "muon":
+            from .inner import InnerOptimizer
 
-            baseline = muon_trainer(Trainer)
+            baseline = type("MuonTrainer", (InnerOptimizer, Trainer), {})
         trainer = baseline(**common, callbacks=[clock, recorder, stopper, *callbacks])
     if not run.verbose:
         calm(trainer)

@@ -46,7 +46,7 @@ from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
 from .files import read_json, write_json
-from .inner import check_resumable, muon_for
+from .inner import InnerOptimizer, check_resumable
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _is_stream(dataset) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-class DiLoCoMixin:
+class DiLoCoMixin(InnerOptimizer):
     """DiLoCo for a `Trainer` subclass you already have: `class MyTrainer(DiLoCoMixin, SomeTrainer)`, first among the
     bases, trains each process as a DiLoCo replica of SomeTrainer and averages replicas every `inner_steps` steps.
 
@@ -169,12 +169,6 @@ class DiLoCoMixin:
         if args.push_to_hub and args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             logger.warning(f"hub_strategy {args.hub_strategy.value}: DiLoCoTrainer pushes each checkpoint's model, "
                            f"never the checkpoint folder (its optimizer and outer state stay local).")
-
-    def create_optimizer(self, model=None):
-        """Trainer's optimizer (`optim`), or Muon + AdamW with inner_optimizer muon (hf_diloco.inner)."""
-        if self.args.inner_optimizer == "muon" and self.optimizer is None:
-            self.optimizer = muon_for(self, self.model if model is None else model)
-        return super().create_optimizer(model)
 
     # --- no DDP: a replica trains alone between syncs ---------------------------------------------------------
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_diloco import launch  # noqa: E402
 from hf_diloco.trainer import DiLoCoMixin  # noqa: E402
 
 rank = int(os.environ.get("RANK", "0"))
@@ -78,3 +79,7 @@ for settings in given if isinstance(given, list) else [given]:
         train()
     finally:
         (Path(settings["out"]) / f"rank{rank}.json").write_text(json.dumps(seen))
+# Leave as `hf-diloco train` does (hf_diloco.cli): gloo's threads torn down at interpreter exit can abort a process
+# that finished every run.
+launch.destroy_process_groups()
+launch.exit_process(0)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hf_diloco import launch
 from hf_diloco import train as training
 from hf_diloco.recipes import parse_train_args
 
@@ -49,3 +50,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave as `hf-diloco train` does (hf_diloco.cli): gloo's threads torn down at interpreter exit can abort a
+    # process that finished every run.
+    launch.destroy_process_groups()
+    launch.exit_process(0)
