@@ -33,6 +33,7 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -105,25 +106,36 @@ def tokens_per_second(result: dict, args: argparse.Namespace) -> float:
     return metrics["global_step"] * args.batch * args.block / float(metrics["train_runtime"])
 
 
+# The interleaved throughput runs: plain Trainer, and DiLoCo (M = 1) with its outer state on the host (the default,
+# pinned memory) and on the device (`--offload_outer_state false`).
+THROUGHPUT_RUNS = {"plain": ["--trainer", "ddp"], "diloco": [], "diloco_device": ["--offload_outer_state", "false"]}
+
+
 def throughput(args: argparse.Namespace, tmp: Path) -> dict:
-    """Plain Trainer and DiLoCo (M = 1), interleaved, args.repeats times."""
-    plain, diloco, runs = [], [], []
+    """Plain Trainer and the two DiLoCo runs, interleaved (each repeat in another order), args.repeats times."""
+    found: dict[str, list[float]] = {name: [] for name in THROUGHPUT_RUNS}
+    runs: dict[str, list[dict]] = {name: [] for name in THROUGHPUT_RUNS}
+    names = list(THROUGHPUT_RUNS)
     for repeat in range(args.repeats):
-        order = [("plain", ["--trainer", "ddp"]), ("diloco", ["--inner_steps", str(args.inner_steps)])]
-        for name, extra in order if repeat % 2 == 0 else order[::-1]:  # neither always first
+        order = names[repeat % len(names):] + names[:repeat % len(names)]  # none always first
+        for name in order:
             print(f"  repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
+            extra = THROUGHPUT_RUNS[name] + ([] if name == "plain" else ["--inner_steps", str(args.inner_steps)])
             result = train(tmp / f"{name}-{repeat}", [*overrides(args, args.steps), *extra])
-            (plain if name == "plain" else diloco).append(tokens_per_second(result, args))
-            if name == "diloco":
-                runs.append(result)
-    ratios = [d / p for d, p in zip(diloco, plain, strict=True)]
-    # Seconds per inner step from the rounds' own records (the first round, which holds the warm-up, left out where
-    # there are others).
-    compute = [r["compute_seconds"] / max(1, r["sync_steps"]) for run in runs
+            found[name].append(tokens_per_second(result, args))
+            runs[name].append(result)
+    ratios = {name: [d / p for d, p in zip(found[name], found["plain"], strict=True)]
+              for name in ("diloco", "diloco_device")}
+    # Seconds per inner step from the syncs' own records (the first, which holds the warm-up, left out where there
+    # are others).
+    diloco = runs["diloco"] + runs["diloco_device"]
+    compute = [r["compute_seconds"] / max(1, r["sync_steps"]) for run in diloco
                for r in (run["rounds"][1:] or run["rounds"])]
-    return {"plain": spread(plain), "diloco": spread(diloco), "ratio": spread(ratios),
-            "seconds_per_step": statistics.median(compute), "memory": runs[-1]["metrics"],
-            "sync_seconds": spread([r["sync_seconds"] for run in runs for r in run["rounds"]])}
+    return {**{name: spread(values) for name, values in found.items()},
+            "ratio": spread(ratios["diloco"]), "ratio_device": spread(ratios["diloco_device"]),
+            "seconds_per_step": statistics.median(compute), "memory": runs["diloco"][-1]["metrics"],
+            "sync_seconds": spread([r["sync_seconds"] for run in runs["diloco"] for r in run["rounds"]]),
+            "sync_seconds_device": spread([r["sync_seconds"] for run in runs["diloco_device"] for r in run["rounds"]])}
 
 
 def two_replicas(args: argparse.Namespace, tmp: Path) -> dict:
@@ -143,9 +155,10 @@ def two_replicas(args: argparse.Namespace, tmp: Path) -> dict:
                "--accelerate-config", str(config), "--replicas", "2", "--max-restarts", "0",
                "--output_dir", str(out), *overrides(args, steps), "--inner_steps", str(args.inner_steps),
                "--min_replicas", "2", "--disable_tqdm", "true"]
-    result = subprocess.run(command, cwd=REPO, env=run_env(1), capture_output=True, text=True, timeout=3600)
+    result = subprocess.run(command, cwd=REPO, env=run_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=3600)
     if result.returncode != 0:
-        raise SystemExit(f"the two-replica run failed (exit {result.returncode}):\n{result.stdout[-3000:]}")
+        raise SystemExit(f"the two-replica run failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
     models = [load_file(out / f"replica-{r}" / "model.safetensors") for r in (0, 1)]
     identical = models[0].keys() == models[1].keys() and all(torch.equal(models[0][k], models[1][k])
                                                              for k in models[0])
@@ -274,7 +287,13 @@ def report(args: argparse.Namespace, raw: dict, seconds: float) -> None:
         raise SystemExit(f"tokens/s beyond the device's peak ({100 * raw['mfu']:.0f}% MFU): a measuring bug")
     sync_share = {where: s / h_compute for where, s in sync["sync_seconds"].items()}
     raw["checks"] = {
-        "throughput ≥ 99% of plain Trainer": th["ratio"]["median"] >= TARGETS["throughput"],
+        "throughput ≥ 99% of plain Trainer (outer state on the host)": th["ratio"]["median"] >= TARGETS["throughput"],
+        "throughput ≥ 99% of plain Trainer (outer state on the device)":
+            th["ratio_device"]["median"] >= TARGETS["throughput"],
+        # A replica takes the same steps as plain Trainer plus its syncs: a DiLoCo run faster than every plain
+        # run says the two did not do the same work per step.
+        "no DiLoCo run faster than every plain Trainer run (else a measuring fault)":
+            max(th["diloco"]["min"], th["diloco_device"]["min"]) <= th["plain"]["max"],
         "one outer sync (state offloaded) < 1% of H steps": next(share for where, share in sync_share.items()
                                                                  if where.startswith("host")) < TARGETS["sync_share"],
         "peak memory within 10% of the dry run + activations": None if mem["against_plan"] is None
@@ -285,9 +304,12 @@ def report(args: argparse.Namespace, raw: dict, seconds: float) -> None:
     gb = 1e9
     rows = [
         ["plain Trainer tokens/s", show(th["plain"]), ""],
-        [f"DiLoCoTrainer M = 1, H = {args.inner_steps}, tokens/s", show(th["diloco"]),
-         f"{100 * th['ratio']['median']:.1f}% [{100 * th['ratio']['min']:.1f}%, {100 * th['ratio']['max']:.1f}%] "
-         f"of plain" + ("" if raw["mfu"] is None else f"; MFU {100 * raw['mfu']:.1f}%")],
+        *[[f"DiLoCoTrainer M = 1, H = {args.inner_steps}, outer state on the {where}, tokens/s", show(th[name]),
+           f"{100 * th[ratio]['median']:.1f}% [{100 * th[ratio]['min']:.1f}%, {100 * th[ratio]['max']:.1f}%] of plain"
+           f"; a sync {th[seconds]['median']:.3f} s" + ("" if raw["mfu"] is None or name != "diloco"
+                                                        else f"; MFU {100 * raw['mfu']:.1f}%")]
+          for name, ratio, seconds, where in [("diloco", "ratio", "sync_seconds", "host"),
+                                              ("diloco_device", "ratio_device", "sync_seconds_device", "device")]],
         ["compute of H steps (s)", f"{h_compute:.3f}", f"{th['seconds_per_step'] * 1000:.1f} ms a step"],
         *[[f"one outer sync, state on {where} (s)", f"{s:.4f}", f"{100 * sync_share[where]:.2f}% of H steps"]
           for where, s in sync["sync_seconds"].items()],
@@ -299,7 +321,8 @@ def report(args: argparse.Namespace, raw: dict, seconds: float) -> None:
                                         f" + activations {mem['activations'] / gb:.2f} measured apart = "
                                         f"{mem['expected_peak'] / gb:.2f}")],
         ["two replicas on one device", f"{raw['replicas']['committed_by_both']} of {raw['replicas']['syncs']} "
-         f"syncs by both", "bit-identical" if raw["replicas"]["identical"] else "DIFFERENT", ],
+         f"syncs by both", ("bit-identical" if raw["replicas"]["identical"] else "DIFFERENT")
+         + (f"; from {raw['replicas']['from']}" if "from" in raw["replicas"] else "")],
     ]
     checks = "\n".join(f"- {name}: {'met' if ok else 'not measured here' if ok is None else 'MISSED'}"
                        for name, ok in raw["checks"].items())
@@ -316,10 +339,10 @@ def plot(args: argparse.Namespace, raw: dict, h_compute: float):
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     th = raw["throughput"]
-    left.bar(["plain Trainer", f"DiLoCo H={args.inner_steps}"], [th["plain"]["median"], th["diloco"]["median"]],
-             yerr=[[th[k]["median"] - th[k]["min"] for k in ("plain", "diloco")],
-                   [th[k]["max"] - th[k]["median"] for k in ("plain", "diloco")]], capsize=4,
-             color=["#9ca3af", "#2563eb"])
+    kinds = ("plain", "diloco", "diloco_device")
+    labels = ["plain Trainer", *(f"DiLoCo H={args.inner_steps}\nstate on {w}" for w in ("host", "device"))]
+    left.bar(labels, [th[k]["median"] for k in kinds], capsize=4, color=["#9ca3af", "#2563eb", "#16a34a"],
+             yerr=[[th[k]["median"] - th[k]["min"] for k in kinds], [th[k]["max"] - th[k]["median"] for k in kinds]])
     left.set_ylabel("tokens/s (median, [min, max])")
     left.set_title(f"{raw['device']}: throughput")
     costs = {**{f"sync, {w}": s for w, s in raw["sync"]["sync_seconds"].items()}, **raw["sync"]["codec_seconds"]}
@@ -342,6 +365,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--smoke", action="store_true", help="tiny-llama, 4 steps, H = 2, one repeat, blocks of "
                                                             "32: the code path on any machine, figures meaningless")
+    parser.add_argument("--replicas-from", type=Path, help="take the two-replica part from an earlier run's "
+                        "gpu-partial.json or gpu.json on the same device instead of running it again (the report "
+                        "says so)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of gpu.json, gpu.md and gpu.png")
     args = parser.parse_args()
     if args.smoke:
@@ -359,17 +385,38 @@ def main() -> None:
     began = time.time()
     raw = {"device": device_name(), "preset": args.preset, "steps": args.steps, "inner_steps": args.inner_steps,
            "batch": args.batch, "block": args.block, "targets": TARGETS}
+    failed = {}
+
+    def phase(name: str, title: str, work):
+        """One part of the benchmark; a failure is recorded and the next part still runs, so that one call on a
+        borrowed machine brings back every figure that could be measured. What is done so far is saved as it goes."""
+        print(title, flush=True)
+        try:
+            raw[name] = work()
+        except (Exception, SystemExit) as error:  # noqa: BLE001 (reported below, and the exit is non-zero)
+            failed[name] = f"{type(error).__name__}: {error}"[-6000:]
+            print(f"{name} failed: {failed[name]}", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu-partial.json").write_text(json.dumps({**raw, "failed": failed}, indent=2, default=str))
+
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        print("throughput: plain Trainer and DiLoCo, interleaved", flush=True)
-        raw["throughput"] = throughput(args, tmp)
-        print("two replicas on one device", flush=True)
-        raw["replicas"] = two_replicas(args, tmp)
-    print("one outer sync and the codecs", flush=True)
-    raw["sync"] = sync_and_codecs(args)
-    raw["memory"] = memory(raw["throughput"].pop("memory"), dry_run_memory(args), raw["sync"]["activations"])
+        phase("throughput", "throughput: plain Trainer and DiLoCo, interleaved", lambda: throughput(args, tmp))
+        if args.replicas_from:
+            earlier = json.loads(args.replicas_from.read_text())
+            if earlier.get("device") != raw["device"] or "replicas" not in earlier:
+                sys.exit(f"{args.replicas_from} holds no two-replica part measured on {raw['device']}.")
+            raw["replicas"] = {**earlier["replicas"], "from": f"an earlier call on the same device "
+                                                              f"({args.replicas_from.name})"}
+        else:
+            phase("replicas", "two replicas on one device", lambda: two_replicas(args, tmp))
+    phase("sync", "one outer sync and the codecs", lambda: sync_and_codecs(args))
+    phase("planned", "the dry run's memory", lambda: dry_run_memory(args))
+    if failed:
+        sys.exit(f"gpu: {', '.join(failed)} failed; what was measured is in {args.out / 'gpu-partial.json'}")
+    raw["memory"] = memory(raw["throughput"].pop("memory"), raw.pop("planned"), raw["sync"]["activations"])
     report(args, raw, time.time() - began)
-
+    (args.out / "gpu-partial.json").unlink()
 
 if __name__ == "__main__":
     main()

@@ -8,11 +8,13 @@
 set -euo pipefail
 dir="${1:?usage: benchmarks/gpu_wheels.sh DIR}"
 python="${PYTHON:-python3}"
-"$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+version="${PYTHON_VERSION:-3.12}"
+"$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --dest "$dir" \
-    transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 datasets==5.2.0 dill==0.4.1 \
-    multiprocess==0.70.19 torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+    transformers==5.24.0 datasets==5.2.0 fsspec==2026.9.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2 \
+    torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
     opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-    opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos==1.76.0
+    opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos==1.76.0 \
+    opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2
 ls "$dir"

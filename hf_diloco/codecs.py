@@ -50,12 +50,12 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     >>> pack_bits(torch.tensor([1, 2, 3]), 2).tolist()   # 01 10 11 -> 0b111001
     [57]
     """
-    shifts = torch.arange(bits, dtype=torch.int64)
+    shifts = torch.arange(bits, dtype=torch.int64, device=values.device)
     bit_rows = ((values.reshape(-1, 1).to(torch.int64) >> shifts) & 1).to(torch.uint8).reshape(-1)
     pad = -bit_rows.numel() % 8
     if pad:
         bit_rows = torch.cat([bit_rows, bit_rows.new_zeros(pad)])
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=values.device)
     return (bit_rows.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
@@ -65,9 +65,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     >>> unpack_bits(pack_bits(torch.tensor([5, 0, 4095, 7]), 12), 12, 4).tolist()
     [5, 0, 4095, 7]
     """
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bit_rows = ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[: count * bits].view(count, bits)
-    return (bit_rows.to(torch.int64) << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
+    return (bit_rows.to(torch.int64) << torch.arange(bits, dtype=torch.int64, device=packed.device)).sum(dim=1)
 
 
 def packed_bytes(count: int, bits: int) -> int:
@@ -174,7 +174,7 @@ class IntCodec(Codec):
         scale = from_bytes(payload[: 4 * chunks], torch.float32).view(-1, 1)
         body = payload[4 * chunks :]
         size = chunks * self.chunk if self.bits == 8 else max(chunks * self.chunk, 2 * body.numel())
-        values = torch.zeros(size, dtype=torch.float32)
+        values = torch.zeros(size, dtype=torch.float32, device=payload.device)
         if self.bits == 8:
             values[:numel] = body.view(torch.int8)
         else:
@@ -238,7 +238,7 @@ class SparseCodec(Codec):
         else:
             magnitude = low + (high - low) * level / (self.magnitude_levels - 1)
         values = torch.where((codes & 1).bool(), -magnitude, magnitude)
-        rows = torch.zeros(chunks, self.chunk, dtype=torch.float32)
+        rows = torch.zeros(chunks, self.chunk, dtype=torch.float32, device=payload.device)
         rows.scatter_(1, index, values)
         return rows.reshape(-1)[:numel].contiguous()
 

@@ -658,17 +658,20 @@ class ReplicaComm:
 
     # --- the three ways across replicas, for this process's slice ---
 
-    def _stats_row(self, stats: torch.Tensor) -> torch.Tensor:
-        return stats.detach().to(torch.float32).reshape(-1).to(self.device)
+    def _stats_row(self, stats: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        return stats.detach().to(torch.float32).reshape(-1).to(device or self.device)
 
     def _sum_fp32(self, chunk: torch.Tensor, stats):
-        """One fp32 all-reduce; the stats travel as row `replica_index` of an M x k block of zeros."""
+        """One fp32 all-reduce; the stats travel as row `replica_index` of an M x k block of zeros. With nobody to
+        reduce with, the sum stays on the chunk's own device."""
         m, n = self.num_replicas, chunk.numel()
         k = 0 if stats is None else stats.numel()
-        buffer = torch.zeros(n + m * k, dtype=torch.float32, device=self.device)  # one buffer: no second copy
+        device = self.device if self.active else chunk.device
+        buffer = torch.empty(n + m * k, dtype=torch.float32, device=device)  # one buffer: no second copy
         buffer[:n] = chunk
         if stats is not None:
-            buffer[n:].view(m, k)[self.replica_index] = self._stats_row(stats)
+            buffer[n:].zero_()
+            buffer[n:].view(m, k)[self.replica_index] = self._stats_row(stats, device)
         cost = SyncCost(buffer.numel() * 4, 0, 0, 0)
         if self.active:
             self._all_reduce(buffer)

@@ -54,6 +54,7 @@ from .outer import (
     land,
     pseudo_gradients,
     snapshot,
+    sync_device,
 )
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
 from .schedule import Schedule
@@ -320,7 +321,7 @@ class SyncEngine:
             fragment.launch(step, self.progress.steps, self.progress.lr_sum, carried=fragment.index in fragments)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             buckets = self.kinds.buckets(fragments)
-            deltas = snapshot(self.outer, self.comm, buckets)
+            deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.kinds.codec))
             if checking:
                 local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, fragments))
             if self.executor is None:

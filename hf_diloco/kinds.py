@@ -19,7 +19,7 @@ from .backends import SyncStart
 from .codecs import Codec, ErrorFeedback
 from .fragments import Fragment
 from .gate import Gate
-from .outer import Exchange, OuterState, StatsFn, SyncResult, exchange, is_finite, pseudo_gradients
+from .outer import Exchange, OuterState, StatsFn, SyncResult, exchange, is_finite, pseudo_gradients, sync_device
 
 
 class SyncKinds:
@@ -57,7 +57,8 @@ class SyncKinds:
         outer = self.outer
         finite = self.comm.control.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
         # Where the network runs: without a vote each bucket is averaged as `land` applies it; with one, here.
-        return exchange(self.comm, buckets, pseudo_gradients(outer, self.comm, buckets), codec=self.codec,
+        deltas = pseudo_gradients(outer, self.comm, buckets, sync_device(outer, self.comm, self.codec))
+        return exchange(self.comm, buckets, deltas, codec=self.codec,
                         feedback=self.feedback, stats=stats, weight=start.weight, finite=finite, decoded=checking,
                         lazy=not self.comm.votes)
 

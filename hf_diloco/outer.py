@@ -514,8 +514,21 @@ StatsFn = Callable[[float], torch.Tensor]
 
 
 def is_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when no value is NaN or infinite (one boolean reduction per tensor, no copy of it)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """True when no value is NaN or infinite: one boolean reduction per tensor, no copy of it, and one read of the
+    answers per device (an accelerator is waited for once, not once per tensor)."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(found).all()) for found in flags.values())
+
+
+def sync_device(outer: OuterState, comm: ReplicaComm, codec: Codec | None) -> torch.device:
+    """Where a sync forms and averages Δ_i: the communication device (the accelerator for NCCL, the host for gloo),
+    except for a replica with nobody to reduce with and no codec, which keeps the whole sync on its model's device:
+    a lone GPU replica sends nothing through the host but what its offloaded outer step needs."""
+    if comm.active or comm.group_size > 1 or (codec is not None and codec.name != "none"):
+        return comm.device
+    return outer.params[0].device
 
 
 def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> StatsFn | None:
@@ -612,14 +625,18 @@ def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Ite
     return math.sqrt(total) if total >= 0 else float("nan")
 
 
-def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> list[torch.Tensor]:
-    """Δ_i of `buckets`, taken now (before the replica trains on while they are sent)."""
-    return [outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets]
+def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int],
+             device: torch.device | None = None) -> list[torch.Tensor]:
+    """Δ_i of `buckets` on `device` (the communication device by default), taken now (before the replica trains on
+    while they are sent)."""
+    return [outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets]
 
 
-def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int]) -> Iterator[torch.Tensor]:
-    """Δ_i of `buckets`, each formed when the exchange reaches it (a blocking sync holds one bucket's at a time)."""
-    return (outer.pseudo_gradient(outer.buckets[index], comm.device) for index in buckets)
+def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int],
+                     device: torch.device | None = None) -> Iterator[torch.Tensor]:
+    """Δ_i of `buckets` on `device` (the communication device by default), each formed when the exchange reaches it
+    (a blocking sync holds one bucket's at a time)."""
+    return (outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets)
 
 
 def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,

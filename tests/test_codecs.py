@@ -113,3 +113,16 @@ def test_error_feedback_sends_the_sum_of_the_pseudo_gradients_over_many_rounds(n
     error_without = float((without - true_sum).norm() / true_sum.norm())
     assert error_with < 0.1
     assert error_with < error_without / 3
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4", "sparse"])
+def test_every_codec_works_on_its_input_s_device(name):
+    """A codec makes each tensor it needs on the device of what it is given (NCCL exchanges encode and decode on the
+    accelerator): on the meta device, which refuses to mix with CPU tensors, the payload and the decoded values
+    stay there and have the sizes the codec states."""
+    codec = make_codec(name)
+    x = torch.empty(10_000, device="meta")
+    payload = codec.encode(x)
+    decoded = codec.decode(payload, x.numel())
+    assert payload.device.type == decoded.device.type == "meta"
+    assert payload.numel() == codec.encoded_bytes(x.numel()) and decoded.shape == x.shape

@@ -13,10 +13,12 @@ pytestmark = pytest.mark.process  # it starts training processes
 
 
 def test_the_gpu_benchmark_runs_every_part_on_its_smoke_settings(tmp_path):
-    """Its report names the device, holds a throughput spread for plain Trainer and DiLoCo whose ratio is theirs,
+    """Its report names the device, holds a throughput spread for plain Trainer and DiLoCo (outer state on the host
+    and on the device) whose ratios are theirs,
     two replicas that ended bit-identical with every sync committed by both, a sync time for the outer state on the
     host and on the device, each codec's time, and the dry run's memory (tiny-llama: 4.33 MB of fp32 parameters);
-    the GPU-only figures (peak memory, activations) say they were not measured; the plot is written. Without
+    the GPU-only figures (peak memory, activations) say they were not measured; the plot is written and the
+    partial record kept while it runs is gone. Without
     --smoke on a machine without CUDA it says so and exits 0 with no results."""
     result = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=REPO,
                             env=env(), capture_output=True, text=True, timeout=600)
@@ -24,8 +26,11 @@ def test_the_gpu_benchmark_runs_every_part_on_its_smoke_settings(tmp_path):
     raw = json.loads((tmp_path / "gpu.json").read_text())
     assert raw["device"] == "cpu" and raw["preset"] == "tiny-llama" and raw["quick"] is True
     th = raw["throughput"]
-    assert len(th["plain"]["values"]) == len(th["diloco"]["values"]) == 1
+    assert len(th["plain"]["values"]) == len(th["diloco"]["values"]) == len(th["diloco_device"]["values"]) == 1
     assert th["ratio"]["median"] == pytest.approx(th["diloco"]["median"] / th["plain"]["median"], rel=1e-9)
+    assert th["ratio_device"]["median"] == pytest.approx(th["diloco_device"]["median"] / th["plain"]["median"],
+                                                         rel=1e-9)
+    assert th["sync_seconds"]["median"] > 0 and th["sync_seconds_device"]["median"] > 0
     assert th["seconds_per_step"] > 0
     assert raw["replicas"] == {"identical": True, "syncs": 2, "committed_by_both": 2,
                                "backend": "torchft (ProcessGroupGloo across replicas)"}
@@ -41,6 +46,7 @@ def test_the_gpu_benchmark_runs_every_part_on_its_smoke_settings(tmp_path):
     table = (tmp_path / "gpu.md").read_text()
     assert "| two replicas on one device | 2 of 2 syncs by both | bit-identical |" in table
     assert (tmp_path / "gpu.png").stat().st_size > 10_000
+    assert not (tmp_path / "gpu-partial.json").exists(), "the partial record goes once the report is written"
     plain = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path / "none")], cwd=REPO, env=env(),
                            capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and plain.stdout.strip() == ("gpu: skipped: no CUDA device here (python "

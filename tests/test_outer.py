@@ -8,7 +8,7 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 from torch import nn
 
 from hf_diloco.comm import ReplicaComm, ring_all_gather_bytes, ring_all_reduce_bytes
-from hf_diloco.outer import OuterState, outer_round, partition_into_buckets
+from hf_diloco.outer import OuterState, is_finite, outer_round, partition_into_buckets
 
 
 def sync_alone(outer: OuterState) -> None:
@@ -253,3 +253,14 @@ def test_ring_byte_model_matches_the_bytes_gloo_sends(tmp_path, config):
             for measured, model in ((r["all_reduce"], ring_all_reduce_bytes(r["payload_bytes"], world)),
                                     (r["all_gather"], ring_all_gather_bytes(r["payload_bytes"] * world, world))):
                 assert model <= measured <= model * 1.005 + 8192, (world, r)
+
+
+def test_a_lone_replica_sums_on_its_own_device_and_reads_finiteness_once_per_device():
+    """With nobody to reduce with, the fp32 sum stays on the device Δ_i was formed on (a GPU replica's sync never
+    passes through the host). `is_finite` finds a NaN or an infinity in any of several tensors."""
+    comm = ReplicaComm()
+    total, rows, cost = comm.sum_replicas(torch.empty(5, device="meta"))
+    assert total.device.type == "meta" and total.shape == (5,) and rows is None and cost.bytes_sent == 0
+    assert is_finite([torch.ones(3), torch.zeros(2, 2)])
+    assert not is_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert not is_finite([torch.tensor([float("-inf")]), torch.ones(1)])
