@@ -185,7 +185,8 @@ class DiLoCoCallback(TrainerCallback):
                 self.deferred[flag] = True
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.records.evaluated(state.global_step, (metrics or {}).get("eval_loss"))
+        metrics = metrics or {}
+        self.records.evaluated(state.global_step, metrics.get("eval_loss"), metrics.get("eval_accuracy"))
 
     def _report(self, record: dict) -> None:
         """A written sync record to every tracker Trainer reports to (`report_to`: TensorBoard, trackio, W&B,

@@ -33,6 +33,7 @@ from .checks import (
 )
 from .codecs import CODECS
 from .errors import ConfigError, first_line  # noqa: F401  (re-exported: the config layer's errors)
+from .tasks import TASKS
 
 
 def launched_processes() -> int:
@@ -650,10 +651,18 @@ TORCH_DTYPES = ("auto", "float32", "bfloat16")  # RunArguments.torch_dtype
 class RunArguments:
     """What to train on: the model and the data. Parsed beside DiLoCoConfig by the CLI (YAML keys and flags)."""
 
+    task: str = field(
+        default="causal-lm",
+        metadata={"help": "What the model learns: 'causal-lm' (next token), 'seq2seq' (an encoder-decoder, trained by "
+                          "Seq2SeqTrainer), 'masked-lm' (15% of the tokens masked), 'sequence-classification' or "
+                          "'image-classification' (accuracy is reported). Each has built-in data ('builtin') and a "
+                          "preset; a model saved for another task is refused.", "choices": list(TASKS)},
+    )
     model_name_or_path: str = field(
         default="tiny-llama",
-        metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M), a local model "
-                          "directory, or a Hub model id."},
+        metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M; tiny-t5 for "
+                          "seq2seq, tiny-bert for masked-lm and sequence-classification, tiny-vit for "
+                          "image-classification), a local model directory, or a Hub model id."},
     )
     torch_dtype: str = field(
         default="auto",
@@ -726,6 +735,14 @@ class RunArguments:
         checks.check(self, ["block_size", "eval_fraction"])
         if self.trainer not in TRAINERS:
             raise ConfigError(f"trainer must be one of {', '.join(map(repr, TRAINERS))}, got {self.trainer!r}.")
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.task != "causal-lm" and self.trainer in ("sft", "dpo"):
+            raise ConfigError(f"trainer {self.trainer} trains a causal language model on conversations; task "
+                              f"{self.task} trains with trainer diloco (or ddp, the baseline).")
+        if self.task != "causal-lm" and self.streaming:
+            raise ConfigError(f"streaming reads a corpus of text for causal-lm; task {self.task} reads its rows "
+                              f"whole (drop streaming).")
         checks.check(self, ["lora_r"])
         if self.torch_dtype not in TORCH_DTYPES:
             raise ConfigError(f"torch_dtype must be one of {', '.join(TORCH_DTYPES)}, got {self.torch_dtype!r}.")

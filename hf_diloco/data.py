@@ -18,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset, load_from_disk
 from torch.utils.data import Sampler
 
 from .config import ConfigError, RunArguments, first_line
+from .tasks import DIGITS, IMAGE_CLASSIFICATION, IMAGE_SIZE, MASKED_LM, SEQ2SEQ, SEQUENCE_CLASSIFICATION, Task
 
 BUILTIN = "builtin"
 STREAM_BATCH = 100  # documents a streamed corpus is tokenized in at a time
@@ -382,3 +384,92 @@ class ReplicaSliceSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.length
+
+
+# --- the other tasks' rows (hf_diloco.tasks) --------------------------------------------------------------------------
+
+# The digits in a 3x5 font, row by row (1: ink).
+FONT = {
+    0: "111101101101111", 1: "010110010010111", 2: "111001111100111", 3: "111001111001111", 4: "101101111001001",
+    5: "111100111001111", 6: "111100111101111", 7: "111001010010010", 8: "111101111101111", 9: "111101111001111",
+}
+
+
+def builtin_digits(count: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(images [count, 1, 8, 8] float32 in [0, 1], labels [count]): each digit of the 3x5 font drawn at one of four
+    places near the middle of the 8x8 frame (its top-left corner in rows 1-2, columns 2-3), with Gaussian noise
+    (σ 0.15), labels cycling 0-9. The same arrays for the same seed on every machine."""
+    rng = np.random.default_rng(seed)
+    images = np.zeros((count, 1, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)
+    labels = np.arange(count) % DIGITS
+    for i, digit in enumerate(labels):
+        glyph = np.array([int(c) for c in FONT[digit]], dtype=np.float32).reshape(5, 3)
+        top, left = 1 + rng.integers(0, 2), 2 + rng.integers(0, 2)
+        images[i, 0, top:top + 5, left:left + 3] = glyph
+    images += rng.normal(0, 0.15, images.shape).astype(np.float32)
+    return np.clip(images, 0, 1), labels
+
+
+def builtin_pairs() -> list[tuple[str, str]]:
+    """(passage, title) for seq2seq: each passage of the built-in corpus and the title of its topic."""
+    return [(passage, title) for title, passage in _reference_passages()]
+
+
+def builtin_labelled_texts() -> list[tuple[str, int]]:
+    """(text, label) for classification: the corpus's passages, every other one reversed letter by letter
+    (label 1) and the others as written (label 0): a classifier must tell written prose from its mirror image."""
+    passages = [passage for _title, passage in _reference_passages()]
+    return [(text[::-1], 1) if i % 2 else (text, 0) for i, text in enumerate(passages)]
+
+
+TARGET_LENGTH = 64  # tokens of a seq2seq target (a title: the byte tokenizer's bytes)
+COLUMNS = {SEQ2SEQ: ("source", "target"), SEQUENCE_CLASSIFICATION: ("text", "label")}
+
+
+def _rows(run, task: Task) -> list[tuple]:
+    """The task's (input, target) rows: built-in, or the two columns COLUMNS names of the dataset run names."""
+    if run.dataset_name == BUILTIN:
+        return builtin_pairs() if task.name == SEQ2SEQ else builtin_labelled_texts()
+    dataset = load_raw_dataset(run.dataset_name, run.dataset_config)
+    wanted = COLUMNS[task.name]
+    missing = [c for c in wanted if c not in (dataset.column_names or [])]
+    if missing:
+        raise ConfigError(f"task {task.name} reads columns {' and '.join(wanted)} of its dataset, and "
+                          f"{run.dataset_name!r} has no {', '.join(missing)} (it has "
+                          f"{', '.join(dataset.column_names or []) or 'none'}).")
+    return list(zip(dataset[wanted[0]], dataset[wanted[1]], strict=True))
+
+
+def _ids(tokenizer, texts: list[str], length: int, pad_with: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids cut or padded to `length` (an EOS ends every text that fits), and their attention masks."""
+    encoded = tokenizer(texts, truncation=True, max_length=length)["input_ids"]
+    ids = [row + [pad_with] * (length - len(row)) for row in encoded]
+    mask = [[1] * len(row) + [0] * (length - len(row)) for row in encoded]
+    return ids, mask
+
+
+def build_task_datasets(run, task: Task, tokenizer):
+    """(train, eval or None) for a task other than causal-lm: rows as the task's model takes them, fixed shapes,
+    the last `eval_fraction` of the rows held out."""
+    if task.name == MASKED_LM:  # the corpus in blocks, as for causal LM; the collator makes masks and labels
+        train, held = build_datasets(run, tokenizer)
+        return tuple(None if part is None else part.remove_columns("labels") for part in (train, held))
+    if task.name == IMAGE_CLASSIFICATION:
+        if run.dataset_name != BUILTIN:
+            raise ConfigError("task image-classification trains on the built-in digits only for now "
+                              "(dataset_name: builtin).")
+        images, labels = builtin_digits()
+        rows = Dataset.from_dict({"pixel_values": images, "labels": labels})
+    else:
+        rows = _rows(run, task)
+        inputs, targets = [r[0] for r in rows], [r[1] for r in rows]
+        ids, mask = _ids(tokenizer, inputs, run.block_size, tokenizer.pad_token_id)
+        columns = {"input_ids": ids, "attention_mask": mask}
+        if task.name == SEQ2SEQ:
+            labels, _ = _ids(tokenizer, targets, TARGET_LENGTH, -100)
+            columns["labels"] = labels
+        else:
+            columns["labels"] = [int(label) for label in targets]
+        rows = Dataset.from_dict(columns)
+    rows.set_format("torch")
+    return split_held_out(rows, run.eval_fraction)

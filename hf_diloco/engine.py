@@ -105,9 +105,12 @@ class Progress:
         if self.loss.device != loss.device:
             self.loss = self.loss.to(loss.device)
         self.loss += loss.detach().float()
-        input_ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
-        if input_ids is not None:
-            self.tokens += input_ids.numel()
+        # What the merge weighs replicas by: tokens, or for a model without token inputs (an image classifier)
+        # the examples it saw.
+        units = None if not hasattr(inputs, "get") else next((inputs.get(key) for key in ("input_ids", "pixel_values")
+                                                              if inputs.get(key) is not None), None)
+        if units is not None:
+            self.tokens += units.numel() if units.dim() <= 2 else units.shape[0]
 
     def step_began(self) -> None:
         self.step_started = time.perf_counter()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from .config import ConfigError, first_line
 
@@ -29,9 +29,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def byte_tokenizer() -> ByT5Tokenizer:
-    """ByT5's byte-level tokenizer: 259 ids (pad 0, eos 1, unk 2, then the 256 bytes); no files needed."""
-    return ByT5Tokenizer(extra_ids=0)
+def byte_tokenizer(mask: bool = False) -> ByT5Tokenizer:
+    """ByT5's byte-level tokenizer: 259 ids (pad 0, eos 1, unk 2, then the 256 bytes); no files needed. With `mask`
+    (masked language models) one more id, 259, is its mask token."""
+    if not mask:
+        return ByT5Tokenizer(extra_ids=0)
+    tokenizer = ByT5Tokenizer(extra_ids=1)
+    tokenizer.mask_token = "<extra_id_0>"
+    return tokenizer
 
 
 # The byte tokenizer's chat template: each turn as "<|role|>" on a line of its own, its text, EOS; a prompt that asks
@@ -74,26 +79,41 @@ def weights_dtype(name: str) -> torch.dtype | str:
 
 
 def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: int = 0,
-                             tokenizer_name_or_path: str | None = None, dtype: str = "auto"):
+                             tokenizer_name_or_path: str | None = None, dtype: str = "auto", task: str = "causal-lm"):
     """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id, its weights in `dtype`
     ("auto": a checkpoint's own, float32 for a preset; a preset in bfloat16 is initialised in float32 and rounded,
-    so it starts where the float32 one does). The tokenizer is the model's own (a preset's: the byte tokenizer), or
-    the one `tokenizer_name_or_path` names ("byte": the built-in byte tokenizer; a preset's vocabulary is then
-    sized to it). A model that is not a causal language model, and a tokenizer that cannot be loaded, is empty or
-    has more ids than the model's embeddings, are refused in one sentence (ConfigError): nothing is substituted."""
+    so it starts where the float32 one does), for `task` (hf_diloco.tasks: the model class transformers uses for
+    it). The tokenizer is the model's own (a preset's: the byte tokenizer; an image classifier's: none), or the one
+    `tokenizer_name_or_path` names ("byte": the built-in byte tokenizer; a preset's vocabulary is then sized to it).
+    A model saved for another task, and a tokenizer that cannot be loaded, is empty or has more ids than the model's
+    embeddings, are refused in one sentence (ConfigError): nothing is substituted."""
+    from .tasks import IMAGE_CLASSIFICATION, MASKED_LM, TASK_PRESETS, build_task_preset, check_fits_task, get_task
+
+    kind = get_task(task)
     shown = f"tokenizer {tokenizer_name_or_path!r}" if tokenizer_name_or_path else \
         f"the tokenizer of model {name_or_path!r}"
-    if name_or_path in PRESETS:
-        tokenizer = load_tokenizer(tokenizer_name_or_path or BYTE, shown)
-        model = build_preset(name_or_path, tokenizer, max_positions, seed)
+    if name_or_path in PRESETS or name_or_path in TASK_PRESETS:
+        tokenizer = None if kind.name == IMAGE_CLASSIFICATION else \
+            load_tokenizer(tokenizer_name_or_path or BYTE, shown, mask=kind.name == MASKED_LM)
+        if name_or_path in TASK_PRESETS:
+            model = build_task_preset(name_or_path, kind, tokenizer, max_positions, seed)
+        elif kind.name != "causal-lm":
+            raise ConfigError(f"preset {name_or_path!r} is a causal language model; task {kind.name} starts from "
+                              f"preset {kind.preset!r} (or a model of its own).")
+        else:
+            model = build_preset(name_or_path, tokenizer, max_positions, seed)
         return (model if dtype == "auto" else model.to(weights_dtype(dtype))), tokenizer
     source = _source(name_or_path)
-    check_causal(load_model_config(name_or_path), name_or_path)
+    check_fits_task(load_model_config(name_or_path), kind, name_or_path)
+    import transformers
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype(dtype))
+        model = getattr(transformers, kind.auto_class).from_pretrained(source, dtype=weights_dtype(dtype))
     except (OSError, ValueError) as error:
         raise ConfigError(_unloadable(name_or_path, error, source)) from None
-    tokenizer = load_tokenizer(tokenizer_name_or_path or source, shown)
+    if kind.name == IMAGE_CLASSIFICATION:
+        return model, None
+    tokenizer = load_tokenizer(tokenizer_name_or_path or source, shown, mask=kind.name == MASKED_LM)
     check_vocabulary(tokenizer, model, name_or_path)
     return model, tokenizer
 
@@ -101,11 +121,12 @@ def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: 
 BYTE = "byte"  # tokenizer_name_or_path of the built-in byte tokenizer
 
 
-def load_tokenizer(name_or_path: str, shown: str):
+def load_tokenizer(name_or_path: str, shown: str, mask: bool = False):
     """The tokenizer at `name_or_path` (a folder or Hub id; "byte": the built-in one), with a pad token (its EOS
-    where it has none). ConfigError, naming it as `shown`, when it cannot be loaded or turns text into no tokens."""
+    where it has none). ConfigError, naming it as `shown`, when it cannot be loaded or turns text into no tokens,
+    or, with `mask` (masked LM), has no mask token."""
     if name_or_path == BYTE:
-        return byte_tokenizer()
+        return byte_tokenizer(mask)
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))
     except Exception as error:  # tokenizers raise many types; the user needs the one-line reason
@@ -119,6 +140,9 @@ def load_tokenizer(name_or_path: str, shown: str):
                           f"('{BYTE}': the built-in byte tokenizer).")
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    if mask and tokenizer.mask_token is None:
+        raise ConfigError(f"{shown} has no mask token, which masked language modelling replaces tokens with; name "
+                          f"one that has (a BERT-like model's own) with tokenizer_name_or_path.")
     return tokenizer
 
 
@@ -131,28 +155,12 @@ def check_vocabulary(tokenizer, model, shown: str) -> None:
 
 
 def check_causal(config, shown: str) -> None:
-    """hf-diloco trains causal language models on next-token loss: a model whose saved head is another task's (a
+    """The task causal-lm's check (hf_diloco.tasks.check_fits_task): a model whose saved head is another task's (a
     masked LM, whose attention would see the tokens it predicts; an encoder-decoder; a classifier) is refused in one
     sentence, before anything is loaded."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from .tasks import TASKS, check_fits_task
 
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    known = {name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-             for name in ((names,) if isinstance(names, str) else names)}
-    named = list(getattr(config, "architectures", None) or [])
-    what = named[0] if named else f"{config.model_type} model"
-    if getattr(config, "is_encoder_decoder", False):
-        reason = "an encoder-decoder"
-    elif causal is None:
-        reason = "not a causal language model"
-    elif named and not any(name in known for name in named):
-        reason = "a masked language model" if any(name.endswith("ForMaskedLM") for name in named) \
-            else "saved with a head for another task"
-    else:
-        return
-    raise ConfigError(f"model {shown!r} is a {what}, {reason}: hf-diloco trains causal language models on next-token "
-                      f"loss (architectures such as LlamaForCausalLM or GPT2LMHeadModel), which would be the wrong "
-                      f"objective for it.")
+    check_fits_task(config, TASKS["causal-lm"], shown)
 
 
 def load_model_config(name_or_path: str):

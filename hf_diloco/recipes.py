@@ -1,7 +1,7 @@
 """Recipes: a YAML file whose keys are fields, and flags that override them, parsed into the run's arguments.
 
     parse_train_args(recipe, overrides)   (RunArguments, the config) of `hf-diloco train`, `launch`, `slurm`, `plan`
-    config_class(trainer)                 the config class of a trainer: DiLoCoConfig, or TRL's joined to it
+    config_class(trainer, task)           the config class: DiLoCoConfig, or Seq2Seq's or TRL's joined to it
 
 Every key and flag must be a field (HfArgumentParser turns each field's help into its `--help`); `inner_steps: auto`
 and `sync_delay: auto` stand for their auto fields; a bad key, flag or value is one sentence (CLIError, exit
@@ -67,7 +67,8 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
     # A recipe that names no output folder writes under runs/, where `hf-diloco app` looks by default.
     values.setdefault("output_dir", f"runs/{Path(recipe).stem if recipe else 'run'}")
     try:
-        arguments = config_class(_trainer_named(values, overrides))
+        arguments = config_class(_named(values, overrides, "trainer", "diloco"),
+                                 _named(values, overrides, "task", "causal-lm"))
     except ConfigError as error:
         raise CLIError(str(error)) from None
     parser = field_parser(arguments)
@@ -95,16 +96,16 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
         raise CLIError(first_line(error) + ".") from None
 
 
-def _trainer_named(values: dict, overrides: list[str]) -> str:
-    """The `trainer` a recipe and its flags ask for (the last flag wins), before they are parsed: its arguments
-    class decides which fields the recipe may have."""
-    trainer = str(values.get("trainer", "diloco"))
+def _named(values: dict, overrides: list[str], key: str, default: str) -> str:
+    """The `key` (trainer, task) a recipe and its flags ask for (the last flag wins), before they are parsed: the
+    trainer and task decide the arguments class, and so which fields the recipe may have."""
+    chosen = str(values.get(key, default))
     for i, item in enumerate(overrides):
-        if item == "--trainer" and i + 1 < len(overrides):
-            trainer = overrides[i + 1]
-        elif item.startswith("--trainer="):
-            trainer = item.split("=", 1)[1]
-    return trainer
+        if item == f"--{key}" and i + 1 < len(overrides):
+            chosen = overrides[i + 1]
+        elif item.startswith(f"--{key}="):
+            chosen = item.split("=", 1)[1]
+    return chosen
 
 
 def _auto_fields(values: dict, overrides: list[str]) -> tuple[dict, list[str]]:
@@ -148,9 +149,14 @@ def _drop_device_requirements(namespace: argparse.Namespace) -> None:
         namespace.tf32 = None
 
 
-def config_class(trainer: str) -> type:
-    """The arguments class of `trainer`: DiLoCoConfig, or with TRL's trainers the config that joins theirs to it
-    (ConfigError in one sentence when TRL is not installed)."""
+def config_class(trainer: str, task: str = "causal-lm") -> type:
+    """The arguments class of `trainer` and `task`: DiLoCoConfig; for seq2seq, Seq2SeqTrainingArguments joined to it;
+    with TRL's trainers the config that joins theirs to it (ConfigError in one sentence when TRL is not
+    installed)."""
+    if task == "seq2seq":
+        from .trainer import DiLoCoSeq2SeqConfig
+
+        return DiLoCoSeq2SeqConfig
     if trainer not in TRL_TRAINERS:
         from .config import DiLoCoConfig
 

@@ -219,12 +219,16 @@ def quorum_record(record: dict, replicas: list[dict], *, committed: bool, step: 
 
 
 def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,
-            settings: dict) -> dict:
-    """The run's totals (`diloco_summary.json`), from its sync records."""
+            settings: dict, initial_eval_accuracy: float | None = None) -> dict:
+    """The run's totals (`diloco_summary.json`), from its sync records (a classifier's: its accuracy too)."""
     wall = sum(r["compute_seconds"] + r["blocked_seconds"] for r in syncs)
     tokens = sum(r["tokens"] for r in syncs)
     evals = [r["eval_loss"] for r in syncs if r.get("eval_loss") is not None]
+    accuracies = [r["eval_accuracy"] for r in syncs if r.get("eval_accuracy") is not None]
+    accuracy = {} if initial_eval_accuracy is None and not accuracies else {
+        "eval_accuracy_initial": initial_eval_accuracy, "eval_accuracy_final": accuracies[-1] if accuracies else None}
     return {
+        **accuracy,
         "rounds": outer_rounds(syncs),
         "syncs": len(syncs),
         "steps": steps,
@@ -260,6 +264,7 @@ class Records:
         self.report = None  # called with each written record (the trainer's trackers)
         self.total_syncs: int | None = None
         self.initial_eval_loss: float | None = None
+        self.initial_eval_accuracy: float | None = None
         self.carried: dict = {}  # fields for the next record (a resume's note, the start-up's bytes)
         self.cumulative_bytes = 0  # bytes this replica sent in every sync of the run so far
         self.train_started = time.time()
@@ -297,13 +302,16 @@ class Records:
         self.carried = {}
         self.pending.append(record)
 
-    def evaluated(self, step: int, eval_loss: float | None) -> None:
-        """An evaluation at `step`: it belongs to the sync landed at that step, or (step 0) to the start."""
+    def evaluated(self, step: int, eval_loss: float | None, accuracy: float | None = None) -> None:
+        """An evaluation at `step` (its loss, and a classifier's accuracy): it belongs to the sync landed at that
+        step, or (step 0) to the start."""
         if self.pending and self.pending[-1]["step"] == step:
             self.pending[-1]["eval_loss"] = eval_loss
+            if accuracy is not None:
+                self.pending[-1]["eval_accuracy"] = accuracy
             self.flush()
         elif step == 0:  # eval_on_start: the model before any training
-            self.initial_eval_loss = eval_loss
+            self.initial_eval_loss, self.initial_eval_accuracy = eval_loss, accuracy
 
     def quiet(self) -> None:
         """Keep writing and reporting the syncs, but print no line for them (hf_diloco.console: a process other
@@ -335,7 +343,8 @@ class Records:
         if self.writer is None:
             return
         totals = summary(self.history, steps=steps, train_started=self.train_started,
-                         initial_eval_loss=self.initial_eval_loss, settings=settings)
+                         initial_eval_loss=self.initial_eval_loss, settings=settings,
+                         initial_eval_accuracy=self.initial_eval_accuracy)
         if last_agreement is not None and self.history:
             totals["last_sync_agreement"] = {"sync": self.history[-1]["sync"], "replica_agreement": last_agreement}
         write_summary(output_dir, totals)

@@ -197,7 +197,7 @@ def build_model(run: RunArguments):
     from .models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model,
-                                                run.tokenizer_name_or_path, run.torch_dtype)
+                                                run.tokenizer_name_or_path, run.torch_dtype, run.task)
     if run.lora_r > 0:
         model = add_lora(model, run)
     return model, tokenizer
@@ -254,21 +254,22 @@ def shape_only_model(run: RunArguments):
     the sentence training would end with when the model cannot be found or read, or a LoRA target is not among
     its modules."""
     import torch
+    import transformers
 
-    from .models import PRESETS, check_causal, load_model_config, weights_dtype
+    from .models import PRESETS, load_model_config, weights_dtype
+    from .tasks import TASK_PRESETS, check_fits_task, get_task
 
-    if run.model_name_or_path in PRESETS:
+    if run.model_name_or_path in PRESETS or run.model_name_or_path in TASK_PRESETS:
         with torch.device("meta"):
             return build_model(run)[0]
     config = load_model_config(run.model_name_or_path)
-    check_causal(config, run.model_name_or_path)
-    from transformers import AutoModelForCausalLM
-
+    task = get_task(run.task)
+    check_fits_task(config, task, run.model_name_or_path)
     dtype = getattr(config, "dtype", None) if run.torch_dtype == "auto" else weights_dtype(run.torch_dtype)
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError as error:  # a config of no causal language model
+            model = getattr(transformers, task.auto_class).from_config(config, dtype=dtype)
+        except ValueError as error:  # a config of no model for the task
             raise ConfigError(f"could not load model {run.model_name_or_path!r}: {first_line(error)}.") from None
         return add_lora(model, run) if run.lora_r > 0 else model
 
@@ -472,12 +473,13 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
 
 def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, recorder, stopper, callbacks: Sequence,
            stop_signals: bool):
-    from transformers import Trainer, default_data_collator
+    from transformers import Seq2SeqTrainer, Trainer
 
     from .callbacks import SteadyClock
     from .console import calm, quiet_other_processes
-    from .data import build_datasets
-    from .trainer import DiLoCoTrainer, data_shard
+    from .data import build_datasets, build_task_datasets
+    from .tasks import CAUSAL_LM, SEQ2SEQ, get_task, task_collator, task_metrics
+    from .trainer import DiLoCoSeq2SeqTrainer, DiLoCoTrainer, data_shard
 
     if not config.should_log:
         import datasets
@@ -491,15 +493,20 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     model, tokenizer = build_model(run)
     # A stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate.
     shard = data_shard(config) if run.trainer != "ddp" else None
-    train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer,
-                                                                                                    shard)
+    task = get_task(run.task)
+    if task.name != CAUSAL_LM:
+        train_dataset, eval_dataset = build_task_datasets(run, task, tokenizer)
+    else:
+        train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer,
+                                                                                                        shard)
     if eval_dataset is None and config.eval_strategy != "no":
         raise ConfigError(
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
         )
     clock = SteadyClock()
     common = dict(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                  processing_class=tokenizer, data_collator=default_data_collator)
+                  processing_class=tokenizer, data_collator=task_collator(task, tokenizer),
+                  compute_metrics=task_metrics(task))
     if run.trainer in TRL_TRAINERS:  # TRL prepares the data (chat template, tokens, its collator)
         from . import trl
 
@@ -513,15 +520,18 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     elif run.trainer == "diloco":
         # Its own stop handling, at a round boundary for all replicas together; a request made while loading is
         # handed on.
-        trainer = DiLoCoTrainer(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
+        kind = DiLoCoSeq2SeqTrainer if task.name == SEQ2SEQ else DiLoCoTrainer
+        trainer = kind(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
         if stopper.requested:
             trainer.request_stop()
     else:
-        baseline = Trainer  # the ordinary Trainer, with the inner optimizer DiLoCo's replicas use (muon: its own)
+        # The ordinary Trainer (Seq2SeqTrainer for seq2seq), with the inner optimizer DiLoCo's replicas use (muon:
+        # its own).
+        baseline = Seq2SeqTrainer if task.name == SEQ2SEQ else Trainer
         if config.inner_optimizer == "muon":
             from .inner import InnerOptimizer
 
-            baseline = type("MuonTrainer", (InnerOptimizer, Trainer), {})
+            baseline = type("MuonTrainer", (InnerOptimizer, baseline), {})
         trainer = baseline(**common, callbacks=[clock, recorder, stopper, *callbacks])
     if not run.verbose:
         calm(trainer)

@@ -33,10 +33,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Trainer
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 from transformers.trainer_utils import HubStrategy
 
 from . import checkpoints, compat, parallel
@@ -420,3 +421,16 @@ class DiLoCoTrainer(DiLoCoMixin, Trainer):
                                 train_dataset=train, eval_dataset=held_out)
         trainer.train()
     """
+
+
+@dataclass
+class DiLoCoSeq2SeqConfig(Seq2SeqTrainingArguments, DiLoCoConfig):
+    """Seq2SeqTrainingArguments' fields and defaults (generation settings, predict_with_generate), with
+    DiLoCoConfig's fields and checks: the arguments of DiLoCoSeq2SeqTrainer and of `task: seq2seq` recipes."""
+
+
+class DiLoCoSeq2SeqTrainer(DiLoCoMixin, Seq2SeqTrainer):
+    """transformers' Seq2SeqTrainer (translation, summarization: encoder-decoder models), each process a DiLoCo
+    replica (args: DiLoCoSeq2SeqConfig). `DiLoCoMixin` does the same for any other Trainer subclass."""
+
+    config_class = DiLoCoSeq2SeqConfig

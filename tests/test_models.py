@@ -5,6 +5,7 @@ chosen for the architecture. In process, on tiny models built from configs (test
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import cli, tiny_model_folder
@@ -15,15 +16,18 @@ from hf_diloco.train import add_lora
 
 
 @pytest.mark.parametrize("kind, words", [
-    ("bert-masked-lm", "is a BertForMaskedLM, a masked language model: hf-diloco trains causal language models"),
-    ("t5", "is a T5ForConditionalGeneration, an encoder-decoder: hf-diloco trains causal language models"),
+    ("bert-masked-lm", "is a BertForMaskedLM, a masked language model (task masked-lm trains it): task causal-lm "
+                       "trains a causal language model (AutoModelForCausalLM)"),
+    ("t5", "is a T5ForConditionalGeneration, an encoder-decoder (sequence-to-sequence) model (task seq2seq trains it): "
+           "task causal-lm trains a causal language model"),
 ])
 def test_a_model_with_another_tasks_head_is_refused_in_one_sentence_and_left_as_it_was(tmp_path, kind, words):
-    """In process and through `hf-diloco train`: the sentence names the saved architecture and why, the exit is not
-    zero, there is no traceback, and the folder's config still says what it was."""
+    """In process and through `hf-diloco train` (task causal-lm, the default): the sentence names the saved
+    architecture, the task that trains it and the one asked, the exit is not zero, there is no traceback, and the
+    folder's config still says what it was."""
     folder = tiny_model_folder(kind, tmp_path / kind)
     saved = (folder / "config.json").read_text()
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         load_model_and_tokenizer(str(folder))
     result = cli("train", "--model_name_or_path", str(folder), "--max_steps", "2", "--inner_steps", "1",
                  "--output_dir", str(tmp_path / "out"))

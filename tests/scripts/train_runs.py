@@ -7,9 +7,11 @@ read it at each call (tests/scripts/contribution_hook) apply to that run alone. 
 `=== run NAME ===` on stdout and stderr before each, after every process has finished the run before (a barrier),
 so a test can cut the launch's console into the runs' own. A launch of the tiny model spends most of its time
 starting Pythons: this pays for them once. `"copy": [source, destination]` has rank 0 copy a folder a run before
-wrote (a checkpoint) before the run starts, leaving out the files named in `"leave_out"`.
+wrote (a checkpoint) before the run starts, leaving out the files named in `"leave_out"`. `"digests": true` has each
+rank write the digest of its parameters after every sync (`SyncDigests`).
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,12 +19,35 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from hf_diloco import launch
 from hf_diloco import train as training
 from hf_diloco.recipes import parse_train_args
 
 RUN_MARK = "=== run {} ==="
+
+
+class SyncDigests(TrainerCallback):
+    """With `"digests": true`: each rank writes `<output_dir>/digests-rank<r>.json`, {step: SHA-256 of its
+    parameters} at every sync boundary (read as the next step begins, after the sync landed) and at the end."""
+
+    def __init__(self, config):
+        self.every, self.found = config.inner_steps, {}
+
+    def _record(self, state, model) -> None:
+        digest = hashlib.sha256()
+        for p in model.parameters():
+            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        self.found[state.global_step] = digest.hexdigest()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step and state.global_step % self.every == 0:
+            self._record(state, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._record(state, model)
+        Path(args.output_dir, f"digests-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(self.found))
 
 
 def main() -> None:
@@ -39,7 +64,7 @@ def main() -> None:
         os.environ.update(run.get("env", {}))
         try:
             arguments, config = parse_train_args(run["recipe"], run["args"])
-            training.train(arguments, config)
+            training.train(arguments, config, callbacks=[SyncDigests(config)] if run.get("digests") else ())
         finally:
             for key, value in saved.items():
                 if value is None:

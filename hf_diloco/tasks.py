@@ -1,0 +1,173 @@
+"""What a run trains its model to do: the tasks transformers' Trainer trains, each with the model class, the
+built-in data, the collator, the metric and the Trainer class that transformers uses for it.
+
+DiLoCo does not care what the model predicts: a replica trains alone and its pseudo-gradient is a difference of
+weights. So a task is only what the inner loop needs:
+
+- causal-lm (ForCausalLM): the corpus in token blocks; eval loss.
+- seq2seq (ForSeq2SeqLM): each corpus passage → the title of its topic (a one-line summary), padded pairs; eval loss.
+- masked-lm (ForMaskedLM): the corpus in token blocks, 15% of the tokens masked by the collator; eval loss.
+- sequence-classification (ForSequenceClassification): corpus passages, every other one reversed letter by letter
+  (label 1); accuracy.
+- image-classification (ForImageClassification): the digits 0-9 drawn in code on an 8x8 grey frame; accuracy.
+
+Design choices:
+- Presets are small models built from a config, like the Llama ones: `tiny-t5` (encoder-decoder), `tiny-bert`
+  (its head follows the task: masked LM or classifier) and `tiny-vit` (8x8 images in four 4x4 patches), so every task
+  trains on 2 CPU cores with nothing downloaded.
+- The built-in data (hf_diloco.data) are derived from the built-in corpus (pydoc topics) or drawn by code from a fixed
+  seed: the same on every machine. The held-out part is the last `eval_fraction` of the rows, as for text.
+- A model must fit the task asked: its saved architecture is looked up in transformers' own table of the task's
+  model classes, and a model for another task is refused in one sentence before anything is loaded.
+- Seq2seq trains with `Seq2SeqTrainer` through `DiLoCoMixin` (hf_diloco.trainer.DiLoCoSeq2SeqTrainer); the other
+  tasks with `DiLoCoTrainer`. Their streaming fragments cut layers by number: an encoder-decoder's encoder block
+  l and decoder block l travel in the same fragment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+CAUSAL_LM = "causal-lm"
+SEQ2SEQ = "seq2seq"
+MASKED_LM = "masked-lm"
+SEQUENCE_CLASSIFICATION = "sequence-classification"
+IMAGE_CLASSIFICATION = "image-classification"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    mapping: str  # transformers.models.auto.modeling_auto's table of this task's model classes
+    auto_class: str  # the Auto class that loads a model for it
+    pipeline_tag: str  # the Hub's name for it (model cards)
+    preset: str  # the preset a recipe starts from
+    metric: str  # what the task's evaluation reports beside the loss: "loss" (the loss itself) or "accuracy"
+    noun: str  # what its models are called in a sentence, with its article
+
+
+TASKS: dict[str, Task] = {task.name: task for task in [
+    Task(CAUSAL_LM, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", "text-generation", "tiny-llama",
+         "loss", "a causal language model"),
+    Task(SEQ2SEQ, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", "text2text-generation",
+         "tiny-t5", "loss", "an encoder-decoder (sequence-to-sequence) model"),
+    Task(MASKED_LM, "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", "fill-mask", "tiny-bert", "loss",
+         "a masked language model"),
+    Task(SEQUENCE_CLASSIFICATION, "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+         "AutoModelForSequenceClassification", "text-classification", "tiny-bert", "accuracy", "a text classifier"),
+    Task(IMAGE_CLASSIFICATION, "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification",
+         "image-classification", "tiny-vit", "accuracy", "an image classifier"),
+]}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ConfigError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}.") from None
+
+
+def task_classes(task: Task) -> set[str]:
+    """The model classes transformers lists for `task` (e.g. LlamaForCausalLM, T5ForConditionalGeneration)."""
+    from transformers.models.auto import modeling_auto
+
+    table = getattr(modeling_auto, task.mapping)
+    return {name for names in table.values() for name in ((names,) if isinstance(names, str) else names)}
+
+
+def task_of_architectures(names: list[str]) -> Task | None:
+    """The task a saved model's architectures name (the first task whose table lists one of them), or None."""
+    for task in TASKS.values():
+        if set(names) & task_classes(task):
+            return task
+    return None
+
+
+def check_fits_task(config, task: Task, shown: str) -> None:
+    """A model whose saved architecture belongs to another task than `task` is refused in one sentence, before its
+    weights are loaded (a masked LM asked to train as a causal LM would see the tokens it predicts). A config that
+    names no architecture passes when the task's table has a class for its model type."""
+    from transformers.models.auto import modeling_auto
+
+    named = list(getattr(config, "architectures", None) or [])
+    table = getattr(modeling_auto, task.mapping)
+    if named:
+        if set(named) & task_classes(task):
+            return
+        other = task_of_architectures(named)
+        what = f"a {named[0]}" + (f", {other.noun}" if other is not None else ", saved with a head for another task")
+    elif config.model_type in table:
+        return
+    else:
+        what = f"a {config.model_type} model, which transformers has no class of {task.noun} for"
+    hint = f" (task {other.name} trains it)" if named and other is not None else ""
+    raise ConfigError(f"model {shown!r} is {what}{hint}: task {task.name} trains {task.noun} "
+                      f"({task.auto_class}), which would be the wrong objective for it.")
+
+
+# --- presets ----------------------------------------------------------------------------------------------------
+
+TASK_PRESETS = ("tiny-t5", "tiny-bert", "tiny-vit")
+IMAGE_SIZE, DIGITS = 8, 10
+
+
+def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed: int):
+    """A freshly initialised small model for `task`, identical for identical seeds (ConfigError when the preset does
+    not do that task)."""
+    fits = {"tiny-t5": (SEQ2SEQ,), "tiny-bert": (MASKED_LM, SEQUENCE_CLASSIFICATION), "tiny-vit":
+            (IMAGE_CLASSIFICATION,)}[name]
+    if task.name not in fits:
+        raise ConfigError(f"preset {name!r} does not train task {task.name}; it trains {' or '.join(fits)} "
+                          f"(task {task.name} starts from preset {task.preset!r}).")
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        BertForSequenceClassification,
+        T5Config,
+        T5ForConditionalGeneration,
+        ViTConfig,
+        ViTForImageClassification,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "tiny-t5":
+            config = T5Config(vocab_size=len(tokenizer), d_model=128, d_kv=32, d_ff=512, num_layers=2,
+                              num_decoder_layers=2, num_heads=4, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+            return T5ForConditionalGeneration(config)
+        if name == "tiny-bert":
+            config = BertConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                intermediate_size=512, max_position_embeddings=max_positions,
+                                pad_token_id=tokenizer.pad_token_id, num_labels=2)
+            return (BertForMaskedLM if task.name == MASKED_LM else BertForSequenceClassification)(config)
+        config = ViTConfig(image_size=IMAGE_SIZE, patch_size=4, num_channels=1, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=256, num_labels=DIGITS,
+                           id2label={i: str(i) for i in range(DIGITS)}, label2id={str(i): i for i in range(DIGITS)})
+        return ViTForImageClassification(config)
+
+
+def task_collator(task: Task, tokenizer):
+    """How a batch is made: masking for masked LM (15% of the tokens, BERT's recipe), rows as they are for the
+    others (every row already has the task's fixed shape)."""
+    from transformers import DataCollatorForLanguageModeling, default_data_collator
+
+    if task.name == MASKED_LM:
+        return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
+    return default_data_collator
+
+
+def accuracy(prediction) -> dict:
+    """The share of evaluation rows whose highest logit is their label (Trainer's compute_metrics)."""
+    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    return {"accuracy": float((np.asarray(logits).argmax(-1) == np.asarray(prediction.label_ids)).mean())}
+
+
+def task_metrics(task: Task):
+    """Trainer's compute_metrics for `task`: accuracy for classifiers, None (the loss alone) for the others."""
+    return accuracy if task.metric == "accuracy" else None

@@ -1,0 +1,187 @@
+"""Trainer's other tasks with DiLoCo: seq2seq (Seq2SeqTrainer through the mixin), masked LM, text and image
+classification. Fast tests of the pieces (the model check, the built-in data, the presets, the collator, the
+metric); then each task's recipe trains as 2 replicas (accelerate launch, gloo), the replicas identical after every
+sync and the task's metric better than at the start."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import ACCELERATE_CPU_2PROC, cli, train_runs
+
+from hf_diloco.config import ConfigError, RunArguments
+from hf_diloco.data import build_task_datasets, builtin_digits, builtin_labelled_texts, builtin_pairs
+from hf_diloco.models import load_model_and_tokenizer
+from hf_diloco.tasks import TASKS, accuracy, check_fits_task, task_collator
+
+
+def saved_config(architecture: str, model_type: str):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    config.architectures = [architecture]
+    return config
+
+
+@pytest.mark.parametrize("architecture, model_type, task, words", [
+    ("BertForMaskedLM", "bert", "causal-lm", "is a BertForMaskedLM, a masked language model (task masked-lm "
+                                             "trains it)"),
+    ("LlamaForCausalLM", "llama", "seq2seq", "is a LlamaForCausalLM, a causal language model (task causal-lm trains "
+                                             "it): task seq2seq trains an encoder-decoder"),
+    ("T5ForConditionalGeneration", "t5", "sequence-classification", "(task seq2seq trains it): task "
+                                                                    "sequence-classification trains a text classifier"),
+    ("ViTForImageClassification", "vit", "masked-lm", "an image classifier (task image-classification trains it)"),
+])
+def test_a_model_saved_for_another_task_is_refused_naming_both_tasks(architecture, model_type, task, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        check_fits_task(saved_config(architecture, model_type), TASKS[task], "m")
+
+
+@pytest.mark.parametrize("architecture, model_type, task", [
+    ("T5ForConditionalGeneration", "t5", "seq2seq"), ("BertForMaskedLM", "bert", "masked-lm"),
+    ("BertForSequenceClassification", "bert", "sequence-classification"),
+    ("ViTForImageClassification", "vit", "image-classification"), ("LlamaForCausalLM", "llama", "causal-lm"),
+])
+def test_a_model_of_the_task_asked_passes(architecture, model_type, task):
+    assert check_fits_task(saved_config(architecture, model_type), TASKS[task], "m") is None
+
+
+def test_presets_build_the_tasks_model_and_refuse_another_task():
+    classes = {"seq2seq": ("tiny-t5", "T5ForConditionalGeneration"), "masked-lm": ("tiny-bert", "BertForMaskedLM"),
+               "sequence-classification": ("tiny-bert", "BertForSequenceClassification"),
+               "image-classification": ("tiny-vit", "ViTForImageClassification")}
+    for task, (preset, name) in classes.items():
+        model, tokenizer = load_model_and_tokenizer(preset, 64, task=task)
+        again, _ = load_model_and_tokenizer(preset, 64, task=task)
+        assert type(model).__name__ == name and TASKS[task].preset == preset
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+        assert (tokenizer is None) == (task == "image-classification")
+    assert load_model_and_tokenizer("tiny-bert", 64, task="masked-lm")[1].mask_token_id == 259
+    with pytest.raises(ConfigError, match="preset 'tiny-vit' does not train task seq2seq; it trains "
+                                          "image-classification"):
+        load_model_and_tokenizer("tiny-vit", 64, task="seq2seq")
+    with pytest.raises(ConfigError, match="preset 'tiny-llama' is a causal language model; task masked-lm starts "
+                                          "from preset 'tiny-bert'"):
+        load_model_and_tokenizer("tiny-llama", 64, task="masked-lm")
+
+
+def test_the_built_in_data_is_what_it_says():
+    """Digits: the same for the same seed, each class a tenth, every image the font's glyph plus noise (the
+    noiseless glyph is the nearest of the ten to the image, checked against an independent rendering). Texts: every
+    other passage reversed, label 1 exactly for those. Pairs: each passage with its topic's title."""
+    images, labels = builtin_digits()
+    again, _ = builtin_digits()
+    assert images.shape == (2000, 1, 8, 8) and np.array_equal(images, again) and 0 <= images.min() <= images.max() <= 1
+    assert np.bincount(labels).tolist() == [200] * 10
+    from hf_diloco.data import FONT
+
+    def rendered(digit: int, top: int, left: int) -> np.ndarray:
+        frame = np.zeros((8, 8), dtype=np.float32)
+        frame[top:top + 5, left:left + 3] = np.array([int(c) for c in FONT[digit]]).reshape(5, 3)
+        return frame
+
+    for image, label in zip(images[:50], labels[:50], strict=True):
+        distance = {(d, t, le): np.abs(image[0] - rendered(d, t, le)).sum() for d in range(10) for t in (1, 2)
+                    for le in (2, 3)}
+        assert min(distance, key=distance.get)[0] == label
+    texts = builtin_labelled_texts()
+    assert len(texts) > 1000 and [label for _t, label in texts[:4]] == [0, 1, 0, 1]
+    from hf_diloco.data import _reference_passages
+
+    passages = [p for _title, p in _reference_passages()]
+    assert all(text == (passages[i][::-1] if label else passages[i]) for i, (text, label) in enumerate(texts))
+    pairs = builtin_pairs()
+    assert len(pairs) == len(passages) and pairs[0][1] == _reference_passages()[0][0]
+
+
+def test_each_tasks_rows_have_fixed_shapes_and_the_held_out_tail():
+    for task in ("seq2seq", "sequence-classification", "image-classification", "masked-lm"):
+        run = RunArguments(task=task, model_name_or_path=TASKS[task].preset, block_size=64)
+        _model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, 64, task=task)
+        train, held = build_task_datasets(run, TASKS[task], tokenizer)
+        row = train[0]
+        assert len(held) == pytest.approx(0.05 * (len(train) + len(held)), abs=1)
+        if task == "image-classification":
+            assert row["pixel_values"].shape == (1, 8, 8) and 0 <= int(row["labels"]) < 10
+        elif task == "masked-lm":
+            assert set(row) == {"input_ids"} and len(row["input_ids"]) == 64  # the collator makes the labels
+        else:
+            assert len(row["input_ids"]) == len(row["attention_mask"]) == 64
+        if task == "seq2seq":  # the title, then -100 where the target is padded
+            labels = row["labels"].tolist()
+            ids = [i for i in labels if i != -100]
+            assert tokenizer.decode(ids, skip_special_tokens=True) == builtin_pairs()[0][1]
+            assert labels[len(ids):] == [-100] * (len(labels) - len(ids))
+        if task == "sequence-classification":
+            assert [int(train[i]["labels"]) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_masked_lm_masks_about_15_percent_and_scores_only_those():
+    _model, tokenizer = load_model_and_tokenizer("tiny-bert", 64, task="masked-lm")
+    collate = task_collator(TASKS["masked-lm"], tokenizer)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 259, (64, 128))
+    batch = collate([{"input_ids": row} for row in ids])
+    scored = batch["labels"] != -100
+    assert 0.13 < scored.float().mean().item() < 0.17, "BERT's 15%, within 2 points over 8,192 tokens"
+    assert torch.equal(batch["labels"][scored], ids[scored]), "the label of a scored token is the original"
+    assert (batch["input_ids"][scored] == tokenizer.mask_token_id).float().mean().item() == pytest.approx(0.8, abs=0.05)
+    assert torch.equal(batch["input_ids"][~scored], ids[~scored])
+
+
+def test_accuracy_is_the_share_of_rows_whose_top_logit_is_their_label():
+    from transformers import EvalPrediction
+
+    logits = np.array([[0.1, 0.9], [2.0, -1.0], [0.3, 0.2], [0.0, 5.0]])
+    labels = np.array([1, 0, 1, 1])
+    assert accuracy(EvalPrediction(predictions=logits, label_ids=labels)) == {"accuracy": 0.75}
+
+
+def test_task_settings_that_cannot_go_together_are_refused_in_one_sentence(tmp_path):
+    for flags, words in [(["--task", "translation"], "argument --task: invalid choice: 'translation'"),
+                         (["--task", "seq2seq", "--trainer", "sft"], "trainer sft trains a causal language model"),
+                         (["--task", "masked-lm", "--model_name_or_path", "tiny-llama"],
+                          "preset 'tiny-llama' is a causal language model")]:
+        result = cli("train", "--max_steps", "2", "--inner_steps", "1", "--output_dir", str(tmp_path / "out"), *flags)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and "Traceback" not in result.stderr and words in last, result.stderr[-1500:]
+
+
+# --- each task's recipe, 2 replicas ------------------------------------------------------------------------------
+
+TASK_RUNS = {  # name → recipe, flags
+    "seq2seq": ("seq2seq", []),
+    "masked-lm": ("masked-lm", []),
+    "sequence-classification": ("sequence-classification", []),
+    "image-classification": ("image-classification", []),
+}
+SHORT = ["--max_steps", "60", "--eval_steps", "20", "--report_to", "none", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(scope="module")
+def task_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tasks")
+    train_runs([{"name": name, "recipe": f"recipes/{recipe}.yaml", "digests": True,
+                 "args": [*SHORT, "--output_dir", str(folder / name), *flags]}
+                for name, (recipe, flags) in TASK_RUNS.items()], ACCELERATE_CPU_2PROC)
+    return {name: folder / name for name in TASK_RUNS}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("name", list(TASK_RUNS))
+def test_each_task_trains_as_two_replicas_identical_after_every_sync_and_its_metric_improves(task_runs, name):
+    out = task_runs[name]
+    digests = [json.loads((out / f"digests-rank{r}.json").read_text()) for r in (0, 1)]
+    assert list(digests[0]) == ["20", "40", "60"] and digests[0] == digests[1], digests
+    summary = json.loads((out / "diloco_summary.json").read_text())
+    assert summary["num_replicas"] == 2 and summary["rounds"] == 3
+    if TASKS[name].metric == "accuracy":
+        assert summary["eval_accuracy_final"] > summary["eval_accuracy_initial"], summary
+    else:
+        assert summary["eval_loss_final"] < summary["eval_loss_initial"], summary
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"][0] in {"T5ForConditionalGeneration", "BertForMaskedLM",
+                                          "BertForSequenceClassification", "ViTForImageClassification"}
