@@ -8,12 +8,14 @@ read it at each call (tests/scripts/contribution_hook) apply to that run alone. 
 so a test can cut the launch's console into the runs' own. A launch of the tiny model spends most of its time
 starting Pythons: this pays for them once. `"copy": [source, destination]` has rank 0 copy a folder a run before
 wrote (a checkpoint) before the run starts, leaving out the files named in `"leave_out"`. `"digests": true` has each
-rank write the digest of its parameters after every sync (`SyncDigests`).
+rank write the digest of its parameters after every sync (`SyncDigests`). `{"name", "script": path}` runs a Python
+script instead, with `SyncDigests` among its globals.
 """
 
 import hashlib
 import json
 import os
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -63,6 +65,9 @@ def main() -> None:
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         try:
+            if "script" in run:  # a user's script (a docs example), run as `accelerate launch script.py` would
+                runpy.run_path(run["script"], init_globals={"SyncDigests": SyncDigests}, run_name="__main__")
+                continue
             arguments, config = parse_train_args(run["recipe"], run["args"])
             training.train(arguments, config, callbacks=[SyncDigests(config)] if run.get("digests") else ())
         finally:
