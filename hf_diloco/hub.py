@@ -58,7 +58,7 @@ MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json", "g
                   "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja")
 RUN_FILES = (SYNCS_FILE, EARLIER_SYNCS_FILE, RUN_CONFIG_FILE)  # a run of an earlier version: its records, as named
-PRESET_PREFIXES = ("tiny-llama", "llama-")
+PRESET_PREFIXES = ("tiny-llama", "llama-", "tiny-t5", "tiny-bert", "tiny-vit")
 TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}  # trainer: what the card says ran the inner loop
 
 DILOCO_ROWS = (
@@ -295,8 +295,12 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     metrics = read_json(output_dir / "run_metrics.json", {})
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
+    from .tasks import TASKS
+
+    task = TASKS.get(run.get("task", "causal-lm"), TASKS["causal-lm"])
     data = ModelCardData(  # Hub ids only: a preset, the builtin corpus or a local path is no repository
         library_name="transformers",
+        pipeline_tag=task.pipeline_tag,
         tags=(["diloco", "hf-diloco", "distributed-training"] + (["trl", trainer] if trainer in TRL_NAMES else []))
         if trainer != "ddp" else ["hf-diloco", "ddp-baseline"],
         base_model=model if model and not model.startswith(PRESET_PREFIXES) and not local_path(model) else None,

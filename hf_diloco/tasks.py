@@ -28,9 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from .errors import ConfigError
 
 CAUSAL_LM = "causal-lm"
@@ -124,6 +121,7 @@ def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed
     if task.name not in fits:
         raise ConfigError(f"preset {name!r} does not train task {task.name}; it trains {' or '.join(fits)} "
                           f"(task {task.name} starts from preset {task.preset!r}).")
+    import torch
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -164,6 +162,8 @@ def task_collator(task: Task, tokenizer):
 
 def accuracy(prediction) -> dict:
     """The share of evaluation rows whose highest logit is their label (Trainer's compute_metrics)."""
+    import numpy as np
+
     logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
     return {"accuracy": float((np.asarray(logits).argmax(-1) == np.asarray(prediction.label_ids)).mean())}
 

@@ -232,3 +232,14 @@ def test_each_task_trains_as_two_replicas_identical_after_every_sync_and_its_met
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"][0] in {"T5ForConditionalGeneration", "BertForMaskedLM",
                                           "BertForSequenceClassification", "ViTForImageClassification"}
+
+
+def test_the_model_card_names_the_tasks_pipeline_and_no_preset_as_base_model(tmp_path):
+    from hf_diloco.hub import model_card
+
+    for task in TASKS.values():
+        (tmp_path / "run_config.json").write_text(json.dumps({"trainer": "diloco", "run": {
+            "task": task.name, "model_name_or_path": task.preset, "dataset_name": "builtin"}}))
+        card = model_card(tmp_path, curve=False)
+        head = card.split("---")[1]
+        assert f"pipeline_tag: {task.pipeline_tag}" in head and "base_model" not in head, head
