@@ -48,6 +48,7 @@ from .metrics import (
     run_syncs,
 )
 from .runs import PROGRESS_FILE, run_outcome
+from .tasks import TASKS
 
 CARD_FILE = "README.md"
 CURVE_FILE = "training_curve.png"
@@ -295,8 +296,6 @@ def model_card(output_dir: str | Path, repo_id: str | None = None, curve: bool =
     metrics = read_json(output_dir / "run_metrics.json", {})
     model = run.get("model_name_or_path", "")
     dataset = run.get("dataset_name", "")
-    from .tasks import TASKS
-
     task = TASKS.get(run.get("task", "causal-lm"), TASKS["causal-lm"])
     data = ModelCardData(  # Hub ids only: a preset, the builtin corpus or a local path is no repository
         library_name="transformers",

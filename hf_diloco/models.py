@@ -16,6 +16,15 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from .config import ConfigError, first_line
+from .tasks import (
+    IMAGE_CLASSIFICATION,
+    MASKED_LM,
+    TASK_PRESETS,
+    TASKS,
+    build_task_preset,
+    check_fits_task,
+    get_task,
+)
 
 PRESETS: dict[str, dict] = {
     # ≈ 1.1M parameters; trains at ~12k tokens/s on one CPU core.
@@ -87,8 +96,6 @@ def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: 
     `tokenizer_name_or_path` names ("byte": the built-in byte tokenizer; a preset's vocabulary is then sized to it).
     A model saved for another task, and a tokenizer that cannot be loaded, is empty or has more ids than the model's
     embeddings, are refused in one sentence (ConfigError): nothing is substituted."""
-    from .tasks import IMAGE_CLASSIFICATION, MASKED_LM, TASK_PRESETS, build_task_preset, check_fits_task, get_task
-
     kind = get_task(task)
     shown = f"tokenizer {tokenizer_name_or_path!r}" if tokenizer_name_or_path else \
         f"the tokenizer of model {name_or_path!r}"
@@ -158,8 +165,6 @@ def check_causal(config, shown: str) -> None:
     """The task causal-lm's check (hf_diloco.tasks.check_fits_task): a model whose saved head is another task's (a
     masked LM, whose attention would see the tokens it predicts; an encoder-decoder; a classifier) is refused in one
     sentence, before anything is loaded."""
-    from .tasks import TASKS, check_fits_task
-
     check_fits_task(config, TASKS["causal-lm"], shown)
 
 
