@@ -91,7 +91,11 @@ def check_launch(run, config, accelerate_config: str, processes: int | None = No
 
     values = training.check_accelerate_config(accelerate_config, config, processes=processes, machines=machines,
                                               rank=rank)
-    training.check_inputs(run, config)
+    model = training.check_inputs(run, config)
+    if values["hf_diloco_layout"]["sharded"]:
+        from .parallel import check_shardable
+
+        check_shardable(model)
     training.resolve_checkpoint(config)
     if not dry_run:
         training.check_output_dir(config)

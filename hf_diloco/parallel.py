@@ -56,6 +56,62 @@ def replica_sharding(args: DiLoCoConfig) -> ReplicaSharding:
     return ReplicaSharding(dp_replicate_size=replicas, dp_shard_size=args.dp_shard_size, tp_size=args.tp_size)
 
 
+def _embeddings(model) -> list[torch.nn.Module]:
+    """The model's input and output embeddings (None left out): the modules accelerate's FSDP2 preparation shards
+    as units of their own (one unit when they are tied)."""
+    found = [model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None]
+    try:
+        found.append(model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
+    except NotImplementedError:
+        pass
+    return [m for m in found if m is not None]
+
+
+def fsdp_units(model, names: list[str] | None) -> list[str]:
+    """The module classes FSDP2 shards as units in `model` (`names`; None: the model's `_no_split_modules`), less
+    those holding the input or output embeddings: accelerate shards the embeddings as units of their own, and a
+    unit inside another unit would shard its parameters twice (BERT's and ViT's embedding blocks are among their
+    `_no_split_modules`)."""
+    names = list(names if names is not None else getattr(model, "_no_split_modules", None) or [])
+    inside = {id(m) for e in _embeddings(model) for m in e.modules()}
+    holding = {type(module).__name__ for module in model.modules()
+               if any(id(m) in inside for m in module.modules()) and module is not model}
+    return [name for name in names if name not in holding]
+
+
+def check_shardable(model) -> None:
+    """ConfigError when FSDP2 inside a replica cannot shard `model`: a parameter held by several modules (tied) that
+    are not just its input and output embeddings. Accelerate's preparation puts a tied input and output embedding
+    in one unit, but a third holder (T5's encoder and decoder embeddings, BERT's prediction-head bias) would then
+    be sharded by two units."""
+    allowed = {id(m) for m in _embeddings(model)}
+    holders: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(parameter), []).append(module_name)
+            names.setdefault(id(parameter), f"{module_name}.{name}" if module_name else name)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, held_by in holders.items():
+        if len(held_by) > 1 and not all(id(modules[m]) in allowed for m in held_by):
+            raise ConfigError(
+                f"FSDP2 inside a replica cannot shard this {type(model).__name__}: its parameter {names[key]!r} is "
+                f"tied across {len(held_by)} modules ({', '.join(held_by)}), and accelerate's FSDP2 shards a tied "
+                f"weight only between an input and an output embedding; train it as replicas of one process each.")
+
+
+def set_fsdp_units(plugin, model) -> None:
+    """Before accelerate prepares `model` with FSDP2 (`plugin`, its FSDP plugin; None: no FSDP): refuse a model it
+    cannot shard (`check_shardable`) and give the plugin `fsdp_units` where they differ from its own choice."""
+    if plugin is None:
+        return
+    check_shardable(model)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    units = fsdp_units(model, names)
+    if units != list(names if names is not None else getattr(model, "_no_split_modules", None) or []):
+        plugin.transformer_cls_names_to_wrap = units
+
+
 def tensor_parallel_plan(model) -> dict[str, str]:
     """The model's own tensor-parallel plan (transformers' `tp_plan`, one entry per module and parameter), less the
     rules on tied weights: a tied input embedding and LM head stay whole on every process of the replica (their
@@ -73,8 +129,13 @@ def checked_tensor_parallel_plan(model, tp_size: int) -> dict[str, str]:
     """tensor_parallel_plan(model), or one sentence on why `model` cannot be split over `tp_size` processes."""
     plan = tensor_parallel_plan(model)
     if not plan:
+        try:
+            check_shardable(model)
+            instead = "use FSDP2 inside the replica instead"
+        except ConfigError:  # a weight tied beyond the embeddings: FSDP2 cannot shard it either
+            instead = "train it as replicas of one process each"
         raise ConfigError(f"tp_size={tp_size}: {type(model).__name__} has no tensor-parallel plan in transformers, so "
-                          f"its layers cannot be split; use FSDP2 inside the replica instead.")
+                          f"its layers cannot be split; {instead}.")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)

@@ -184,6 +184,8 @@ class DiLoCoMixin(InnerOptimizer):
             super().create_accelerator_and_postprocess()
         if on_cpu:
             compat.fsdp2_over_gloo(self, sharding)
+        if self.args.sharded_replica:
+            parallel.set_fsdp_units(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
         compat.prepare_models_without_ddp(self.accelerator, self._inside_replica)
 
     def _inside_replica(self, model):

@@ -16,6 +16,7 @@ from hf_diloco.launch import free_port, wait_for  # noqa: F401  (what every test
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CPU_2PROC = REPO / "accelerate_configs" / "cpu-2proc.yaml"
 ACCELERATE_CPU_4PROC = REPO / "accelerate_configs" / "cpu-4proc.yaml"
+TORCHFT_REPLICA = REPO / "accelerate_configs" / "torchft-replica.yaml"  # one process per replica
 # The name of the all-gather into one tensor that hf_diloco.comm.gather_into calls on this torch.
 GATHER = "all_gather_single" if hasattr(__import__("torch.distributed").distributed, "all_gather_single") \
     else "all_gather_into_tensor"
@@ -38,21 +39,31 @@ def accelerate_launch(target: list[str], timeout: int = 300, config: Path = ACCE
     return run(command, timeout)
 
 
+def train_runs_command(runs: list[dict], config: Path, processes: int | None = None) -> list[str]:
+    """The launch that trains `runs` (tests/scripts/train_runs.py) as `hf-diloco launch` starts its processes."""
+    from hf_diloco.runs import LAUNCHER
+
+    return [sys.executable, "-m", LAUNCHER, "--config_file", str(config), "--main_process_port", str(free_port()),
+            *(["--num_processes", str(processes)] if processes else []),
+            str(REPO / "tests" / "scripts" / "train_runs.py"), json.dumps(runs)]
+
+
 def train_runs(runs: list[dict], config: Path = ACCELERATE_CPU_2PROC, processes: int | None = None,
                environ: dict[str, str] | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:
     """Several `hf-diloco train` runs in one launch (tests/scripts/train_runs.py: each {"name", "recipe", "args",
     "env"}, trained in turn by the same processes, through what `hf-diloco train` runs), started as `hf-diloco
     launch` starts its processes (hf_diloco.accelerate_launch with `config`, `processes` of them if given). The
     launch's own checks are tests/test_launch_checks.py's. Asserts it exits 0; returns it."""
-    from hf_diloco.runs import LAUNCHER
-
-    command = [sys.executable, "-m", LAUNCHER, "--config_file", str(config), "--main_process_port", str(free_port()),
-               *(["--num_processes", str(processes)] if processes else []),
-               str(REPO / "tests" / "scripts" / "train_runs.py"), json.dumps(runs)]
-    result = subprocess.run(command, cwd=REPO, env={**env(), **(environ or {})}, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(train_runs_command(runs, config, processes), cwd=REPO, env={**env(), **(environ or {})},
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
+
+
+def start_train_runs(runs: list[dict], config: Path, log: Path) -> subprocess.Popen:
+    """`train_runs` started in the background, its console to `log` (torchft replicas: one launch each, together)."""
+    return subprocess.Popen(train_runs_command(runs, config), cwd=REPO, env=env(), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
 
 
 # Runs of tests/scripts/replica_run.py that several modules train in one launch per accelerate config (the start-up

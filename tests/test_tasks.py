@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers import ACCELERATE_CPU_2PROC, REPO, cli, train_runs
+from helpers import ACCELERATE_CPU_2PROC, REPO, TORCHFT_REPLICA, cli, start_train_runs, train_runs
 
 from hf_diloco.config import ConfigError, RunArguments
 from hf_diloco.data import build_task_datasets, builtin_digits, builtin_labelled_texts, builtin_pairs
@@ -141,6 +141,36 @@ def test_accuracy_is_the_share_of_rows_whose_top_logit_is_their_label():
     assert accuracy(EvalPrediction(predictions=logits, label_ids=labels)) == {"accuracy": 0.75}
 
 
+def test_muon_takes_each_tasks_block_matrices_and_one_step_trains_every_part():
+    """inner_optimizer muon on each task's preset: Muon gets exactly the nn.Linear weights inside the encoder and
+    decoder blocks (counted here from the module types and the block names alone), AdamW the embeddings (T5's
+    relative position biases, ViT's patch convolution and position embeddings), the heads (BERT's pooler and
+    prediction head, the classifiers) and every vector; one step on a batch of the task's built-in data moves every
+    parameter that has a gradient and lowers nothing to NaN."""
+    from torch import nn
+
+    from hf_diloco.inner import muon_parameter_names, muon_with_adamw
+
+    for task in ("seq2seq", "masked-lm", "sequence-classification", "image-classification"):
+        run = RunArguments(task=task, model_name_or_path=TASKS[task].preset, block_size=64)
+        model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, 64, task=task)
+        blocks = sorted(f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)
+                        and re.search(r"\.(block|layers?)\.\d+\.", name))
+        assert blocks and sorted(muon_parameter_names(model)) == blocks, task
+        train, _held = build_task_datasets(run, TASKS[task], tokenizer)
+        batch = task_collator(TASKS[task], tokenizer)([train[i] for i in range(8)])
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = muon_with_adamw(model, [n for n, p in model.named_parameters() if p.dim() > 1], lr=1e-3,
+                                    weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+        with_grad = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert torch.isfinite(loss) and with_grad and with_grad <= moved, (task, sorted(with_grad - moved))
+        assert all(torch.isfinite(p).all() for p in model.parameters()), task
+
+
 def test_task_settings_that_cannot_go_together_are_refused_in_one_sentence(tmp_path):
     for flags, words in [(["--task", "translation"], "argument --task: invalid choice: 'translation'"),
                          (["--task", "seq2seq", "--trainer", "sft"], "trainer sft trains a causal language model"),
@@ -163,18 +193,27 @@ TASK_RUNS = {  # name → recipe, flags: each task as its recipe says; seq2seq w
                                            "2"]),
     "image-classification-muon-int8": ("image-classification", ["--inner_optimizer", "muon", "--compression", "int8"]),
 }
+TASKS_ON_TORCHFT = ["seq2seq", "masked-lm", "sequence-classification", "image-classification"]
 # Where the whole model is the same on both replicas: after every sync, or (fragments sync part of it at a time) at
 # the end.
 AT_THE_END = {"seq2seq-int4-fragments"}
 SHORT = ["--max_steps", "60", "--eval_steps", "20", "--report_to", "none", "--disable_tqdm", "true"]
+# Text tasks in blocks of 64 tokens, 8 rows a step (the recipes: 128, 16); the digits as their recipe says.
+SMALLER = ["--block_size", "64", "--per_device_train_batch_size", "8"]
+
+
+def task_flags(name: str) -> list[str]:
+    recipe, flags = TASK_RUNS[name]
+    return [*SHORT, *([] if recipe == "image-classification" else SMALLER), *flags]
 
 
 def guide_example(out) -> str:
-    """The seq2seq block of docs/guides/your-model.md, its run shortened to 40 steps in `out`, each rank writing the
-    digest of its parameters after every sync."""
+    """The seq2seq block of docs/guides/your-model.md, its run shortened to 40 steps of 8 rows of 64 tokens in
+    `out`, each rank writing the digest of its parameters after every sync."""
     page = (REPO / "docs" / "guides" / "your-model.md").read_text()
     code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "DiLoCoSeq2SeqTrainer" in block)
     shorter = {'output_dir="runs/my-seq2seq"': f"output_dir={str(out)!r}", "max_steps=200": "max_steps=40",
+               "block_size=128": "block_size=64", "per_device_train_batch_size=16": "per_device_train_batch_size=8",
                "trainer.train()": "trainer.add_callback(SyncDigests(args))\ntrainer.train()"}
     assert all(setting in code for setting in shorter), "the example's settings are where the test expects them"
     for setting, short in shorter.items():
@@ -187,11 +226,42 @@ def task_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tasks")
     script = folder / "guide_seq2seq.py"
     script.write_text(guide_example(folder / "python-seq2seq"))
-    train_runs([*({"name": name, "recipe": f"recipes/{recipe}.yaml", "digests": True,
-                   "args": [*SHORT, "--output_dir", str(folder / name), *flags]}
-                  for name, (recipe, flags) in TASK_RUNS.items()),
+    train_runs([*({"name": name, "recipe": f"recipes/{TASK_RUNS[name][0]}.yaml", "digests": True,
+                   "args": [*task_flags(name), "--output_dir", str(folder / name)]} for name in TASK_RUNS),
                 {"name": "python-seq2seq", "script": str(script)}], ACCELERATE_CPU_2PROC)
     return {name: folder / name for name in [*TASK_RUNS, "python-seq2seq"]}
+
+
+@pytest.fixture(scope="module")
+def torchft_task_runs(tmp_path_factory):
+    """The four tasks' recipes on outer_backend torchft: two replicas, each one process (its own launch, as `hf-diloco
+    launch --replicas 2` starts them) that trains the four in turn, each task against a Lighthouse of its own.
+    Task → the run's folder (replica-k/ inside)."""
+    from hf_diloco.launch import start_lighthouse
+
+    folder = tmp_path_factory.mktemp("torchft-tasks")
+    houses = {name: start_lighthouse("127.0.0.1:0", 2, 5.0) for name in TASKS_ON_TORCHFT}
+    try:
+        launches = [start_train_runs([{
+            "name": name, "recipe": f"recipes/{TASK_RUNS[name][0]}.yaml", "digests": True,
+            "args": [*task_flags(name), "--outer_backend", "torchft", "--lighthouse", houses[name].address(),
+                     "--replica_id", str(k), "--num_replicas", "2", "--min_replicas", "2", "--replica_address",
+                     "127.0.0.1", "--output_dir", str(folder / name / f"replica-{k}")]} for name in TASKS_ON_TORCHFT],
+            TORCHFT_REPLICA, log=folder / f"replica-{k}.log") for k in range(2)]
+        for k, launch in enumerate(launches):
+            assert launch.wait(timeout=600) == 0, (folder / f"replica-{k}.log").read_text()[-4000:]
+    finally:
+        for house in houses.values():
+            house.shutdown()
+    return {name: folder / name for name in TASKS_ON_TORCHFT}
+
+
+def assert_trained(summary: dict, name: str) -> None:
+    task = next(t for t in TASKS.values() if name.startswith(t.name))
+    if task.metric == "accuracy":
+        assert summary["eval_accuracy_final"] > summary["eval_accuracy_initial"], summary
+    else:
+        assert summary["eval_loss_final"] < summary["eval_loss_initial"], summary
 
 
 @pytest.mark.process
@@ -225,13 +295,85 @@ def test_each_task_trains_as_two_replicas_identical_after_every_sync_and_its_met
     settings = json.loads((out / "run_config.json").read_text())
     assert settings["run"]["task"] == task.name
     assert settings["diloco"]["inner_optimizer"] == ("muon" if "muon" in name else "adamw")
-    if task.metric == "accuracy":
-        assert summary["eval_accuracy_final"] > summary["eval_accuracy_initial"], summary
-    else:
-        assert summary["eval_loss_final"] < summary["eval_loss_initial"], summary
+    assert_trained(summary, name)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"][0] in {"T5ForConditionalGeneration", "BertForMaskedLM",
                                           "BertForSequenceClassification", "ViTForImageClassification"}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("name", TASKS_ON_TORCHFT)
+def test_each_task_trains_on_torchft_as_two_replicas_identical_after_every_sync(torchft_task_runs, name):
+    """outer_backend torchft, two replicas through a Lighthouse: every sync committed by both, their parameters
+    identical after each of the three, each replica's final model the same, the task's metric better at the end."""
+    out = torchft_task_runs[name]
+    digests = [json.loads((out / f"replica-{k}" / "digests-rank0.json").read_text()) for k in (0, 1)]
+    assert list(digests[0]) == ["20", "40", "60"] and digests[0] == digests[1], digests
+    for k in (0, 1):
+        records = [json.loads(line) for line in (out / f"replica-{k}" / "syncs.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["committed"], r["participants"]) for r in records] == [(s, True, 2) for s in (20, 40, 60)]
+    summary = json.loads((out / "replica-0" / "diloco_summary.json").read_text())
+    assert summary["num_replicas"] == 2 and summary["syncs"] == 3
+    assert_trained(summary, name)
+
+
+@pytest.mark.process
+def test_an_image_classifier_trains_with_fsdp2_inside_each_replica(tmp_path):
+    """accelerate_configs/cpu-fsdp-2x2.yaml: two replicas of two processes, the ViT sharded by FSDP2 in each (its
+    patch embedding a unit of its own, not inside the embedding block its `_no_split_modules` names): member j of
+    both replicas holds the same shard after each sync, the two members different shards, accuracy up."""
+    out = tmp_path / "vit-fsdp2"
+    train_runs([{"name": "vit-fsdp2", "recipe": "recipes/image-classification.yaml", "digests": True,
+                 "args": [*SHORT, "--max_steps", "40", "--fsdp", "true", "--replica_group_size", "2", "--use_cpu",
+                          "false", "--output_dir", str(out)]}], REPO / "accelerate_configs" / "cpu-fsdp-2x2.yaml")
+    digests = [json.loads((out / f"digests-rank{r}.json").read_text()) for r in range(4)]
+    assert list(digests[0]) == ["20", "40"], digests
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0]["40"] != digests[1]["40"], digests
+    summary = json.loads((out / "diloco_summary.json").read_text())
+    assert summary["num_replicas"] == 2 and summary["replica_group_size"] == 2
+    assert_trained(summary, "image-classification")
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ("seq2seq", "this T5ForConditionalGeneration: its parameter 'shared.weight' is tied across 4 modules (shared, "
+                "encoder.embed_tokens, decoder.embed_tokens, lm_head)"),
+    ("masked-lm", "this BertForMaskedLM: its parameter 'cls.predictions.bias' is tied across 2 modules"),
+])
+def test_fsdp2_refuses_a_model_tied_beyond_its_embeddings_in_one_sentence(recipe, words):
+    """accelerate's FSDP2 shards a tied input and output embedding as one unit; a weight with another holder would
+    be sharded twice, so the launch refuses before it starts anything."""
+    result = cli("launch", f"recipes/{recipe}.yaml", "--accelerate-config", "accelerate_configs/cpu-fsdp-2x2.yaml",
+                 "--dry-run", "--", "--fsdp", "true", "--replica_group_size", "2")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-1500:]
+    assert last.startswith("hf-diloco: error: FSDP2 inside a replica cannot shard ") and words in last, last
+
+
+@pytest.mark.parametrize("recipe, instead", [("seq2seq", "train it as replicas of one process each"),
+                                              ("masked-lm", "train it as replicas of one process each"),
+                                              ("sequence-classification", "use FSDP2 inside the replica instead"),
+                                              ("image-classification", "use FSDP2 inside the replica instead")])
+def test_tensor_parallel_is_refused_for_the_task_models_with_what_works_instead(recipe, instead):
+    """None of the task presets has a tensor-parallel plan in transformers: the launch refuses tp_size 2 in one
+    sentence that points to FSDP2 where FSDP2 shards the model (tested above), else to replicas of one process."""
+    result = cli("launch", f"recipes/{recipe}.yaml", "--accelerate-config", "accelerate_configs/cpu-tp-2x2.yaml",
+                 "--dry-run")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-1500:]
+    assert "has no tensor-parallel plan in transformers, so its layers cannot be split" in last and \
+        last.endswith(f"; {instead}."), last
+
+
+def test_fsdp2_units_leave_out_the_blocks_holding_the_embeddings():
+    from hf_diloco.parallel import check_shardable, fsdp_units
+
+    for preset, task, units in [("tiny-bert", "sequence-classification", ["BertLayer"]),
+                                ("tiny-vit", "image-classification", ["ViTLayer"]),
+                                ("tiny-llama", "causal-lm", ["LlamaDecoderLayer"])]:
+        model, _ = load_model_and_tokenizer(preset, 64, task=task)
+        assert sorted(fsdp_units(model, None)) == units, preset
+        assert len(model._no_split_modules) == len(units) + (preset != "tiny-llama")
+        assert check_shardable(model) is None
 
 
 def test_the_model_card_names_the_tasks_pipeline_and_no_preset_as_base_model(tmp_path):

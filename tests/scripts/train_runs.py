@@ -39,8 +39,10 @@ class SyncDigests(TrainerCallback):
 
     def _record(self, state, model) -> None:
         digest = hashlib.sha256()
-        for p in model.parameters():
-            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        for p in model.parameters():  # a sharded parameter (a DTensor): this process's shard
+            local = p.to_local() if hasattr(p, "to_local") else p
+            # A copy: a tensor lent to numpy can no longer be resized, which FSDP2 does to free a gathered weight.
+            digest.update(local.detach().float().cpu().clone().numpy().tobytes())
         self.found[state.global_step] = digest.hexdigest()
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
