@@ -38,6 +38,7 @@ import yaml
 from hf_diloco import checker, checks, runs
 from hf_diloco.errors import ConfigError
 from hf_diloco.files import read_yaml
+from hf_diloco.tasks import TASK_PRESETS, TASKS
 
 PROJECT = Path(__file__).resolve().parents[1]
 RECIPES = PROJECT / "recipes"
@@ -59,6 +60,7 @@ class Knobs:
     max_steps: str = ""
     model_name_or_path: str = ""
     dataset_name: str = ""
+    task: str = ""
     num_machines: str = ""
     machine_rank: str = ""
     main_process_ip: str = ""
@@ -66,7 +68,8 @@ class Knobs:
     restarts: str = ""
 
 
-RECIPE_FIELDS = ("inner_steps", "outer_lr", "outer_momentum", "max_steps", "model_name_or_path", "dataset_name")
+RECIPE_FIELDS = ("inner_steps", "outer_lr", "outer_momentum", "max_steps", "model_name_or_path", "dataset_name",
+                 "task")
 # The replicas knob becomes --num_processes = replicas × replica_group_size (see flags).
 LAUNCH_FIELDS = {"replicas": "--num_processes", "num_machines": "--num_machines", "machine_rank": "--machine_rank",
                  "main_process_ip": "--main_process_ip", "main_process_port": "--main_process_port"}
@@ -84,10 +87,12 @@ NUMBERS = {
     "restarts": ("restarts", int, 0, None),
 }
 SHORT_NAMES = {"replicas": "x", "inner_steps": "H", "outer_lr": "olr", "outer_momentum": "mom", "max_steps": "steps",
-               "model_name_or_path": "", "dataset_name": "", "num_machines": "nodes",
+               "model_name_or_path": "", "dataset_name": "", "task": "", "num_machines": "nodes",
                "restarts": "restarts"}
-# The model presets, read from hf_diloco/models.py's PRESETS keys without importing it (it imports torch).
-PRESETS = tuple(re.findall(r'^    "([\w.-]+)": dict\(', (PROJECT / "hf_diloco" / "models.py").read_text(), re.M))
+# The model presets, read from hf_diloco/models.py's PRESETS keys without importing it (it imports torch), and the
+# task presets (hf_diloco.tasks imports nothing heavy).
+PRESETS = tuple(re.findall(r'^    "([\w.-]+)": dict\(', (PROJECT / "hf_diloco" / "models.py").read_text(),
+                           re.M)) + TASK_PRESETS
 DATA_FILES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow")  # a name ending so is a file, not a Hub id
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -285,6 +290,8 @@ def check_knobs(knobs: Knobs) -> None:
                 raise FormError(str(error)) from None
         elif name in NUMBERS:
             check_number(text, *NUMBERS[name])
+        elif name == "task" and text not in TASKS:
+            raise FormError(f"task must be one of {', '.join(TASKS)}, got {text!r}.")
     machines, rank = str(knobs.num_machines).strip(), str(knobs.machine_rank).strip()
     if machines and rank and int(rank) >= int(machines):
         raise FormError(f"this machine's rank must be below the number of machines ({machines}), got {rank}; "

@@ -37,12 +37,14 @@ from app import forms, views
 from hf_diloco import runs
 from hf_diloco.errors import ConfigError
 from hf_diloco.launch import free_port
+from hf_diloco.tasks import TASKS
 
 KNOB_LABELS = {
     "replicas": "Replicas (blank: the config's; each starts the recipe's replica_group_size processes)",
     "inner_steps": "H: inner steps between syncs (or auto)",
     "outer_lr": "Outer learning rate", "outer_momentum": "Outer momentum", "max_steps": "Max steps",
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
+    "task": "Task (what the model learns; each task's preset: tiny-t5, tiny-bert, tiny-vit)",
     "num_machines": "Machines", "machine_rank": "This machine's rank", "main_process_ip": "Main machine address",
     "main_process_port": "Main machine port",
     "restarts": "Restarts per replica (torchft; blank: 3)",
@@ -384,6 +386,8 @@ def build(runs_dir: Path) -> gr.Blocks:
                 with gr.Row():
                     for knob in ("model_name_or_path", "dataset_name"):
                         knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
+                    knobs["task"] = gr.Dropdown([("as in the recipe", ""), *((name, name) for name in TASKS)], value="",
+                                                label=KNOB_LABELS["task"], elem_id="knob-task")
                 with gr.Accordion("Distributed settings (multi-node; blank = as in the accelerate config)", open=False):
                     with gr.Row():
                         for knob in DISTRIBUTED:

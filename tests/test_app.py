@@ -20,7 +20,7 @@ def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
     """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas, and recipe sft-lora (trainer:
     sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc: Preview checks each form with the
     CLI's own dry run and shows one launch, of 2 x 2 processes (replicas x the recipe's replica_group_size) for the
-    sharded one. Their runs, records and cards are tested from the CLI (tests/test_sharded.py, tests/test_trl.py),
+    sharded one. The task picker turns the pre-training recipe into a seq2seq run of tiny-t5 (--task seq2seq). Their runs, records and cards are tested from the CLI (tests/test_sharded.py, tests/test_trl.py),
     and the app reads every run's records alike (tests/test_app_views.py)."""
     sharded = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32")
     sft = (REPO / "recipes" / "sft-lora.yaml").read_text()
@@ -33,6 +33,11 @@ def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
     command, message = client.predict(*form, api_name="/preview")
     assert "Form is valid" in message, message
     assert " --num_processes 2 " in command and " --max_steps 4 " in command, command
+    # The task picker: another task from the pre-training recipe, with that task's preset.
+    form = ["", "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(task="seq2seq", model_name_or_path="tiny-t5")]
+    command, message = client.predict(*form, api_name="/preview")
+    assert "Form is valid" in message, message
+    assert " --model_name_or_path tiny-t5 --task seq2seq " in command + " ", command
 
 
 BAD_FORMS = {
@@ -71,6 +76,9 @@ BAD_FORMS = {
                               "the distributed settings (machines, this machine's rank) do not apply to a torchft run"),
     "torchft below its quorum": (["torchft-3.yaml", "torchft-replica.yaml", knobs(replicas=1)],
                                  "replicas = 1 is below the recipe's min_replicas = 2"),
+    "a task the model does not do": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(task="seq2seq")],
+                                     "preset 'tiny-llama' is a causal language model; task seq2seq starts from "
+                                     "preset 'tiny-t5'"),
 }
 
 

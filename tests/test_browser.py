@@ -176,10 +176,10 @@ def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds_an
 LIVE_YAML = (REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("block_size: 256", "block_size: 64")
 
 
-def test_preview_refuses_three_bad_forms_then_the_live_view_draws_without_reload_and_stop_ends_with_a_checkpoint(
+def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_and_stop_ends_with_a_checkpoint(
         browser, tmp_path):
-    """Fresh app: three forms that would fail a minute into the run are refused by Preview, each with its sentence
-    shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table.
+    """Fresh app: four forms that would fail a minute into the run are refused by Preview (a task picked that the
+    recipe's model does not do among them), each with its sentence shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table.
 
     Then, in that app and page, still no runs: Start from the form, switch to Live, never reload. The plots draw
     lines and points (their first frame was empty), the held-out series that appears later is drawn too, the
@@ -221,6 +221,14 @@ def test_preview_refuses_three_bad_forms_then_the_live_view_draws_without_reload
         fill(page, "knob-dataset_name", str(empty))
         refused(f"dataset folder '{empty}' holds no data file")
         fill(page, "knob-dataset_name", "")
+        # The task picker, blank ("as in the recipe") at first: a masked LM from the recipe's causal preset.
+        picker = page.locator("#knob-task input")
+        assert picker.input_value() == "as in the recipe"
+        picker.click()
+        page.get_by_role("option", name="masked-lm").click()
+        refused("preset 'tiny-llama' is a causal language model; task masked-lm starts from preset 'tiny-bert'")
+        picker.click()
+        page.get_by_role("option", name="as in the recipe").click()
         # Across sites: with a link typed in, Preview also shows the planner's table for the form as it is.
         page.get_by_text("Across sites: Preview also predicts").click()
         fill(page, "plan-link", "10mbit")

@@ -88,3 +88,11 @@ def test_torchft_fields_are_checked_without_importing_the_backend(tmp_path):
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]", "config, launch and cli import no backend and not the app"
+
+
+def test_the_forms_task_is_one_of_the_tasks_or_blank():
+    """The task picker offers the tasks hf_diloco.tasks defines; anything else sent to the form is refused."""
+    assert form_sentence("task", "translation") == ("task must be one of causal-lm, seq2seq, masked-lm, "
+                                                    "sequence-classification, image-classification, got "
+                                                    "'translation'.")
+    assert all(form_sentence("task", name) is None for name in ("", "seq2seq", "image-classification"))
