@@ -149,8 +149,8 @@ def _chat_column(first: dict | None, columns: list[str] | None, text_column: str
 
 def check_dataset(run: RunArguments) -> None:
     """What can be known of the corpus named by `run` without loading it, in the sentence training would end with:
-    the built-in corpus, or a local file or folder that exists, can be read and has `text_column` (asked of its
-    first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub dataset is not asked for: the processes
+    the built-in corpus, or a local file or folder that exists, can be read and has `text_column`, or the columns
+    of its task (COLUMNS; asked of its first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub dataset is not asked for: the processes
     that train fetch it."""
     name, path = run.dataset_name, os.path.expanduser(run.dataset_name)
     if name in BUILTINS:
@@ -167,6 +167,10 @@ def check_dataset(run: RunArguments) -> None:
                 raise ConfigError(f"could not load dataset {name!r}: {first_line(error)}.") from None
             columns = list(first) if first else None  # an empty file: nothing to check
     else:
+        return
+    if run.task in COLUMNS:
+        if name not in BUILTINS:
+            _check_task_columns(name, columns, run.task)
         return
     _check_text_column(name, columns, run.text_column)
 
@@ -423,7 +427,19 @@ def builtin_labelled_texts() -> list[tuple[str, int]]:
 
 
 TARGET_LENGTH = 64  # tokens of a seq2seq target (a title: the byte tokenizer's bytes)
-COLUMNS = {SEQ2SEQ: ("source", "target"), SEQUENCE_CLASSIFICATION: ("text", "label")}
+# The columns a dataset of the user's gives each task (input, target); masked LM reads text_column, as causal LM.
+COLUMNS = {SEQ2SEQ: ("source", "target"), SEQUENCE_CLASSIFICATION: ("text", "label"),
+           IMAGE_CLASSIFICATION: ("image", "label")}
+
+
+def _check_task_columns(name: str, columns: list[str] | None, task: str) -> None:
+    """ConfigError when dataset `name` lacks a column task `task` reads (COLUMNS)."""
+    missing = [c for c in COLUMNS[task] if columns is not None and c not in columns]
+    if missing:
+        raise ConfigError(f"task {task} reads columns {' and '.join(COLUMNS[task])} of its dataset, and {name!r} has "
+                          f"no {', '.join(missing)} (it has {', '.join(columns) or 'none'})"
+                          + (": a folder of images needs one sub-folder per class." if task == IMAGE_CLASSIFICATION
+                             else "."))
 
 
 def _rows(run, task: Task) -> list[tuple]:
@@ -432,12 +448,37 @@ def _rows(run, task: Task) -> list[tuple]:
         return builtin_pairs() if task.name == SEQ2SEQ else builtin_labelled_texts()
     dataset = load_raw_dataset(run.dataset_name, run.dataset_config)
     wanted = COLUMNS[task.name]
-    missing = [c for c in wanted if c not in (dataset.column_names or [])]
-    if missing:
-        raise ConfigError(f"task {task.name} reads columns {' and '.join(wanted)} of its dataset, and "
-                          f"{run.dataset_name!r} has no {', '.join(missing)} (it has "
-                          f"{', '.join(dataset.column_names or []) or 'none'}).")
+    _check_task_columns(run.dataset_name, dataset.column_names or [], task.name)
     return list(zip(dataset[wanted[0]], dataset[wanted[1]], strict=True))
+
+
+def user_images(run, model_config) -> tuple[np.ndarray, np.ndarray]:
+    """(images [count, channels, size, size] float32 in [0, 1], labels [count]) from the user's dataset: a folder
+    with one sub-folder of images per class (datasets' imagefolder), a `save_to_disk` folder or a Hub id, with
+    columns `image` and `label`. Each image is converted to the model's channels (gray for 1, else RGB) and resized
+    to its `image_size`; no other normalisation. The rows are shuffled once with a fixed seed (the same order on
+    every replica), so the held-out tail is not one class. ConfigError when a label is outside the model's
+    classes."""
+    from PIL import Image
+
+    dataset = load_raw_dataset(run.dataset_name, run.dataset_config)
+    _check_task_columns(run.dataset_name, dataset.column_names or [], IMAGE_CLASSIFICATION)
+    size = int(getattr(model_config, "image_size", IMAGE_SIZE))
+    channels = int(getattr(model_config, "num_channels", 1))
+    classes = int(getattr(model_config, "num_labels", DIGITS))
+    labels = np.asarray(dataset["label"], dtype=np.int64)
+    if len(labels) == 0:
+        raise ConfigError(f"dataset {run.dataset_name!r} holds no images.")
+    if labels.min() < 0 or labels.max() >= classes:
+        raise ConfigError(f"dataset {run.dataset_name!r} has labels {labels.min()} to {labels.max()}, but the model "
+                          f"predicts {classes} classes (0 to {classes - 1}); give it a model with as many classes as "
+                          f"the dataset has.")
+    mode = "L" if channels == 1 else "RGB"
+    images = np.stack([np.asarray(image.convert(mode).resize((size, size), Image.Resampling.BILINEAR),
+                                  dtype=np.float32).reshape(size, size, channels).transpose(2, 0, 1) / 255.0
+                       for image in dataset["image"]])
+    order = np.random.default_rng(0).permutation(len(labels))
+    return images[order], labels[order]
 
 
 def _ids(tokenizer, texts: list[str], length: int, pad_with: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -448,17 +489,15 @@ def _ids(tokenizer, texts: list[str], length: int, pad_with: int) -> tuple[list[
     return ids, mask
 
 
-def build_task_datasets(run, task: Task, tokenizer):
+def build_task_datasets(run, task: Task, tokenizer, model_config=None):
     """(train, eval or None) for a task other than causal-lm: rows as the task's model takes them, fixed shapes,
-    the last `eval_fraction` of the rows held out."""
+    the last `eval_fraction` of the rows held out. `model_config`: the model's, for a dataset of images of the
+    user's (their size, channels and classes)."""
     if task.name == MASKED_LM:  # the corpus in blocks, as for causal LM; the collator makes masks and labels
         train, held = build_datasets(run, tokenizer)
         return tuple(None if part is None else part.remove_columns("labels") for part in (train, held))
     if task.name == IMAGE_CLASSIFICATION:
-        if run.dataset_name != BUILTIN:
-            raise ConfigError("task image-classification trains on the built-in digits only for now "
-                              "(dataset_name: builtin).")
-        images, labels = builtin_digits()
+        images, labels = builtin_digits() if run.dataset_name == BUILTIN else user_images(run, model_config)
         rows = Dataset.from_dict({"pixel_values": images, "labels": labels})
     else:
         rows = _rows(run, task)

@@ -495,7 +495,7 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     shard = data_shard(config) if run.trainer != "ddp" else None
     task = get_task(run.task)
     if task.name != CAUSAL_LM:
-        train_dataset, eval_dataset = build_task_datasets(run, task, tokenizer)
+        train_dataset, eval_dataset = build_task_datasets(run, task, tokenizer, model.config)
     else:
         train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer,
                                                                                                         shard)

@@ -120,6 +120,74 @@ def test_each_tasks_rows_have_fixed_shapes_and_the_held_out_tail():
             assert [int(train[i]["labels"]) for i in range(4)] == [0, 1, 0, 1]
 
 
+def image_folder(folder, classes: int = 3, each: int = 40, size: int = 16):
+    """An image dataset as a user keeps one: a sub-folder per class (named after it) of RGB PNGs, the built-in
+    digits 0..classes-1 drawn `size` pixels wide. Returns the folder."""
+    from PIL import Image
+
+    images, labels = builtin_digits(count=classes * each * 4)
+    for digit in range(classes):
+        (folder / f"digit-{digit}").mkdir(parents=True)
+        for n, image in enumerate(images[labels == digit][:each]):
+            gray = Image.fromarray((image[0] * 255).astype(np.uint8), mode="L").resize((size, size), Image.NEAREST)
+            gray.convert("RGB").save(folder / f"digit-{digit}" / f"{n}.png")
+    return folder
+
+
+def test_a_folder_of_images_per_class_becomes_rows_of_the_models_size_and_classes(tmp_path):
+    """A user's images (RGB, 16 pixels): gray for the 1-channel preset, 8 pixels, values in [0, 1], each image the
+    digit it was drawn from (compared with the built-in digit downsampled here by averaging 2x2 blocks, within 0.1
+    on average), the classes in the folders' order, shuffled so that the held-out tail holds more than one class.
+    A label beyond the model's classes is refused in one sentence."""
+    from types import SimpleNamespace
+
+    folder = image_folder(tmp_path / "digits")
+    run = RunArguments(task="image-classification", model_name_or_path="tiny-vit", dataset_name=str(folder))
+    config = SimpleNamespace(image_size=8, num_channels=1, num_labels=10)
+    train, held = build_task_datasets(run, TASKS["image-classification"], None, config)
+    assert len(train) + len(held) == 120 and train[0]["pixel_values"].shape == (1, 8, 8)
+    rows = [*train, *held]
+    assert {int(r["labels"]) for r in rows} == {0, 1, 2} and len({int(r["labels"]) for r in held}) > 1
+    assert all(0 <= float(r["pixel_values"].min()) <= float(r["pixel_values"].max()) <= 1 for r in rows)
+    images, labels = builtin_digits(count=480)
+    for row in rows[:20]:
+        label = int(row["labels"])
+        distance = [np.abs(row["pixel_values"][0].numpy() - image[0]).mean() for image in images[labels == label][:40]]
+        assert min(distance) < 0.1, (label, min(distance))
+    with pytest.raises(ConfigError, match=r"has labels 0 to 2, but the model predicts 2 classes \(0 to 1\)"):
+        build_task_datasets(run, TASKS["image-classification"], None, SimpleNamespace(image_size=8, num_channels=1,
+                                                                                      num_labels=2))
+
+
+def test_a_users_dataset_without_the_tasks_columns_is_refused_before_anything_starts(tmp_path):
+    """The launch asks a dataset of the user's for its task's columns: a pairs file passes for seq2seq; images not
+    sorted into class folders, and texts without labels, are refused in one sentence naming the columns."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"source": "a passage", "target": "its title"}\n' * 8)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    from PIL import Image
+
+    for n in range(4):
+        Image.new("L", (8, 8), color=n * 60).save(loose / f"{n}.png")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "no label here"}\n' * 8)
+    for recipe, data, words in [
+            ("seq2seq", pairs, None),
+            ("image-classification", loose, "task image-classification reads columns image and label of its "
+                                             "dataset, and '{}' has no label (it has image): a folder of images "
+                                             "needs one sub-folder per class."),
+            ("sequence-classification", texts, "task sequence-classification reads columns text and label of its "
+                                               "dataset, and '{}' has no label (it has text).")]:
+        result = cli("launch", f"recipes/{recipe}.yaml", "--accelerate-config", "accelerate_configs/cpu-2proc.yaml",
+                     "--dry-run", "--", "--dataset_name", str(data))
+        if words is None:
+            assert result.returncode == 0, result.stderr[-1500:]
+            continue
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and last == f"hf-diloco: error: {words.format(data)}", last
+
+
 def test_masked_lm_masks_about_15_percent_and_scores_only_those():
     _model, tokenizer = load_model_and_tokenizer("tiny-bert", 64, task="masked-lm")
     collate = task_collator(TASKS["masked-lm"], tokenizer)
@@ -192,6 +260,9 @@ TASK_RUNS = {  # name → recipe, flags: each task as its recipe says; seq2seq w
     "seq2seq-int4-fragments": ("seq2seq", ["--compression", "int4", "--error_feedback", "true", "--num_fragments",
                                            "2"]),
     "image-classification-muon-int8": ("image-classification", ["--inner_optimizer", "muon", "--compression", "int8"]),
+    # A folder of the user's images, one sub-folder per class (image_folder below; {images} is its path).
+    "image-classification-user-folder": ("image-classification", ["--dataset_name", "{images}", "--eval_fraction",
+                                                                  "0.2"]),
 }
 TASKS_ON_TORCHFT = ["seq2seq", "masked-lm", "sequence-classification", "image-classification"]
 # Where the whole model is the same on both replicas: after every sync, or (fragments sync part of it at a time) at
@@ -202,9 +273,9 @@ SHORT = ["--max_steps", "60", "--eval_steps", "20", "--report_to", "none", "--di
 SMALLER = ["--block_size", "64", "--per_device_train_batch_size", "8"]
 
 
-def task_flags(name: str) -> list[str]:
+def task_flags(name: str, images: str = "") -> list[str]:
     recipe, flags = TASK_RUNS[name]
-    return [*SHORT, *([] if recipe == "image-classification" else SMALLER), *flags]
+    return [*SHORT, *([] if recipe == "image-classification" else SMALLER), *(f.format(images=images) for f in flags)]
 
 
 def guide_example(out) -> str:
@@ -247,8 +318,9 @@ def task_runs(tmp_path_factory):
                **{f"python-{task}": guide_trainer_example(folder / f"python-{task}", task) for task in PYTHON_TASKS}}
     for name, code in scripts.items():
         (folder / f"{name}.py").write_text(code)
+    images = str(image_folder(folder / "my-digits", classes=3, each=60))
     train_runs([*({"name": name, "recipe": f"recipes/{TASK_RUNS[name][0]}.yaml", "digests": True,
-                   "args": [*task_flags(name), "--output_dir", str(folder / name)]} for name in TASK_RUNS),
+                   "args": [*task_flags(name, images), "--output_dir", str(folder / name)]} for name in TASK_RUNS),
                 *({"name": name, "script": str(folder / f"{name}.py")} for name in scripts)], ACCELERATE_CPU_2PROC)
     return {name: folder / name for name in [*TASK_RUNS, *scripts]}
 
@@ -315,8 +387,8 @@ def test_the_guides_trainer_example_trains_each_other_task_from_python(task_runs
 @pytest.mark.process
 @pytest.mark.parametrize("name", list(TASK_RUNS))
 def test_each_task_trains_as_two_replicas_identical_after_every_sync_and_its_metric_improves(task_runs, name):
-    """Two replicas of each task's recipe, as it is, and with a codec plus fragments or Muon inside: the replicas'
-    parameters identical after every sync (at the end where a sync covers part of the model), three rounds, the
+    """Two replicas of each task's recipe, as it is, with a codec plus fragments or Muon inside, and the image
+    classifier on a folder of the user's images (three classes): the replicas' parameters identical after every sync (at the end where a sync covers part of the model), three rounds, the
     task's metric (accuracy for classifiers, else the held-out loss) better at the end than at the start."""
     out = task_runs[name]
     digests = [json.loads((out / f"digests-rank{r}.json").read_text()) for r in (0, 1)]
