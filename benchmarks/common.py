@@ -311,6 +311,20 @@ def machine() -> str:
 MACHINE_AT_START = machine()
 
 
+def curve_panels(panels: dict[str, list[tuple[dict, str, str]]], xlabel: str, ylabel: str):
+    """One panel per name, each drawing its curves ({x: y}, label, colour) with markers; shared y axis, the first
+    panel's legend. Returns the figure."""
+    figure, axes = pyplot().subplots(1, len(panels), figsize=(4 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (name, curves) in zip(axes[0], panels.items(), strict=True):
+        for curve, label, color in curves:
+            ax.plot(sorted(curve), [curve[x] for x in sorted(curve)], label=label, color=color, marker=".")
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    return figure
+
+
 def save(name: str, table: str, raw: dict, figure=None, quick: bool = False, seconds: float | None = None,
          folder: Path = RESULTS) -> None:
     """Print the table and write <folder>/<name>.md, .json and .png (results/ by default; a quick run says so in all

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, markdown_table, pyplot, run_env, save, show, spread
+from common import REPO, curve_panels, markdown_table, run_env, save, show, spread
 
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import corrupted_corpora  # noqa: E402  (the corrupted copies the tests read)
@@ -156,15 +156,9 @@ def main() -> None:
                                "healthy ones left out"], rows)
              + f"\n\n### What the checks cost a sync (clean run, {repeats} interleaved repeats each)\n\n"
              + markdown_table(["", "checks", "off", "difference"], cost))
-    figure, axes = pyplot().subplots(1, len(curves), figsize=(4 * len(curves), 3.4), sharey=True)
-    for ax, (name, (checked, unchecked, reference)) in zip(axes, curves.items(), strict=True):
-        for curve, label, color in ((reference, "without the replica", "#222"), (unchecked, "no checks", "#d62728"),
-                                    (checked, "checks", "#1f77b4")):
-            ax.plot(sorted(curve), [curve[r] for r in sorted(curve)], label=label, color=color, marker=".")
-        ax.set_title(name)
-        ax.set_xlabel("round")
-    axes[0].set_ylabel("held-out loss")
-    axes[0].legend(fontsize=8)
+    figure = curve_panels({name: [(reference, "without the replica", "#222"), (unchecked, "no checks", "#d62728"),
+                                  (checked, "checks", "#1f77b4")]
+                           for name, (checked, unchecked, reference) in curves.items()}, "round", "held-out loss")
     save("contributions", table, raw, figure, quick=args.quick, seconds=time.time() - began)
 
 

@@ -150,8 +150,8 @@ def _chat_column(first: dict | None, columns: list[str] | None, text_column: str
 def check_dataset(run: RunArguments) -> None:
     """What can be known of the corpus named by `run` without loading it, in the sentence training would end with:
     the built-in corpus, or a local file or folder that exists, can be read and has `text_column`, or the columns
-    of its task (COLUMNS; asked of its first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub dataset is not asked for: the processes
-    that train fetch it."""
+    of its task (COLUMNS; asked of its first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub
+    dataset is not asked for: the processes that train fetch it."""
     name, path = run.dataset_name, os.path.expanduser(run.dataset_name)
     if name in BUILTINS:
         columns = load_raw_dataset(name).column_names

@@ -20,8 +20,9 @@ def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
     """Recipe fsdp-replicas with accelerate_configs/cpu-fsdp-2x2.yaml and 2 replicas, and recipe sft-lora (trainer:
     sft, TRL's SFTTrainer, its max_length field in the recipe) with cpu-2proc: Preview checks each form with the
     CLI's own dry run and shows one launch, of 2 x 2 processes (replicas x the recipe's replica_group_size) for the
-    sharded one. The task picker turns the pre-training recipe into a seq2seq run of tiny-t5 (--task seq2seq). Their runs, records and cards are tested from the CLI (tests/test_sharded.py, tests/test_trl.py),
-    and the app reads every run's records alike (tests/test_app_views.py)."""
+    sharded one. The task picker turns the pre-training recipe into a seq2seq run of tiny-t5 (--task seq2seq). Their
+    runs, records and cards are tested from the CLI (tests/test_sharded.py, tests/test_trl.py), and the app
+    reads every run's records alike (tests/test_app_views.py)."""
     sharded = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32")
     sft = (REPO / "recipes" / "sft-lora.yaml").read_text()
     client = Client(form_app[0], verbose=False)

@@ -179,7 +179,8 @@ LIVE_YAML = (REPO / "recipes" / "tiny-pretrain.yaml").read_text().replace("block
 def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_and_stop_ends_with_a_checkpoint(
         browser, tmp_path):
     """Fresh app: four forms that would fail a minute into the run are refused by Preview (a task picked that the
-    recipe's model does not do among them), each with its sentence shown beside the form, and nothing is started; with a link typed in, Preview draws the planner's table.
+    recipe's model does not do among them), each with its sentence shown beside the form, and nothing is started;
+    with a link typed in, Preview draws the planner's table.
 
     Then, in that app and page, still no runs: Start from the form, switch to Live, never reload. The plots draw
     lines and points (their first frame was empty), the held-out series that appears later is drawn too, the

@@ -288,7 +288,7 @@ THREE_REPLICAS = {
     "scaled": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, []),
     "flipped": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
                 ["--contribution_checks", "warn"]),
-    "clean-80-rounds": ("clean", {}, ["--max_steps", "800", "--eval_steps", "800"]),
+    "clean-80-rounds": ("clean", {}, ["--max_steps", "400", "--inner_steps", "5", "--eval_steps", "400"]),
 }
 
 
@@ -366,7 +366,7 @@ def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flag
 
 @pytest.mark.process
 def test_a_clean_run_of_80_rounds_leaves_nothing_out(three_replicas):
-    """Three replicas on their own thirds (non_iid), 80 rounds of H = 10 (800 steps, learning-rate warm-up and decay
+    """Three replicas on their own thirds (non_iid), 80 rounds of H = 5 (400 steps, learning-rate warm-up and decay
     included): no contribution is left out or flagged, and every replica takes part in every sync."""
     records = read_syncs(three_replicas["clean-80-rounds"])
     assert len(records) == 80

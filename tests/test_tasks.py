@@ -342,7 +342,8 @@ def torchft_task_runs(tmp_path_factory):
     try:
         launches = [start_train_runs([{
             "name": name, "recipe": f"recipes/{name}.yaml", "digests": True,
-            "args": [*task_flags(name), "--max_steps", str(torchft_steps(name)), "--outer_backend", "torchft", "--lighthouse", houses[name].address(),
+            "args": [*task_flags(name), "--max_steps", str(torchft_steps(name)), "--outer_backend", "torchft",
+                     "--lighthouse", houses[name].address(),
                      "--replica_id", str(k), "--num_replicas", "2", "--min_replicas", "2", "--replica_address",
                      "127.0.0.1", "--output_dir", str(folder / name / f"replica-{k}")]} for name in TASKS_ON_TORCHFT],
             TORCHFT_REPLICA, log=folder / f"replica-{k}.log") for k in range(2)]
