@@ -224,12 +224,14 @@ def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_
         fill(page, "knob-dataset_name", "")
         # The task picker, blank ("as in the recipe") at first: a masked LM from the recipe's causal preset.
         picker = page.locator("#knob-task input")
-        assert picker.input_value() == "as in the recipe"
+        wait_for(lambda: picker.input_value() == "as in the recipe", 20, "the task picker showing its blank choice")
         picker.click()
-        page.get_by_role("option", name="masked-lm").click()
+        page.get_by_role("option", name="masked-lm", exact=True).click()
+        wait_for(lambda: picker.input_value() == "masked-lm", 20, "masked-lm picked")
         refused("preset 'tiny-llama' is a causal language model; task masked-lm starts from preset 'tiny-bert'")
         picker.click()
-        page.get_by_role("option", name="as in the recipe").click()
+        page.get_by_role("option", name="as in the recipe", exact=True).click()
+        wait_for(lambda: picker.input_value() == "as in the recipe", 20, "the task picker back to the recipe's")
         # Across sites: with a link typed in, Preview also shows the planner's table for the form as it is.
         page.get_by_text("Across sites: Preview also predicts").click()
         fill(page, "plan-link", "10mbit")

@@ -160,8 +160,9 @@ def test_a_folder_of_images_per_class_becomes_rows_of_the_models_size_and_classe
 
 
 def test_a_users_dataset_without_the_tasks_columns_is_refused_before_anything_starts(tmp_path):
-    """The launch asks a dataset of the user's for its task's columns: a pairs file passes for seq2seq; images not
-    sorted into class folders, and texts without labels, are refused in one sentence naming the columns."""
+    """The launch asks a dataset of the user's for its task's columns: a pairs file passes for seq2seq, images
+    sorted into class folders for image classification; images not sorted so, and texts without labels, are refused
+    in one sentence naming the columns."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"source": "a passage", "target": "its title"}\n' * 8)
     loose = tmp_path / "loose"
@@ -174,6 +175,7 @@ def test_a_users_dataset_without_the_tasks_columns_is_refused_before_anything_st
     texts.write_text('{"text": "no label here"}\n' * 8)
     for recipe, data, words in [
             ("seq2seq", pairs, None),
+            ("image-classification", image_folder(tmp_path / "sorted", classes=2, each=4), None),
             ("image-classification", loose, "task image-classification reads columns image and label of its "
                                              "dataset, and '{}' has no label (it has image): a folder of images "
                                              "needs one sub-folder per class."),
