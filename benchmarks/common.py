@@ -311,6 +311,15 @@ def machine() -> str:
 MACHINE_AT_START = machine()
 
 
+def work_folder(base: Path, quick: bool, resume: bool) -> Path:
+    """A benchmark's scratch folder (`base`/quick or /full), emptied first unless `resume` reads back what an
+    interrupted invocation finished there."""
+    work = base / ("quick" if quick else "full")
+    if work.exists() and not resume:
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+    return work
+
+
 def curve_panels(panels: dict[str, list[tuple[dict, str, str]]], xlabel: str, ylabel: str):
     """One panel per name, each drawing its curves ({x: y}, label, colour) with markers; shared y axis, the first
     panel's legend. Returns the figure."""

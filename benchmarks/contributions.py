@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, curve_panels, markdown_table, run_env, save, show, spread
+from common import REPO, curve_panels, markdown_table, run_env, save, show, spread, work_folder
 
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import corrupted_corpora  # noqa: E402  (the corrupted copies the tests read)
@@ -100,9 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds, repeats = (20, 2) if args.quick else (80, 3)
     began = time.time()
-    work = WORK / ("quick" if args.quick else "full")
-    if work.exists() and not args.resume:
-        subprocess.run(["rm", "-rf", str(work)], check=True)
+    work = work_folder(WORK, args.quick, args.resume)
     data = corrupted_corpora(work / "data")
     references: dict[tuple[str, int], list[dict]] = {}
     rows, raw = [], {"rounds": rounds, "inner_steps": H, "faults": {}, "cost": {}}

@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, curve_panels, markdown_table, run_env, save
+from common import REPO, curve_panels, markdown_table, run_env, save, work_folder
 
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import corrupted_corpora, lighthouse, replica_training_pid  # noqa: E402  (what the tests start sites with)
@@ -128,9 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     steps, clean_steps = (100, 400) if args.quick else (200, 800)
     began = time.time()
-    work = WORK / ("quick" if args.quick else "full")
-    if work.exists() and not args.resume:
-        subprocess.run(["rm", "-rf", str(work)], check=True)
+    work = work_folder(WORK, args.quick, args.resume)
     data = corrupted_corpora(work / "data")
     rows, raw, curves = [], {"steps": steps, "clean_steps": clean_steps, "inner_steps": H, "faults": {}}, {}
     for name, (corpus, faulty, flags) in FAULTS.items():
