@@ -85,31 +85,28 @@ def check_shardable(model) -> None:
     in one unit, but a third holder (T5's encoder and decoder embeddings, BERT's prediction-head bias) would then
     be sharded by two units."""
     allowed = {id(m) for m in _embeddings(model)}
-    holders: dict[int, list[str]] = {}
-    names: dict[int, str] = {}
+    holders: dict[int, list[tuple[str, str, torch.nn.Module]]] = {}  # parameter → (module name, its name, module)
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
-            holders.setdefault(id(parameter), []).append(module_name)
-            names.setdefault(id(parameter), f"{module_name}.{name}" if module_name else name)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for key, held_by in holders.items():
-        if len(held_by) > 1 and not all(id(modules[m]) in allowed for m in held_by):
+            holders.setdefault(id(parameter), []).append((module_name, name, module))
+    for held_by in holders.values():
+        if len(held_by) > 1 and not all(id(module) in allowed for _, _, module in held_by):
+            first, name, _ = held_by[0]
             raise ConfigError(
-                f"FSDP2 inside a replica cannot shard this {type(model).__name__}: its parameter {names[key]!r} is "
-                f"tied across {len(held_by)} modules ({', '.join(held_by)}), and accelerate's FSDP2 shards a tied "
-                f"weight only between an input and an output embedding; train it as replicas of one process each.")
+                f"FSDP2 inside a replica cannot shard this {type(model).__name__}: its parameter "
+                f"{f'{first}.{name}' if first else name!r} is tied across {len(held_by)} modules "
+                f"({', '.join(m for m, _, _ in held_by)}), and accelerate's FSDP2 shards a tied weight only between an "
+                f"input and an output embedding; train it as replicas of one process each.")
 
 
 def set_fsdp_units(plugin, model) -> None:
     """Before accelerate prepares `model` with FSDP2 (`plugin`, its FSDP plugin; None: no FSDP): refuse a model it
-    cannot shard (`check_shardable`) and give the plugin `fsdp_units` where they differ from its own choice."""
+    cannot shard (`check_shardable`) and give the plugin `fsdp_units` (read by its transformer-based wrap policy,
+    accelerate's default; a size-based policy ignores them)."""
     if plugin is None:
         return
     check_shardable(model)
-    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
-    units = fsdp_units(model, names)
-    if units != list(names if names is not None else getattr(model, "_no_split_modules", None) or []):
-        plugin.transformer_cls_names_to_wrap = units
+    plugin.transformer_cls_names_to_wrap = fsdp_units(model, getattr(plugin, "transformer_cls_names_to_wrap", None))
 
 
 def tensor_parallel_plan(model) -> dict[str, str]:
