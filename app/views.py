@@ -544,13 +544,16 @@ def read_replica_states(run: Run | None) -> list[dict]:
 
 def _down_rounds(state: dict, torchft: list[dict]) -> dict[int, str]:
     """The rounds in which a replica's process was down, with why: from each outage (the run's round when it went
-    down) to the first round it was back in (it took part, or a contribution check left it out)."""
+    down) to the first committed round it was back in: it healed from a live peer (a restarted replica holds nothing
+    else) and took part, or a contribution check left it out. A replica killed inside a sync can be listed in that
+    sync by the peers its row had reached, whether the sync then rolled back or committed, before its own log has
+    it: neither is its return."""
     replica, down = state.get("replica"), {}
     for outage in state.get("outages", []):
         after = outage.get("after_sync", outage.get("after_round", 0))  # after_round: launches before the rename
-        back = next((sync_number(r) for r in torchft if sync_number(r) > after and any(
-            m["replica"] == replica and (m.get("participated") or m.get("excluded")) for m in r.get("replicas", []))),
-            None)
+        back = next((sync_number(r) for r in torchft if sync_number(r) > after and r.get("committed", True) and any(
+            m["replica"] == replica and (m.get("participated") and m.get("healed") or m.get("excluded"))
+            for m in r.get("replicas", []))), None)
         for r in torchft:
             if sync_number(r) > after and (back is None or sync_number(r) < back):
                 down[sync_number(r)] = "down, restarting" if outage.get("restarted") else "down"

@@ -4,6 +4,7 @@ import json
 import re
 import sys
 
+import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO))
@@ -261,6 +262,22 @@ def test_a_replica_that_was_down_is_shown_down_from_the_sync_after_it_went_down_
         table = views.membership_rows(rounds, replicas=2, states=states)
         assert table["replica 1"].tolist() == ["✓ 10 steps, healed", "down, restarting", "down, restarting",
                                                "✓ 10 steps"], key
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_replica_killed_inside_a_sync_is_shown_down_after_it_until_it_heals_back(committed):
+    """Replica 1 took part in sync 1 and was killed inside sync 2, after its row reached replica 0: sync 2 lists it
+    (and rolled back, or committed before replica 1 wrote it down). Its launcher saw sync 1 as its newest; syncs 3
+    and 4, which replica 0 made alone, show it down, not absent, until it heals back in sync 5."""
+    absent = {"replica": 1, "participated": False}
+    rounds = [torchft_round(1, [member(0), member(1)]),
+              torchft_round(2, [member(0), member(1)], committed=committed),
+              torchft_round(3, [member(0), absent]), torchft_round(4, [member(0), absent]),
+              torchft_round(5, [member(0), member(1, steps=0, healed=True)])]
+    states = [{"replica": 0, "outages": []}, {"replica": 1, "outages": [{"after_sync": 1, "restarted": True}]}]
+    table = views.membership_rows(rounds, replicas=2, states=states)
+    assert table["replica 1"].tolist() == ["healed", "down, restarting", "down, restarting", "✓ 10 steps",
+                                           "✓ 10 steps"]
 
 
 def test_a_torchft_rounds_losses_are_named_by_their_replica():

@@ -90,11 +90,11 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     """Both replicas sync every ROUND_SECONDS of training (every ROUND_SECONDS / 2 with two fragments): replica 0
     takes more steps than replica 1 (at least as many in nine syncs of ten; a round's checkpoint save is timed in
     the next budget), no process spends more than 30% of its training time inside syncs (40% with replicas of two
-    processes on the 2 cores), every sync's merge weights are each replica's tokens over the most any replica
-    trained (checked against the steps each replica counted itself), and every replica continues at the furthest
-    one's step, so the run ends at max_steps on both. With one fragment every process holds the same parameters
-    after every sync; with two, the fragments sync in turn, the last sync carries both, and the replicas end
-    identical. Replicas of two processes (DDP inside; replica 1's two share the quota) enter each sync together, and
+    processes on the 2 cores or with two fragments), every sync's merge weights are each replica's tokens over the
+    most any replica trained (checked against the steps each replica counted itself), and every replica continues at
+    the furthest one's step, so the run ends at max_steps on both. With one fragment every process holds the same
+    parameters after every sync; with two, the fragments sync in turn, the last sync carries both, and the replicas
+    end identical. Replicas of two processes (DDP inside; replica 1's two share the quota) enter each sync together, and
     member j of both replicas holds the same parameters after every sync."""
     sync, group = LAYOUTS[layout]
     folder, ranks = request.getfixturevalue("four" if group == 2 else "two")[layout]
@@ -132,8 +132,9 @@ def test_time_budget_rounds_let_a_slow_replica_take_fewer_steps_and_weight_it_by
     # Time inside syncs: the exchange, the time-budget agreement, the contribution checks' table, and the slow
     # replica's arrival, up to one of its steps late. Replicas of two processes put 4 processes on the 2 cores and
     # replica 1's two share a quarter of one: its steps are about twice as long against the same 0.5 s budget
-    # (measured: up to 30% of the training time inside syncs there, under 20% with replicas of one process).
-    share = 0.4 if group == 2 else 0.3
+    # (measured: up to 30% of the training time inside syncs there, under 20% with replicas of one process). Two
+    # fragments sync twice as often against the same arrival spread (measured on a loaded 2-core machine: 35%).
+    share = 0.4 if group == 2 or sync.get("num_fragments", 1) > 1 else 0.3
     for r, rank in enumerate(ranks):
         waited = sum(rank["sync_seconds"])
         assert waited <= share * rank["train_seconds"], (r, waited, rank["train_seconds"])
