@@ -108,6 +108,7 @@ FIELDS: dict[str, Allowed] = {
     # torchft
     "min_replicas": _at_least(1, "at least 1"),
     "sync_grace_seconds": _not_negative(),
+    "group_timeout": _positive("a positive number of seconds"),
     "end_linger_seconds": _not_negative(),
     "round_seconds": _not_negative("0 (off) or a positive number"),
     # RunArguments
@@ -117,7 +118,7 @@ FIELDS: dict[str, Allowed] = {
 }
 # Fields whose value may be "auto" (chosen from measurements; DiLoCoConfig turns it into the measuring value).
 AUTO_FIELDS = ("inner_steps", "sync_delay")
-TORCHFT_FIELDS = ("min_replicas", "sync_grace_seconds", "end_linger_seconds", "round_seconds")
+TORCHFT_FIELDS = ("min_replicas", "sync_grace_seconds", "group_timeout", "end_linger_seconds", "round_seconds")
 
 
 def refusal(name: str, value: Any) -> str | None:

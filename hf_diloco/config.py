@@ -348,6 +348,14 @@ class DiLoCoConfig(TrainingArguments):
                           "live replicas (the Lighthouse's join timeout: `hf-diloco launch --replicas` starts its "
                           "Lighthouse with it; give `hf-diloco lighthouse --grace-seconds` the same)."},
     )
+    group_timeout: float = field(
+        default=15.0,
+        metadata={"help": "torchft: seconds the replicas of a new quorum get to connect to one another before the "
+                          "sync is given up (it rolls back; the others join the next sync without the missing one), "
+                          "so a replica that dies after joining a quorum costs the others this long, not "
+                          "sync_timeout (which still bounds each exchange once the group has formed; the smaller "
+                          "of the two applies)."},
+    )
     round_seconds: float = field(
         default=0.0,
         metadata={"help": "End each round after this many seconds of inner steps instead of after H steps, so a "

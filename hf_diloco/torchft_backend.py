@@ -293,6 +293,24 @@ def start_identical(manager, outer, digests: torch.Tensor) -> int:
     return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
 
 
+def replica_group(sync_timeout: float, group_timeout: float):
+    """The process group across replicas: torchft's gloo group, formed again at every new quorum, whose members get
+    `group_timeout` seconds to connect (a member that died after joining the quorum never does: the sync is given
+    up then, not after `sync_timeout`) and `sync_timeout` for each collective once it has formed."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class FormingGroup(ProcessGroupGloo):
+        def configure(self, *args, **kwargs) -> None:
+            collectives, self._timeout = self._timeout, timedelta(seconds=min(group_timeout, sync_timeout))
+            try:  # the store client and gloo's full-mesh connection wait this long for the other members
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = collectives
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(collectives)
+
+    return FormingGroup(timeout=timedelta(seconds=sync_timeout))
+
+
 def make_manager(args, replica: ReplicaComm, pg, host: str, store: tuple[str, int], lighthouse: str, load_state_dict,
                  state_dict, init_sync: bool):
     """torchft's Manager for this process: rank `replica.member` of the replica's `replica.group_size`, meeting its
@@ -326,8 +344,6 @@ class TorchftQuorum:
     def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
                  resumed: bool, continue_at_step):
         require_torchft()
-        from torchft.process_group import ProcessGroupGloo
-
         self.args = args
         self.outer = outer
         self.feedback = feedback
@@ -358,7 +374,7 @@ class TorchftQuorum:
             interface = interface_of(args.replica_address)
             if interface:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=args.sync_timeout))
+        pg = replica_group(args.sync_timeout, args.group_timeout)
         # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the torch
         # backend, they compare a digest of θ in the first sync's table and send it only if they differ (start).
         # Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
@@ -548,6 +564,10 @@ class TorchftQuorum:
             self.carried_tokens += tokens  # progress kept for the next sync
         replicas, present = membership(start.participants, self.known)
         self.known |= present
+        reason = None if result.committed else start.error or first_line(self.manager.errored() or "a peer failed")
+        if reason:  # said here for a sync that failed before anything was exchanged too (it has no record)
+            logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
+                           "progress for the next sync.", step, reason)
         if not record:
             return record, restart
         quorum_record(record, replicas, committed=result.committed, step=step, sync=self.global_sync,
@@ -555,10 +575,8 @@ class TorchftQuorum:
                       replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal_refused:
             record["heal_refused"] = self.heal_refused
-        if not result.committed:
-            logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
-                           "progress for the next sync.", step,
-                           start.error or first_line(self.manager.errored() or "a peer failed"))
+        if reason:
+            record["error"] = reason
         return record, restart
 
     def take_window(self) -> None:

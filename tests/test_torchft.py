@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -365,14 +366,17 @@ def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, 
 def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     """Three replicas, min_replicas 2. Replica 2 is SIGKILLed mid-run: the other two keep training (no round waits
     longer than the grace window plus the Lighthouse's heartbeat timeout), their rounds list replica 2 as absent.
-    Replica 2 is started again: it heals from a live peer before its first inner step, takes part again, and at
-    the end all three hold identical parameters."""
-    grace, heartbeat = 3.0, 2.0
+    Replica 2 is started again and dies once more, this time inside the quorum it joined, before it connects to the
+    others: they give that sync up after group_timeout (3 s; sync_timeout is 60) and go on without it. Started a
+    third time, it heals from a live peer before its first inner step, takes part again, and at the end all three
+    hold identical parameters."""
+    grace, heartbeat, group_timeout = 3.0, 2.0, 3.0
+    back, back_again = tmp_path / "replica-2-is-back", tmp_path / "replica-2-is-back-again"
     with lighthouse(min_replicas=2, grace=grace, heartbeat=heartbeat, log=tmp_path / "lighthouse.log") as address:
         def settings(r, **extra):
             return {"out": str(tmp_path), "replica": r, "replicas": 3, "lighthouse": address, "min_replicas": 2,
-                    "max_steps": 120, "inner_steps": 4, "step_sleep": 0.1, **held_until_2_restarts(tmp_path, r),
-                    **extra}
+                    "max_steps": 120, "inner_steps": 4, "step_sleep": 0.1, "round": {"group_timeout": group_timeout},
+                    **({} if r == 2 else {"hold": [[60, str(back)], [88, str(back_again)]]}), **extra}
 
         logs = [tmp_path / f"replica{r}.log" for r in range(3)]
         replicas = [start_replica(settings(r), logs[r]) for r in range(3)]
@@ -385,8 +389,16 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
             return [r for r in read_syncs(tmp_path / "replica-0") if not takes_part(r, 2)]
 
         wait_for(lambda: len(rounds_without_2()) >= 2, 60, "two rounds without replica 2")
-        replicas[2] = start_replica(settings(2, **restarted_2(tmp_path)), logs[2])
+        before = len(read_syncs(tmp_path / "replica-0"))
+        replicas[2] = start_replica(settings(2, announce=str(back), die_in_group_forming=1), logs[2])
+        assert replicas[2].wait(timeout=120) == -signal.SIGKILL, logs[2].read_text()[-3000:]
+        wait_for(lambda: any(r["committed"] for r in read_syncs(tmp_path / "replica-0")[before:]), 60,
+                 "a committed sync after the one given up")
+        replicas[2] = start_replica(settings(2, announce=str(back_again)), logs[2])
         finish(replicas, logs)
+    for r in (0, 1):  # the group was given up after group_timeout: the store's own words, then the sync's
+        assert re.search(r"the sync at step \d+ did not commit \(wait timeout after 3000ms, keys: /torchft/",
+                         logs[r].read_text()), logs[r].read_text()[-3000:]
     rounds = read_syncs(tmp_path / "replica-0")
     absent = [r for r in rounds if not takes_part(r, 2)]
     assert absent and all({"replica": 2, "participated": False} in r["replicas"] for r in absent)
@@ -397,7 +409,7 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
     assert healed, "replica 2's first round after the restart was a heal"
     for replica in (0, 1):
         waits = [r["quorum_seconds"] + r["sync_seconds"] for r in read_syncs(tmp_path / f"replica-{replica}")]
-        assert max(waits) <= grace + heartbeat + 3.0, waits
+        assert max(waits) <= max(grace + heartbeat, group_timeout) + 3.0, waits
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
     assert "healed from a live peer" in logs[2].read_text()
@@ -627,6 +639,45 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
     assert len(missed) >= member["staleness"], "the rounds it missed were merged without it"
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(3)]
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
+
+
+def test_the_replica_group_gives_up_a_member_that_never_connects_and_waits_for_a_slow_exchange():
+    """The group across replicas (two members, as threads here): a member that never connects is given up after
+    group_timeout (1 s), not sync_timeout (30 s), with the store's own sentence; once the group has formed, a member
+    that comes to the exchange 2.5 s late (past group_timeout) is waited for and the all-reduce sums both."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import AllreduceOptions, TCPStore
+
+    from hf_diloco.torchft_backend import replica_group
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    alone = replica_group(sync_timeout=30.0, group_timeout=1.0)
+    started = time.perf_counter()
+    with pytest.raises(Exception, match="wait timeout after 1000ms"):
+        alone.configure(f"127.0.0.1:{store.port}/alone", "replica_0", 0, 2)
+    assert 1.0 <= time.perf_counter() - started < 5.0
+    sums, errors = {}, []
+
+    def member(rank: int) -> None:
+        try:
+            group = replica_group(sync_timeout=30.0, group_timeout=1.0)
+            group.configure(f"127.0.0.1:{store.port}/formed", f"replica_{rank}", rank, 2)
+            if rank == 1:
+                time.sleep(2.5)
+            values = torch.full((3,), float(rank + 1))
+            group.allreduce([values], AllreduceOptions()).wait()
+            sums[rank] = values.tolist()
+        except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(f"member {rank}: {error}")
+
+    members = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in members:
+        thread.start()
+    for thread in members:
+        thread.join(60)
+    assert errors == [] and sums == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}, (errors, sums)
 
 
 def test_outer_backend_torchft_names_its_missing_pieces_in_one_sentence(tmp_path):

@@ -1,30 +1,32 @@
 """One torchft replica of a FedAvg-style run on the tiny model (the torchft tests start several, and a Lighthouse).
 
 Argument: a JSON object {"out": folder, "replica": r, "replicas": n, "lighthouse": url, "min_replicas": m,
-"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch", "group": g,
-"round": {...}}. "group" is replica_group_size (torchft: start it under `accelerate launch` with g processes; torch:
-num_replicas·g processes). "round" holds DiLoCoConfig fields of the round itself (compression, error_feedback,
-num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes this replica slower
-by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own n-th inner step
-(counted from its start: a replica that joined late jumps to the others' step when it heals); "nan_at_step": s fills
-one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after global step s until the
-file `path` exists (at most 300 s); "announce": path writes that file when this replica begins training (the tests
-hold the survivors of a kill until the restarted replica is up, so it finds them still running); "pause_while":
-[flag, path] holds this replica after any step while the file `flag` exists and `path` does not (at most 300 s).
-"cgroup": folder moves this process into a cgroup v1 `cpu` folder the test made (a real CPU quota) once training
-begins. The replica writes
-its final trainable parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`.
-"die_in_all_gather": n SIGKILLs this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of
-a round whose other collectives went through. "seed_by_replica": true builds each replica's model from its own seed.
-"slow_sync_seconds": every cross-replica all-reduce of the round's buckets first sleeps this long (a slow link).
-"bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th
-way (its first parameter a scalar, its first parameter NaN, its global_step past the run's end); later ones are sound.
-"weights": "bfloat16" trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on
-a machine without one); the replica then also writes the dtypes of its outer state to `outer<r>.json`.
+"max_steps": s, "inner_steps": h, "round_seconds": t, "step_sleep": seconds, "backend": "torchft"|"torch", "group":
+g, "round": {...}}. "group" is replica_group_size (torchft: start it under `accelerate launch` with g processes;
+torch: num_replicas·g processes). "round" holds DiLoCoConfig fields of the round itself (compression,
+error_feedback, num_fragments, sync_delay, fragment_alpha, ...), the same for either backend. `step_sleep` makes
+this replica slower by sleeping after every inner step; "pause": [n, seconds] sleeps once, after this replica's own
+n-th inner step (counted from its start: a replica that joined late jumps to the others' step when it heals);
+"nan_at_step": s fills one weight of this replica with NaN after step s. "hold": [s, path] stops this replica after
+global step s until the file `path` exists (at most 300 s; a list of such pairs holds it at each); "announce": path
+writes that file when this replica begins training (the tests hold the survivors of a kill until the restarted
+replica is up, so it finds them still running); "pause_while": [flag, path] holds this replica after any step while
+the file `flag` exists and `path` does not (at most 300 s). "cgroup": folder moves this process into a cgroup v1
+`cpu` folder the test made (a real CPU quota) once training begins. The replica writes its final trainable
+parameters to `params<r>.pt` and, after every step, its step count to `step<r>.txt`. "die_in_all_gather": n SIGKILLs
+this replica inside its n-th cross-replica all-gather (torchft), i.e. in the middle of a round whose other
+collectives went through. "die_in_group_forming": n SIGKILLs it when its n-th quorum has been made and its process
+group is to form, before it connects: its peers in that quorum wait for it in vain. "seed_by_replica": true builds
+each replica's model from its own seed. "slow_sync_seconds": every cross-replica all-reduce of the round's buckets
+first sleeps this long (a slow link). "bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica
+sends a healing peer is spoiled the n-th way (its first parameter a scalar, its first parameter NaN, its global_step
+past the run's end); later ones are sound. "weights": "bfloat16" trains the model's weights in bfloat16 with bf16
+autocast (no use_cpu given: a GPU's settings on a machine without one); the replica then also writes the dtypes of
+its outer state to `outer<r>.json`.
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
-torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output
-(this process's stdout and stderr) to a file of its own.
+torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
+process's stdout and stderr) to a file of its own.
 """
 
 import contextlib
@@ -60,9 +62,12 @@ class Pace(TrainerCallback):
         self.taken += 1
         if settings.get("pause") and self.taken == settings["pause"][0]:
             time.sleep(settings["pause"][1])
-        if settings.get("hold") and state.global_step == settings["hold"][0]:
+        holds = settings.get("hold") or []
+        if holds and not isinstance(holds[0], list):
+            holds = [holds]
+        for step, path in holds:
             deadline = time.monotonic() + 300
-            while not Path(settings["hold"][1]).exists() and time.monotonic() < deadline:
+            while state.global_step == step and not Path(path).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
         if settings.get("pause_while"):
             flag, until = (Path(p) for p in settings["pause_while"])
@@ -99,6 +104,21 @@ def faults(settings: dict):
             return all_gather(self, gathered, payload)
 
         patch(TorchftComm, "_all_gather", dying_all_gather)
+    if settings.get("die_in_group_forming"):
+        import signal
+
+        from torchft.process_group import ProcessGroupGloo
+
+        formed = {"groups": 0}
+        configure = ProcessGroupGloo.configure
+
+        def dying_configure(self, *args, **kwargs):
+            formed["groups"] += 1
+            if formed["groups"] == settings["die_in_group_forming"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return configure(self, *args, **kwargs)
+
+        patch(ProcessGroupGloo, "configure", dying_configure)
     if settings.get("slow_sync_seconds"):
         from hf_diloco.torchft_backend import TorchftComm
 
