@@ -30,6 +30,10 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
     may_overlap()                      whether the sync being launched may run in the background (sync_delay > 0)
+    lands_when_done                    under time budgets, whether an overlapped sync lands once its exchange is
+                                       done (at τ or later: torchft) or exactly τ steps after its launch (the fixed
+                                       group: every replica continues at one agreed step, where saves and
+                                       evaluations fall)
     joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
                                        (what a checkpoint keeps of the backend)
     replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
@@ -87,6 +91,7 @@ class FixedGroup:
     rounds)."""
 
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
+    lands_when_done = False  # an overlapped sync lands τ steps after its launch, at the step every replica agreed
 
     def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, continue_at_step=None,
                  overlap: bool = False, step: int = 0, boundary_wanted=None):

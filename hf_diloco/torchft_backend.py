@@ -439,12 +439,17 @@ class TorchftQuorum:
         step; which fragments it syncs is agreed after the quorum (`start`)."""
         if step >= max_steps:
             return True
-        if self.args.round_seconds > 0:
-            return progress.budget_spent(self.schedule.sync_budget())
+        if self.args.round_seconds > 0:  # the members of a replica agree: they enter the sync at the same step
+            return self.comm.control.members_any(progress.budget_spent(self.schedule.sync_budget()))
         return progress.steps >= self.schedule.sync_every
 
     def may_overlap(self) -> bool:
         return True  # each replica saves and evaluates on its own: nothing needs its syncs to land together
+
+    # Each replica continues at the furthest participant's step plus its own steps since the launch, whenever it
+    # lands: under time budgets an overlapped sync lands once its exchange is done (the slowest arrival is waited
+    # for in the background), not at a fixed τ.
+    lands_when_done = True
 
     def run_over(self) -> bool:
         """The run's last sync has committed: the one that brought a participant to max_steps (the agreed step is

@@ -147,6 +147,8 @@ PAIR = {
                         "round": {"num_fragments": 2, "sync_delay": "auto"}},
     "slow-link-budget": {"max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03, "slow_sync_seconds": 0.6,
                          "round": {"sync_delay": "auto"}},
+    "budget-overlap": {"max_steps": 200, "round_seconds": 0.5, "step_sleep": 0.02, "round": {"sync_delay": 1},
+                       "replica 1": {"step_sleep": 0.3}},
     "non-finite": {"max_steps": 16, "inner_steps": 4, "replica 1": {"nan_at_step": 6}},
     "bf16-weights-int4+ef": {"max_steps": 12, "inner_steps": 4, "weights": "bfloat16", "round": BF16_CODECS["int4+ef"]},
 }
@@ -336,6 +338,27 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     blocked = sorted(r["blocked_seconds"] for r in settled)
     assert blocked[len(blocked) // 2] <= 0.6 / 8 and sum(blocked) / len(blocked) <= 0.6 / 4, settled
     assert records[0][-1]["step"] == 240
+    first, second = (torch.load(folder / f"params{r}.pt") for r in range(2))
+    assert max_difference(first, second) == 0.0
+
+
+@pytest.mark.process
+def test_under_time_budgets_an_overlapped_sync_lands_once_its_exchange_is_done_so_the_fast_replica_never_waits(pair):
+    """Time-budget rounds of 0.5 s with sync_delay 1 on torchft: replica 1's steps take about 0.3 s, replica 0's
+    about 0.03 s, so replica 1 reaches a sync up to half of its step after replica 0 (its budget ends at the step
+    nearest 0.5 s). Replica 0 launches its exchange in the background and trains on: a sync lands at τ = 1 or, when
+    the exchange is still waiting for replica 1 then, at a later step once it is done, so replica 0's loop is
+    blocked only by its snapshot and the landing (under 0.03 s a sync at the median, against replica 1's half-step
+    arrival spread of up to 0.15 s that a landing at exactly τ would wait for). Every sync is committed by both, and
+    the replicas end identical."""
+    folder = pair / "budget-overlap"
+    records = read_syncs(folder / "replica-0")
+    middle = records[1:-1]  # the first sync carries start-up; the last one lands at max_steps, blocking
+    assert len(middle) >= 6 and all(r["committed"] and r["participants"] == 2 for r in records), records
+    late = [r for r in middle if r["step"] - r["launch_step"] > 1]
+    assert late, [(r.get("launch_step"), r["step"]) for r in middle]
+    blocked = sorted(r["blocked_seconds"] for r in middle)
+    assert blocked[len(blocked) // 2] < 0.03, blocked
     first, second = (torch.load(folder / f"params{r}.pt") for r in range(2))
     assert max_difference(first, second) == 0.0
 
