@@ -23,7 +23,8 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
   is lowered by (60%'s solo rate − 20%'s) for the share of replica 0's loop window the drop lasted.
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
-drop. `--quality` compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds,
+drop. `--overlap` runs the time-budget rounds blocking and overlapped (`sync_delay 1`), nothing else. `--quality`
+compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds,
 plain and with the delayed outer Nesterov, under 60%, 60%, 20% and under three quotas of 46.67% each (the same
 1.4 cores), the equal-speed runs' max_steps sized from the solo rates so that they train about as many tokens in
 about as many syncs (the same budget). `--period-ms` sets the CFS period the quotas are enforced over.
@@ -43,7 +44,8 @@ records (syncs.jsonl of the run, or of replica-0 on torchft):
   loop seconds;
 - eval loss at the end (held-out blocks), tokens, syncs.
 
-    python benchmarks/speeds.py [--quick] [--backends torch,torchft] [--methods | --quality] [--period-ms 100]
+    python benchmarks/speeds.py [--quick] [--backends torch,torchft] [--methods | --quality | --overlap]
+        [--period-ms 100]
 """
 
 from __future__ import annotations
@@ -253,6 +255,10 @@ def main() -> None:
                         help="instead of the quota-drop rows: time-budget rounds streamed (int4 + error feedback, 2 "
                              "fragments, sync_delay auto) and with the delayed outer Nesterov (outer_momentum_delay "
                              f"{DELAY}); results/speeds-methods-<backends>.*")
+    parser.add_argument("--overlap", action="store_true",
+                        help="time-budget rounds blocking against overlapped (sync_delay 1: torchft lands a sync once "
+                             "its exchange is done, the torch backend τ steps after its launch); "
+                             "results/speeds-overlap-<backends>.*")
     parser.add_argument("--quality", action="store_true",
                         help="eval loss at equal tokens against the same replicas at equal speed: time-budget rounds "
                              "(plain and delayed Nesterov) under 60%%, 60%%, 20%% and under three equal quotas of "
@@ -262,8 +268,8 @@ def main() -> None:
                         help="the CFS period the quotas are enforced over (default 100 ms, the kernel's; a 20%% "
                              "replica is held up to 80 ms whenever its quota runs out, 8 ms at 10)")
     args = parser.parse_args()
-    if args.methods and args.quality:
-        sys.exit("speeds: --methods and --quality are separate tables; run one at a time.")
+    if sum((args.methods, args.quality, args.overlap)) > 1:
+        sys.exit("speeds: --methods, --quality and --overlap are separate tables; run one at a time.")
     if not 1 <= args.period_ms <= 1000:
         sys.exit(f"speeds: --period-ms must be between 1 and 1000, not {args.period_ms:g}.")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -307,7 +313,10 @@ def main() -> None:
             # (name, overrides, quota drop, quotas, max_steps)
             rows = [(f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False, QUOTAS, steps),
                     (f"time budget {round_seconds:g} s", budget, False, QUOTAS, steps)]
-            if args.methods:
+            if args.overlap:
+                rows = [rows[1], (f"time budget {round_seconds:g} s, sync_delay 1", [*budget, "--sync_delay", "1"],
+                                  False, QUOTAS, steps)]
+            elif args.methods:
                 rows += [("time budget, int4 + EF, 2 fragments, τ auto", streamed, False, QUOTAS, steps),
                          (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps)]
             elif args.quality:
@@ -391,8 +400,8 @@ def main() -> None:
     figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
                                      for n in labels], palette[:len(labels)], "goodput (%)",
                             f"{first}: goodput", (7.5, 3.4))
-    name = f"speeds-{'methods' if args.methods else 'quality'}-{'-'.join(backends)}" \
-        if args.methods or args.quality else "speeds"
+    mode = "methods" if args.methods else "quality" if args.quality else "overlap" if args.overlap else None
+    name = f"speeds-{mode}-{'-'.join(backends)}" if mode else "speeds"
     save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
                            "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
                            "period_ms": args.period_ms,

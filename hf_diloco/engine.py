@@ -162,6 +162,19 @@ class Flight:
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
 
 
+def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
+    """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time budgets
+    on a backend whose replicas land on their own (torchft), one whose exchange is still running then (it waits for
+    the slowest participant, who may arrive half of its own step late) lands at a later step, once it is done, so
+    the inner loop trains on instead of waiting; the next sync coming due lands it, waiting if it must. The members
+    of a replica land at the same step."""
+    if flight is None or step < min(flight.lands_at, max_steps):
+        return False
+    if step >= max_steps or not (args.round_seconds > 0 and backend.lands_when_done and flight.future is not None):
+        return True
+    return not backend.comm.control.members_any(not flight.future.done())
+
+
 def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFeedback | None, schedule: Schedule,
                  max_steps: int, *, resumed: bool, continue_at_step: Callable[[int], None], step: int = 0,
                  boundary_wanted: Callable[[int, int, int], bool] | None = None):
@@ -279,8 +292,7 @@ class SyncEngine:
         (known from the syncs that landed)."""
         if self.backend.run_over():  # torchft: healed from a replica that finished the run
             return None
-        landing = self.in_flight is not None and (step >= max_steps or step >= self.in_flight.lands_at
-                                                  and not self._still_exchanging(self.in_flight))
+        landing = lands_now(self.in_flight, step, max_steps, self.args, self.backend)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
         # A time-budget sync that landed may have moved this replica's step (to the agreed one plus the largest τ,
         # at most max_steps): what follows is decided at the step it continues at.
@@ -302,15 +314,6 @@ class SyncEngine:
             # The staggered end: every fragment's last sync has landed; the final model is θ_global.
             self.outer.copy_global_to_replica()
         return stop
-
-    def _still_exchanging(self, flight: Flight) -> bool:
-        """Time budgets on a backend whose replicas land on their own (torchft): an overlapped sync whose exchange
-        is still running (it waits for the slowest participant, who may arrive one of its own steps late) lands at
-        a later step, once it is done, so the inner loop trains on instead of waiting; the next sync coming due
-        lands it, waiting if it must. The members of a replica land at the same step."""
-        if not (self.args.round_seconds > 0 and self.backend.lands_when_done and flight.future is not None):
-            return False
-        return self.comm.control.members_any(not flight.future.done())
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
         """Start the sync due at `step`: blocking (the backend's start, then the exchange, which for a sync

@@ -433,6 +433,7 @@ class TorchftQuorum:
         return self.args.num_replicas
 
     continues_record = True  # a restarted replica continues its record
+    lands_when_done = True  # each continues at the furthest participant's step plus its own since, wherever it lands
 
     def due(self, step: int, max_steps: int, progress) -> bool:
         """A sync is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
@@ -445,11 +446,6 @@ class TorchftQuorum:
 
     def may_overlap(self) -> bool:
         return True  # each replica saves and evaluates on its own: nothing needs its syncs to land together
-
-    # Each replica continues at the furthest participant's step plus its own steps since the launch, whenever it
-    # lands: under time budgets an overlapped sync lands once its exchange is done (the slowest arrival is waited
-    # for in the background), not at a fixed τ.
-    lands_when_done = True
 
     def run_over(self) -> bool:
         """The run's last sync has committed: the one that brought a participant to max_steps (the agreed step is
@@ -580,8 +576,7 @@ class TorchftQuorum:
                       replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal_refused:
             record["heal_refused"] = self.heal_refused
-        if reason:
-            record["error"] = reason
+        record.update({"error": reason} if reason else {})
         return record, restart
 
     def take_window(self) -> None:
