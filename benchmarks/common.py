@@ -123,9 +123,10 @@ def overlaps_compute(overrides: list[str]) -> bool:
 
 
 def train_command(processes: int, overrides: list[str], prefix: list[str] | None = None,
-                  launch: list[str] | None = None) -> list[str]:
-    """The `hf-diloco train` command for `processes` replicas (accelerate launch over gloo when more than one)."""
-    train = ["-m", "hf_diloco.cli", "train", "--config", str(RECIPE), "--disable_tqdm", "true", *overrides]
+                  launch: list[str] | None = None, recipe: Path = RECIPE) -> list[str]:
+    """The `hf-diloco train` command of `recipe` for `processes` replicas (accelerate launch over gloo when more
+    than one)."""
+    train = ["-m", "hf_diloco.cli", "train", "--config", str(recipe), "--disable_tqdm", "true", *overrides]
     if processes == 1 and launch is None:
         return [*(prefix or []), sys.executable, *train]
     launch = launch or ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
@@ -206,9 +207,10 @@ def run_training(output_dir: Path, processes: int, overrides: list[str]) -> dict
     return read_run(output_dir)
 
 
-def run_concurrently(jobs: list[tuple[Path, int, list[str]]], cores: int = os.cpu_count() or 2) -> list[dict]:
+def run_concurrently(jobs: list[tuple[Path, int, list[str]]], cores: int = os.cpu_count() or 2,
+                     recipes: list[Path] | None = None) -> list[dict]:
     """Run (output_dir, processes, overrides) jobs, as many at a time as fit one process per core; for runs whose
-    loss is measured, not their speed."""
+    loss is measured, not their speed. `recipes`: each job's recipe (tiny-pretrain.yaml by default)."""
     results: dict[int, dict] = {}
     pending = list(enumerate(jobs))
     running: list[tuple[int, int, Processes]] = []
@@ -216,8 +218,9 @@ def run_concurrently(jobs: list[tuple[Path, int, list[str]]], cores: int = os.cp
         while pending and (not running or sum(p for _, p, _ in running) + pending[0][1][1] <= cores):
             index, (out, processes, overrides) = pending.pop(0)
             print(f"  start {out.name} ({processes} process{'es' if processes > 1 else ''})", flush=True)
-            running.append((index, processes, Processes([train_command(processes, ["--output_dir", str(out),
-                                                                                  *overrides])])))
+            command = train_command(processes, ["--output_dir", str(out), *overrides],
+                                    recipe=recipes[index] if recipes else RECIPE)
+            running.append((index, processes, Processes([command])))
         time.sleep(0.5)
         for item in [r for r in running if all(p.poll() is not None for p in r[2].procs)]:
             running.remove(item)

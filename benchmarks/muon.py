@@ -9,7 +9,12 @@ learning rate 1e-3 with warm-up and cosine decay, weight decay 0.1) with 64-toke
 about 42 minutes on 2 cores; the final held-out loss is measured once at the end. MuLoCo (arXiv 2505.23725)
 reports Muon ahead of AdamW inside DiLoCo from 150M to 3.1B parameters; this is the same comparison at 1M.
 
-    python benchmarks/muon.py [--quick]
+With `--tasks`: Muon inside on every other task Trainer trains (seq2seq, masked LM, text and image
+classification): each task's recipe as two DiLoCo replicas, 40 syncs of H = 5 (200 steps per replica), inner
+AdamW against inner Muon, seed 0, the task's metric (held-out loss, or accuracy for the classifiers) at the start
+and at the end.
+
+    python benchmarks/muon.py [--quick] [--tasks]
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RunFailed, markdown_table, pyplot, run_concurrently, save
+from common import REPO, RunFailed, markdown_table, pyplot, run_concurrently, save
+
+from hf_diloco.files import read_jsonl
 
 STEPS, INNER = 200, 5
 QUICK_STEPS, QUICK_INNER = 40, 2
@@ -29,6 +36,7 @@ SEEDS = (0, 1, 2)
 OPTIMIZERS = ("adamw", "muon")
 LAYOUTS = (("DiLoCo", 2), ("DiLoCo", 4), ("DDP", 2), ("DDP", 4))
 BLOCK, BATCH = 64, 8
+TASKS = ("seq2seq", "masked-lm", "sequence-classification", "image-classification")
 
 
 def configurations() -> list[dict]:
@@ -104,11 +112,59 @@ def plot(raw: list[dict]):
     return fig
 
 
+def task_overrides(optimizer: str, steps: int, inner: int) -> list[str]:
+    return ["--inner_optimizer", optimizer, "--max_steps", str(steps), "--inner_steps", str(inner),
+            "--eval_strategy", "steps", "--eval_steps", str(steps), "--eval_on_start", "true", "--save_strategy",
+            "no", "--save_every_rounds", "0", "--logging_steps", str(steps)]
+
+
+def task_row(task: str, optimizer: str, output_dir: Path) -> dict:
+    """A task run's metric at its first and last evaluation: accuracy for classifiers, else the held-out loss."""
+    evaluations = [e for e in read_jsonl(output_dir / "trainer_log.jsonl") if "eval_loss" in e]
+    metric = "eval_accuracy" if "eval_accuracy" in evaluations[0] else "eval_loss"
+    return {"task": task, "optimizer": optimizer, "metric": metric, "start": evaluations[0][metric],
+            "end": evaluations[-1][metric], "eval_loss_end": evaluations[-1]["eval_loss"]}
+
+
+def task_table(raw: list[dict], steps: int, inner: int) -> str:
+    rows = []
+    for task in TASKS:
+        adamw, muon = ({r["optimizer"]: r for r in raw if r["task"] == task}[o] for o in OPTIMIZERS)
+        for row in (adamw, muon):
+            shown = "{:.1%}" if row["metric"] == "eval_accuracy" else "{:.4f}"
+            rows.append([task, row["optimizer"], row["metric"].removeprefix("eval_"), shown.format(row["start"]),
+                         shown.format(row["end"]), f"{row['eval_loss_end']:.4f}",
+                         "-" if row is adamw else f"{muon['eval_loss_end'] / adamw['eval_loss_end'] - 1:+.2%}"])
+    return markdown_table(["task", "inner optimizer", "metric", "at the start", "at the end", "final eval loss",
+                           "muon against adamw, final eval loss"], rows) + (
+        f"\n\nEach task's recipe (recipes/<task>.yaml) as two DiLoCo replicas of one process, {steps} steps per "
+        f"replica, H = {inner} ({steps // inner} syncs), seed 0; the start is the evaluation before the first step.")
+
+
+def run_tasks(steps: int, inner: int) -> None:
+    started = time.time()
+    configs = [(task, optimizer) for task in TASKS for optimizer in OPTIMIZERS]
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [(Path(tmp) / f"{task}-{optimizer}", 2, task_overrides(optimizer, steps, inner))
+                for task, optimizer in configs]
+        try:
+            run_concurrently(jobs, recipes=[REPO / "recipes" / f"{task}.yaml" for task, _ in configs])
+        except RunFailed as error:
+            sys.exit(str(error))
+        raw = [task_row(task, optimizer, out) for (task, optimizer), (out, _, _) in zip(configs, jobs, strict=True)]
+    save("muon-tasks", task_table(raw, steps, inner), {"steps": steps, "inner_steps": inner, "runs": raw},
+         quick=steps != STEPS, seconds=time.time() - started)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, H = {QUICK_INNER}")
+    parser.add_argument("--tasks", action="store_true", help="Muon against AdamW inside on each other task's recipe")
     args = parser.parse_args()
     steps, inner = (QUICK_STEPS, QUICK_INNER) if args.quick else (STEPS, INNER)
+    if args.tasks:
+        run_tasks(steps, inner)
+        return
     started = time.time()
     configs = configurations()
     with tempfile.TemporaryDirectory() as tmp:

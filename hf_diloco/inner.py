@@ -12,6 +12,10 @@ matrix's update is scaled to the root-mean-square of an AdamW step (0.2 · η pe
 rate, schedule and weight decay serve both parts unchanged, and the contribution checks' `size` rule (at most η
 per value per step) bounds a Muon replica's pseudo-gradient as it bounds an AdamW one's.
 
+On the CPU the orthogonalization runs in float32 (`newton_schulz_float32`): torch's runs it in bfloat16, which CPUs
+without bfloat16 matrix units multiply 30-40x slower than float32 (a Muon step of the tiny T5 took 1.0 s against
+3.5 ms for AdamW). On accelerators torch's bfloat16 iteration is kept.
+
 Muon orthogonalizes each whole matrix: a replica whose processes each hold a piece of it (FSDP2 or tensor
 parallel inside the replica) is refused by DiLoCoConfig; DDP inside a replica gives every process the whole
 matrix and the same averaged gradient, and is served.
@@ -19,9 +23,11 @@ matrix and the same averaged gradient, and is served.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.optim._muon as torch_muon
 from torch import nn
 
 from .errors import ConfigError
@@ -45,6 +51,41 @@ def muon_parameter_names(model: nn.Module) -> list[str]:
         if param.requires_grad and param.dim() == 2 and id(param) not in embeddings and not in_head:
             names.append(name)
     return names
+
+
+def newton_schulz_float32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                          eps: float) -> torch.Tensor:
+    """Muon's orthogonalization of a gradient matrix G, as torch.optim.Muon computes it (the quintic Newton-Schulz
+    iteration X <- aX + (bA + cA^2)X with A = XX^T, from X = G / |G|_F, on the wide orientation), in float32."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = (grad.T if tall else grad).to(torch.float32, copy=True)
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextmanager
+def orthogonalized_in_float32_on_cpu() -> Iterator[None]:
+    """While open, torch.optim.Muon orthogonalizes CPU matrices with `newton_schulz_float32` (and others as it
+    does: in bfloat16). torch's Muon calls its module's `_zeropower_via_newtonschulz` by name on every step."""
+    original = getattr(torch_muon, "_zeropower_via_newtonschulz", None)
+    if original is None:  # a torch whose Muon is built otherwise: nothing to replace
+        yield
+        return
+
+    def orthogonalize(grad, ns_coefficients, ns_steps, eps):
+        if grad.device.type == "cpu":
+            return newton_schulz_float32(grad, ns_coefficients, ns_steps, eps)
+        return original(grad, ns_coefficients, ns_steps, eps)
+
+    torch_muon._zeropower_via_newtonschulz = orthogonalize
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -89,8 +130,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self._parts():
-            part.step()
+        with orthogonalized_in_float32_on_cpu():
+            self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
         if len(self.state) != sum(len(part.state) for part in self._parts()):  # the first step made their state
             self._link()
         return loss
