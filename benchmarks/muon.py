@@ -14,7 +14,11 @@ classification): each task's recipe as two DiLoCo replicas, 40 syncs of H = 5 (2
 AdamW against inner Muon, seed 0, the task's metric (held-out loss, or accuracy for the classifiers) at the start
 and at the end.
 
-    python benchmarks/muon.py [--quick] [--tasks]
+With `--step-seconds`: one inner optimizer step on this machine's CPU for each task's preset, AdamW against Muon
+with its orthogonalization in float32 (what runs on the CPU) and in torch's bfloat16, 5 interleaved repeats of 10
+steps each from a fixed gradient.
+
+    python benchmarks/muon.py [--quick] [--tasks | --step-seconds]
 """
 
 from __future__ import annotations
@@ -156,11 +160,83 @@ def run_tasks(steps: int, inner: int) -> None:
          quick=steps != STEPS, seconds=time.time() - started)
 
 
+STEP_VARIANTS = ("adamw", "muon, float32 orthogonalization", "muon, torch's bfloat16 orthogonalization")
+
+
+def one_optimizer_step(model, variant: str):
+    """A function that takes one step of `variant` on `model` (its gradients set once, fixed)."""
+    import torch
+
+    from hf_diloco.inner import muon_with_adamw
+
+    matrices = [n for n, p in model.named_parameters() if p.dim() > 1]
+    if variant == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        return optimizer.step
+    optimizer = muon_with_adamw(model, matrices, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    if variant.endswith("float32 orthogonalization"):
+        return optimizer.step
+
+    def torch_bfloat16_step():  # the two parts stepped as torch ships them, without the float32 iteration
+        optimizer.muon.step()
+        optimizer.adamw.step()
+    return torch_bfloat16_step
+
+
+def step_seconds(repeats: int, steps: int) -> None:
+    import torch
+
+    from hf_diloco.models import load_model_and_tokenizer
+    from hf_diloco.tasks import TASKS as ALL_TASKS
+
+    started = time.time()
+    torch.set_num_threads(1)
+    raw = []
+    for task in ALL_TASKS.values():
+        model = load_model_and_tokenizer(task.preset, BLOCK, task=task.name)[0]
+        torch.manual_seed(0)
+        for param in model.parameters():
+            param.grad = torch.randn_like(param) * 1e-3
+        stepping = {variant: one_optimizer_step(model, variant) for variant in STEP_VARIANTS}
+        for step in stepping.values():
+            step()  # state made, kernels warm
+        times = {variant: [] for variant in STEP_VARIANTS}
+        for _ in range(repeats):
+            for variant, step in stepping.items():
+                began = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                times[variant].append((time.perf_counter() - began) / steps)
+        raw.append({"task": task.name, "preset": task.preset,
+                    "parameters": sum(p.numel() for p in model.parameters()), "seconds": times})
+        print(f"  {task.name}: " + ", ".join(f"{v} {statistics.median(t) * 1e3:.1f} ms" for v, t in times.items()),
+              flush=True)
+    rows = []
+    for row in raw:
+        medians = {v: statistics.median(t) for v, t in row["seconds"].items()}
+        rows.append([row["task"], row["preset"], f"{row['parameters']:,}",
+                     *(f"{statistics.median(t) * 1e3:.1f} [{min(t) * 1e3:.1f}, {max(t) * 1e3:.1f}]"
+                       for t in row["seconds"].values()),
+                     f"{medians[STEP_VARIANTS[2]] / medians[STEP_VARIANTS[1]]:.1f}x"])
+    text = markdown_table(["task", "preset", "parameters", *(f"{v}, ms a step" for v in STEP_VARIANTS),
+                           "bfloat16 ÷ float32"], rows) + (
+        f"\n\nOne thread, {repeats} interleaved repeats of {steps} steps each (median [min, max] of the repeats' "
+        "means), from a fixed gradient; Muon's part steps the body's weight matrices, AdamW the rest "
+        "(inner_optimizer muon).")
+    save("muon-step-seconds", text, {"repeats": repeats, "steps": steps, "runs": raw},
+         seconds=time.time() - started)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, H = {QUICK_INNER}")
     parser.add_argument("--tasks", action="store_true", help="Muon against AdamW inside on each other task's recipe")
+    parser.add_argument("--step-seconds", action="store_true",
+                        help="one optimizer step's time on the CPU: AdamW, Muon in float32 and in bfloat16")
     args = parser.parse_args()
+    if args.step_seconds:
+        step_seconds(repeats=3 if args.quick else 5, steps=3 if args.quick else 10)
+        return
     steps, inner = (QUICK_STEPS, QUICK_INNER) if args.quick else (STEPS, INNER)
     if args.tasks:
         run_tasks(steps, inner)

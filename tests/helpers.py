@@ -155,17 +155,24 @@ def is_launcher(argv: list[str]) -> bool:
     return "accelerate.commands.launch" in argv or "hf_diloco.accelerate_launch" in argv
 
 
-def launch_reading_listeners(tmp_path, *args: str) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:
-    """`hf-diloco launch ARGS` of a short tiny run into tmp_path/run, its listeners read while it runs
-    (listeners_while_running); asserts that it exited 0."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "hf_diloco.cli", "launch", *args, "--output_dir", str(tmp_path / "run"),
-         "--inner_steps", "10", "--block_size", "32", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
-         "--disable_tqdm", "true"], stdout=(tmp_path / "launch.log").open("w"), stderr=subprocess.STDOUT, env=env(),
-        cwd=REPO)
-    found = listeners_while_running(launcher)
-    assert launcher.returncode == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    return found
+class ListenerWatch:
+    """Every listener of a running launch, read by listeners_while_running in a thread beside whatever the test does
+    with the launch (kill a replica, look for a token): `result()` once the launch has exited."""
+
+    def __init__(self, launcher):
+        import threading
+
+        self.found = None
+        self.thread = threading.Thread(target=self._watch, args=(launcher,), daemon=True)
+        self.thread.start()
+
+    def _watch(self, launcher) -> None:
+        self.found = listeners_while_running(launcher)
+
+    def result(self) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:
+        self.thread.join(timeout=30)
+        assert self.found is not None, "the launch was still running"
+        return self.found
 
 
 def listeners_while_running(launcher) -> tuple[set[str], dict[int, set[int]], dict[int, bool]]:

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from helpers import REPO, cli, env, free_port, hf_diloco, is_launcher
+from helpers import REPO, ListenerWatch, cli, env, free_port, hf_diloco, is_launcher
 
 TOKEN = "hf_PlantedToken1234567890abcdef"
 TINY = str(REPO / "recipes" / "tiny-pretrain.yaml")
@@ -149,15 +149,21 @@ def test_a_torchft_dry_run_shows_each_replica_s_command_with_the_token_hidden(tm
 
 
 @pytest.mark.process
-def test_a_run_given_a_hub_token_leaves_it_nowhere_but_its_processes_get_it(tmp_path):
-    """A real two-process run given a token in both spellings (push_to_hub off: nothing is sent anywhere): the
-    printed command shows `***`; the token is in no byte the launch printed and no file of its output folder
-    (training_args.bin, in the model's folder and every checkpoint, is a pickle of the arguments), while its
-    training processes were started with it."""
+def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_only(tmp_path):
+    """A real two-process run of the torch backend (cpu-2proc.yaml) given a token in both spellings (push_to_hub
+    off: nothing is sent anywhere): the printed command shows `***`; the token is in no byte the launch printed and
+    no file of its output folder (training_args.bin, in the model's folder and every checkpoint, is a pickle of the
+    arguments), while its training processes were started with it.
+
+    Its listeners, read with psutil every 0.1 s while it runs: every one of every process (torchrun's rendezvous
+    store in the launcher, gloo in each training process) is on 127.0.0.1 and refuses a connection to this
+    machine's external address; the store is among them (under plain `accelerate launch` it binds every
+    interface)."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", TINY, "--accelerate-config", CPU_2PROC, "--port",
                str(free_port()), "--", "--output_dir", str(out), *SHORT, "--hub_token", TOKEN, f"--hub-token={TOKEN}"]
     launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    listeners = ListenerWatch(launch)
     given = False
     while launch.poll() is None and not given:
         for process in psutil.Process(launch.pid).children(recursive=True):
@@ -173,3 +179,8 @@ def test_a_run_given_a_hub_token_leaves_it_nowhere_but_its_processes_get_it(tmp_
     assert "--hub_token *** --hub-token=***" in stdout and TOKEN not in stdout + stderr
     assert (out / "training_args.bin").is_file() and any(out.glob("checkpoint-*/training_args.bin"))
     assert files_holding(out, TOKEN) == []
+    addresses, ports, reachable = listeners.result()
+    assert addresses == {"127.0.0.1"}, addresses
+    assert reachable and not any(reachable.values()), reachable
+    assert len(ports) == 2 and all(ports.values()), ports  # gloo in each training process
+    assert set(reachable) - set().union(*ports.values()), "the launcher's rendezvous store"

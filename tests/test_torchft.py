@@ -20,11 +20,11 @@ from helpers import (
     ACCELERATE_CPU_2PROC,
     ACCELERATE_CPU_4PROC,
     REPO,
+    ListenerWatch,
     accelerate_launch,
     cli,
     env,
     free_port,
-    launch_reading_listeners,
     lighthouse,
     replica_training_pid,
     wait_for,
@@ -754,10 +754,14 @@ def healed(record: dict, replica: int) -> bool:
     return any(m["replica"] == replica and m.get("healed") for m in record.get("replicas", []))
 
 
-def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str) -> str:
+def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str,
+                              listeners: list | None = None) -> str:
     """Run an `hf-diloco launch --replicas` command; once `ready()`, SIGKILL replica 1's training process (one of
-    them); the launch must still exit 0. Returns its output."""
+    them); the launch must still exit 0. Returns its output; `listeners`, when given, gets the launch's
+    ListenerWatch."""
     launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    if listeners is not None:
+        listeners.append(ListenerWatch(launcher))
     try:
         wait_for(ready, 180, what)
         os.kill(replica_training_pid(out, 1), signal.SIGKILL)
@@ -773,15 +777,26 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     """`hf-diloco launch recipes/torchft-3.yaml --replicas 3 --max-restarts 1`: one command starts the Lighthouse
     and three replicas. Replica 1's training process is killed; the launcher starts it again, it heals from the
     live replicas and rejoins, the launch exits 0 at step 300 and all three replicas end with the same model. (30
-    syncs of 10 steps: the restarted replica has been back by about round 11, killed after round 1.)"""
+    syncs of 10 steps: the restarted replica has been back by about round 11, killed after round 1.)
+
+    As docs/guides/elastic.md starts it on one machine, it listens on loopback only: read with psutil every 0.1 s
+    while it runs, every listener of every process of the launch (the launcher with its Lighthouse; each replica's
+    torchft manager, store, process group and healing server) is on 127.0.0.1, each replica's training process
+    holds at least four of them (manager, store, gloo, healing), and each port, as soon as it is seen, refuses a
+    connection to this machine's external address."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
                "accelerate_configs/torchft-replica.yaml", "--replicas", "3", "--max-restarts", "1",
                "--output_dir", str(out), "--max_steps", "300", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
+    watch = []
     text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
-                                     lambda: len(read_syncs(out / "replica-1")) >= 1, "a round of replica 1")
+                                     lambda: len(read_syncs(out / "replica-1")) >= 1, "a round of replica 1", watch)
+    addresses, ports, reachable = watch[0].result()
+    assert addresses == {"127.0.0.1"}, addresses
+    assert reachable and not any(reachable.values()), reachable
+    assert len(ports) >= 4 and all(len(p) >= 4 for p in ports.values()), ports  # three replicas, one restarted
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_syncs(out / "replica-0")
@@ -957,18 +972,3 @@ def test_the_lighthouse_listens_on_loopback_unless_given_an_address(tmp_path):
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=20)
-
-
-@pytest.mark.process
-def test_a_default_single_machine_torchft_run_listens_on_loopback_only(tmp_path):
-    """`hf-diloco launch recipes/torchft-3.yaml --replicas 2`, as docs/guides/elastic.md starts it on one machine,
-    read with psutil every 0.1 s while it runs: every listener of every process of the launch (the launcher with its
-    Lighthouse; each replica's torchft manager, store, process group and healing server) is on 127.0.0.1, and
-    each replica's training process holds at least four of them (manager, store, gloo, healing). Each port, as
-    soon as it is seen, refuses a connection to this machine's external address."""
-    addresses, ports, reachable = launch_reading_listeners(
-        tmp_path, "recipes/torchft-3.yaml", "--accelerate-config", "accelerate_configs/torchft-replica.yaml",
-        "--replicas", "2", "--max_steps", "30")
-    assert addresses == {"127.0.0.1"}, addresses
-    assert reachable and not any(reachable.values()), reachable
-    assert len(ports) >= 2 and all(len(p) >= 4 for p in ports.values()), ports
