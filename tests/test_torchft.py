@@ -781,8 +781,8 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
 
     As docs/guides/elastic.md starts it on one machine, it listens on loopback only: read with psutil every 0.1 s
     while it runs, every listener of every process of the launch (the launcher with its Lighthouse; each replica's
-    torchft manager, store, process group and healing server) is on 127.0.0.1, each replica's training process
-    holds at least four of them (manager, store, gloo, healing), and each port, as soon as it is seen, refuses a
+    torchft manager, store, process group and healing server) is on 127.0.0.1, a training process of each
+    replica held at least four of them (manager, store, gloo, healing), and each port, as soon as it is seen, refuses a
     connection to this machine's external address."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
@@ -796,7 +796,8 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
     addresses, ports, reachable = watch[0].result()
     assert addresses == {"127.0.0.1"}, addresses
     assert reachable and not any(reachable.values()), reachable
-    assert len(ports) >= 4 and all(len(p) >= 4 for p in ports.values()), ports  # three replicas, one restarted
+    # a training process of each of the three replicas held four listeners (one restarted: seen twice)
+    assert sum(len(p) >= 4 for p in ports.values()) >= 3, ports
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     assert "[diloco] replica 1 joined at round" in text and "healed from a live peer" in text
     rounds = read_syncs(out / "replica-0")
