@@ -48,13 +48,18 @@ def configurations() -> list[dict]:
             for seed in SEEDS for method, m in LAYOUTS for optimizer in OPTIMIZERS]
 
 
+def run_flags(optimizer: str, steps: int, inner: int, eval_on_start: bool) -> list[str]:
+    """Every run's length, H and inner optimizer; one evaluation at the end (and one before the first step if
+    asked), nothing saved."""
+    return ["--inner_optimizer", optimizer, "--max_steps", str(steps), "--inner_steps", str(inner),
+            "--eval_strategy", "steps", "--eval_steps", str(steps), "--eval_on_start", str(eval_on_start).lower(),
+            "--save_strategy", "no", "--save_every_rounds", "0", "--logging_steps", str(steps)]
+
+
 def overrides(config: dict, steps: int, inner: int) -> list[str]:
-    return ["--trainer", "diloco" if config["method"] == "DiLoCo" else "ddp", "--inner_optimizer",
-            config["optimizer"], "--seed", str(config["seed"]), "--seed_model", str(config["seed"]),
-            "--max_steps", str(steps), "--inner_steps", str(inner), "--block_size", str(BLOCK),
-            "--per_device_train_batch_size", str(BATCH), "--eval_strategy", "steps", "--eval_steps", str(steps),
-            "--eval_on_start", "false", "--save_strategy", "no", "--save_every_rounds", "0", "--logging_steps",
-            str(steps)]
+    return ["--trainer", "diloco" if config["method"] == "DiLoCo" else "ddp", "--seed", str(config["seed"]),
+            "--seed_model", str(config["seed"]), "--block_size", str(BLOCK), "--per_device_train_batch_size",
+            str(BATCH), *run_flags(config["optimizer"], steps, inner, eval_on_start=False)]
 
 
 def key(row: dict) -> tuple[str, int, str]:
@@ -116,12 +121,6 @@ def plot(raw: list[dict]):
     return fig
 
 
-def task_overrides(optimizer: str, steps: int, inner: int) -> list[str]:
-    return ["--inner_optimizer", optimizer, "--max_steps", str(steps), "--inner_steps", str(inner),
-            "--eval_strategy", "steps", "--eval_steps", str(steps), "--eval_on_start", "true", "--save_strategy",
-            "no", "--save_every_rounds", "0", "--logging_steps", str(steps)]
-
-
 def task_row(task: str, optimizer: str, output_dir: Path) -> dict:
     """A task run's metric at its first and last evaluation: accuracy for classifiers, else the held-out loss."""
     evaluations = [e for e in read_jsonl(output_dir / "trainer_log.jsonl") if "eval_loss" in e]
@@ -133,7 +132,8 @@ def task_row(task: str, optimizer: str, output_dir: Path) -> dict:
 def task_table(raw: list[dict], steps: int, inner: int) -> str:
     rows = []
     for task in TASKS:
-        adamw, muon = ({r["optimizer"]: r for r in raw if r["task"] == task}[o] for o in OPTIMIZERS)
+        by_optimizer = {r["optimizer"]: r for r in raw if r["task"] == task}
+        adamw, muon = by_optimizer["adamw"], by_optimizer["muon"]
         for row in (adamw, muon):
             shown = "{:.1%}" if row["metric"] == "eval_accuracy" else "{:.4f}"
             rows.append([task, row["optimizer"], row["metric"].removeprefix("eval_"), shown.format(row["start"]),
@@ -149,7 +149,7 @@ def run_tasks(steps: int, inner: int) -> None:
     started = time.time()
     configs = [(task, optimizer) for task in TASKS for optimizer in OPTIMIZERS]
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(Path(tmp) / f"{task}-{optimizer}", 2, task_overrides(optimizer, steps, inner))
+        jobs = [(Path(tmp) / f"{task}-{optimizer}", 2, run_flags(optimizer, steps, inner, eval_on_start=True))
                 for task, optimizer in configs]
         try:
             run_concurrently(jobs, recipes=[REPO / "recipes" / f"{task}.yaml" for task, _ in configs])

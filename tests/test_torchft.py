@@ -755,13 +755,12 @@ def healed(record: dict, replica: int) -> bool:
 
 
 def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, what: str,
-                              listeners: list | None = None) -> str:
+                              read_listeners: bool = False) -> tuple[str, ListenerWatch | None]:
     """Run an `hf-diloco launch --replicas` command; once `ready()`, SIGKILL replica 1's training process (one of
-    them); the launch must still exit 0. Returns its output; `listeners`, when given, gets the launch's
-    ListenerWatch."""
+    them); the launch must still exit 0. Returns its output, and with `read_listeners` what the launch's processes
+    listened on (ListenerWatch)."""
     launcher = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    if listeners is not None:
-        listeners.append(ListenerWatch(launcher))
+    listeners = ListenerWatch(launcher) if read_listeners else None
     try:
         wait_for(ready, 180, what)
         os.kill(replica_training_pid(out, 1), signal.SIGKILL)
@@ -769,7 +768,7 @@ def launch_and_kill_replica_1(command: list[str], out: Path, log: Path, ready, w
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    return log.read_text()
+    return log.read_text(), listeners
 
 
 @pytest.mark.process
@@ -790,10 +789,10 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
                "--output_dir", str(out), "--max_steps", "300", "--inner_steps", "10", "--block_size", "32",
                "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--disable_tqdm", "true",
                "--sync_grace_seconds", "3"]
-    watch = []
-    text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
-                                     lambda: len(read_syncs(out / "replica-1")) >= 1, "a round of replica 1", watch)
-    addresses, ports, reachable = watch[0].result()
+    text, listeners = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
+                                                lambda: len(read_syncs(out / "replica-1")) >= 1,
+                                                "a round of replica 1", read_listeners=True)
+    addresses, ports, reachable = listeners.result()
     assert addresses == {"127.0.0.1"}, addresses
     assert reachable and not any(reachable.values()), reachable
     # a training process of each of the three replicas held four listeners (one restarted: seen twice)
@@ -853,9 +852,9 @@ def test_launch_replicas_of_several_processes_restarts_one_whose_member_was_kill
                "--eval_strategy", "no", "--disable_tqdm", "true", "--sync_grace_seconds", "3"]
     # With min_replicas 1 a replica that starts first trains alone until the other joins: kill only once both
     # have taken part in a round.
-    text = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
-                                     lambda: any(r["participants"] == 2 for r in read_syncs(out / "replica-1")),
-                                     "a round of both replicas")
+    text, _ = launch_and_kill_replica_1(command, out, tmp_path / "launch.log",
+                                        lambda: any(r["participants"] == 2 for r in read_syncs(out / "replica-1")),
+                                        "a round of both replicas")
     assert "[diloco] replica 1 exited with status 1; starting it again (restart 1 of 1)" in text
     # Started twice; the second time replica 1 healed (from replica 0 mid-run, or, on a slow machine, from replica 0
     # lingering after the last round with the final model).
