@@ -122,10 +122,10 @@ class FixedGroup:
         return self.comm.num_replicas
 
     def due(self, step: int, max_steps: int, progress=None) -> bool:
-        if not self.schedule.budget:  # rounds of H steps (schedule.budget: round_seconds / F)
+        if not self.schedule.budget:  # rounds of H steps (no round_seconds: schedule.budget is falsy)
             return bool(self.schedule.due_fragments(step, max_steps))
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.sync_budget()))
+        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.budget.due()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:

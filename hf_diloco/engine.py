@@ -57,7 +57,7 @@ from .outer import (
     sync_device,
 )
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
-from .schedule import Schedule
+from .schedule import Schedule, TimeBudget
 from .torchft_backend import TorchftQuorum
 from .tuner import Tuner
 
@@ -211,7 +211,7 @@ class SyncEngine:
         # rounds on the fixed group make such a sync blocking, so every replica lands it at the same step)
         self.boundary_wanted: Callable[[int, int, int], bool] | None = None
         self.schedule = Schedule(args.inner_steps, args.num_fragments, sync_delay=args.sync_delay,
-                                 budget=args.round_seconds / args.num_fragments if args.round_seconds > 0 else 0.0)
+                                 budget=TimeBudget(max(0.0, args.round_seconds) / args.num_fragments))
         self.codec: Codec | None = None if args.compression == "none" else make_codec(
             args.compression, chunk=args.compression_chunk, sparse_k=args.sparse_k, sparse_chunk=args.sparse_chunk,
             sparse_bits=args.sparse_bits)
@@ -419,14 +419,13 @@ class SyncEngine:
         result.count_extra(start.extra_bytes)
         cumulative = self.records.add_bytes(result.cost.bytes_sent)
         stats = SyncStats(result.stats) if result.stats is not None else None
-        outer = self.outer
         number = self.schedule.sync_at(flight.launched_at)
         record = {} if stats is None else sync_record(
             stats=stats, result=result, step=step, sync_number=number, round_number=self.schedule.round_of(number),
             fragments=start.fragments, cumulative_bytes=cumulative, sync_seconds=sync_seconds, blocked=blocked,
             outer_lr=flight.outer_lr, inner_lr=self.trainer.optimizer.param_groups[0]["lr"],
             num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
-            ddp_payload=sum(n * p.element_size() for n, p in zip(outer.full_numels, outer.params, strict=True)),
+            ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
             synced_parameters=sum(self.fragments[f].size for f in start.fragments))
         if flight.launched_at != step:
@@ -438,6 +437,7 @@ class SyncEngine:
             record.update(choices)
             self._place_end(step, max_steps)
         self._finish(step, start, result, record)
+        self.tuner.size_last_budget(self.trainer.state.global_step, max_steps, self.progress.origin)
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
     def _finish(self, step: int, start: SyncStart, result: SyncResult, record: dict | None = None) -> None:

@@ -33,6 +33,75 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TimeBudget:
+    """Time-budget rounds (`round_seconds`): the seconds of inner steps after which a replica's next sync is due,
+    the same on every replica (each counts them on its own clock): the set budget, stretched while a slow link's
+    exchanges do not fit in it (sync_delay auto), and the run's last one, sized to end as the fastest replica
+    reaches max_steps. Falsy when the run has rounds of H steps."""
+
+    seconds: float = 0.0  # the set budget: round_seconds / F; 0: off
+    stretched: float = 0.0  # a longer budget sync_delay auto chose while an exchange did not fit the set one
+    last: float = 0.0  # the budget of a run's last sync, sized to end as the fastest replica finishes
+    finishes: bool = False  # this replica took the most steps in the last sync (`size_last`)
+    flights: dict[int, float] = field(default_factory=dict)  # each measured fragment's last time in flight
+
+    def __bool__(self) -> bool:
+        return self.seconds > 0
+
+    def current(self) -> float:
+        """Seconds of inner steps before the next time-budget sync: the set budget, a longer one while exchanges
+        take longer than it allows (`stretch`), or the last one (`size_last`)."""
+        return self.last or max(self.seconds, self.stretched)
+
+    def due(self) -> float:
+        """The budget after which this replica's next time-budget sync is due: none under the last budget for the
+        replica expected to reach max_steps first (it syncs there), else `current`."""
+        return math.inf if self.last and self.finishes else self.current()
+
+    def size_last(self, elapsed: float, steps_left: int, fastest_step_seconds: float, finishes: bool) -> float:
+        """Time-budget rounds: the replica that reaches max_steps first syncs at once, and would wait for the rest
+        of the others' budgets (up to a whole one). So when the fastest replica (`fastest_step_seconds` a step,
+        this replica if `finishes`) would reach max_steps within 1.5 budgets of the budget's start (`elapsed` s
+        ago, `steps_left` steps to go), the next budget ends then for the others, and the fastest syncs at
+        max_steps only (`due`): where the forecast is short (a save after the sync takes a larger share of a
+        short budget) the others wait for it, not it for them. Returns the next budget.
+
+        >>> b = TimeBudget(1.0)
+        >>> b.size_last(0.25, 30, 0.125, False), b.size_last(0.0, 4, 0.125, False)  # 4 s to go, then 0.5 s
+        (1.0, 0.5)
+        >>> b.due(), b.size_last(0.0, 4, 0.125, True), b.due()
+        (0.5, 0.5, inf)
+        """
+        ends = elapsed + steps_left * fastest_step_seconds
+        self.finishes = finishes
+        fits = 0 < steps_left and ends <= 1.5 * max(self.seconds, self.stretched)
+        self.last = ends if self.seconds > 0 and fits else 0.0
+        return self.current()
+
+    def stretch(self, fragments: list[int], exchange_seconds: float, slowest_step_seconds: float) -> float:
+        """sync_delay auto with time-budget rounds: a sync overlaps its exchange with at most the steps of one
+        budget less one, so an exchange longer than that (a slow link: a ring all-reduce runs at its slowest link
+        for everyone) would keep every replica waiting at the landing. Given that the last exchange of `fragments`
+        took `exchange_seconds`, the budget stretches to
+
+            T' = max over the measured fragments of t_exchange + 2 · t_step (the slowest replica's seconds per step)
+
+        so that every replica's τ covers the exchange with a step to spare, back to the set budget once exchanges
+        fit again (the same on every replica): syncs are rarer while the link is slow, and nobody waits.
+
+        >>> b = TimeBudget(1.0)
+        >>> b.stretch([0], 3.0, 0.25), b.stretch([1], 0.4, 0.25)  # fragment 0's 3 s still counts
+        (3.5, 3.5)
+        >>> b.stretch([0], 0.4, 0.25)                             # until the link recovers
+        1.0
+        """
+        self.flights.update({fragment: exchange_seconds for fragment in fragments})
+        wanted = max(self.flights.values(), default=0.0) + 2 * slowest_step_seconds
+        self.stretched = wanted if self.seconds > 0 and wanted > self.seconds else 0.0
+        return self.current()
+
+
+@dataclass
 class Schedule:
     """The sync schedule of a run: from step `origin_step` (sync number `origin_sync`) one fragment syncs every
     `inner_steps / num_fragments` steps. Fixed for a run, except once with inner_steps auto, which starts a new
@@ -54,44 +123,13 @@ class Schedule:
     sync_delay: int = 0  # τ the run asked for; a fragment keeps it until sync_delay auto chooses its own
     delays: dict[int, int] = field(default_factory=dict)  # τ of each fragment chosen by sync_delay auto
     measured: set[int] = field(default_factory=set)  # fragments whose τ came from their own measured exchange
-    exchanged: tuple[list[int], float] = ([], 0.0)  # the fragments of the last exchange, and its seconds (in
-    # flight, for an overlapped sync: the backend's start and the exchange)
+    exchanged: tuple[list[int], float] = ([], 0.0)  # the last exchange's fragments and seconds in flight
     auto_choice: dict | None = None  # the inner_steps auto decision, once made
-    budget: float = 0.0  # time-budget rounds: seconds of inner steps before each sync (round_seconds / F); 0: off
-    stretched: float = 0.0  # a longer budget sync_delay auto chose while an exchange did not fit the set one
-    flights: dict[int, float] = field(default_factory=dict)  # each measured fragment's last time in flight
+    budget: TimeBudget = field(default_factory=TimeBudget)  # time-budget rounds (round_seconds)
 
     @property
     def sync_every(self) -> int:
         return self.inner_steps // self.num_fragments
-
-    def sync_budget(self) -> float:
-        """Seconds of inner steps before the next time-budget sync: the set budget, or longer while exchanges
-        take longer than it allows (`stretch_budget`)."""
-        return max(self.budget, self.stretched)
-
-    def stretch_budget(self, fragments: list[int], exchange_seconds: float, slowest_step_seconds: float) -> float:
-        """sync_delay auto with time-budget rounds: a sync overlaps its exchange with at most the steps of one
-        budget less one, so an exchange longer than that (a slow link: a ring all-reduce runs at its slowest link
-        for everyone) would keep every replica waiting at the landing. Given that the last exchange of `fragments`
-        took `exchange_seconds`, the budget stretches to
-
-            T' = max over the measured fragments of t_exchange + 2 · t_step (the slowest replica's seconds per step)
-
-        so that every replica's τ covers the exchange with a step to spare, and goes back to the set budget as soon
-        as the exchanges fit again: the replicas sync less often while the link is slow, and nobody waits. Every
-        replica computes it from the same agreed numbers. Returns the budget of the next sync.
-
-        >>> s = Schedule(inner_steps=20, num_fragments=2, budget=1.0)
-        >>> s.stretch_budget([0], 3.0, 0.25), s.stretch_budget([1], 0.4, 0.25)  # fragment 0's 3 s still counts
-        (3.5, 3.5)
-        >>> s.stretch_budget([0], 0.4, 0.25)                                   # until the link recovers
-        1.0
-        """
-        self.flights.update({fragment: exchange_seconds for fragment in fragments})
-        wanted = max(self.flights.values(), default=0.0) + 2 * slowest_step_seconds
-        self.stretched = wanted if self.budget > 0 and wanted > self.budget else 0.0
-        return self.sync_budget()
 
     def delay(self, fragment: int) -> int:
         """τ of `fragment`'s next sync: sync_delay, or what sync_delay auto chose for it."""
@@ -286,7 +324,7 @@ class Schedule:
         state: dict = {}
         if self.delays:
             state["sync_delays"] = {"delays": dict(self.delays), "exchanged": list(self.exchanged),
-                                    "measured": sorted(self.measured), "stretched_budget": self.stretched}
+                                    "measured": sorted(self.measured), "stretched_budget": self.budget.stretched}
         if self.end is not None:  # the staggered end as placed, which stays once the last H steps begin
             state["final_window"] = {"launches": {str(k): list(v) for k, v in self.end.launches.items()},
                                      "last_regular": self.end.last_regular}
@@ -308,7 +346,7 @@ class Schedule:
             fragments, seconds = saved["exchanged"]
             self.exchanged = (list(fragments), float(seconds))
             self.measured = set(saved.get("measured", self.delays))
-            self.stretched = float(saved.get("stretched_budget", 0.0))
+            self.budget.stretched = float(saved.get("stretched_budget", 0.0))
         if "final_window" in state and staggered:
             window = state["final_window"]
             self.end = FinalWindow(launches={int(k): tuple(v) for k, v in window["launches"].items()},

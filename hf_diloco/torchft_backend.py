@@ -441,7 +441,7 @@ class TorchftQuorum:
         if step >= max_steps:
             return True
         if self.args.round_seconds > 0:  # the members of a replica agree: they enter the sync at the same step
-            return self.comm.control.members_any(progress.budget_spent(self.schedule.sync_budget()))
+            return self.comm.control.members_any(progress.budget_spent(self.schedule.budget.due()))
         return progress.steps >= self.schedule.sync_every
 
     def may_overlap(self) -> bool:

@@ -6,6 +6,7 @@
     inner_steps auto   H from the first 2F syncs, so that the time syncs keep replicas waiting stays under
                        max_sync_overhead of compute; the same on every replica (it is chosen from shared numbers)
     staggered end      where each fragment's last sync is launched (final_sync), placed anew whenever τ or H change
+    last budget        time-budget rounds: the last sync's budget ends as the fastest replica reaches max_steps
 
 Every input is a number every replica holds alike (the sync's statistics), except this replica's own pace under
 time budgets, where each replica lands in its own steps anyway.
@@ -14,6 +15,7 @@ time budgets, where each replica lands in its own steps anyway.
 from __future__ import annotations
 
 import logging
+import time
 
 from .config import DiLoCoConfig
 from .records import SyncStats
@@ -29,6 +31,8 @@ def step_seconds(stats: SyncStats) -> float:
     return float((stats.compute_seconds / stats.steps.clamp(min=1)).max())
 
 
+
+
 class Tuner:
     """auto τ, auto H and the staggered end of one replica's run over `schedule`; `announce` says whether this
     process logs the choices (the main process)."""
@@ -37,6 +41,8 @@ class Tuner:
         self.args, self.schedule, self.announce = args, schedule, announce
         self.syncs_landed = 0  # syncs landed since this process started (inner_steps auto waits for 2F)
         self.own_pace = (0.0, 0.0)  # time-budget τ auto: this replica's decayed (compute seconds, steps)
+        self.fastest_span = (0.0, 0.0)  # time-budget rounds: the fastest replica's decayed (wall seconds, steps)
+        self.fastest_here = False  # whether this replica took the most steps in the last sync
 
     def landed(self, stats: SyncStats | None, *, replica: int, measured: list[int], launched_at: int, step: int,
                max_steps: int, sizes: list[int]) -> dict:
@@ -44,8 +50,17 @@ class Tuner:
         `inner_steps_auto` entries where a choice was made (then the staggered end must be placed anew)."""
         self.syncs_landed += 1
         choices: dict = {}
+        if self.schedule.budget.last:  # this sync ran under the run's last budget (TimeBudget.size_last)
+            choices["last_budget_seconds"] = self.schedule.budget.last
         if stats is None:
             return choices
+        if self.args.round_seconds > 0 and stats.steps.max() > 0:
+            # Wall seconds, not compute: every replica spent the same budget, the fastest on the most steps (its
+            # compute seconds leave out the inner loop's own time between steps). Over its recent syncs, each older
+            # one counting half as much as the next, as a single budget's count varies by a few steps.
+            self.fastest_span = (0.5 * self.fastest_span[0] + self.schedule.budget.current(),
+                                 0.5 * self.fastest_span[1] + float(stats.steps.max()))
+            self.fastest_here = bool(stats.steps[:, replica].max() >= stats.steps.max())
         # This replica's seconds per step over its recent syncs (each older sync counts half as much as the next;
         # time-budget τ auto): a sync that waited at its landing holds a step or two, too few to time a step by.
         self.own_pace = (0.5 * self.own_pace[0] + float(stats.compute_seconds[:, replica].max()),
@@ -56,6 +71,15 @@ class Tuner:
                 self.syncs_landed >= 2 * self.args.num_fragments and step < max_steps:
             choices["inner_steps_auto"] = self._choose_inner_steps(stats, launched_at)
         return choices
+
+    def size_last_budget(self, step: int, max_steps: int, origin: float) -> None:
+        """Time-budget rounds, after a sync landed and every replica continues at `step`, with the next budget
+        counted from `origin` (a perf_counter time): size that budget to end as the fastest replica reaches
+        max_steps, when it would within 1.5 budgets (TimeBudget.size_last)."""
+        seconds, steps = self.fastest_span
+        if self.args.round_seconds > 0 and steps > 0:
+            self.schedule.budget.size_last(time.perf_counter() - origin, max_steps - step, seconds / steps,
+                                           self.fastest_here)
 
     def place_end(self, max_steps: int, busy_until: int, warn: bool = False) -> int | None:
         """final_sync staggered: place the final window (Schedule.place_end) for the fragments' current τ and H,
@@ -74,7 +98,7 @@ class Tuner:
         every replica lands at the same step, so τ covers the exchange in the slowest replica's steps; with
         time-budget rounds each replica lands in its own steps, so τ is chosen from its own seconds per step, at
         most the steps it takes in the next budget less one (its sync lands before that budget is spent). That
-        budget stretches while a measured fragment's time in flight would not fit in it (Schedule.stretch_budget)."""
+        budget stretches while a measured fragment's time in flight would not fit in it (TimeBudget.stretch)."""
         exchange_seconds = float(stats.previous_exchange_seconds.max())
         if self.args.round_seconds <= 0:
             return self.schedule.choose_delays(measured, exchange_seconds=exchange_seconds,
@@ -83,7 +107,7 @@ class Tuner:
         # A time-budget sync's τ covers its time in flight with a margin: a sync that lands even slightly before
         # its exchange is done waits for it, while one that lands a few steps late costs nothing.
         exchange_seconds *= FLIGHT_MARGIN
-        budget = self.schedule.stretch_budget(measured, exchange_seconds, step_seconds(stats))
+        budget = self.schedule.budget.stretch(measured, exchange_seconds, step_seconds(stats))
         # At most the steps the budget holds less one, from the budget rather than the steps this sync took: a
         # sync that waited at its landing took few steps, and τ chosen from them would stay too short.
         most = max(1, int(budget / own_step) - 1) if own_step > 0 else 1

@@ -319,7 +319,7 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_
     """Time-budget rounds of 0.2 s with `sync_delay: auto` over a link on which each all-reduce waits 0.6 s
     first (a step 0.03 s): the exchange does not fit the budget, so once the first exchange's time has been agreed
     the budget stretches to the sync's time in flight (the quorum, then the exchange) plus two steps, alike on both
-    replicas (Schedule.stretch_budget), and the later overlapped syncs keep replica 0 waiting at their landing under
+    replicas (TimeBudget.stretch), and the later overlapped syncs keep replica 0 waiting at their landing under
     an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s each).
     The replicas end identical."""
     folder = pair / "slow-link-budget"
@@ -349,8 +349,8 @@ def test_under_time_budgets_an_overlapped_sync_lands_once_its_exchange_is_done_s
     nearest 0.5 s). Replica 0 launches its exchange in the background and trains on: a sync lands at τ = 1 or, when
     the exchange is still waiting for replica 1 then, at a later step once it is done, so replica 0's loop is
     blocked only by its snapshot and the landing (under 0.03 s a sync at the median, against replica 1's half-step
-    arrival spread of up to 0.15 s that a landing at exactly τ would wait for). Every sync is committed by both, and
-    the replicas end identical."""
+    arrival spread of up to 0.15 s that a landing at exactly τ would wait for). The last budget is sized to end as
+    replica 0 reaches max_steps. Every sync is committed by both, and the replicas end identical."""
     folder = pair / "budget-overlap"
     records = read_syncs(folder / "replica-0")
     middle = records[1:-1]  # the first sync carries start-up; the last one lands at max_steps, blocking
@@ -359,6 +359,7 @@ def test_under_time_budgets_an_overlapped_sync_lands_once_its_exchange_is_done_s
     assert late, [(r.get("launch_step"), r["step"]) for r in middle]
     blocked = sorted(r["blocked_seconds"] for r in middle)
     assert blocked[len(blocked) // 2] < 0.03, blocked
+    assert any("last_budget_seconds" in r for r in records[-3:]), records[-3:]
     first, second = (torch.load(folder / f"params{r}.pt") for r in range(2))
     assert max_difference(first, second) == 0.0
 
