@@ -6,9 +6,10 @@
 Every site is one `hf-diloco launch recipes/torchft-3.yaml --lighthouse URL --replica_id k --num_replicas 3
 --max-restarts 3` (docs/guides/elastic.md), reading its own third of the built-in corpus (block 32, batch 4, H = 10,
 held-out loss every 50 steps, `data_sharding non_iid`); a sync needs two sites and waits 3 s for the third. The
-faulty site is started first and the others 4 s apart. A torchft site waits at its start for a quorum of
-`min_replicas` (2), so its first contribution arrives beside another site's: the case of a contribution merged
-alone (beside a site that joined with no steps) is tests/test_contributions.py's, on the rule's own table.
+faulty site and a second one are started together, and the second goes quiet (SIGSTOP) as soon as it has joined;
+the third is started once the faulty site trains, joins its first sync with no steps, and the quiet one comes back
+(SIGCONT) once that sync is recorded: the faulty site's first contribution is merged alone, beside a site that
+joined with no steps, as a site's first can be where sites start at different times (a quorum needs two).
 Faults: the faulty site is given `--learning_rate 0.1` (100x the recipe's), or its third of the data is random
 characters (`garbage`) or every character permuted (`permuted`). Each is set against the run without that
 site: the other two sites alone, reading the same thirds.
@@ -68,9 +69,10 @@ def start_site(out: Path, address: str, k: int, data: Path, steps: int, extra: l
 
 
 def sites(out: Path, data: Path, steps: int, order: list[int], extra: dict[int, list[str]],
-          kills: tuple[int, ...] = ()) -> dict[int, list[dict]]:
+          kills: tuple[int, ...] = (), alone: bool = False) -> dict[int, list[dict]]:
     """Sites `order` started one by one (4 s apart) against a fresh Lighthouse; site 1's training process killed
-    once each of its records reaches a step in `kills`. Site → its records."""
+    once each of its records reaches a step in `kills`. `alone`: the first site's first contribution is brought
+    alone (see the module's docstring). Site → its records."""
     out.mkdir(parents=True, exist_ok=True)
     if all((out / f"replica-{k}" / "diloco_summary.json").exists() for k in order):
         print(f"  {out.name}: read back", flush=True)
@@ -78,7 +80,19 @@ def sites(out: Path, data: Path, steps: int, order: list[int], extra: dict[int, 
     started = time.time()
     with lighthouse(min_replicas=2, grace=3, log=out / "lighthouse.log") as address:
         launched = {}
-        for k in order:
+        if alone:
+            first, quiet, last = order
+            launched = {k: start_site(out, address, k, data, steps, extra.get(k, [])) for k in (first, quiet)}
+            wait_for_text(out / f"site-{quiet}.log", f"replica {quiet} joined at round 0")
+            pid = replica_training_pid(out, quiet)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                launched[last] = start_site(out, address, last, data, steps, extra.get(last, []))
+                while not read_syncs(out / f"replica-{first}"):
+                    time.sleep(0.1)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        for k in order if not alone else []:
             launched[k] = start_site(out, address, k, data, steps, extra.get(k, []))
             time.sleep(4)
         killer = threading.Thread(target=kill_at, args=(out, kills), daemon=True)
@@ -88,6 +102,15 @@ def sites(out: Path, data: Path, steps: int, order: list[int], extra: dict[int, 
                 raise SystemExit(f"site {k} of {out.name} failed:\n{(out / f'site-{k}.log').read_text()[-3000:]}")
     print(f"  {out.name}: {time.time() - started:.0f} s", flush=True)
     return {k: read_syncs(out / f"replica-{k}") for k in order}
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 300) -> None:
+    """Until `text` is in the file at `path` (a site's console), polled every 20 ms."""
+    end = time.time() + timeout
+    while not (path.exists() and text in path.read_text()):
+        if time.time() > end:
+            raise SystemExit(f"{path.name}: no {text!r} after {timeout:.0f} s")
+        time.sleep(0.02)
 
 
 def kill_at(out: Path, steps: tuple[int, ...]) -> None:
@@ -134,7 +157,8 @@ def main() -> None:
     for name, (corpus, faulty, flags) in FAULTS.items():
         print(f"{name}:", flush=True)
         others = [k for k in range(3) if k != faulty]
-        run = sites(work / name.replace(" ", "-"), data[corpus], steps, [faulty, *others], {faulty: flags})
+        run = sites(work / name.replace(" ", "-"), data[corpus], steps, [faulty, *others], {faulty: flags},
+                    alone=True)
         without = sites(work / f"without-{corpus}-{faulty}", data[corpus], steps, others, {})
         healthy = others[0]
         mine = contributions(run[healthy], faulty)

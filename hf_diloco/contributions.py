@@ -1,8 +1,8 @@
 """Contribution checks: a replica whose pseudo-gradient does not belong is left out of the merge, and named.
 
-Before each sync's exchange every replica's numbers go round in one small table (torchft: eight more columns of the
-membership table it exchanges anyway; torch backend: one all-reduce of M rows of eight float64 numbers). Each row
-holds
+Before each sync's exchange every replica's numbers go round in one small table (torchft: eleven more columns of
+the membership table it exchanges anyway; torch backend: one all-reduce of M rows of eleven float64 numbers). Each
+row holds
 
     norm        ‖Δ_i‖ of the sync (taken before a codec: the rules judge what the replica trained)
     steps       the inner steps Δ_i covers (since its base: a rolled-back torchft sync's steps count too)
@@ -16,6 +16,10 @@ holds
                 from, less its loss at the replica's parameters now (NaN without the check)
     base_lr     the learning rate its settings give it (the peak of its schedule): known before any step, so a
                 replica that joins, heals or brings no steps to a sync still reports it
+    optimizer_age  the steps its inner optimizer's state has taken (a restarted process's is young)
+    examples    the rows of the micro-batches its steps trained on, summed over its processes (NaN: inputs it cannot
+                count, a preference pair's)
+    batch       the most rows one step takes: per-device batch × gradient accumulation × processes
 
 and every replica applies the same rules to the same table (`judge`), so every replica reaches the same verdict
 without a vote. A replica found out sends weight 0 (the others divide by the weight that took part, its
@@ -33,6 +37,11 @@ pseudo-gradient does) and every record names it in `excluded`. The rules, with t
               beyond it and each was given the agreed learning rate, none is left out (the run's own rate is what is
               too high); one given another rate is left out even when it is the only contribution, and then the sync
               does not move θ_global.
+    steps     its steps against its examples, both its own account: more examples than `steps` batches hold, or
+              fewer than half of them on average (only an epoch's last batch is short): a step counter that counts
+              micro-batches would loosen its `size` and `outlier` measures by the accumulation factor. Any M; never
+              every contribution. Its time is no bound: a replica's pace changes legitimately (a quota, a shared
+              GPU, time budgets).
     outlier   M ≥ 3: ‖Δ_i‖ / Σ η > 2.3 · the median of every reporting replica's (itself included), Σ η as in
               `size`: per unit of learning rate spent, so a Δ_i covering more steps is not an outlier for it.
     opposed   M ≥ 3: λ_i < −0.3 in its last sync: it pulled against the others.
@@ -70,7 +79,8 @@ import math
 from dataclasses import dataclass
 
 CHECK_FIELDS = ("check_norm", "check_steps", "check_lr", "check_loo", "check_loo_before", "check_left_out",
-                "check_loss_gain", "check_base_lr", "check_optimizer_age")
+                "check_loss_gain", "check_base_lr", "check_optimizer_age", "check_examples", "check_batch")
+SHORTEST_FILL = 0.5  # the `steps` rule: the least share of their batches a replica's steps may fill on average
 MIN_MAJORITY = 3  # replicas reporting, for the rules that compare a replica with the others
 AGREEMENT_LEVEL = 0.5  # the others' median λ below which the `apart` gap scales down with it
 
@@ -137,6 +147,9 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
                                f"{rows[r][1]:.0f} inner steps can make at the agreed learning rate {agreed:.3g} (Σ η "
                                f"{spent[r]:.3g} over those steps); the check leaves out above {limits.adam_ratio:g}x: "
                                f"is its learning rate the others'?{given}")
+    for r in norms:
+        if r not in verdicts and (said := _miscounted(rows[r])):
+            verdicts[r] = said
     if len(norms) >= MIN_MAJORITY:
         # Norms per unit of learning rate spent (Σ η over the steps each covers, at the agreed rate): a replica whose
         # Δ_i covers more steps (it missed a sync, or trained faster under time budgets) is not an outlier for it.
@@ -183,6 +196,23 @@ def judge(rows: dict[int, list[float]], parameters: int, adam: bool, limits: Lim
         # told apart by what the others were given, not by what they sent.
         return {r: verdicts[r] for r in given_other_rate}
     return verdicts
+
+
+def _miscounted(row: list[float]) -> str | None:
+    """The `steps` rule on one row: its inner steps against the examples they trained on and the most one step
+    takes (its batch), both from its own account; None when they agree or it gives no such numbers."""
+    steps, examples, batch = row[1], *(row[9:11] if len(row) > 10 else (math.nan, math.nan))
+    if not (math.isfinite(examples) and math.isfinite(batch) and batch > 0 and steps > 0):
+        return None
+    if examples > steps * batch * (1 + 1e-9):
+        return (f"steps: its {examples:.0f} examples take at least {math.ceil(examples / batch - 1e-9)} steps of its "
+                f"batch of {batch:.0f}, more than the {steps:.0f} it reports: does it count every optimizer step?")
+    if steps >= 2 and examples < SHORTEST_FILL * steps * batch:
+        return (f"steps: it reports {steps:.0f} steps, but its {examples:.0f} examples fill "
+                f"{examples / (steps * batch):.0%} of that many batches of {batch:.0f} (only an epoch's last batch "
+                f"is short; the check leaves out below {SHORTEST_FILL:.0%}): are its steps counted once per "
+                f"optimizer step?")
+    return None
 
 
 def _fresh_optimizers(rows: dict[int, list[float]], norms: dict[int, float]) -> set[int]:
@@ -239,18 +269,19 @@ class ContributionChecks:
         return self.mode != "off"
 
     def row(self, norm: float, steps: int, lr_sum: float, loss_gain: float = float("nan"),
-            optimizer_age: float = float("nan")) -> list[float]:
+            optimizer_age: float = float("nan"), examples: float = float("nan"), batch: float = float("nan")
+            ) -> list[float]:
         """This replica's CHECK_FIELDS for a sync whose Δ_i has norm `norm` and covers `steps` inner steps of
-        learning rates summing to `lr_sum`; `optimizer_age`: the steps its inner optimizer's state has taken (NaN:
-        unknown)."""
+        learning rates summing to `lr_sum`, trained on `examples` rows of at most `batch` a step; `optimizer_age`:
+        the steps its inner optimizer's state has taken (NaN: unknown)."""
         return [norm, float(steps), lr_sum / steps if steps else float("nan"), *self.loo, float(self.left_out),
-                loss_gain, self.base_lr, float(optimizer_age)]
+                loss_gain, self.base_lr, float(optimizer_age), float(examples), float(batch)]
 
     def presence_row(self) -> list[float]:
         """The row of a replica that brings no contribution to a sync (it joins or heals): its base learning rate,
         which the others' `size` bounds agree on, and nothing to judge."""
         nan = float("nan")
-        return [nan, 0.0, nan, nan, nan, 0.0, nan, self.base_lr, nan]
+        return [nan, 0.0, nan, nan, nan, 0.0, nan, self.base_lr, nan, nan, nan]
 
     def landed(self, loo: float, left_out: bool) -> None:
         self.loo = [loo, self.loo[0]]

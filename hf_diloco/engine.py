@@ -97,6 +97,7 @@ class Progress:
         self.lr_sum = 0.0  # Σ η over the steps (the contribution checks' `size` rule)
         self.steps = 0
         self.tokens = 0
+        self.examples = 0  # the rows of its micro-batches (the contribution checks' `steps` rule)
         self.compute_seconds = 0.0
         self.step_started: float | None = None
         self.started = self.origin = time.perf_counter()  # origin: where the time budget counts from
@@ -111,6 +112,9 @@ class Progress:
                                                               if inputs.get(key) is not None), None)
         if units is not None:
             self.tokens += units.numel() if units.dim() <= 2 else units.shape[0]
+            self.examples += units.shape[0] if units.dim() >= 2 else 1
+        else:  # inputs it cannot count (a preference pair's): the `steps` rule leaves its rows alone
+            self.examples = math.nan
 
     def step_began(self) -> None:
         self.step_started = time.perf_counter()
@@ -334,7 +338,7 @@ class SyncEngine:
         if joining and self.gate.active:  # its base learning rate, for the others' checks (torchft's table)
             local["checks"] = self.gate.presence_row()
         for fragment in self.fragments:
-            fragment.launch(step, self.progress.steps, self.progress.lr_sum, carried=fragment.index in fragments)
+            fragment.launch(step, self.progress, carried=fragment.index in fragments)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             buckets = self.kinds.buckets(fragments)
             deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.kinds.codec))

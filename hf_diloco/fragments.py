@@ -9,7 +9,8 @@ Each fragment of a replica owns, for its share of the trainable parameters:
     residual     the error-feedback residual of each of its buckets (hf_diloco.codecs.ErrorFeedback), or none
     in_flight    the step the sync carrying it was launched at, until that sync lands (at most one at a time)
     last_synced  the step of the last sync that carried it and landed
-    covered      what its Δ_i covers: the inner steps and Σ η since its base moved, before the sync in flight;
+    covered      what its Δ_i covers: the inner steps, their Σ η and the examples they trained on since its base
+                 moved, before the sync in flight;
     at_launch    the same with the sync launched last
 
 The engine (hf_diloco.engine) calls `launch` on every fragment when it launches a sync and `land` when that sync
@@ -35,8 +36,8 @@ class Fragment:
     feedback: ErrorFeedback | None = field(default=None, repr=False)
     in_flight: int | None = None
     last_synced: int | None = None
-    covered: tuple[float, float] = (0, 0.0)
-    at_launch: tuple[float, float] = (0, 0.0)
+    covered: tuple[float, float, float] = (0, 0.0, 0)
+    at_launch: tuple[float, float, float] = (0, 0.0, 0)
 
     @property
     def base(self) -> list[torch.Tensor]:
@@ -50,10 +51,11 @@ class Fragment:
         held = self.feedback.residuals if self.feedback is not None else {}
         return {str(b): held[str(b)] for b in self.buckets if str(b) in held}
 
-    def launch(self, step: int, steps: int, lr_sum: float, carried: bool) -> None:
-        """A sync was launched at `step`, after `steps` inner steps of Σ η `lr_sum` since the previous launch;
-        `carried`: it is expected to carry this fragment."""
-        self.at_launch = (self.covered[0] + steps, self.covered[1] + lr_sum)
+    def launch(self, step: int, progress, carried: bool) -> None:
+        """A sync was launched at `step`, after `progress` since the previous launch (engine.Progress: its inner
+        steps, their Σ η and examples); `carried`: it is expected to carry this fragment."""
+        self.at_launch = (self.covered[0] + progress.steps, self.covered[1] + progress.lr_sum,
+                          self.covered[2] + progress.examples)
         self.in_flight = step if carried else None
 
     def land(self, step: int, synced: bool, alpha: float, fresh: bool = False) -> None:
@@ -64,17 +66,18 @@ class Fragment:
         if synced:
             self.last_synced = step
         if fresh:
-            self.covered = (0, 0.0)
+            self.covered = (0, 0.0, 0)
         elif synced:
-            self.covered = (self.at_launch[0] * alpha, self.at_launch[1] * alpha)
+            self.covered = tuple(x * alpha for x in self.at_launch)
         else:
             self.covered = self.at_launch
 
 
-def since_base(fragments: list[Fragment], carried: list[int]) -> tuple[float, float]:
-    """The inner steps Δ_i of the `carried` fragments covers and the sum of their learning rates (the fragment
-    whose base is oldest): since each last synced, whatever syncs of other fragments came between."""
-    return max((fragments[f].at_launch for f in carried), default=(0, 0.0))
+def since_base(fragments: list[Fragment], carried: list[int]) -> tuple[float, float, float]:
+    """The inner steps Δ_i of the `carried` fragments covers, the sum of their learning rates and the examples they
+    trained on (the fragment whose base is oldest): since each last synced, whatever syncs of other fragments came
+    between."""
+    return max((fragments[f].at_launch for f in carried), default=(0, 0.0, 0))
 
 
 def outer_state_and_fragments(named: list[tuple[str, torch.nn.Parameter]], num_fragments: int, pattern: str,

@@ -52,12 +52,18 @@ class Gate:
         """Whether a sync's contributions are checked: not the joining one, and only with peers to compare."""
         return self.checks.active and not joining and num_replicas > 1
 
-    def row(self, comm, buckets: list[int], deltas, since_base: tuple[float, float], with_loss: bool = False
+    def row(self, comm, buckets: list[int], deltas, since_base: tuple[float, float, float], with_loss: bool = False
             ) -> list[float]:
-        """This replica's row: ‖Δ_i‖ over `buckets` (`deltas`: a list or an iterator of Δ_i), the steps and Σ η
-        since its base, and (`with_loss`, a blocking sync) the loss its round removed."""
-        return self.checks.row(norm(comm, buckets, deltas), *since_base,
-                               self._loss_gain() if with_loss else float("nan"), self._optimizer_age())
+        """This replica's row: ‖Δ_i‖ over `buckets` (`deltas`: a list or an iterator of Δ_i), the steps, Σ η and
+        examples since its base, and (`with_loss`, a blocking sync) the loss its round removed."""
+        steps, lr_sum, examples = since_base
+        # Every member counts the rows of its own micro-batches (tensor-parallel members the same rows each): the
+        # replica's are their sum, and a step takes at most a micro-batch per accumulation step on each member.
+        examples = comm.control.members_total([float(examples)])[0]
+        batch = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * comm.group_size
+        return self.checks.row(norm(comm, buckets, deltas), steps, lr_sum,
+                               self._loss_gain() if with_loss else float("nan"), self._optimizer_age(), examples,
+                               batch)
 
     def presence_row(self) -> list[float]:
         """The row of a replica that joins a sync with nothing to judge: its base learning rate, for the others."""
@@ -72,7 +78,7 @@ class Gate:
             return start
         sent = 0
         if start.participants:
-            rows = {int(m["replica"]): [m[f] for f in CHECK_FIELDS] for m in start.participants}
+            rows = {int(m["replica"]): [m.get(f, float("nan")) for f in CHECK_FIELDS] for m in start.participants}
         else:
             table, sent = comm.control.replica_rows(local["checks"])
             rows = {r: table[r].tolist() for r in range(table.shape[0])}

@@ -333,13 +333,10 @@ def make_manager(args, replica: ReplicaComm, pg, host: str, store: tuple[str, in
 class TorchftQuorum:
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
     with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine' and
-    hf_diloco.outer's, exactly as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
-    fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends.
-
-    It holds the outer state `outer` (θ_global and the outer optimizer, which a heal replaces and a peer is sent),
-    the residuals `feedback` (cleared by a heal), the run's `schedule` (which fragments a sync number carries, how
-    many syncs the run has), and `continue_at_step`, the Trainer glue's one way to move a late replica's step.
-    """
+    hf_diloco.outer's, as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
+    fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends. It holds the
+    outer state `outer` (which a heal replaces and a peer is sent), the residuals `feedback` (cleared by a heal),
+    the run's `schedule`, and `continue_at_step`, the Trainer glue's one way to move a late replica's step."""
 
     def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
                  resumed: bool, continue_at_step):
@@ -437,9 +434,10 @@ class TorchftQuorum:
 
     def due(self, step: int, max_steps: int, progress) -> bool:
         """A sync is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last
-        step; which fragments it syncs is agreed after the quorum (`start`)."""
+        step, unless a sync that landed ended the run (an overlapped one launched before a peer's last step);
+        which fragments it syncs is agreed after the quorum (`start`)."""
         if step >= max_steps:
-            return True
+            return not self.run_over()
         if self.args.round_seconds > 0:  # the members of a replica agree: they enter the sync at the same step
             return self.comm.control.members_any(progress.budget_spent(self.schedule.budget.due()))
         return progress.steps >= self.schedule.sync_every
@@ -551,8 +549,9 @@ class TorchftQuorum:
                 if moved > step:
                     step = moved
                     self.continue_at_step(step)
-            # A healed replica's training against the old base went into this sync: it starts from θ_global.
-            restart = start.healed
+            # A healed replica's training against the old base went into this sync: it starts from θ_global, as
+            # every replica does from the sync that ended the run (the final model), whatever it trained since.
+            restart = start.healed or self.run_over()
             self.stash = None
             self.carried_tokens = 0
         elif start.healed or not start.finite:

@@ -205,6 +205,50 @@ def test_a_restarted_replicas_fresh_optimizer_is_not_an_outlier_among_older_ones
     assert list(judge({r: v[:8] for r, v in older.items()}, p, adam=True, limits=limits)) == [2]
 
 
+def test_the_steps_rule_checks_each_replicas_steps_against_the_examples_they_trained_on():
+    """A replica's steps set its size bound (Σ η over them): a step counter that counts micro-batches (4 per step
+    here) would loosen it 4x. Its rows give away the miscount, from its own numbers alone, at any M and for a lone
+    contribution beside a replica that joined: 40 steps of a batch of 4 cannot have trained on 40 examples (25% of
+    their batches; only an epoch's last batch is short). Steps too few for the examples are left out as well; an
+    epoch's short last batch, a row of an earlier version and a replica that cannot count its rows (NaN, a
+    preference pair's inputs) are not."""
+    limits, p, nan = Limits(), 10_000, float("nan")
+
+    def row(steps: float, examples: float, batch: float = 4.0) -> list[float]:  # a norm in line with its steps
+        return [0.005 * steps, steps, 1e-3, nan, nan, 0.0, nan, 1e-3, nan, examples, batch]
+
+    miscounted = judge({0: row(10, 40), 1: row(40, 40)}, p, adam=True, limits=limits)
+    assert list(miscounted) == [1] and miscounted[1] == (
+        "steps: it reports 40 steps, but its 40 examples fill 25% of that many batches of 4 (only an epoch's last "
+        "batch is short; the check leaves out below 50%): are its steps counted once per optimizer step?")
+    joined = ContributionChecks("exclude", limits, faulty_after=3, base_lr=1e-3).presence_row()
+    assert list(judge({0: joined, 1: row(40, 40)}, p, adam=False, limits=limits)) == [], \
+        "never every contribution: a lone one is not left out by a rule on its own numbers"
+    three = judge({0: row(10, 40), 1: row(10, 38), 2: row(10, 41)}, p, adam=False, limits=limits)
+    assert list(three) == [2] and three[2].startswith("steps: its 41 examples take at least 11 steps of its batch")
+    short_last = {0: row(10, 40), 1: row(10, 37), 2: row(2, 5)}  # 2 steps: 4 examples, then an epoch's last 1
+    assert judge(short_last, p, adam=False, limits=limits) == {}
+    assert judge({0: row(10, 40), 1: row(40, 40)[:9]}, p, adam=False, limits=limits) == {}, "an older row"
+    assert judge({0: row(10, 40), 1: row(40, nan)}, p, adam=False, limits=limits) == {}, "rows it cannot count"
+
+
+def test_a_fragment_counts_the_examples_since_its_base_across_a_missed_sync_and_keeps_alphas_share():
+    """since_base: the steps, Σ η and examples of the sync launched last, plus whatever a sync that did not carry
+    the fragment (or rolled back) left; α of them stay after a sync that carried it."""
+    from types import SimpleNamespace
+
+    from hf_diloco.fragments import Fragment, since_base
+
+    fragment = Fragment(0, [0], 1, outer=None)
+    fragment.launch(10, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
+    fragment.land(10, synced=False, alpha=0.0)  # rolled back: those steps stay in its Δ_i
+    fragment.launch(20, SimpleNamespace(steps=10, lr_sum=0.02, examples=37), carried=True)
+    assert since_base([fragment], [0]) == (20, 0.03, 77)
+    fragment.land(20, synced=True, alpha=0.5)
+    fragment.launch(30, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
+    assert since_base([fragment], [0]) == pytest.approx((20, 0.025, 78.5))
+
+
 def test_a_sync_whose_every_contribution_is_left_out_does_not_move_theta_global():
     """Weights all 0 (every contribution left out): θ_global and the outer momentum stay as they were, with outer
     Nesterov momentum already built up, and the replica takes θ_global."""
@@ -279,15 +323,18 @@ def torch_launches(folder: Path, data: dict[str, Path], runs: dict[str, tuple[st
     return {name: folder / name for name in runs}
 
 
+SHORT = ["--max_steps", "80", "--eval_steps", "80"]  # 8 syncs: enough for a fault found out from the first or second
 # The faulty and clean runs of three replicas on the torch backend, trained by one launch (name → corpus, hook,
 # flags): the tests below read their records.
 THREE_REPLICAS = {
     "garbage": ("garbage", {}, []),
     "without": ("garbage", {"CONTRIBUTION_HOOK_LEAVE_OUT": "0"}, []),
-    "sparse-garbage": ("garbage", {}, ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1"]),
-    "scaled": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, []),
+    "sparse-garbage": ("garbage", {}, ["--compression", "sparse", "--error_feedback", "true", "--sync_delay", "1",
+                                        "--max_steps", "120", "--eval_steps", "120"]),
+    "scaled": ("clean", {"CONTRIBUTION_HOOK_SCALE": "3", "CONTRIBUTION_HOOK_RANK": "1"}, SHORT),
     "flipped": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
-                ["--contribution_checks", "warn"]),
+                [*SHORT, "--contribution_checks", "warn"]),
+    "miscounted": ("clean", {"CONTRIBUTION_HOOK_STEPS": "4", "CONTRIBUTION_HOOK_RANK": "2"}, SHORT),
     "clean-80-rounds": ("clean", {}, ["--max_steps", "400", "--inner_steps", "5", "--eval_steps", "400"]),
 }
 
@@ -365,6 +412,17 @@ def test_torch_backend_a_scaled_pseudo_gradient_is_left_out_and_a_sign_flip_flag
 
 
 @pytest.mark.process
+def test_torch_backend_a_replica_that_counts_micro_batches_as_steps_is_left_out(three_replicas):
+    """At M = 3, replica 2 reports 4x the inner steps its pseudo-gradient covers (a test hook: a step counter that
+    counts micro-batches, which would loosen its size bound 4x): left out from the first sync on by the `steps`
+    rule, its rows' examples filling a quarter of the batches it claims."""
+    records = read_syncs(three_replicas["miscounted"])
+    assert_found_out(records, 2, by_sync=1)
+    assert all(e["reason"].startswith("steps: it reports 40 steps, but its 40 examples fill 25%")
+               for r in records for e in r["excluded"]), records
+
+
+@pytest.mark.process
 def test_a_clean_run_of_80_rounds_leaves_nothing_out(three_replicas):
     """Three replicas on their own thirds (non_iid), 80 rounds of H = 5 (400 steps, learning-rate warm-up and decay
     included): no contribution is left out or flagged, and every replica takes part in every sync."""
@@ -391,17 +449,20 @@ def test_the_loss_check_names_a_garbage_shard_at_2_replicas(tmp_path, corpora):
                                                                  "round against the global parameters it started from")
 
 
-def start_site(out: Path, address: str, k: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+def start_site(out: Path, address: str, k: int, extra: list[str], hook: dict | None = None
+               ) -> tuple[subprocess.Popen, Path]:
     """Site k started as docs/guides/elastic.md ("Across machines or sites") starts one: `hf-diloco launch ...
     --lighthouse URL --replica_id k --num_replicas 3 --replica_address 127.0.0.1 --max-restarts 3` (`extra`: its
-    settings beyond SETTINGS); its launch and its console's file."""
+    settings beyond SETTINGS; `hook`: test hook settings, tests/scripts/contribution_hook); its launch and its
+    console's file."""
     log = out / f"site-{k}.log"
+    hooked = {"PYTHONPATH": str(HOOK), **hook} if hook else {}
     process = subprocess.Popen(
         [sys.executable, "-m", "hf_diloco.cli", "launch", "recipes/torchft-3.yaml", "--accelerate-config",
          "accelerate_configs/torchft-replica.yaml", "--lighthouse", address, "--replica_id", str(k),
          "--num_replicas", "3", "--replica_address", "127.0.0.1", "--max-restarts", "3", "--", *SETTINGS,
          "--output_dir", str(out / f"replica-{k}"), *extra],
-        cwd=REPO, env=env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        cwd=REPO, env={**env(), **hooked}, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return process, log
 
 
@@ -429,11 +490,13 @@ def test_torchft_sites_that_come_and_go_a_faulty_one_never_moves_the_model_and_c
     """Three torchft sites against one Lighthouse, each started as docs/guides/elastic.md starts one (a round needs
     two, and waits 3 s for the third), 200 steps of H = 10 on a decaying schedule (warm-up 20, cosine).
 
-    Faulty: site 2 is given --learning_rate 0.1 (100x the recipe's). From its first sync on it is left out (rule
-    `size`, against the learning rate the others were given, which its record names): on every site's records its
-    contributions are merged with weight 0, always, so it never moves θ_global; its launch says it looks faulty;
-    sites 0 and 1 end with one model, trained (held-out loss under 4, from about 5.5). (A lone contribution
-    judged against a site that joined with no steps: test_the_size_rule_bounds_the_steps_each_pseudo_gradient_...)
+    Faulty: site 2 is given --learning_rate 0.1 (100x the recipe's), and its first sync carries its contribution
+    alone: sites 1 and 2 start, site 1 holds after joining (a test hook) while site 2 trains its first round, then
+    site 0 starts and joins site 2's first sync with no steps (site 1 is released once that sync is recorded). That
+    lone contribution is left out (rule `size`, against the learning rate the site that joined was given, which
+    its record names), so the sync does not move θ_global, and so is every later one: on every site's records its
+    contributions are merged with weight 0, always; its launch says it looks faulty; sites 0 and 1 end with one
+    model, trained (held-out loss under 4, from about 5.5).
 
     Clean: the three sites at the recipe's rate, and site 0 stopped (SIGSTOP) for 5 s just after its sync at step
     120, past the next sync's grace: it misses syncs late in the decaying schedule (and comes back where it can, or
@@ -444,9 +507,14 @@ def test_torchft_sites_that_come_and_go_a_faulty_one_never_moves_the_model_and_c
     for out in (faulty, clean):
         out.mkdir()
     together = [*data, "--min_replicas", "2", "--sync_grace_seconds", "3"]
+    release = faulty / "release-site-1"
     with lighthouse(min_replicas=2, grace=3, log=faulty / "lighthouse.log") as address:
-        sites = {k: start_site(faulty, address, k, [*together, *(["--learning_rate", "0.1"] if k == 2 else [])])
-                 for k in range(3)}
+        sites = {2: start_site(faulty, address, 2, [*together, "--learning_rate", "0.1"]),
+                 1: start_site(faulty, address, 1, together, hook={"CONTRIBUTION_HOOK_HOLD": str(release)})}
+        wait_for(lambda: site_step(faulty, 2) >= 1, 120, "site 2 training its first round")
+        sites[0] = start_site(faulty, address, 0, together)
+        wait_for(lambda: read_syncs(faulty / "replica-2"), 120, "site 2's first sync")
+        release.touch()
         consoles = finish_sites(sites)
     with lighthouse(min_replicas=2, grace=3, log=clean / "lighthouse.log") as address:
         sites = {k: start_site(clean, address, k, together) for k in range(3)}
@@ -462,6 +530,7 @@ def test_torchft_sites_that_come_and_go_a_faulty_one_never_moves_the_model_and_c
         finish_sites(sites)
     records = {k: [r for r in read_syncs(faulty / f"replica-{k}")] for k in range(3)}
     first = next(r for r in records[2] if r.get("committed", True) and merged_from([r], 2))
+    assert [m["replica"] for m in first["replicas"] if m.get("steps", 0) > 0] == [2], "a lone contribution"
     assert [e["replica"] for e in first["excluded"]] == [2], first
     reason = first["excluded"][0]["reason"]
     assert reason.startswith("size: ") and "(it was given 0.1)" in reason, reason

@@ -665,6 +665,24 @@ def test_a_replica_that_misses_rounds_brings_its_progress_with_a_staleness_weigh
     assert max_difference(final[0], final[1]) == 0.0 and max_difference(final[0], final[2]) == 0.0
 
 
+def test_a_replica_whose_overlapped_sync_ended_the_run_launches_no_further_sync():
+    """Under time budgets a slow replica's last budget ends before the fastest reaches max_steps (it is sized to),
+    so its last sync is an overlapped one, launched short of max_steps; the fastest brings max_steps to it, and
+    where it lands the slow replica continues at max_steps with the run over. No sync is due then: one more
+    (as before this was checked) waited for peers that had finished until sync_timeout, and the replica failed
+    without the final model (benchmarks/speeds.py --overlap, 300 s). At max_steps in a run not yet over, the last
+    sync is due as before."""
+    from types import SimpleNamespace
+
+    from hf_diloco.torchft_backend import TorchftQuorum
+
+    def quorum(over: bool) -> SimpleNamespace:
+        return SimpleNamespace(run_over=lambda: over, args=SimpleNamespace(round_seconds=1.0))
+
+    assert TorchftQuorum.due(quorum(over=True), 200, 200, progress=None) is False
+    assert TorchftQuorum.due(quorum(over=False), 200, 200, progress=None) is True
+
+
 def test_the_replica_group_gives_up_a_member_that_never_connects_and_waits_for_a_slow_exchange():
     """The group across replicas (two members, as threads here): a member that never connects is given up after
     group_timeout (1 s), not sync_timeout (30 s), with the store's own sentence; once the group has formed, a member

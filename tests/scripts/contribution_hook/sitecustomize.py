@@ -5,12 +5,17 @@ runs (read at each call, so one process can train a faulty run and then a clean 
     CONTRIBUTION_HOOK_SCALE=s       this process's pseudo-gradient is multiplied by s before it is measured and sent
                                     (s = 3: a scaled contribution; s = -1: a sign flip)
     CONTRIBUTION_HOOK_LR=s          this process's inner learning rate is s times the one it was given
+    CONTRIBUTION_HOOK_STEPS=k       this process reports k times the inner steps its pseudo-gradient covers (a
+                                    step counter that counts micro-batches)
     CONTRIBUTION_HOOK_LEAVE_OUT=k   every replica's checks also find replica k out, from the first sync on: the run
                                     "without that replica" that a faulty run is compared with
+    CONTRIBUTION_HOOK_HOLD=path     after its joining sync, this process waits for `path` to exist before its first
+                                    inner step (a site that joined and then brings nothing to the next syncs)
     CONTRIBUTION_HOOK_RANK=r        only the process of global rank r (the torch backend's replica r) is hooked
 """
 
 import os
+import time
 
 
 def _setting(name: str) -> str | None:
@@ -39,6 +44,26 @@ def _hook(module) -> None:
                 else delta
 
         module.OuterState.pseudo_gradient = pseudo_gradient
+    if module.__name__ == "hf_diloco.fragments":
+        since_base = module.since_base
+
+        def miscounted(*args, **kwargs):
+            steps, lr_sum, examples = since_base(*args, **kwargs)
+            factor = float(_setting("CONTRIBUTION_HOOK_STEPS") or 1)
+            return steps * factor, lr_sum * factor, examples
+
+        module.since_base = miscounted
+    if module.__name__ == "hf_diloco.engine":
+        join = module.SyncEngine.join
+
+        def held(self, step):
+            start = join(self, step)
+            hold = _setting("CONTRIBUTION_HOOK_HOLD")
+            while hold and not os.path.exists(hold):
+                time.sleep(0.05)
+            return start
+
+        module.SyncEngine.join = held
     if module.__name__ == "hf_diloco.gate":
         judge = module.judge
 
@@ -52,15 +77,17 @@ def _hook(module) -> None:
         module.judge = judged
 
 
-if "RANK" in os.environ:  # a process of a launch
+if "RANK" in os.environ or "CONTRIBUTION_HOOK_HOLD" in os.environ:  # a process of a launch (a launch of one
+    # process, such as a torchft site's, sets no RANK: the hold is given to that site alone)
     import importlib.abc
     import sys
 
     class _Finder(importlib.abc.MetaPathFinder):
-        """Hooks hf_diloco.config, hf_diloco.outer and hf_diloco.gate right after they are first imported."""
+        """Hooks hf_diloco.config, .outer, .fragments, .engine and .gate right after they are first imported."""
 
         def find_spec(self, name, path, target=None):
-            if name not in ("hf_diloco.outer", "hf_diloco.gate", "hf_diloco.config"):
+            if name not in ("hf_diloco.outer", "hf_diloco.gate", "hf_diloco.config", "hf_diloco.fragments",
+                            "hf_diloco.engine"):
                 return None
             sys.meta_path.remove(self)
             try:
