@@ -161,9 +161,11 @@ def main() -> None:
                     alone=True)
         without = sites(work / f"without-{corpus}-{faulty}", data[corpus], steps, others, {})
         healthy = others[0]
-        mine = contributions(run[healthy], faulty)
+        # Verdicts and weights are the same on every site's records; the faulty site's hold every sync it took part
+        # in (the quiet site's and the late one's begin later).
+        mine = contributions(run[faulty], faulty)
         merged = [weight for _sync, weight, _out, _n in mine if weight > 0]
-        healthy_out = sum(len([e for e in r["excluded"] if e["replica"] != faulty]) for r in committed(run[healthy]))
+        healthy_out = sum(len([e for e in r["excluded"] if e["replica"] != faulty]) for r in committed(run[faulty]))
         alone = bool(mine) and mine[0][3] == 1
         losses = (final_loss(run[healthy]), final_loss(without[healthy]))
         rows.append([name, f"site {faulty}", f"{losses[0]:.4f}", f"{losses[1]:.4f}",

@@ -31,8 +31,6 @@ def step_seconds(stats: SyncStats) -> float:
     return float((stats.compute_seconds / stats.steps.clamp(min=1)).max())
 
 
-
-
 class Tuner:
     """auto τ, auto H and the staggered end of one replica's run over `schedule`; `announce` says whether this
     process logs the choices (the main process)."""
