@@ -250,14 +250,15 @@ def test_replica_groups_all_processes_identical_after_every_sync(grouped_run):
 
 def test_replica_groups_sync_is_one_sliced_all_reduce_and_one_all_gather(grouped_run):
     """Across replicas only the sync (the contribution checks' table, then the sliced pseudo-gradient); inside a replica
-    only DDP (not visible here) and the slice all-gather."""
+    only DDP (not visible here), the members' count of the examples their steps trained on (one number, for the
+    checks' `steps` rule: every member must put the same row in the table) and the slice all-gather."""
     _, ranks = grouped_run
     for rank in ranks:
         by_step: dict[int, list[str]] = {}
         for step, name in rank["calls"]:
             by_step.setdefault(step, []).append(name)
         for step in range(1, 8):
-            expected = ["all_reduce", "all_reduce", GATHER] if step in (3, 6, 7) else []
+            expected = ["all_reduce", "all_reduce", "all_reduce", GATHER] if step in (3, 6, 7) else []
             assert by_step.get(step, []) == expected, f"step {step}: {by_step.get(step, [])}"
 
 
@@ -418,7 +419,8 @@ def test_replica_groups_with_nesterov_momentum_and_several_buckets(four):
     assert buckets >= 4
     for rank in ranks:
         at_sync = [name for step, name in rank["calls"] if step == 3]
-        assert at_sync.count("all_reduce") == buckets + 1, f"the checks' table, then a bucket at a time: {at_sync}"
+        assert at_sync.count("all_reduce") == buckets + 2, \
+            f"the members' examples, the checks' table, then a bucket at a time: {at_sync}"
     want = reference_diloco(steps=7, inner_steps=3, lr=3e-3, replicas=2, group=2, outer_lr=0.7, momentum=0.9,
                             nesterov=True)
     worst = max_difference(torch.load(folder / "final.pt"), want)
