@@ -24,10 +24,15 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
 drop. `--overlap` runs the time-budget rounds blocking and overlapped (`sync_delay 1`), nothing else. `--quality`
-compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds,
-plain and with the delayed outer Nesterov, under 60%, 60%, 20% and under three quotas of 46.67% each (the same
-1.4 cores), the equal-speed runs' max_steps sized from the solo rates so that they train about as many tokens in
-about as many syncs (the same budget). `--period-ms` sets the CFS period the quotas are enforced over.
+compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 10 nominal
+steps, 400 steps (about 40 syncs), plain and with the delayed outer Nesterov, under 60%, 60%, 20% and under three
+quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the solo rates so that they
+train about as many tokens in about as many syncs (the same budget); and at unequal speeds overlapped (sync_delay
+1) with each landing, mixed (α 0: the steps taken in flight dropped) and eager (kept). Each row runs 3 seeds
+(`--seed` 0, 1, 2), interleaved, and the learning rate is constant after a 20-step warmup: a run's length is
+max_steps of its fastest replica, so equal tokens at unequal and at equal speeds are different step counts, which
+a decaying schedule would turn into different schedules. `--period-ms` sets the CFS period the quotas are
+enforced over.
 
 Capacity = the sum over replicas of each one's solo rate under its own quota: each distinct quota (60%, 20%) runs
 once alone first (1 process, the same task and flags), rate = its tokens ÷ its loop time over the rounds after the
@@ -71,6 +76,7 @@ DELAY = 2  # outer_momentum_delay of the --methods row
 DROP_REPLICA, DROP_QUOTA = 1, 0.2  # the quota-drop rows: replica 1 at 20% for the middle third of the run
 EQUAL = round(sum(QUOTAS) / len(QUOTAS), 4)  # --quality: each replica's quota at equal speed, the same sum
 INNER_STEPS = 20
+QUALITY_INNER_STEPS, QUALITY_STEPS = 10, 400  # --quality: about 40 syncs
 REPEATS = 3
 FLAGGED = 1.03  # goodput above this is beyond physics plus measurement noise
 TASK = ["--block_size", "128", "--per_device_train_batch_size", "4", "--save_strategy", "no",
@@ -286,6 +292,9 @@ def main() -> None:
         skip("speeds", f"a CPU quota needs root and the cgroup v1 cpu controller at {CPU_CGROUP} ({error}).")
     begun = time.time()
     steps, solo_steps, repeats = (80, 60, 2) if args.quick else (200, 100, REPEATS)
+    inner = INNER_STEPS
+    if args.quality:  # about 40 syncs a run, a seed per repeat, a schedule that does not depend on the length
+        inner, steps = QUALITY_INNER_STEPS, 120 if args.quick else QUALITY_STEPS
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = Path(tmp_name)
@@ -297,7 +306,7 @@ def main() -> None:
                 print(f"solo run under {quota:.0%} of a core ...", flush=True)
                 groups.set_quota(0, quota)
                 launch(tmp / f"solo-{quota}", 1, [*TASK, "--max_steps", str(solo_steps), "--inner_steps",
-                                                  str(INNER_STEPS), "--eval_steps", str(solo_steps)],
+                                                  str(inner), "--eval_steps", str(solo_steps)],
                        groups, solo_rank=0)
                 records = read_syncs(tmp / f"solo-{quota}")[1:]  # the first holds the first step's warm-up
                 loop = loop_seconds(records)
@@ -305,8 +314,8 @@ def main() -> None:
                                "seconds_per_step": loop / sum(r["sync_steps"] for r in records)}
             groups.set_quotas(QUOTAS)
             capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
-            round_seconds = round(INNER_STEPS * solo[QUOTAS[0]]["seconds_per_step"], 2)
-            budget = ["--inner_steps", str(INNER_STEPS), "--round_seconds", str(round_seconds)]
+            round_seconds = round(inner * solo[QUOTAS[0]]["seconds_per_step"], 2)
+            budget = ["--inner_steps", str(inner), "--round_seconds", str(round_seconds)]
             streamed = [*budget, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
                         "--sync_delay", "auto"]
             delayed = [*budget, "--outer_momentum_delay", str(DELAY)]
@@ -326,7 +335,11 @@ def main() -> None:
                 fast = solo[QUOTAS[0]]["tokens_per_second"]
                 equal_steps = round(steps * sum(solo[q]["tokens_per_second"] for q in QUOTAS) / fast / len(QUOTAS))
                 equal = (EQUAL,) * len(QUOTAS)
+                overlapped = [*budget, "--sync_delay", "1"]
                 rows = [rows[1], (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps),
+                        ("time budget, sync_delay 1, mixed landing", overlapped, False, QUOTAS, steps),
+                        ("time budget, sync_delay 1, eager landing", [*overlapped, "--overlap_landing", "eager"],
+                         False, QUOTAS, steps),
                         (f"time budget {round_seconds:g} s, equal speed", budget, False, equal, equal_steps),
                         (f"time budget, delayed Nesterov N = {DELAY}, equal speed", delayed, False, equal,
                          equal_steps)]
@@ -345,9 +358,11 @@ def main() -> None:
                     dropping = QuotaDrop(folder, backend, groups, run_steps) if drop else None
                     if dropping:
                         dropping.start()
+                    seeded = ["--seed", str(repeat), "--lr_scheduler_type", "constant_with_warmup"] \
+                        if args.quality else []
                     try:
                         launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(run_steps), "--eval_steps",
-                                                     str(run_steps), *extra], groups, backend=backend)
+                                                     str(run_steps), *seeded, *extra], groups, backend=backend)
                     finally:
                         if dropping:
                             dropping.done.set()
@@ -376,10 +391,11 @@ def main() -> None:
                             "waited, worst replica", "eval loss", "tokens", "syncs", "loop s"], rows)
     rates = ", ".join(f"{q:.0%}: {v['tokens_per_second']:,.0f} tokens/s ({v['seconds_per_step']:.3f} s/step)"
                       for q, v in solo.items())
+    kind = "seeds (--seed 0, 1, 2), constant learning rate after 20 warmup steps," if args.quality else "repeats"
     table += (f"\n\n{steps} steps (max_steps; a time-budget run ends when its fastest replica gets there), "
-              f"128-token blocks, batch 4, fp32, {repeats} "
-              f"repeats interleaved; median [min, max]. Solo rates under each quota: {rates}; capacity = "
-              f"{capacity:,.0f} tokens/s (their sum over the 3 replicas). round_seconds = {INNER_STEPS} × the 60% "
+              f"128-token blocks, batch 4, fp32, {repeats} {kind}"
+              f" interleaved; median [min, max]. Solo rates under each quota: {rates}; capacity = "
+              f"{capacity:,.0f} tokens/s (their sum over the 3 replicas). round_seconds = {inner} × the 60% "
               f"replica's solo seconds per step. Goodput = committed tokens ÷ (replica 0's loop seconds × "
               f"capacity); waited: Σ waited_seconds of the replica that waited most (torch: its arrival before the "
               f"last replica's; torchft: forming the quorum) ÷ replica 0's loop seconds. Quotas enforced per "
@@ -395,14 +411,23 @@ def main() -> None:
                           f"{unequal['tokens']['median']:,.0f} tokens against {same['eval_loss']['median']:.4f} at "
                           f"{same['tokens']['median']:,.0f} at equal speed: "
                           f"{unequal['eval_loss']['median'] / same['eval_loss']['median'] - 1:+.2%} (medians).")
+            mixed, eager = (spreads[f"{backend}, time budget, sync_delay 1, {kind} landing"]
+                            for kind in ("mixed", "eager"))
+            table += (f"\n- {backend}, sync_delay 1: eager landing {eager['eval_loss']['median']:.4f} against mixed "
+                      f"{mixed['eval_loss']['median']:.4f}: "
+                      f"{eager['eval_loss']['median'] / mixed['eval_loss']['median'] - 1:+.2%} (medians).")
+        seeds = ", ".join(f"{name} {s['eval_loss']['max'] - s['eval_loss']['min']:.4f}" for name, s in spreads.items())
+        table += f"\n- Seed-to-seed spread of the eval loss (max − min of 3 seeds): {seeds}."
     labels = list(spreads)
     palette = ["#2563eb", "#ea580c", "#059669", "#9333ea", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
-    figure, _ = spread_bars(labels, [{k: 100 * v for k, v in spreads[n]["goodput"].items() if k != "values"}
-                                     for n in labels], palette[:len(labels)], "goodput (%)",
-                            f"{first}: goodput", (7.5, 3.4))
+    # --quality draws what it compares: the eval loss of each row's seeds
+    metric, scale, label = ("eval_loss", 1, "eval loss") if args.quality else ("goodput", 100, "goodput (%)")
+    figure, _ = spread_bars(labels, [{k: scale * v for k, v in spreads[n][metric].items() if k != "values"}
+                                     for n in labels], (palette * 2)[:len(labels)], label,
+                            f"{first}: {label}", (7.5, 3.4))
     mode = "methods" if args.methods else "quality" if args.quality else "overlap" if args.overlap else None
     name = f"speeds-{mode}-{'-'.join(backends)}" if mode else "speeds"
-    save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": INNER_STEPS,
+    save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": inner,
                            "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
                            "period_ms": args.period_ms,
                            "capacity_tokens_per_second": capacity, "runs": runs, "spreads": spreads},

@@ -176,14 +176,14 @@ def rotate(run_dir: Path, limit: int, best: str | None = None) -> list[Path]:
 
 def replica_state(args, schedule, backend, feedback, outer) -> dict:
     """What only this replica knows: the schedule's decisions, the backend's (a time-budget run's sync count), its
-    error-feedback residuals and, when replicas may differ after a sync (several fragments, or α > 0), its own
-    trainable parameters."""
+    error-feedback residuals and, when replicas may differ after a sync (several fragments, α > 0, or eager
+    landings), its own trainable parameters."""
     state = schedule.state_dict()
     if backend is not None and backend.state_dict():
         state["backend"] = backend.state_dict()
     if feedback is not None:
         state["error_feedback"] = feedback.state_dict()
-    if outer is not None and (args.num_fragments > 1 or args.fragment_alpha > 0):
+    if outer is not None and (args.num_fragments > 1 or args.fragment_alpha > 0 or args.overlap_landing == "eager"):
         state["params"] = [p.detach().cpu().clone() for p in outer.params]
     return state
 

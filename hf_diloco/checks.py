@@ -31,6 +31,7 @@ from .errors import ConfigError
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 INNER_OPTIMIZERS = ("adamw", "muon")  # Trainer's own (`optim`), or Muon + AdamW (hf_diloco.inner)
 FINAL_SYNCS = ("auto", "staggered", "blocking")
+OVERLAP_LANDINGS = ("mix", "eager")
 DATA_SHARDINGS = ("iid", "non_iid")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 OUTER_BACKENDS = ("torch", "torchft")

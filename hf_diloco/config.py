@@ -29,6 +29,7 @@ from .checks import (
     INNER_OPTIMIZERS,
     OUTER_BACKENDS,
     OUTER_OPTIMIZERS,
+    OVERLAP_LANDINGS,
     TRAINERS,
 )
 from .codecs import CODECS
@@ -243,6 +244,20 @@ class DiLoCoConfig(TrainingArguments):
                           "kind of sync: blocking, overlapped or voted (0: take the global parameters; Streaming "
                           "DiLoCo's overlap runs use 0.5). A replica that sat the sync out takes the global ones, and "
                           "the syncs landing at the last step use 0, so the final model is the global one."},
+    )
+    overlap_landing: str = field(
+        default="mix",
+        metadata={"help": "How an overlapped sync (sync_delay > 0) lands on the replica. 'mix': theta_local <- "
+                          "alpha*theta_local + (1-alpha)*theta_global (fragment_alpha; the inner steps taken while "
+                          "the sync was in flight are dropped at alpha 0). 'eager': theta_local <- theta_global + "
+                          "(theta_local - theta_local at launch): those steps stay on top of the new global "
+                          "parameters, standing in for this replica's share of them until its next sync merges them "
+                          "(the local stand-in of eager updates, arXiv 2502.12996; theta_global stays identical on "
+                          "every replica). Each sync in flight then holds a copy of its fragments' parameters as "
+                          "they were at launch (fp32, beside theta_global). Needs sync_delay >= 1 or auto and "
+                          "fragment_alpha 0; a sync that does not overlap (the last, or one where a save or an "
+                          "evaluation falls under round_seconds) lands as 'mix'.",
+                  "choices": list(OVERLAP_LANDINGS)},
     )
 
     save_every_rounds: int = field(
@@ -524,6 +539,13 @@ class DiLoCoConfig(TrainingArguments):
                 f"fragment's sync lands before the next one starts."
             )
         checks.check(self, ["fragment_alpha"])
+        if self.overlap_landing not in OVERLAP_LANDINGS:
+            raise ConfigError(f"overlap_landing must be one of {', '.join(OVERLAP_LANDINGS)}, got "
+                              f"{self.overlap_landing!r}.")
+        if self.overlap_landing == "eager" and (delay < 1 or self.fragment_alpha != 0):
+            raise ConfigError("overlap_landing eager keeps the inner steps taken while a sync is in flight, so it "
+                              "needs sync_delay 1 or more (or auto) and fragment_alpha 0 (which mixes them instead); "
+                              f"got sync_delay {delay}, fragment_alpha {self.fragment_alpha}.")
         if self.final_sync not in FINAL_SYNCS:
             raise ConfigError(f"final_sync must be one of {', '.join(FINAL_SYNCS)}, got {self.final_sync!r}.")
         if self.final_sync == "staggered" and delay < 1:

@@ -53,6 +53,7 @@ from .outer import (
     is_finite,
     land,
     pseudo_gradients,
+    replica_copies,
     snapshot,
     sync_device,
 )
@@ -164,6 +165,7 @@ class Flight:
     exchange: Exchange | None = None
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
+    launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
 
 
 def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
@@ -200,11 +202,9 @@ def outer_settings(args: DiLoCoConfig) -> dict:
 
 class SyncEngine:
     """One replica's side of the outer rounds: θ_global and the outer optimizer (`outer`), the fragments, the codec
-    and its residuals, the sync in flight, and what the next sync's statistics carry.
-
-    `trainer` is the DiLoCoTrainer (its comm, its inner optimizer, its learning rate); `continue_at_step` is the
-    Trainer glue's one way to move the step (a replica that joins late continues at the others' step).
-    """
+    and its residuals, the sync in flight, and what the next sync's statistics carry. `trainer` is the
+    DiLoCoTrainer (its comm, inner optimizer, learning rate); `continue_at_step` is the Trainer glue's one way to
+    move the step (a replica that joins late continues at the others' step)."""
 
     def __init__(self, args: DiLoCoConfig, trainer, records: Records, continue_at_step: Callable[[int], None]):
         self.args = args
@@ -248,8 +248,8 @@ class SyncEngine:
 
     def begin(self, named: list[tuple[str, torch.nn.Parameter]], step: int, max_steps: int,
               outer_state: dict | None, replica_state: dict) -> None:
-        """θ_global from the replica's trainable parameters (or the checkpoint's outer state), the fragments, the
-        backend, and what a resumed replica kept (its residuals, its parameters, the schedule's decisions)."""
+        """θ_global from the replica's parameters (or the checkpoint's outer state), the fragments, the backend, and
+        what a resumed replica kept (its residuals, its parameters, the schedule's decisions)."""
         args = self.args
         self.max_steps = max_steps
         if args.error_feedback:
@@ -342,6 +342,7 @@ class SyncEngine:
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
             buckets = self.kinds.buckets(fragments)
             deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.kinds.codec))
+            flight.launched = replica_copies(self.outer, buckets) if self.args.overlap_landing == "eager" else None
             if checking:
                 local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, fragments))
             if self.executor is None:
@@ -385,7 +386,8 @@ class SyncEngine:
             return start.stop_requested
         # A blocking sync is averaged as it is applied; the run's last landing makes the final model global (α 0).
         with self.comm.rendezvous.naming_the_absent(flight.launched_at):
-            result = land(self.outer, flight.exchange, 0.0 if step >= max_steps else self.args.fragment_alpha)
+            alpha, launched = (0.0, None) if step >= max_steps else (self.args.fragment_alpha, flight.launched)
+            result = land(self.outer, flight.exchange, alpha, launched)
         done = time.perf_counter()
         if not overlapped:  # the next budget counts from here (an overlapped sync's, from its launch)
             self.progress.reset()

@@ -82,6 +82,7 @@ DILOCO_ROWS = (
     ("auto_sync_delay", "τ chosen per fragment from its measured exchanges", False),
     ("staggered_end", "last syncs staggered, so the end waits for no exchange", False),
     ("fragment_alpha", "mixing when a sync lands (α)", 0.0),
+    ("overlap_landing", "how an overlapped sync lands (eager: the steps taken in flight kept)", "mix"),
     ("contribution_checks", "contributions checked before each merge", "off"),
     ("contribution_loss_check", "contributions also scored by held-out loss", False),
 )

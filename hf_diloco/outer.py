@@ -333,14 +333,23 @@ class OuterState:
             self.global_params[i].grad = None
 
     @torch.no_grad()
-    def copy_to_replica(self, bucket: list[int], alpha: float = 0.0) -> None:
-        """θ_i ← α·θ_i + (1 − α)·θ_global for the bucket (α = 0: a plain copy, bit for bit)."""
-        for i in bucket:
+    def copy_to_replica(self, bucket: list[int], alpha: float = 0.0, since: list[torch.Tensor] | None = None) -> None:
+        """θ_i ← α·θ_i + (1 − α)·θ_global for the bucket (α = 0: a plain copy, bit for bit); with `since` (the
+        bucket's θ_i at an earlier step, `replica_copy`), θ_i ← θ_global + (θ_i − since): the replica's steps since
+        then kept on top of θ_global."""
+        for k, i in enumerate(bucket):
             param, global_param = self.params[i], self.global_params[i]
-            if alpha == 0:
+            if since is not None:
+                param.copy_(global_param + (param.to(global_param.device, torch.float32) - since[k]))
+            elif alpha == 0:
                 param.copy_(global_param)
             else:
                 param.copy_(alpha * param.to(global_param.device, torch.float32) + (1 - alpha) * global_param)
+
+    @torch.no_grad()
+    def replica_copy(self, bucket: list[int]) -> list[torch.Tensor]:
+        """θ_i of the bucket's parameters now: fp32 copies beside θ_global (on its device)."""
+        return [self.params[i].detach().to(self.global_params[i].device, torch.float32, copy=True) for i in bucket]
 
     def copy_global_to_replica(self) -> None:
         for bucket in self.buckets:
@@ -632,6 +641,11 @@ def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int],
     return [outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets]
 
 
+def replica_copies(outer: OuterState, buckets: list[int]) -> dict[int, list[torch.Tensor]]:
+    """θ_i of `buckets` now, by bucket (OuterState.replica_copy): what an eager landing keeps the steps since."""
+    return {index: outer.replica_copy(outer.buckets[index]) for index in buckets}
+
+
 def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int],
                      device: torch.device | None = None) -> Iterator[torch.Tensor]:
     """Δ_i of `buckets` on `device` (the communication device by default), each formed when the exchange reaches it
@@ -685,19 +699,22 @@ def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tens
         yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding, decoded)
 
 
-def land(outer: OuterState, landed: Exchange, alpha: float = 0.0) -> SyncResult:
+def land(outer: OuterState, landed: Exchange, alpha: float = 0.0,
+         launched: dict[int, list[torch.Tensor]] | None = None) -> SyncResult:
     """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
-    θ_i ← α·θ_i + (1 − α)·θ_global (a replica that sat the sync out, weight 0, takes θ_global as it is). Every sync
-    of every kind lands here: blocking, overlapped (τ steps after its launch) and voted (torchft). A sync that did
-    not commit leaves θ_global and θ_i as they are: the replica keeps its progress for the next sync."""
+    θ_i ← α·θ_i + (1 − α)·θ_global, or with `launched` (an eager landing: each bucket's θ_i at the sync's launch)
+    θ_i ← θ_global + (θ_i − θ_i at launch), the steps taken while it was in flight kept (a replica that sat the sync
+    out, weight 0, takes θ_global as it is). Every sync of every kind lands here: blocking, overlapped (τ steps
+    after its launch) and voted (torchft). A sync that did not commit leaves θ_global and θ_i as they are: the
+    replica keeps its progress for the next sync."""
     result = landed.result
     if not result.committed:
         return result
-    keep = alpha if landed.weight > 0 else 0.0
+    keep, launched = (alpha, launched or {}) if landed.weight > 0 else (0.0, {})
     for index, delta in landed.averaged:
         bucket = outer.buckets[index]
         if result.participants:
             outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, keep)                                   # θ_i ← α·θ_i + (1 − α)·θ_global
+        outer.copy_to_replica(bucket, keep, launched.get(index))              # θ_i ← α·θ_i + (1 − α)·θ_global
         del delta  # freed before the next bucket is averaged
     return result

@@ -295,6 +295,10 @@ def test_streaming_settings_at_their_neutral_values_give_plain_diloco_bit_for_bi
     (dict(inner_steps=10, final_sync="staggered"), "needs sync_delay 1 or more"),
     (dict(inner_steps=10, sync_delay=1, final_sync="staggered", outer_backend="torchft"), "needs outer_backend torch"),
     (dict(inner_steps=10, final_sync="later"), "final_sync must be one of auto, staggered, blocking"),
+    (dict(inner_steps=10, overlap_landing="eager"), "needs sync_delay 1 or more (or auto) and fragment_alpha 0"),
+    (dict(inner_steps=10, sync_delay=1, fragment_alpha=0.5, overlap_landing="eager"),
+     "got sync_delay 1, fragment_alpha 0.5"),
+    (dict(inner_steps=10, sync_delay=1, overlap_landing="late"), "overlap_landing must be one of mix, eager"),
 ])
 def test_streaming_settings_that_cannot_work_are_refused_in_one_sentence(settings, words, tmp_path):
     from hf_diloco import DiLoCoConfig

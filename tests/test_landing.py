@@ -8,6 +8,7 @@ the run recorded (the step each was launched at and landed at, the fragments it 
     launch at step s:  Δ_f = base_f − θ_f(s)                      (an overlapped sync snapshots it here)
     land at step t:    base_f ← base_f − λ·Δ_f                     (outer SGD, lr λ, no momentum; M = 1: Δ is Δ_1)
                        θ_f(t) ← α·θ_f(t) + (1 − α)·base_f      (α = 0 at the last step: the final model is global)
+                       θ_f(t) ← base_f + (θ_f(t) − θ_f(s))     (overlap_landing eager, before the last step)
 
 and the run's parameters after every inner step must match it to 1e-5 (fp32 rounding over a few dozen steps of
 values of order 1). The schedule is the run's (tests/test_schedule.py checks it); the landing arithmetic is what is
@@ -57,11 +58,12 @@ class Trajectory(TrainerCallback):
         self.steps[state.global_step] = {n: p.detach().double().clone() for n, p in self.model.named_parameters()}
 
 
-def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | None = None):
+def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | None = None, landing: str = "mix"):
     model = KnownGradients()
     start = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     args = DiLoCoConfig(
         output_dir=str(tmp_path), inner_steps=H, num_fragments=fragments, sync_delay=delay, fragment_alpha=alpha,
+        overlap_landing=landing,
         final_sync="blocking", outer_lr=LAMBDA, outer_momentum=0.0, outer_nesterov=False, optim="sgd",
         learning_rate=ETA, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
         max_steps=STEPS, per_device_train_batch_size=1, save_strategy="no", save_every_rounds=0, report_to="none",
@@ -71,7 +73,7 @@ def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | Non
     trajectory = Trajectory(model)
     trainer.add_callback(trajectory)
     with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer.land: count them
-        patch.setattr(engine, "land", lambda *a, **k: landings.append(a[2] if len(a) > 2 else k) or land(*a, **k))
+        patch.setattr(engine, "land", lambda *a: landings.append((a[2], a[3] is not None)) or land(*a))
         trainer.train()
     records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
     return start, trajectory.steps, records
@@ -84,7 +86,7 @@ def fragment_of(name: str, fragments: int) -> int:
     return 0 if name.startswith("head") else 1 + int(name.split(".")[1]) % (fragments - 1)
 
 
-def reference(start: dict, records: list[dict], fragments: int, alpha: float) -> dict[int, dict]:
+def reference(start: dict, records: list[dict], fragments: int, alpha: float, eager: bool = False) -> dict[int, dict]:
     theta = {n: v.clone() for n, v in start.items()}
     base = {n: v.clone() for n, v in start.items()}
     launches = {r.get("launch_step", r["step"]): r for r in records}
@@ -101,39 +103,48 @@ def reference(start: dict, records: list[dict], fragments: int, alpha: float) ->
             order.append(launches[step])
         for r in order:
             names = [n for n in theta if fragment_of(n, fragments) in r["fragments"]]
-            if id(r) not in in_flight:
-                in_flight[id(r)] = {n: base[n] - theta[n] for n in names}   # launch: Δ_f = base_f − θ_f
+            if id(r) not in in_flight:  # launch: Δ_f = base_f − θ_f, and θ_f as it is now
+                in_flight[id(r)] = {n: (base[n] - theta[n], theta[n].clone()) for n in names}
             if r["step"] != step:
                 continue
-            delta = in_flight.pop(id(r))
+            launched = in_flight.pop(id(r))
             kept = alpha if step < STEPS else 0.0  # the last step's landings make the final model global
             for n in names:                                                  # land
-                base[n] = base[n] - LAMBDA * delta[n]
-                theta[n] = kept * theta[n] + (1 - kept) * base[n]
+                delta, at_launch = launched[n]
+                base[n] = base[n] - LAMBDA * delta
+                if eager and step < STEPS:
+                    theta[n] = base[n] + (theta[n] - at_launch)
+                else:
+                    theta[n] = kept * theta[n] + (1 - kept) * base[n]
         expected[step] = {n: v.clone() for n, v in theta.items()}
     return expected
 
 
-CASES = [  # (fragments, τ, α): blocking and overlapped, one fragment and two
-    (1, 0, 0.5), (1, 2, 0.5), (2, 0, 0.5), (2, 1, 0.5), (1, 0, 0.0), (2, 1, 0.0),
+CASES = [  # (fragments, τ, α, landing): blocking and overlapped, one fragment and two, mixed and eager
+    (1, 0, 0.5, "mix"), (1, 2, 0.5, "mix"), (2, 0, 0.5, "mix"), (2, 1, 0.5, "mix"), (1, 0, 0.0, "mix"),
+    (2, 1, 0.0, "mix"), (1, 2, 0.0, "eager"), (2, 1, 0.0, "eager"),
 ]
 
 
-@pytest.mark.parametrize(("fragments", "delay", "alpha"), CASES, ids=[f"F{f}-tau{t}-alpha{a}" for f, t, a in CASES])
-def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragments, delay, alpha):
+@pytest.mark.parametrize(("fragments", "delay", "alpha", "landing"), CASES,
+                         ids=[f"F{f}-tau{t}-alpha{a}-{x}" for f, t, a, x in CASES])
+def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragments, delay, alpha, landing):
     landings = []
-    start, steps, records = run(tmp_path, fragments, delay, alpha, landings)
+    eager = landing == "eager"
+    start, steps, records = run(tmp_path, fragments, delay, alpha, landings, landing)
     assert len(records) >= 3 * fragments, f"expected a sync per fragment per round, got {len(records)}"
-    assert landings == [alpha if r["step"] < STEPS else 0.0 for r in records], \
+    overlapped = [r.get("launch_step", r["step"]) != r["step"] for r in records]
+    assert landings == [(alpha if r["step"] < STEPS else 0.0, eager and o and r["step"] < STEPS)
+                        for r, o in zip(records, overlapped, strict=True)], \
         "every sync, blocking or overlapped, lands through outer.land with α (0 at the last step)"
-    assert any(r.get("launch_step", r["step"]) != r["step"] for r in records) == (delay > 0)
-    expected = reference(start, records, fragments, alpha)
+    assert any(overlapped) == (delay > 0)
+    expected = reference(start, records, fragments, alpha, eager)
     worst = max((steps[s][n] - expected[s][n]).abs().max().item() for s in expected for n in expected[s])
     assert worst <= 1e-5, f"largest difference from the arithmetic {worst:.2e}"
-    if alpha > 0:  # α did something: the same syncs with α = 0 pass elsewhere (before the last step)
+    if alpha > 0 or eager:  # α or the eager landing did something: the same syncs mixed with α = 0 pass elsewhere
         without = reference(start, records, fragments, 0.0)
         moved = max((without[s][n] - expected[s][n]).abs().max().item() for s in range(1, STEPS) for n in expected[s])
-        assert moved > 1e-2, f"α = {alpha} and α = 0 give the same trajectory (difference {moved:.2e})"
+        assert moved > 1e-2, f"{landing} α = {alpha} and mix α = 0 give the same trajectory (difference {moved:.2e})"
     # The final model is the global one: the last step's blocking sync carries every fragment, and lands with α = 0.
     assert any(r["step"] == STEPS and len(r["fragments"]) == fragments for r in records)
     assert all(r["inner_lr"] == ETA and r["outer_lr"] == LAMBDA for r in records), "the learning rates of each sync"

@@ -41,7 +41,7 @@ ROUNDS = {
     "fp32": {},
     # Streaming: 2 fragments (one every 2 steps), each overlapped with 1 inner step, int4 with error feedback.
     "stream int4+EF": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,
-                       "inner_steps": 4},
+                       "overlap_landing": "eager", "inner_steps": 4},
 }
 
 

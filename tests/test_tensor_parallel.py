@@ -24,7 +24,8 @@ SCRIPT = str(REPO / "tests" / "scripts" / "replica_run.py")
 # Paper outer settings, H = 3 and 10 steps: rounds end at steps 3, 6, 9 and 10.
 SETTINGS = dict(inner_steps=3, max_steps=10, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
 # Streaming: 2 fragments (one every 2 steps), each overlapped with 1 inner step, int4 with error feedback.
-STREAMED = {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "inner_steps": 4}
+STREAMED = {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "inner_steps": 4,
+            "overlap_landing": "eager"}
 
 
 def rounds_of(tmp_path) -> list[dict]:

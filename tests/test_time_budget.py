@@ -58,7 +58,7 @@ def budget_runs(slow: str, group: int) -> dict[str, dict]:
     runs = {}
     if group == 1:  # the runs with the tightest bounds on time spent in syncs first, in processes fresh from start
         runs["overlap"] = {**budget, "num_fragments": 2, "compression": "int4", "error_feedback": True,
-                           "sync_delay": "auto"}
+                           "sync_delay": "auto", "overlap_landing": "eager"}
         runs["slow-link"] = {"inner_steps": 10, "round_seconds": SHORT_BUDGET, "max_steps": 100_000,
                              "sync_delay": "auto", "slow_sync_seconds": SLOW_LINK, "save_every_rounds": 0,
                              "stop_after_syncs": 7}

@@ -147,7 +147,8 @@ PAIR = {
                         "round": {"num_fragments": 2, "sync_delay": "auto"}},
     "slow-link-budget": {"max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03, "slow_sync_seconds": 0.6,
                          "round": {"sync_delay": "auto"}},
-    "budget-overlap": {"max_steps": 200, "round_seconds": 0.5, "step_sleep": 0.02, "round": {"sync_delay": 1},
+    "budget-overlap": {"max_steps": 200, "round_seconds": 0.5, "step_sleep": 0.02,
+                       "round": {"sync_delay": 1, "overlap_landing": "eager"},
                        "replica 1": {"step_sleep": 0.3}},
     "non-finite": {"max_steps": 16, "inner_steps": 4, "replica 1": {"nan_at_step": 6}},
     "bf16-weights-int4+ef": {"max_steps": 12, "inner_steps": 4, "weights": "bfloat16", "round": BF16_CODECS["int4+ef"]},
@@ -366,8 +367,8 @@ def test_under_time_budgets_an_overlapped_sync_lands_once_its_exchange_is_done_s
 
 @pytest.mark.process
 @pytest.mark.parametrize("round_settings", [
-    {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1},
-], ids=["streaming-int4+ef-overlap"])
+    {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1, "overlap_landing": "eager"},
+], ids=["streaming-int4+ef-overlap-eager"])
 def test_replicas_of_two_processes_on_torchft_match_the_torch_backend(tmp_path, round_settings):
     """2 replicas x 2 processes: on torchft each replica is an `accelerate launch` of two processes (DDP inside),
     whose Manager ranks 0 and 1 each sync their half of the pseudo-gradient with the same rank of the other replica;
