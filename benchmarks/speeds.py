@@ -411,8 +411,8 @@ def main() -> None:
                           f"{unequal['tokens']['median']:,.0f} tokens against {same['eval_loss']['median']:.4f} at "
                           f"{same['tokens']['median']:,.0f} at equal speed: "
                           f"{unequal['eval_loss']['median'] / same['eval_loss']['median'] - 1:+.2%} (medians).")
-            mixed, eager = (spreads[f"{backend}, time budget, sync_delay 1, {kind} landing"]
-                            for kind in ("mixed", "eager"))
+            mixed, eager = (spreads[f"{backend}, time budget, sync_delay 1, {landing} landing"]
+                            for landing in ("mixed", "eager"))
             table += (f"\n- {backend}, sync_delay 1: eager landing {eager['eval_loss']['median']:.4f} against mixed "
                       f"{mixed['eval_loss']['median']:.4f}: "
                       f"{eager['eval_loss']['median'] / mixed['eval_loss']['median'] - 1:+.2%} (medians).")
@@ -424,7 +424,7 @@ def main() -> None:
     metric, scale, label = ("eval_loss", 1, "eval loss") if args.quality else ("goodput", 100, "goodput (%)")
     figure, _ = spread_bars(labels, [{k: scale * v for k, v in spreads[n][metric].items() if k != "values"}
                                      for n in labels], (palette * 2)[:len(labels)], label,
-                            f"{first}: {label}", (7.5, 3.4))
+                            f"{first}: {label}", (max(7.5, 1.1 * len(labels)), 3.4))
     mode = "methods" if args.methods else "quality" if args.quality else "overlap" if args.overlap else None
     name = f"speeds-{mode}-{'-'.join(backends)}" if mode else "speeds"
     save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": inner,
