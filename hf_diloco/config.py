@@ -368,8 +368,11 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "torchft: seconds the replicas of a new quorum get to connect to one another before the "
                           "sync is given up (it rolls back; the others join the next sync without the missing one), "
                           "so a replica that dies after joining a quorum costs the others this long, not "
-                          "sync_timeout (which still bounds each exchange once the group has formed; the smaller "
-                          "of the two applies)."},
+                          "sync_timeout. Once the group has formed, each collective waits at most 4 times the "
+                          "longest exchange of the last 8 committed syncs, at least group_timeout and at most "
+                          "sync_timeout (sync_timeout until a sync has committed; doubled after each sync in a row "
+                          "that did not commit), so a replica cut off inside an exchange costs the others that long "
+                          "too: the sync rolls back and the next forms without it."},
     )
     round_seconds: float = field(
         default=0.0,

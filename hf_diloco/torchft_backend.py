@@ -141,18 +141,57 @@ class HealRefused(RuntimeError):
     """A peer sent a healing replica something other than tensors and plain values."""
 
 
+class ExchangeTimeout:
+    """How long each collective of a torchft sync waits for the others once its group has formed: 4 times the
+    longest time in flight of the last 8 syncs that committed (from the first collective to the vote), at least
+    `floor` (group_timeout) and at most `cap` (sync_timeout), which also holds until a sync has committed. Each
+    sync in a row that does not commit doubles it, so an exchange that a slower link made longer is given
+    up at most a few times. A peer cut off inside an exchange (its link down, its process stopped) then costs the
+    others a few exchanges' time, not sync_timeout: the sync rolls back and the next quorum forms without it.
+
+    >>> clock = ExchangeTimeout(floor=3.0, cap=60.0)
+    >>> clock.seconds()
+    60.0
+    >>> clock.landed(True, 0.5); clock.seconds()   # 4 x 0.5 s is below the floor
+    3.0
+    >>> clock.landed(True, 2.0); clock.seconds()
+    8.0
+    >>> clock.landed(False, 8.0); clock.landed(False, 16.0); clock.seconds()
+    32.0
+    """
+
+    FACTOR, RECENT = 4.0, 8
+
+    def __init__(self, floor: float, cap: float):
+        self.floor, self.cap = min(floor, cap), cap
+        self.recent: list[float] = []
+        self.failed = 0
+
+    def seconds(self) -> float:
+        if not self.recent:
+            return self.cap
+        return min(self.cap, max(self.floor, self.FACTOR * max(self.recent) * 2 ** self.failed))
+
+    def landed(self, committed: bool, seconds: float) -> None:
+        if committed:
+            self.recent = [*self.recent, seconds][-self.RECENT:]
+            self.failed = 0
+        else:
+            self.failed += 1
+
+
 class TorchftComm(ReplicaComm):
     """The sync's collectives on torchft's process group, over the replicas of the sync's quorum.
 
     Rank and size are the quorum's (`configure`, once per sync, after the quorum formed). A collective that
-    fails (a peer died, the link dropped, sync_timeout) is reported to the Manager, every later collective of the
-    sync is skipped and its output zeroed, and the sync's vote (`should_commit`) then fails on every
-    participant, so no replica applies a sync that did not fully arrive.
+    fails (a peer died, the link dropped, the sync's `ExchangeTimeout`) is reported to the Manager, every later
+    collective of the sync is skipped and its output zeroed, and the sync's vote (`should_commit`) then fails on
+    every participant, so no replica applies a sync that did not fully arrive.
     """
 
     votes = True
 
-    def __init__(self, manager, pg, replica: ReplicaComm):
+    def __init__(self, manager, pg, replica: ReplicaComm, timeout: ExchangeTimeout | None = None):
         # `replica` is this launch's processes, which form one replica of g = replica_group_size processes: DDP
         # inside it, member j sums the j-th 1/g slice with member j of the other replicas (torchft's process group
         # for group rank j), then the slices are all-gathered inside the replica, as on the torch backend. There is
@@ -163,6 +202,15 @@ class TorchftComm(ReplicaComm):
                             gather_group=own.gather_group)
         super().__init__(topology=topology, rendezvous=Unwatched(topology))
         self.manager, self.pg = manager, pg
+        self.timeout = timeout or ExchangeTimeout(own.timeout_seconds or 1800.0, own.timeout_seconds or 1800.0)
+        self.exchange_began = time.perf_counter()
+
+    def arm(self) -> None:
+        """The sync's quorum has formed and its collectives begin: from here each waits at most the timeout's
+        seconds for the others."""
+        self.exchange_began = time.perf_counter()
+        if hasattr(self.pg, "collective_timeout"):
+            self.pg.collective_timeout(self.timeout.seconds())
 
     def configure(self, participants: int, rank: int | None) -> None:
         """The sync's quorum: its participants, and this replica's rank among them."""
@@ -177,7 +225,9 @@ class TorchftComm(ReplicaComm):
     def vote(self) -> bool:
         if self.refusal is not None and self.manager.errored() is None:
             self.manager.report_error(HealRefused(self.refusal))
-        return bool(self.manager.should_commit())
+        committed = bool(self.manager.should_commit())
+        self.timeout.landed(committed, time.perf_counter() - self.exchange_began)
+        return committed
 
     def _run(self, collective, *outputs: torch.Tensor) -> None:
         if self.manager.errored() is None:
@@ -296,7 +346,8 @@ def start_identical(manager, outer, digests: torch.Tensor) -> int:
 def replica_group(sync_timeout: float, group_timeout: float):
     """The process group across replicas: torchft's gloo group, formed again at every new quorum, whose members get
     `group_timeout` seconds to connect (a member that died after joining the quorum never does: the sync is given
-    up then, not after `sync_timeout`) and `sync_timeout` for each collective once it has formed."""
+    up then, not after `sync_timeout`) and `sync_timeout` for each collective once it has formed, or what
+    `collective_timeout` sets for the sync's collectives (ExchangeTimeout)."""
     from torchft.process_group import ProcessGroupGloo
 
     class FormingGroup(ProcessGroupGloo):
@@ -307,6 +358,10 @@ def replica_group(sync_timeout: float, group_timeout: float):
             finally:
                 self._timeout = collectives
             self._pg._get_backend(torch.device("cpu"))._set_default_timeout(collectives)
+
+        def collective_timeout(self, seconds: float) -> None:
+            if getattr(self, "_pg", None) is not None:
+                self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timedelta(seconds=seconds))
 
     return FormingGroup(timeout=timedelta(seconds=sync_timeout))
 
@@ -377,7 +432,7 @@ class TorchftQuorum:
         # Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
         self.manager = make_manager(args, replica, pg, host, store_address, lighthouse, self._load_healed,
                                     self._state_for_peer, init_sync=not self.check_identical)
-        self.comm = TorchftComm(self.manager, pg, replica)
+        self.comm = TorchftComm(self.manager, pg, replica, ExchangeTimeout(args.group_timeout, args.sync_timeout))
 
     # --- what a peer sends a healing replica, and how it is taken ---
 
@@ -511,6 +566,7 @@ class TorchftQuorum:
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
             table[rank] = torch.tensor(mine, dtype=torch.float64)
+        self.comm.arm()
         self.manager.allreduce(table, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         self.comm.configure(participants, rank)
         if joining:

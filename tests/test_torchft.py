@@ -441,6 +441,39 @@ def test_a_killed_replica_is_left_out_then_heals_and_rejoins(tmp_path):
 
 
 @pytest.mark.process
+def test_a_replica_cut_off_inside_an_exchange_costs_the_other_seconds_not_sync_timeout(tmp_path):
+    """Two replicas, min_replicas 1, sync_timeout 60 s, group_timeout 2 s. Replica 1 stops (SIGSTOP: its process
+    and link silent, its connections open, as when its link goes down) inside its 6th bucket all-reduce, for 8 s.
+    Replica 0 waits in that collective ExchangeTimeout's seconds (here the 2 s floor: its exchanges take a small
+    fraction of that), the sync rolls back, and it syncs on alone while replica 1 is stopped; replica 1, let go,
+    fails that sync, heals from replica 0 and takes part again, and both end with the same parameters. (Without the
+    timeout replica 0 waited in the collective until replica 1 came back, and that sync committed.)"""
+    stall = 8.0
+    with lighthouse(min_replicas=1, grace=1.0, heartbeat=2.0) as address:
+        def settings(r, **extra):
+            return {"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address, "min_replicas": 1,
+                    "max_steps": 160, "inner_steps": 4, "step_sleep": 0.1, "sync_timeout": 60,
+                    "round": {"group_timeout": 2.0}, **extra}
+
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica(settings(0), logs[0]), start_replica(settings(1, stall_in_all_reduce=[6, stall]),
+                                                                        logs[1])]
+        finish(replicas, logs)
+    rounds = read_syncs(tmp_path / "replica-0")
+    given_up = [r for r in rounds if not r["committed"]]
+    assert given_up, "the sync replica 1 was stopped in did not commit"
+    cut = given_up[0]
+    assert cut["sync_seconds"] < 2.0 + 2.0 < stall, cut  # the 2 s floor, not until replica 1 came back
+    alone = [r for r in rounds if r["committed"] and r["participants"] == 1 and r["step"] > cut["step"]]
+    assert len(alone) >= 2, [(r["step"], r["participants"], r["committed"]) for r in rounds]
+    back = [r for r in rounds if r["participants"] == 2 and r["step"] > alone[-1]["step"]]
+    assert back, "replica 1 took part again after it was let go"
+    assert any(m.get("healed") for r in back for m in r["replicas"] if m["replica"] == 1)
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    assert max_difference(final[0], final[1]) == 0.0
+
+
+@pytest.mark.process
 def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on(tmp_path):
     """Replica 0 runs alone, then replica 1 joins and must heal from it. The first three states replica 0 sends
     are spoiled (its first parameter a scalar, which copy_ would broadcast; NaN; a global_step past the run's end):

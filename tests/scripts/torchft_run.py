@@ -18,11 +18,13 @@ this replica inside its n-th cross-replica all-gather (torchft), i.e. in the mid
 collectives went through. "die_in_group_forming": n SIGKILLs it when its n-th quorum has been made and its process
 group is to form, before it connects: its peers in that quorum wait for it in vain. "seed_by_replica": true builds
 each replica's model from its own seed. "slow_sync_seconds": every cross-replica all-reduce of the round's buckets
-first sleeps this long (a slow link). "bad_heals": ["shape" | "nan" | "step", ...]: the n-th state this replica
-sends a healing peer is spoiled the n-th way (its first parameter a scalar, its first parameter NaN, its global_step
-past the run's end); later ones are sound. "weights": "bfloat16" trains the model's weights in bfloat16 with bf16
-autocast (no use_cpu given: a GPU's settings on a machine without one); the replica then also writes the dtypes of
-its outer state to `outer<r>.json`.
+first sleeps this long (a slow link). "stall_in_all_reduce": [n, seconds] stops this process (SIGSTOP) inside its
+n-th cross-replica all-reduce of a sync's buckets, before it sends, for that long (a helper process lets it go): its
+peers wait for it inside that collective, as when its link goes down mid-exchange. "bad_heals": ["shape" | "nan" |
+"step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th way (its first parameter a
+scalar, its first parameter NaN, its global_step past the run's end); later ones are sound. "weights": "bfloat16"
+trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on a machine without
+one); the replica then also writes the dtypes of its outer state to `outer<r>.json`.
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -129,6 +131,25 @@ def faults(settings: dict):
             return fast_all_reduce(self, buffer)
 
         patch(TorchftComm, "_all_reduce", slow_all_reduce)
+    if settings.get("stall_in_all_reduce"):
+        import signal
+        import subprocess
+
+        from hf_diloco.torchft_backend import TorchftComm
+
+        stall_at, stall_seconds = settings["stall_in_all_reduce"]
+        reduces = {"all_reduce": 0}
+        running_all_reduce = TorchftComm._all_reduce
+
+        def stalling_all_reduce(self, buffer):
+            reduces["all_reduce"] += 1
+            if reduces["all_reduce"] == stall_at:
+                wake = f"import os, signal, time; time.sleep({stall_seconds}); os.kill({os.getpid()}, signal.SIGCONT)"
+                subprocess.Popen([sys.executable, "-c", wake])
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return running_all_reduce(self, buffer)
+
+        patch(TorchftComm, "_all_reduce", stalling_all_reduce)
     if settings.get("bad_heals"):
         from hf_diloco.torchft_backend import TorchftQuorum
 
