@@ -60,8 +60,8 @@ def committed(folder: Path) -> list[dict]:
 def training_pid(folder: Path, replica: int) -> int | None:
     for process in psutil.process_iter(["cmdline"]):
         argv = process.info["cmdline"] or []
-        if "train" in argv and "accelerate.commands.launch" not in argv and \
-                str(folder / f"replica-{replica}") in argv:
+        launcher = {"accelerate.commands.launch", "hf_diloco.accelerate_launch"} & set(argv)
+        if "train" in argv and not launcher and str(folder / f"replica-{replica}") in argv:
             return process.pid
     return None
 

@@ -199,8 +199,17 @@ class Launch:
                                                       INPUT_ERROR_FILE: self._report},
                                         stderr=subprocess.PIPE, start_new_session=new_session)
         self.pid = self.process.pid
+        self.new_session = new_session
         self._copier = threading.Thread(target=self._pass_stderr_on, daemon=True)
         self._copier.start()
+
+    def end_leftovers(self) -> None:
+        """Once the launch has ended, SIGKILL whatever is left in its session (started with `new_session`): a
+        training process whose launcher was killed outright trains on, and a restart beside it would make two of
+        one replica."""
+        if self.new_session:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def _reported(self) -> str | None:
         """The first whole sentence a worker handed over, once there is one."""
@@ -290,6 +299,7 @@ def run_with_restarts(command: list[str], max_restarts: int, resume: bool = True
                 return 0
             if code == 0 or stopping or attempt == max_restarts:
                 return code
+            child[-1].end_leftovers()
             print(f"[diloco] the run failed (exit status {code}); restart {attempt + 1} of {max_restarts}, resuming "
                   f"from the newest complete checkpoint", flush=True)
             if resume and command[-2:] != ["--resume_from_checkpoint", "auto"]:

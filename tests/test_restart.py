@@ -3,6 +3,7 @@ auto`, and torchelastic's automatic restart (`--max_restarts`), with real 2-proc
 the tiny Llama (gloo).
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, wait_for
@@ -233,3 +235,29 @@ def test_the_same_signal_again_after_5_seconds_stops_at_once(tmp_path):
     stdout, _ = run.communicate(timeout=60)
     assert run.returncode == -signal.SIGTERM and not (out / "stopped.json").exists()
     assert stdout.count("SIGTERM: stopping at the end of this round") == 1
+
+
+@pytest.mark.process
+def test_a_launcher_killed_outright_leaves_no_training_process_beside_the_restarted_one(tmp_path):
+    """The launch's own process dies (SIGKILL, say the OOM killer) while its training process trains on: before
+    starting the launch again, `run_with_restarts` ends what is left of the failed launch's session, so the restart
+    does not make a second copy of the same replica."""
+    from hf_diloco.launch import run_with_restarts
+
+    marker, orphan = tmp_path / "restarted", tmp_path / "orphan.pid"
+    trainer = "import time; time.sleep(120)"
+    launcher = (f"import os, pathlib, subprocess, sys\n"
+                f"marker = pathlib.Path({str(marker)!r})\n"
+                f"if marker.exists():\n    sys.exit(0)\n"
+                f"marker.touch()\n"
+                f"child = subprocess.Popen([sys.executable, '-c', {trainer!r}])\n"
+                f"pathlib.Path({str(orphan)!r}).write_text(str(child.pid))\n"
+                f"os.kill(os.getpid(), 9)\n")
+    assert run_with_restarts([sys.executable, "-c", launcher], max_restarts=1, resume=False) == 0
+    pid = int(orphan.read_text())
+    try:
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
+                 "the first launch's training process to be ended")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
