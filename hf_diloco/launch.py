@@ -453,20 +453,21 @@ class ReplicaSupervisor:
             for r in running:
                 processes[r].kill()
                 processes[r].wait()
+                processes[r].end_leftovers()
                 codes[r] = 0
                 self._note(r, state="ended", exit_code=0)
                 print(f"[diloco] replica {r} was started again too late to rejoin: the run had finished; ended it",
                       flush=True)
 
     def run(self) -> int:
-        def note_stop(signum, _frame) -> None:  # the replicas got it too when it came from the terminal
+        def note_stop(signum, _frame) -> None:  # passed on: each replica runs in a session of its own
             self.stopping = True
             for process in processes:
                 if process.poll() is None:
                     process.send_signal(signum)
 
         previous = {s: signal.signal(s, note_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        processes = [Launch(command) for command in self.commands]
+        processes = [Launch(command, new_session=True) for command in self.commands]
         codes: list[int | None] = [None] * len(processes)
         self._note(0)
         try:
@@ -489,7 +490,8 @@ class ReplicaSupervisor:
                         self.restarts[r] += 1
                         print(f"[diloco] replica {r} exited with status {code}; starting it again (restart "
                               f"{self.restarts[r]} of {self.max_restarts}); it heals from a live replica", flush=True)
-                        processes[r] = Launch(self.commands[r])
+                        processes[r].end_leftovers()  # a launcher killed outright leaves its trainer running
+                        processes[r] = Launch(self.commands[r], new_session=True)
                         self._note(r, state="rejoining", restarts=self.restarts[r], exit_code=code,
                                    records_at_restart=len(read_syncs(replica_folder(self.output_dir, r))),
                                    outages=[*self.states[r]["outages"], self._outage(r, restarted=True)])
