@@ -11,6 +11,10 @@ the sync (its `comm`):
               one small all-reduce first agrees on the weights (each replica's tokens, relative to the most), the
               fragments (in turn, every one once a replica reached max_steps) and the step every replica continues
               at (the furthest one's), so that saves, evaluations and the end fall at the same step everywhere.
+              With sync_delay > 0 that agreement runs in the overlapped sync's background thread, before its
+              exchange, so a replica that spent its budget trains on while the others arrive; where it finds a save,
+              an evaluation or the end, the sync is called off before anything is exchanged and every replica
+              agrees again, blocking, where it would have landed (the steps it took stay in its Δ_i).
     torchft   `hf_diloco.torchft_backend.TorchftQuorum`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
@@ -69,6 +73,8 @@ class SyncStart:
     error: str | None = None  # why the quorum failed, when it did
     startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
     excluded: dict[int, str] = field(default_factory=dict)  # replicas a contribution check found out, and why
+    called_off: bool = False  # the fixed group's agreement found a save, an evaluation or the end: this overlapped
+    # sync exchanges nothing, and every replica launches a blocking one where it would have landed
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Agreement:
     delay: int = 0  # the most steps any replica takes while the sync is in flight (its τ; 0: blocking everywhere)
     window: tuple[int, int, int] | None = None  # (previous agreed step, this one, sync number) where a save or an
     # evaluation falls: this sync is blocking everywhere, so every replica lands it at the same step
+    called_off: bool = False  # an overlapped sync's agreement found a window or the end: nothing is exchanged
 
 
 class FixedGroup:
@@ -110,6 +117,8 @@ class FixedGroup:
         self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
+        self.pending: tuple[int, float, bool, int] | None = None  # an overlapped launch's numbers, agreed in `start`
+        self.called_off: Agreement | None = None  # the agreement that called the last sync off, until agreed again
 
     @property
     def replica(self) -> int:
@@ -124,30 +133,50 @@ class FixedGroup:
     def due(self, step: int, max_steps: int, progress=None) -> bool:
         if not self.schedule.budget:  # rounds of H steps (no round_seconds: schedule.budget is falsy)
             return bool(self.schedule.due_fragments(step, max_steps))
+        if self.over:  # the last sync landed (a called-off sync's blocking one may have been the last)
+            return False
         # The members of a replica agree: they enter the sync at the same step.
         return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.budget.due()))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:
             return self.schedule.due_fragments(step, max_steps)
-        local = local or {}
+        self.max_steps = max_steps
         # τ: the steps this replica takes while the sync is in flight (its own choice, from its own speed)
         delay = self.schedule.launch_delay(step, self.schedule.fragments_of_sync(self.syncs + 1, None, False)) \
             if self.overlap and step < max_steps else 0
-        table, sent = self.comm.control.replica_table(local.get("tokens", 0),
-                                              [float(step), float(step >= max_steps), float(delay)])
-        self.max_steps = max_steps
-        tokens, last, now = table[:, 0], bool(table[:, 2].any()), int(table[:, 1].max())
-        most = float(tokens.max())
-        fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
+        mine = (step, (local or {}).get("tokens", 0), step >= max_steps, delay)
+        if self.overlap and step < max_steps and self.called_off is None:
+            # Agreed in the background thread (`start`), so this replica trains on while the others arrive; the
+            # fragments go in turn (a sync that turns out to be the last is called off there).
+            self.pending = mine
+            return self.schedule.fragments_of_sync(self.syncs + 1, None, False)
+        agreed = self._agree(*mine)
+        if agreed.called_off:  # the others call this sync off in their background threads: agree again, here
+            agreed = self._agree(*mine)
+        return agreed.fragments
+
+    def _agree(self, step: int, tokens: float, at_end: bool, delay: int) -> Agreement:
+        """The agreement's all-reduce: every replica's tokens, step, whether it reached max_steps, and τ. With
+        sync_delay > 0 an agreement that finds a window or the end calls its sync off (and is kept: the next
+        agreement honours it), unless it follows one that did."""
+        table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(delay)])
+        before, self.called_off = self.called_off, None
+        last = bool(table[:, 2].any()) or (before is not None and before.last)
+        now, most = int(table[:, 1].max()), float(table[:, 0].max())
         window = (self.previous_step, now, self.syncs + 1)
-        wanted = last or (self.boundary_wanted is not None and self.boundary_wanted(*window))
-        self.agreed = Agreement(step=now, launched_at=step, last=last,
-                                weight=float(tokens[self.replica]) / most if most > 0 else 1.0, fragments=fragments,
-                                bytes_sent=sent, delay=0 if wanted else int(table[:, 3].max()),
-                                window=window if wanted else None)
-        self.previous_step = now
-        return fragments
+        wanted = last or before is not None or (self.boundary_wanted is not None and self.boundary_wanted(*window))
+        agreed = Agreement(step=now, launched_at=step, last=last,
+                           weight=float(table[self.replica, 0]) / most if most > 0 else 1.0,
+                           fragments=self.schedule.fragments_of_sync(self.syncs + 1, None, last),
+                           bytes_sent=sent + (before.bytes_sent if before is not None else 0),
+                           delay=0 if wanted else int(table[:, 3].max()), window=window if wanted else None,
+                           called_off=wanted and self.overlap and before is None)
+        if agreed.called_off:
+            self.called_off = agreed
+        else:
+            self.agreed, self.previous_step = agreed, now
+        return agreed
 
     def may_overlap(self) -> bool:
         """Whether the sync being launched may run in the background: not where a save or an evaluation falls, nor
@@ -157,6 +186,10 @@ class FixedGroup:
     def start(self, step: int, max_steps: int, local: dict, expected: list[int], joining: bool = False,
               overlapped: bool = False) -> SyncStart:
         if not joining:
+            if self.pending is not None:  # an overlapped launch: its agreement, in the background thread
+                pending, self.pending = self.pending, None
+                if self._agree(*pending).called_off:
+                    return SyncStart(called_off=True)
             if self.agreed is None:
                 return SyncStart(fragments=expected)
             return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)

@@ -93,6 +93,16 @@ class Progress:
         that launched early does not keep a head start on the others' budgets at every later sync."""
         self.origin = max(self.origin, moment)
 
+    def absorb(self, earlier: Progress) -> None:
+        """Count `earlier`'s steps (those before a launch that was called off) as this progress's own."""
+        self.loss = self.loss + earlier.loss.to(self.loss.device)
+        self.lr_sum += earlier.lr_sum
+        self.steps += earlier.steps
+        self.tokens += earlier.tokens
+        self.examples += earlier.examples
+        self.compute_seconds += earlier.compute_seconds
+        self.started, self.origin = earlier.started, earlier.origin
+
     def reset(self) -> None:
         self.loss = torch.zeros(())
         self.lr_sum = 0.0  # Σ η over the steps (the contribution checks' `size` rule)
@@ -166,6 +176,7 @@ class Flight:
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
     launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
+    progress: Progress | None = None  # an overlapped sync: the replica's progress it was launched with
 
 
 def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
@@ -277,8 +288,7 @@ class SyncEngine:
         self._place_end(step, max_steps, warn=True)
 
     def join(self, step: int) -> SyncStart:
-        """The joining sync, before the first inner step: identical parameters everywhere (torchft: the quorum,
-        where a late or restarted replica heals from a live peer)."""
+        """The joining sync, before the first inner step: identical parameters everywhere (torchft: a heal)."""
         flight = self.launch(step, self.max_steps, joining=True)
         # A late replica's heal may have moved Trainer's step (continue_at_step): the sync lands at the new one.
         self.land(flight, self.trainer.state.global_step, self.max_steps)
@@ -298,8 +308,7 @@ class SyncEngine:
             return None
         landing = lands_now(self.in_flight, step, max_steps, self.args, self.backend)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
-        # A time-budget sync that landed may have moved this replica's step (to the agreed one plus the largest τ,
-        # at most max_steps): what follows is decided at the step it continues at.
+        # A time-budget sync that landed may have moved the step: what follows is decided where it continues.
         step = self.trainer.state.global_step if landing else step
         due = self.backend.due(step, max_steps, self.progress)
         if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight lands now
@@ -308,8 +317,7 @@ class SyncEngine:
             due = self.backend.due(step, max_steps, self.progress)
         if not landing and not due:
             return None
-        # A stop learned from the sync that landed ends training here: no new sync is launched to be left in
-        # flight (in a staggered end one lands as the next is launched).
+        # A stop learned from a sync that landed ends training here: no new sync is launched to be left in flight.
         if due and not (stop and step < max_steps):
             flight = self.launch(step, max_steps)
             if flight.future is None:
@@ -320,9 +328,8 @@ class SyncEngine:
         return stop
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
-        """Start the sync due at `step`: blocking (the backend's start, then the exchange, which for a sync
-        without a vote runs as `land` applies it), or with sync_delay > 0 in the background (the backend's start
-        included: torchft's quorum waits for the slowest replica while this one trains on)."""
+        """Start the sync due at `step`: blocking (the backend's start, then the exchange, which without a vote runs
+        as `land` applies it), or with sync_delay > 0 in the background, the backend's start (its wait) included."""
         began = time.perf_counter()
         # this replica's numbers, read here, before the inner loop moves on
         local = self.progress.numbers(self.stop_requested, is_finite(self.outer.params))
@@ -352,7 +359,7 @@ class SyncEngine:
             flight.lands_at = step + self.schedule.launch_delay(step, fragments)
             flight.launch_seconds = time.perf_counter() - began
             self.in_flight = flight
-            self.progress.reset()
+            flight.progress, self.progress = self.progress, Progress()
             return flight
         if checking:
             buckets = self.kinds.buckets(fragments)
@@ -366,16 +373,17 @@ class SyncEngine:
         return flight
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
-        """Finish `flight` at `step`, whatever its kind: wait for its exchange if it ran in the background (the time
-        the inner loop waits is blocked time), apply it through `outer.land` if it committed (α, the weight it was
-        sent with and the vote are the same call for a blocking, an overlapped and a voted sync), and hand its
-        record on. Returns whether a participant asked to stop."""
+        """Finish `flight` at `step`, whatever its kind: wait for a background exchange (blocked time), apply it
+        through `outer.land` if it committed (α, the weight it was sent with and the vote are the same call for every
+        kind of sync), and hand its record on. Returns whether a participant asked to stop."""
         overlapped = flight.future is not None
         waited = time.perf_counter()
         if overlapped:
             self.in_flight = None
             with self.comm.rendezvous.naming_the_absent(flight.launched_at):
                 flight.start, flight.exchange, flight.exchange_began, flight.exchanged = flight.future.result()
+            if flight.start.called_off:
+                return self._again(flight, step, max_steps)
             if self.args.round_seconds > 0:  # the next budget counts from when the participants were known
                 self.progress.align(flight.exchange_began)
         start = flight.start
@@ -389,26 +397,32 @@ class SyncEngine:
             alpha, launched = (0.0, None) if step >= max_steps else (self.args.fragment_alpha, flight.launched)
             result = land(self.outer, flight.exchange, alpha, launched)
         done = time.perf_counter()
-        if not overlapped:  # the next budget counts from here (an overlapped sync's, from its launch)
-            self.progress.reset()
-        if overlapped:
-            # What τ auto must cover is the whole time in flight: the backend's start (torchft: the quorum; time
-            # budgets: the agreement), then the exchange.
+        if overlapped:  # τ auto must cover the whole time in flight: the backend's start, then the exchange
             blocked, in_flight = flight.launch_seconds + done - waited, flight.exchanged - flight.began
             exchange_seconds = flight.exchanged - flight.exchange_began
-        else:
+        else:  # the next budget counts from here (an overlapped sync's, from its launch)
+            self.progress.reset()
             blocked, in_flight = done - flight.began, done - flight.exchange_began
             exchange_seconds = in_flight
         self.schedule.exchange_measured(start.fragments, in_flight)
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
 
+    def _again(self, flight: Flight, step: int, max_steps: int) -> bool:
+        """An overlapped sync called off before its exchange (hf_diloco.backends.FixedGroup): its steps and those
+        since go into the blocking sync every replica launches where it would have landed."""
+        self.progress.absorb(flight.progress)
+        for fragment in self.fragments:
+            fragment.call_off()
+        return self.land(self.launch(step, max_steps), step, max_steps)
+
     # --- after a sync landed ---
 
     def _complete(self, step: int, max_steps: int, flight: Flight, start: SyncStart, result: SyncResult,
                   sync_seconds: float, blocked: float) -> bool:
         # This replica's own parameters were not finite (it sat the sync out with weight 0): it takes θ_global.
-        if not start.finite or (result.committed and start.weight > 0 and not self._healthy(result)):
+        healthy = result.weights is None or result.weights[self.comm.replica_index] > 0
+        if not start.finite or (result.committed and start.weight > 0 and not healthy):
             self.health.restart(self.outer, self.trainer.optimizer, self.backend.replica, step)
         if result.committed:
             self.health.committed(result, step)
@@ -470,9 +484,6 @@ class SyncEngine:
         syncs the run makes."""
         busy_until = max(step, self.in_flight.lands_at if self.in_flight is not None else step)
         self.records.expect_syncs(self.tuner.place_end(max_steps, busy_until, warn=warn))
-
-    def _healthy(self, result: SyncResult) -> bool:
-        return result.weights is None or result.weights[self.comm.replica_index] > 0
 
     # --- the end of training ---
 

@@ -58,6 +58,11 @@ class Fragment:
                           self.covered[2] + progress.examples)
         self.in_flight = step if carried else None
 
+    def call_off(self) -> None:
+        """The sync launched last was called off before it exchanged anything (hf_diloco.backends.FixedGroup): what
+        its Δ_i covered goes into the next launch's, as if it had never been launched."""
+        self.in_flight = None
+
     def land(self, step: int, synced: bool, alpha: float, fresh: bool = False) -> None:
         """The sync launched last was decided at `step`: if it carried this fragment and committed, the base moved
         and α of the replica's own progress stays in its parameters; else its Δ_i covers those steps too. `fresh`:
