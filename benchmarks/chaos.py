@@ -21,7 +21,12 @@ The rounds use int4 with error feedback, so that a round fits a 1 Mbit/s link (0
 rounds of H steps (results/chaos-time-budget.*): during the slow phase the budget stretches to the slow link's
 exchange instead of every round waiting for it.
 
-    python benchmarks/chaos.py [--quick] [--seed N] [--round-seconds T]
+`--landing eager` lands those overlapped syncs with `overlap_landing: eager` (the steps a replica takes while its
+sync is in flight are kept on top of the new θ_global) instead of the mix landing at α 0, which drops them: during
+the slow phase τ covers a slow exchange, tens of steps, so the mix landing throws most of that phase's compute away
+(results/chaos-time-budget-eager.*).
+
+    python benchmarks/chaos.py [--quick] [--seed N] [--round-seconds T [--landing mix|eager]]
 """
 
 from __future__ import annotations
@@ -173,9 +178,13 @@ def main() -> None:
     parser.add_argument("--round-seconds", type=float, default=0.0,
                         help="time-budget rounds of this many seconds, overlapped with sync_delay auto (0: rounds "
                              "of H steps)")
+    parser.add_argument("--landing", choices=["mix", "eager"], default="mix",
+                        help="overlap_landing of the time-budget rounds' overlapped syncs (with --round-seconds)")
     args = parser.parse_args()
     if args.round_seconds < 0:
         sys.exit(f"chaos: --round-seconds must be 0 or more, not {args.round_seconds:g}.")
+    if args.landing != "mix" and not args.round_seconds:
+        sys.exit("chaos: --landing applies to overlapped time-budget rounds: give --round-seconds too.")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -193,7 +202,8 @@ def main() -> None:
                  "--sync_grace_seconds", "5", "--sync_timeout", "20", "--save_strategy", "no",
                  "--save_every_rounds", "5", "--end_linger_seconds", "60"]
     if args.round_seconds:
-        overrides += ["--round_seconds", str(args.round_seconds), "--sync_delay", "auto"]
+        overrides += ["--round_seconds", str(args.round_seconds), "--sync_delay", "auto",
+                      "--overlap_landing", args.landing]
     try:
         with tempfile.TemporaryDirectory() as tmp_name, star(REPLICAS) as network:
             tmp = Path(tmp_name)
@@ -218,8 +228,8 @@ def main() -> None:
     table = markdown_table(["run", "goodput", "replica 0 blocked", "tokens merged", "wall s", "committed rounds",
                             "eval loss", "vs no fault", "rounds committed during the 30 s cut", "replicas identical",
                             "round checkpoints complete", "exit codes"], rows)
-    rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with sync_delay auto" \
-        if args.round_seconds else f"H = {inner}"
+    rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with sync_delay auto, {args.landing} " \
+        "landing" if args.round_seconds else f"H = {inner}"
     events = "; ".join(f"{e['at']:.0f} s {e['action']} site {e['replica']}" + (f" ({e['skipped']})"
                                                                               if "skipped" in e else "")
                        for e in chaos["events"])
@@ -237,7 +247,8 @@ def main() -> None:
         axis.step(range(1, len(r["participants"]) + 1), r["participants"], where="mid", color=color, label=name)
     axis.set(xlabel="committed round", ylabel="replicas in the round", title="Who took part in each round")
     axis.legend()
-    save("chaos-time-budget" if args.round_seconds else "chaos", table,
+    name = ("chaos-time-budget" + ("-eager" if args.landing == "eager" else "")) if args.round_seconds else "chaos"
+    save(name, table,
          {"clean": clean, "chaos": chaos, "plan": plan, "round_seconds": args.round_seconds}, figure, quick=args.quick,
          seconds=time.time() - begun)
 

@@ -12,9 +12,10 @@ the sync (its `comm`):
               fragments (in turn, every one once a replica reached max_steps) and the step every replica continues
               at (the furthest one's), so that saves, evaluations and the end fall at the same step everywhere.
               With sync_delay > 0 that agreement runs in the overlapped sync's background thread, before its
-              exchange, so a replica that spent its budget trains on while the others arrive; where it finds a save,
-              an evaluation or the end, the sync is called off before anything is exchanged and every replica
-              agrees again, blocking, where it would have landed (the steps it took stay in its Δ_i).
+              exchange, so a replica that spent its budget trains on while the others arrive, and each lands it at
+              τ or once its exchange is done; where it finds a save, an evaluation, a stop or the end, the sync is
+              called off before anything is exchanged and every replica agrees again, blocking, where it would
+              have landed (the steps it took stay in its Δ_i), so that these fall at one step everywhere.
     torchft   `hf_diloco.torchft_backend.TorchftQuorum`: a Lighthouse quorum per round, participants only, token and
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
@@ -34,10 +35,6 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
                                        after the vote: the record's membership fields, and whether this replica
                                        starts again from θ_global
     may_overlap()                      whether the sync being launched may run in the background (sync_delay > 0)
-    lands_when_done                    under time budgets, whether an overlapped sync lands once its exchange is
-                                       done (at τ or later: torchft) or exactly τ steps after its launch (the fixed
-                                       group: every replica continues at one agreed step, where saves and
-                                       evaluations fall)
     joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
                                        (what a checkpoint keeps of the backend)
     replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
@@ -87,7 +84,6 @@ class Agreement:
     weight: float  # this replica's tokens relative to the most any replica trained
     fragments: list[int]
     bytes_sent: int  # what the agreement's all-reduce cost this process
-    delay: int = 0  # the most steps any replica takes while the sync is in flight (its τ; 0: blocking everywhere)
     window: tuple[int, int, int] | None = None  # (previous agreed step, this one, sync number) where a save or an
     # evaluation falls: this sync is blocking everywhere, so every replica lands it at the same step
     called_off: bool = False  # an overlapped sync's agreement found a window or the end: nothing is exchanged
@@ -98,7 +94,6 @@ class FixedGroup:
     rounds)."""
 
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
-    lands_when_done = False  # an overlapped sync lands τ steps after its launch, at the step every replica agreed
 
     def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, continue_at_step=None,
                  overlap: bool = False, step: int = 0, boundary_wanted=None):
@@ -107,7 +102,7 @@ class FixedGroup:
         self.schedule = schedule
         self.resumed = resumed
         self.continue_at_step = continue_at_step
-        self.overlap = overlap  # sync_delay > 0: a sync before the last one lands τ of each replica's own steps later
+        self.overlap = overlap  # sync_delay > 0: a sync lands τ or more of each replica's own steps after its launch
         # boundary_wanted(before, now, sync): whether a save or an evaluation falls in the steps (before, now] or at
         # time-budget sync number `sync` (the callback's rule); `previous_step`: the last sync's agreed step
         self.boundary_wanted = boundary_wanted
@@ -142,10 +137,8 @@ class FixedGroup:
         if not self.schedule.budget:
             return self.schedule.due_fragments(step, max_steps)
         self.max_steps = max_steps
-        # τ: the steps this replica takes while the sync is in flight (its own choice, from its own speed)
-        delay = self.schedule.launch_delay(step, self.schedule.fragments_of_sync(self.syncs + 1, None, False)) \
-            if self.overlap and step < max_steps else 0
-        mine = (step, (local or {}).get("tokens", 0), step >= max_steps, delay)
+        local = local or {}
+        mine = (step, local.get("tokens", 0), step >= max_steps, bool(local.get("stop_requested")))
         if self.overlap and step < max_steps and self.called_off is None:
             # Agreed in the background thread (`start`), so this replica trains on while the others arrive; the
             # fragments go in turn (a sync that turns out to be the last is called off there).
@@ -156,22 +149,23 @@ class FixedGroup:
             agreed = self._agree(*mine)
         return agreed.fragments
 
-    def _agree(self, step: int, tokens: float, at_end: bool, delay: int) -> Agreement:
-        """The agreement's all-reduce: every replica's tokens, step, whether it reached max_steps, and τ. With
-        sync_delay > 0 an agreement that finds a window or the end calls its sync off (and is kept: the next
-        agreement honours it), unless it follows one that did."""
-        table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(delay)])
+    def _agree(self, step: int, tokens: float, at_end: bool, stop: bool) -> Agreement:
+        """The agreement's all-reduce: every replica's tokens, step, whether it reached max_steps and whether it
+        asks to stop. With sync_delay > 0 an agreement that finds a window, a stop or the end calls its sync off (and
+        is kept: the next agreement honours it), unless it follows one that did: the replicas land overlapped syncs
+        at steps of their own, and a stop saves at one step everywhere."""
+        table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(stop)])
         before, self.called_off = self.called_off, None
         last = bool(table[:, 2].any()) or (before is not None and before.last)
         now, most = int(table[:, 1].max()), float(table[:, 0].max())
         window = (self.previous_step, now, self.syncs + 1)
-        wanted = last or before is not None or (self.boundary_wanted is not None and self.boundary_wanted(*window))
+        wanted = last or before is not None or bool(table[:, 3].any()) or \
+            (self.boundary_wanted is not None and self.boundary_wanted(*window))
         agreed = Agreement(step=now, launched_at=step, last=last,
                            weight=float(table[self.replica, 0]) / most if most > 0 else 1.0,
                            fragments=self.schedule.fragments_of_sync(self.syncs + 1, None, last),
                            bytes_sent=sent + (before.bytes_sent if before is not None else 0),
-                           delay=0 if wanted else int(table[:, 3].max()), window=window if wanted else None,
-                           called_off=wanted and self.overlap and before is None)
+                           window=window if wanted else None, called_off=wanted and self.overlap and before is None)
         if agreed.called_off:
             self.called_off = agreed
         else:
@@ -203,20 +197,17 @@ class FixedGroup:
 
     def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
         """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
-        continue_at_step), plus the steps it took while an overlapped sync was in flight; the record gets that
-        step and the sync's number."""
+        continue_at_step), plus the steps it took while an overlapped sync was in flight (it lands at τ, or once
+        its exchange is done: hf_diloco.engine.lands_now), as on torchft; the record gets that step and the
+        sync's number. Saves and evaluations fall only at blocking syncs, which every replica lands at one step."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
             return record, False
         self.syncs += 1
         self.over = agreed.last
         self.window = agreed.window
-        # An overlapped sync lands τ of each replica's own steps after its launch; they all continue at the agreed
-        # step plus the largest τ, so saves, evaluations and the record fall at one step. (The last sync ends the
-        # run at the agreed step: a replica whose last sync overlapped drops the steps it took meanwhile, as the
-        # final model is θ_global.)
-        # (delay 0 where the sync has a window, or is the last; never past max_steps, where the next sync is the last)
-        moved = min(agreed.step + agreed.delay, self.max_steps)
+        # (never past max_steps, where the next sync is the last; a blocking sync lands where it was launched)
+        moved = min(agreed.step + step - agreed.launched_at, self.max_steps)
         if moved > step:
             self.continue_at_step(moved)
         if record:  # its replica rows (records.replica_rows) hold each replica's steps, tokens and weight

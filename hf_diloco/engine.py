@@ -181,13 +181,13 @@ class Flight:
 
 def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
     """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time budgets
-    on a backend whose replicas land on their own (torchft), one whose exchange is still running then (it waits for
-    the slowest participant, who may arrive half of its own step late) lands at a later step, once it is done, so
-    the inner loop trains on instead of waiting; the next sync coming due lands it, waiting if it must. The members
-    of a replica land at the same step."""
+    one whose exchange is still running then (it waits for the slowest participant, who may arrive half of its own
+    step late) lands at a later step, once it is done, so the inner loop trains on instead of waiting (each replica
+    then continues at the furthest one's step plus its own since the launch); the next sync coming due lands it,
+    waiting if it must. The members of a replica land at the same step."""
     if flight is None or step < min(flight.lands_at, max_steps):
         return False
-    if step >= max_steps or not (args.round_seconds > 0 and backend.lands_when_done and flight.future is not None):
+    if step >= max_steps or not (args.round_seconds > 0 and flight.future is not None):
         return True
     return not backend.comm.control.members_any(not flight.future.done())
 

@@ -485,7 +485,6 @@ class TorchftQuorum:
         return self.args.num_replicas
 
     continues_record = True  # a restarted replica continues its record
-    lands_when_done = True  # each continues at the furthest participant's step plus its own since, wherever it lands
 
     def due(self, step: int, max_steps: int, progress) -> bool:
         """A sync is due after H/F inner steps of local progress (or round_seconds/F of them), and at the last

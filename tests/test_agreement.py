@@ -53,11 +53,11 @@ def in_background(group: FixedGroup, step: int, expected: list[int]):
 
 
 def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent_its_budget_trains_on():
-    """Replica 0 spends its budget at step 12 with 120 tokens, replica 1 at step 9 with 45, each with τ 2 (and 3 for
-    replica 1, by its own speed). Replica 0's launch returns at once, without a collective (replica 1 has not
-    arrived); the agreement runs in its background thread and completes only once replica 1 arrives; both get the
-    same fragments, their tokens relative to the most as weights, and continue at the furthest step plus the
-    largest τ."""
+    """Replica 0 spends its budget at step 12 with 120 tokens, replica 1 at step 9 with 45. Replica 0's launch
+    returns at once, without a collective (replica 1 has not arrived); the agreement runs in its background thread
+    and completes only once replica 1 arrives; both get the same fragments and their tokens relative to the most as
+    weights. Replica 0 lands 2 of its steps after its launch, replica 1 3 of its own: each continues at the
+    furthest launch step plus its own steps since its launch."""
     network, moved = Network(), [[], []]
     fast, slow = fixed_group(network, 0, moved[0]), fixed_group(network, 1, moved[1])
     began = time.perf_counter()
@@ -67,7 +67,6 @@ def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent
     thread, result = in_background(fast, 12, expected)
     time.sleep(0.3)
     assert thread.is_alive(), "the agreement waits for replica 1 in the background"
-    slow.schedule.delays[0] = 3
     assert slow.expected_fragments(9, MAX_STEPS, {"tokens": 45}) == [0]
     slow_thread, slow_result = in_background(slow, 9, [0])
     for t in (thread, slow_thread):
@@ -77,10 +76,10 @@ def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent
     assert [s.called_off for s in starts] == [False, False]
     assert [s.weight for s in starts] == [1.0, pytest.approx(45 / 120, abs=1e-12)]
     assert [s.fragments for s in starts] == [[0], [0]]
-    for group, start, step in ((fast, starts[0], 14), (slow, starts[1], 12)):
+    for group, start, step, continues in ((fast, starts[0], 14, 14), (slow, starts[1], 12, 15)):
         record, restart = group.finish(start, None, {"replicas": []}, step=step)
-        assert not restart and record["step"] == 12 + 3 and record["launch_step"] == 12 and record["sync"] == 1
-    assert moved == [[15], [15]]
+        assert not restart and record["step"] == continues and record["launch_step"] == 12 and record["sync"] == 1
+    assert moved == [[], [15]]
 
 
 def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_where_each_replica_lands():
@@ -151,3 +150,35 @@ def test_the_replica_at_max_steps_calls_the_last_sync_off_and_agrees_again_in_th
         record = group.finish(start, None, {"replicas": []}, step=step)[0]
         assert record["step"] == MAX_STEPS and group.run_over() and group.take_window() == (0, MAX_STEPS, 1)
         assert not group.due(MAX_STEPS, MAX_STEPS), "nothing follows the last sync"
+
+
+def test_a_stop_asked_for_by_one_replica_calls_the_sync_off_so_every_replica_stops_at_one_step():
+    """Replica 1 asks to stop: the agreement of its next sync carries the request, both replicas call that sync off,
+    and the blocking one they agree on where they land puts both at one step (the stop saves there); a sync with
+    no request, no window and no end is not called off."""
+    network, moved = Network(), [[], []]
+    groups = [fixed_group(network, r, moved[r]) for r in (0, 1)]
+    for stop, called_off in ((False, False), (True, True)):
+        threads = []
+        for r, group in enumerate(groups):
+            local = {"tokens": 100, "stop_requested": stop and r == 1}
+            threads.append(in_background(group, 10, group.expected_fragments(10, MAX_STEPS, local)))
+        for thread, _ in threads:
+            thread.join(timeout=10)
+        assert [result["start"].called_off for _, result in threads] == [called_off] * 2
+        if not called_off:
+            for group, (_, result) in zip(groups, threads, strict=True):
+                group.finish(result["start"], None, {"replicas": []}, step=10)
+    landed = {}
+
+    def land(r, step):
+        groups[r].expected_fragments(step, MAX_STEPS, {"tokens": 150, "stop_requested": r == 1})
+        start = groups[r].start(step, MAX_STEPS, {}, [0])
+        landed[r] = groups[r].may_overlap(), groups[r].finish(start, None, {"replicas": []}, step=step)[0]["step"]
+
+    again = [threading.Thread(target=land, args=(r, step)) for r, step in ((0, 13), (1, 11))]
+    for t in again:
+        t.start()
+    for t in again:
+        t.join(timeout=10)
+    assert landed == {0: (False, 13), 1: (False, 13)}, "blocking, at one step"

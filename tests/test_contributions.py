@@ -335,7 +335,7 @@ THREE_REPLICAS = {
     "flipped": ("clean", {"CONTRIBUTION_HOOK_SCALE": "-1", "CONTRIBUTION_HOOK_RANK": "1"},
                 [*SHORT, "--contribution_checks", "warn"]),
     "miscounted": ("clean", {"CONTRIBUTION_HOOK_STEPS": "4", "CONTRIBUTION_HOOK_RANK": "2"}, SHORT),
-    "clean-80-rounds": ("clean", {}, ["--max_steps", "400", "--inner_steps", "5", "--eval_steps", "400"]),
+    "clean-40-rounds": ("clean", {}, ["--max_steps", "200", "--inner_steps", "5", "--eval_steps", "200"]),
 }
 
 
@@ -423,11 +423,11 @@ def test_torch_backend_a_replica_that_counts_micro_batches_as_steps_is_left_out(
 
 
 @pytest.mark.process
-def test_a_clean_run_of_80_rounds_leaves_nothing_out(three_replicas):
-    """Three replicas on their own thirds (non_iid), 80 rounds of H = 5 (400 steps, learning-rate warm-up and decay
+def test_a_clean_run_of_40_rounds_leaves_nothing_out(three_replicas):
+    """Three replicas on their own thirds (non_iid), 40 rounds of H = 5 (200 steps, learning-rate warm-up and decay
     included): no contribution is left out or flagged, and every replica takes part in every sync."""
-    records = read_syncs(three_replicas["clean-80-rounds"])
-    assert len(records) == 80
+    records = read_syncs(three_replicas["clean-40-rounds"])
+    assert len(records) == 40
     assert all(r["excluded"] == [] and "flagged" not in r for r in records)
     assert all(m["participated"] for r in records for m in r["replicas"])
 
