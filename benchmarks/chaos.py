@@ -12,7 +12,8 @@ committed round (a seeded random choice of which replica dies):
     slow site 2's link to 1 Mbit/s, both ways, for 60 s
     kill another random replica
 
-Reported: goodput (tokens merged in committed rounds ÷ (wall × 3 × the fault-free run's tokens/s per replica)),
+Reported: goodput (tokens merged in committed rounds, less those whose steps a mix landing dropped, ÷ (wall × 3 ×
+the fault-free run's merged tokens/s per replica)),
 the final eval loss against the fault-free run's, the rounds the survivors committed while site 1 was cut off,
 whether every replica ends with the same model, and whether every round checkpoint a replica saved is complete.
 The rounds use int4 with error feedback, so that a round fits a 1 Mbit/s link (0.37 MB per replica per round).
@@ -60,6 +61,20 @@ SLOW_RATE = 1_000_000
 
 def committed(folder: Path) -> list[dict]:
     return [r for r in run_syncs(folder) if r.get("committed", True)]
+
+
+def dropped_tokens(folder: Path, landing: str) -> int:
+    """Tokens whose steps an overlapped sync's mix landing (α 0) dropped: each replica's `in_flight_steps` of its
+    committed syncs at its tokens per step, counted in the next sync's tokens but no longer in its parameters."""
+    if landing == "eager":
+        return 0
+    dropped = 0
+    for k in range(REPLICAS):
+        for record in read_syncs(folder / f"replica-{k}"):
+            own = next((m for m in record["replicas"] if m["replica"] == k and m.get("steps")), None)
+            if record.get("committed", True) and record.get("in_flight_steps") and own:
+                dropped += record["in_flight_steps"] * own["tokens"] // own["steps"]
+    return dropped
 
 
 def training_pid(folder: Path, replica: int) -> int | None:
@@ -162,6 +177,7 @@ def run(network, folder: Path, overrides: list[str], plan: list[tuple[float, str
     own = read_syncs(folder / "replica-0")
     budgets = [r["sync_delay_auto"]["budget_seconds"] for r in own if "budget_seconds" in r.get("sync_delay_auto", {})]
     return {"codes": codes, "wall_seconds": wall, "rounds": len(rounds), "tokens": sum(r["tokens"] for r in rounds),
+            "dropped": dropped_tokens(folder, "eager" if "eager" in overrides else "mix"),
             "eval_loss": summary.get("eval_loss_final"), "digests": [model_digest(folder / f"replica-{r}")
                                                                      for r in range(REPLICAS)],
             "incomplete_checkpoints": incomplete_checkpoints(folder),
@@ -216,16 +232,17 @@ def main() -> None:
     rate = clean["tokens"] / (REPLICAS * clean["wall_seconds"])
     rows = []
     for name, r in (("no fault", clean), ("chaos", chaos)):
-        goodput = r["tokens"] / (r["wall_seconds"] * REPLICAS * rate)
+        goodput = (r["tokens"] - r["dropped"]) / (r["wall_seconds"] * REPLICAS * rate)
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] else "-"
         change = f"{r['eval_loss'] / clean['eval_loss'] - 1:+.2%}" if r["eval_loss"] and clean["eval_loss"] else "-"
         during = (f"{r['cut_rounds'][1] - r['cut_rounds'][0]}" if r["cut_rounds"] else "-")
-        rows.append([name, f"{goodput:.1%}", f"{r['blocked_share_0']:.1%}", f"{r['tokens']:,}",
+        rows.append([name, f"{goodput:.1%}", f"{r['blocked_share_0']:.1%}", f"{r['tokens']:,}", f"{r['dropped']:,}",
                      f"{r['wall_seconds']:.0f}", r["rounds"], loss,
                      change, during, "yes" if len(set(r["digests"])) == 1 and r["digests"][0] else "NO",
                      f"{r['checkpoints'] - len(r['incomplete_checkpoints'])} of {r['checkpoints']}",
                      " ".join(map(str, r["codes"]))])
-    table = markdown_table(["run", "goodput", "replica 0 blocked", "tokens merged", "wall s", "committed rounds",
+    table = markdown_table(["run", "goodput", "replica 0 blocked", "tokens merged", "of which dropped at landing",
+                            "wall s", "committed rounds",
                             "eval loss", "vs no fault", "rounds committed during the 30 s cut", "replicas identical",
                             "round checkpoints complete", "exit codes"], rows)
     rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with sync_delay auto, {args.landing} " \
@@ -236,8 +253,10 @@ def main() -> None:
     table += (f"\n\n3 torchft replicas at 3 sites (network namespaces on one switch, 2 CPU cores shared), {steps} "
               f"steps, {rounds}, int4 + error feedback, min_replicas 2, a round checkpoint every 5 rounds, "
               f"`--max-restarts 5` at each site. Faults (seconds after the first committed round): {events}. "
-              f"Goodput = tokens merged in committed rounds ÷ (wall × 3 × {rate:,.0f} tokens/s, the fault-free "
-              f"run's rate per replica); replica 0 blocked: Σ its records' blocked_seconds ÷ wall. One run each.")
+              f"Goodput = (tokens merged in committed rounds − those whose steps a mix landing dropped: the "
+              f"`in_flight_steps` of each replica's overlapped syncs) ÷ (wall × 3 × {rate:,.0f} tokens/s, the "
+              f"fault-free run's merged rate per replica); replica 0 blocked: Σ its records' blocked_seconds ÷ wall. "
+              f"One run each.")
     if args.round_seconds:
         table += (f" The largest budget a sync stretched to: {clean['largest_budget']:.2f} s without faults, "
                   f"{chaos['largest_budget']:.2f} s under chaos.")

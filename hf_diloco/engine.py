@@ -177,6 +177,7 @@ class Flight:
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
     launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
     progress: Progress | None = None  # an overlapped sync: the replica's progress it was launched with
+    in_flight_steps: int = 0  # an overlapped sync: the inner steps this replica took while it was in flight
 
 
 def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
@@ -290,8 +291,7 @@ class SyncEngine:
     def join(self, step: int) -> SyncStart:
         """The joining sync, before the first inner step: identical parameters everywhere (torchft: a heal)."""
         flight = self.launch(step, self.max_steps, joining=True)
-        # A late replica's heal may have moved Trainer's step (continue_at_step): the sync lands at the new one.
-        self.land(flight, self.trainer.state.global_step, self.max_steps)
+        self.land(flight, self.trainer.state.global_step, self.max_steps)  # (a heal may have moved the step)
         self.progress.reset()
         if self.comm.num_replicas > 1:
             self.gate.rebase()
@@ -384,6 +384,7 @@ class SyncEngine:
                 flight.start, flight.exchange, flight.exchange_began, flight.exchanged = flight.future.result()
             if flight.start.called_off:
                 return self._again(flight, step, max_steps)
+            flight.in_flight_steps = self.progress.steps
             if self.args.round_seconds > 0:  # the next budget counts from when the participants were known
                 self.progress.align(flight.exchange_began)
         start = flight.start
@@ -448,8 +449,8 @@ class SyncEngine:
             ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
             synced_parameters=sum(self.fragments[f].size for f in start.fragments))
-        if flight.launched_at != step:
-            record["launch_step"] = flight.launched_at
+        if flight.launched_at != step:  # (a mix landing keeps α of the steps taken in flight, eager all of them)
+            record.update(launch_step=flight.launched_at, in_flight_steps=flight.in_flight_steps)
         choices = self.tuner.landed(stats, replica=self.comm.replica_index, measured=flight.measured,
                                     launched_at=flight.launched_at, step=step, max_steps=max_steps,
                                     sizes=[f.size for f in self.fragments])

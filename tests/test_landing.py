@@ -138,6 +138,8 @@ def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragment
                         for r, o in zip(records, overlapped, strict=True)], \
         "every sync, blocking or overlapped, lands through outer.land with α (0 at the last step)"
     assert any(overlapped) == (delay > 0)
+    assert all(r["in_flight_steps"] == r["step"] - r["launch_step"] == delay
+               for r, o in zip(records, overlapped, strict=True) if o), "the steps each overlapped sync was in flight"
     expected = reference(start, records, fragments, alpha, eager)
     worst = max((steps[s][n] - expected[s][n]).abs().max().item() for s in expected for n in expected[s])
     assert worst <= 1e-5, f"largest difference from the arithmetic {worst:.2e}"
