@@ -70,8 +70,8 @@ class SyncStart:
     error: str | None = None  # why the quorum failed, when it did
     startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
     excluded: dict[int, str] = field(default_factory=dict)  # replicas a contribution check found out, and why
-    called_off: bool = False  # the fixed group's agreement found a save, an evaluation or the end: this overlapped
-    # sync exchanges nothing, and every replica launches a blocking one where it would have landed
+    called_off: bool = False  # the fixed group's agreement found a save, an evaluation, a stop or the end: this
+    # overlapped sync exchanges nothing, and every replica launches a blocking one where it would have landed
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Agreement:
     bytes_sent: int  # what the agreement's all-reduce cost this process
     window: tuple[int, int, int] | None = None  # (previous agreed step, this one, sync number) where a save or an
     # evaluation falls: this sync is blocking everywhere, so every replica lands it at the same step
-    called_off: bool = False  # an overlapped sync's agreement found a window or the end: nothing is exchanged
+    called_off: bool = False  # an overlapped sync's agreement found a window, a stop or the end: nothing is exchanged
 
 
 class FixedGroup:
@@ -112,7 +112,7 @@ class FixedGroup:
         self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
-        self.pending: tuple[int, float, bool, int] | None = None  # an overlapped launch's numbers, agreed in `start`
+        self.pending: tuple[int, float, bool, bool] | None = None  # an overlapped launch's numbers, agreed in `start`
         self.called_off: Agreement | None = None  # the agreement that called the last sync off, until agreed again
 
     @property
