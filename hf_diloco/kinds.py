@@ -72,7 +72,7 @@ class SyncKinds:
         which is when the participants and the verdict on their contributions were known, when it finished), in
         perf_counter times."""
         start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
-        if start.called_off:  # the fixed group's agreement found a save, an evaluation or the end
+        if start.called_off:  # the fixed group's agreement found a save, an evaluation, a stop or the end
             return start, None, time.perf_counter(), time.perf_counter()
         sitting_out = start.weight == 0
         start = self.judge(start, local)
