@@ -15,18 +15,19 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
 - fixed H: a sync every H = 20 steps; the 60% replicas wait for the 20% one at every sync (torchft's own DiLoCo,
   whose outer loop the torchft backend's is bit-identical to, waits the same way: a quorum of all three);
 - time budget: `round_seconds` T, each replica syncs after T seconds of inner steps, the merge weights replicas
-  by their tokens. T = H × a 60%-quota replica's seconds per step, measured by its solo run below, so a full-speed
+  by their tokens. T = H × replica 0's seconds per step, measured as below (training alone), so a full-speed
   replica takes about H steps per round. On both backends the run ends when the fastest replica reaches
   max_steps;
 - time budget with a quota drop: the same, and replica 1's quota falls from 60% to 20% of a core once replica 0 is a
   third of the way to max_steps, and comes back at two thirds; nothing in the run's settings changes. Its capacity
-  is lowered by (60%'s solo rate − 20%'s) for the share of replica 0's loop window the drop lasted.
+  is lowered by (replica 1's rate − replica 2's, measured as below) for the share of replica 0's loop window the
+  drop lasted.
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
 drop. `--overlap` runs the time-budget rounds blocking and overlapped (`sync_delay 1`), nothing else. `--quality`
-compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 10 nominal
-steps, 400 steps (about 40 syncs), plain and with the delayed outer Nesterov, under 60%, 60%, 20% and under three
-quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the solo rates so that they
+compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 8 nominal
+steps, 400 steps (about 50 syncs, 45 or so overlapped), plain and with the delayed outer Nesterov, under 60%, 60%,
+20% and under three quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the rates below so that they
 train about as many tokens in about as many syncs (the same budget); and at unequal speeds overlapped (sync_delay
 1) with each landing, mixed (α 0: the steps taken in flight dropped) and eager (kept). Each row runs 3 seeds
 (`--seed` 0, 1, 2), interleaved, and the learning rate is constant after a 20-step warmup: a run's length is
@@ -34,18 +35,21 @@ max_steps of its fastest replica, so equal tokens at unequal and at equal speeds
 a decaying schedule would turn into different schedules. `--period-ms` sets the CFS period the quotas are
 enforced over.
 
-Capacity = the sum over replicas of each one's solo rate under its own quota: each distinct quota (60%, 20%) runs
-alone before the runs and again after them (1 process, the same task and flags), rate = its tokens ÷ its loop time
-over the rounds after the first (the first step's warm-up left out: capacity is what a replica sustains), the
-faster of the two measurements (one solo run measured slower than the quota sustained later made goodput read
-above 100%). Per run, from replica 0's own
-records (syncs.jsonl of the run, or of replica-0 on torchft):
+Capacity = the sum over replicas of each one's rate under its own quota while the run's other replicas train on
+the machine at the same time, each alone (one process each, no syncs between them: what the machine sustains when
+nobody waits for anybody, its caches and memory shared as in a run; a replica measured on an idle machine ran 10%
+faster than inside any run, which read as lost goodput). Replica r trains 150 steps × its quota's share of the
+fastest quota, so that they end together; rate = its tokens ÷ its loop time over the syncs after the first (the
+warm-up left out). Measured before the runs and again after them; each replica's faster rate counts. Per run, from
+replica 0's own records (syncs.jsonl of the run, or of replica-0 on torchft):
 - loop seconds: replica 0's time in the training loop, Σ (its inner-step seconds, from its row of `replicas`, + its
-  blocked seconds); start-up and the final evaluation are left out, as they are of the solo rates;
-- goodput = tokens merged into the final model (Σ `tokens` of the committed syncs) ÷ (loop seconds × capacity).
-  Physics bounds it by 100%; a row above 103% is flagged;
+  blocked seconds); start-up and the final evaluation are left out, as they are of the rates;
+- goodput = tokens merged into the final model (Σ `tokens` of the committed syncs, less the tokens of the steps a
+  mix landing dropped: `in_flight_steps`) ÷ (loop seconds × capacity). Physics bounds it by 100%; a row above 103%
+  is flagged;
 - replica 0 blocked: its blocked seconds (all the time its loop waited for syncs: arrival of the others, the
-  exchange, the outer step; torchft: the quorum too) ÷ its loop seconds;
+  exchange, the outer step; torchft: the quorum too) ÷ its loop seconds; and of which the last sync (which blocks
+  on every backend: the run's end waits for the slowest replica's last step and the exchange, once per run);
 - waited, worst replica: the largest over replicas of Σ `waited_seconds` of its rows of `replicas` (torch: how long
   before the last replica it arrived at each sync; torchft: the time it spent forming the quorum) ÷ replica 0's
   loop seconds;
@@ -78,7 +82,7 @@ DELAY = 2  # outer_momentum_delay of the --methods row
 DROP_REPLICA, DROP_QUOTA = 1, 0.2  # the quota-drop rows: replica 1 at 20% for the middle third of the run
 EQUAL = round(sum(QUOTAS) / len(QUOTAS), 4)  # --quality: each replica's quota at equal speed, the same sum
 INNER_STEPS = 20
-QUALITY_INNER_STEPS, QUALITY_STEPS = 10, 400  # --quality: about 40 syncs
+QUALITY_INNER_STEPS, QUALITY_STEPS = 8, 400  # --quality: about 50 syncs (overlapped ones land later: 45 or so)
 REPEATS = 3
 FLAGGED = 1.03  # goodput above this is beyond physics plus measurement noise
 TASK = ["--block_size", "128", "--per_device_train_batch_size", "4", "--save_strategy", "no",
@@ -187,32 +191,36 @@ class QuotaDrop(threading.Thread):
         self.groups.set_quota(DROP_REPLICA, QUOTAS[DROP_REPLICA])
 
 
-def solo_rates(folder: Path, quotas: tuple[float, ...], groups: QuotaGroups, steps: int, inner: int) -> dict:
-    """Each quota's tokens/s and seconds per step, one replica alone under it (`steps` steps, the first left out: its
-    warm-up), so that goodput compares a run with what its replicas sustain alone."""
-    solo = {}
-    for quota in quotas:
-        print(f"solo run under {quota:.0%} of a core ...", flush=True)
-        groups.set_quota(0, quota)
-        launch(folder / str(quota), 1, [*TASK, "--max_steps", str(steps), "--inner_steps", str(inner),
-                                        "--eval_steps", str(steps)], groups, solo_rank=0)
-        records = read_syncs(folder / str(quota))[1:]
+def independent_rates(folder: Path, quotas: tuple[float, ...], groups: QuotaGroups, steps: int, inner: int
+                      ) -> list[dict]:
+    """Each replica's tokens/s and seconds per step under its quota, the replicas of `quotas` training at the same
+    time on this machine but each alone (one process, no syncs): what they sustain when nobody waits for anybody,
+    sharing the machine's caches and memory as a run's replicas do. Replica r takes `steps` × its share of the
+    fastest quota, so that they end together; its first sync's steps are left out (the warm-up)."""
+    print(f"independent replicas under {', '.join(f'{q:.0%}' for q in quotas)} of a core ...", flush=True)
+    groups.set_quotas(quotas)
+    commands = []
+    for rank, quota in enumerate(quotas):
+        own = max(2 * inner + 1, round(steps * quota / max(quotas)))
+        commands.append(train_command(1, ["--output_dir", str(folder / f"replica-{rank}"), *TASK, "--max_steps",
+                                          str(own), "--inner_steps", str(inner), "--eval_steps", str(own)]))
+    run = Processes(commands)
+    for rank, process in enumerate(run.procs):
+        groups.put(process.pid, rank)
+    run.wait()
+    rates = []
+    for rank in range(len(quotas)):
+        records = read_syncs(folder / f"replica-{rank}")[1:]
         loop = loop_seconds(records)
-        solo[quota] = {"tokens_per_second": sum(r["tokens"] for r in records) / loop,
-                       "seconds_per_step": loop / sum(r["sync_steps"] for r in records)}
-    return solo
+        rates.append({"tokens_per_second": sum(r["tokens"] for r in records) / loop,
+                      "seconds_per_step": loop / sum(r["sync_steps"] for r in records)})
+    return rates
 
 
-def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGroups, solo_rank: int = 0,
-           backend: str = "torch") -> None:
-    """One run with its processes under their quotas (a solo run under rank `solo_rank`'s)."""
+def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGroups, backend: str = "torch") -> None:
+    """One run with its processes under their quotas."""
     from hf_diloco.launch import ReplicaSupervisor, replica_overrides, start_lighthouse
 
-    if processes == 1:
-        run = Processes([train_command(1, ["--output_dir", str(folder), *overrides])])
-        groups.put(run.procs[0].pid, solo_rank)
-        run.wait()
-        return
     placer = Placer(folder, groups, processes, at_train_begin=backend == "torchft")
     placer.start()
     try:
@@ -247,8 +255,31 @@ def loop_seconds(records: list[dict]) -> float:
     return sum(own_row(r)["compute_seconds"] + r["blocked_seconds"] for r in records)
 
 
-def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (), capacity_lost: float = 0.0) -> dict:
-    """`slowed`: [from, to] (Unix time) in which the capacity was `capacity_lost` lower (a quota drop)."""
+def capacity_of(rates: dict[tuple, list[dict]], quotas: tuple[float, ...]) -> float:
+    return sum(rate["tokens_per_second"] for rate in rates[tuple(quotas)])
+
+
+def dropped_tokens(folder: Path, backend: str) -> int:
+    """Tokens of the steps a mix landing (α 0) dropped: counted in the next sync's tokens, no longer in the
+    parameters. torchft: each replica's `in_flight_steps` at its tokens per step in that next sync. torch: its
+    records carry replica 0's alone; every replica trained for the same seconds while the sync was in flight (they
+    land together), so the next sync's tokens are taken in replica 0's share (in-flight steps ÷ its steps there)."""
+    dropped = 0
+    for k in ([0] if backend == "torch" else range(len(QUOTAS))):
+        records = [r for r in read_syncs(folder if backend == "torch" else folder / f"replica-{k}")
+                   if r.get("committed", True)]
+        for record, following in zip(records, records[1:], strict=False):
+            own = next((m for m in following["replicas"] if m["replica"] == k and m.get("steps")), None)
+            if record.get("in_flight_steps") and own:
+                share = min(1.0, record["in_flight_steps"] / own["steps"])
+                dropped += round(share * (following["tokens"] if backend == "torch" else own["tokens"]))
+    return dropped
+
+
+def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (), capacity_lost: float = 0.0,
+            mixed: bool = False) -> dict:
+    """`slowed`: [from, to] (Unix time) in which the capacity was `capacity_lost` lower (a quota drop); `mixed`: its
+    overlapped syncs land by mixing (the steps taken in flight are dropped)."""
     lead = folder if backend == "torch" else folder / "replica-0"
     own = read_syncs(lead)
     merged = [r for r in run_syncs(folder) if r.get("committed", True)]
@@ -257,6 +288,7 @@ def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (
         began = own[0]["time"] - own_row(own[0])["compute_seconds"] - own[0]["blocked_seconds"]
         inside = max(0.0, min(slowed[1], own[-1]["time"]) - max(slowed[0], began))
         capacity -= capacity_lost * inside / (own[-1]["time"] - began)
+    dropped = dropped_tokens(folder, backend) if mixed else 0
     tokens = sum(r["tokens"] for r in merged)
     waited: dict[int, float] = {}
     for r in merged if backend == "torch" else [x for i in range(len(QUOTAS))
@@ -264,8 +296,10 @@ def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (
         for m in r["replicas"]:
             if m.get("participated") and (backend == "torch" or m["replica"] == r["replica"]):
                 waited[m["replica"]] = waited.get(m["replica"], 0.0) + m["waited_seconds"]
-    return {"tokens": tokens, "loop_seconds": loop, "goodput": tokens / (loop * capacity), "capacity": capacity,
+    return {"tokens": tokens, "dropped": dropped, "loop_seconds": loop,
+            "goodput": (tokens - dropped) / (loop * capacity), "capacity": capacity,
             "blocked_share_0": sum(r["blocked_seconds"] for r in own) / loop,
+            "blocked_end_share_0": own[-1]["blocked_seconds"] / loop,
             "waited_share_worst": max(waited.values()) / loop, "waited_seconds": waited,
             "eval_loss": read_summary(lead).get("eval_loss_final"), "syncs": len(merged),
             "replica_steps": [[m.get("steps") for m in r["replicas"]] for r in merged]}
@@ -280,8 +314,8 @@ def main() -> None:
                              "fragments, sync_delay auto) and with the delayed outer Nesterov (outer_momentum_delay "
                              f"{DELAY}); results/speeds-methods-<backends>.*")
     parser.add_argument("--overlap", action="store_true",
-                        help="time-budget rounds blocking against overlapped (sync_delay 1: torchft lands a sync once "
-                             "its exchange is done, the torch backend τ steps after its launch); "
+                        help="time-budget rounds blocking against overlapped (sync_delay 1: a sync lands τ steps after "
+                             "its launch, or once its exchange is done if later); "
                              "results/speeds-overlap-<backends>.*")
     parser.add_argument("--quality", action="store_true",
                         help="eval loss at equal tokens against the same replicas at equal speed: time-budget rounds "
@@ -309,20 +343,22 @@ def main() -> None:
     except OSError as error:
         skip("speeds", f"a CPU quota needs root and the cgroup v1 cpu controller at {CPU_CGROUP} ({error}).")
     begun = time.time()
-    steps, solo_steps, repeats = (80, 60, 2) if args.quick else (200, 100, REPEATS)
+    steps, alone_steps, repeats = (80, 60, 2) if args.quick else (200, 150, REPEATS)
     inner = INNER_STEPS
-    if args.quality:  # about 40 syncs a run, a seed per repeat, a schedule that does not depend on the length
+    if args.quality:  # at least 40 syncs a run, a seed per repeat, a schedule that does not depend on the length
         inner, steps = QUALITY_INNER_STEPS, 120 if args.quick else QUALITY_STEPS
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = Path(tmp_name)
-            # Each distinct quota alone: its tokens/s and seconds per step without anyone to wait for, measured
-            # before the runs and again after them (`solo_rates`); the capacity takes each quota's faster one.
-            quotas_alone = tuple(dict.fromkeys((*QUOTAS, *((EQUAL,) if args.quality else ()))))
-            solo = solo_rates(tmp / "solo-before", quotas_alone, groups, solo_steps, inner)
+            # The replicas of each quota set training at once, each alone: tokens/s and seconds per step without
+            # anyone to wait for, measured before the runs and again after them (`independent_rates`); the capacity
+            # takes each replica's faster one.
+            sets = [QUOTAS, *([(EQUAL,) * len(QUOTAS)] if args.quality else [])]
+            before = {quotas: independent_rates(tmp / f"alone-before-{i}", quotas, groups, alone_steps, inner)
+                      for i, quotas in enumerate(sets)}
+            alone = before
             groups.set_quotas(QUOTAS)
-            capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
-            round_seconds = round(inner * solo[QUOTAS[0]]["seconds_per_step"], 2)
+            round_seconds = round(inner * alone[QUOTAS][0]["seconds_per_step"], 2)
             budget = ["--inner_steps", str(inner), "--round_seconds", str(round_seconds)]
             streamed = [*budget, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
                         "--sync_delay", "auto"]
@@ -340,8 +376,8 @@ def main() -> None:
                 # The same replicas at equal speed: three quotas of the same sum, max_steps sized so that they
                 # train as many tokens (the unequal run: two replicas to `steps`, the 20% one its share of them)
                 # and, with the same budget, make as many syncs.
-                fast = solo[QUOTAS[0]]["tokens_per_second"]
-                equal_steps = round(steps * sum(solo[q]["tokens_per_second"] for q in QUOTAS) / fast / len(QUOTAS))
+                fast = alone[QUOTAS][0]["tokens_per_second"]
+                equal_steps = round(steps * capacity_of(alone, QUOTAS) / fast / len(QUOTAS))
                 equal = (EQUAL,) * len(QUOTAS)
                 overlapped = [*budget, "--sync_delay", "1"]
                 rows = [rows[1], (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps),
@@ -356,7 +392,8 @@ def main() -> None:
                           QUOTAS, steps)]
             configurations = {f"{backend}, {name}": (backend, *row) for backend in backends
                               for name, *row in rows}
-            lost = solo[QUOTAS[DROP_REPLICA]]["tokens_per_second"] - solo[DROP_QUOTA]["tokens_per_second"]
+            lost = alone[QUOTAS][DROP_REPLICA]["tokens_per_second"] - alone[QUOTAS][QUOTAS.index(DROP_QUOTA)][
+                "tokens_per_second"]
             runs: dict[str, list[dict]] = {name: [] for name in configurations}
             for repeat in range(repeats):
                 for i, (name, (backend, extra, drop, quotas, run_steps)) in enumerate(configurations.items()):
@@ -375,19 +412,21 @@ def main() -> None:
                         if dropping:
                             dropping.done.set()
                             dropping.join()
-                    available = sum(solo[q]["tokens_per_second"] for q in quotas)
-                    runs[name].append(measure(folder, backend, available, dropping.window if dropping else (), lost))
+                    available = capacity_of(alone, quotas)
+                    runs[name].append(measure(folder, backend, available, dropping.window if dropping else (), lost,
+                                              mixed="--sync_delay" in extra and "eager" not in extra))
                     runs[name][-1].update(available=available, quotas=quotas)
                     print(f"  goodput {runs[name][-1]['goodput']:.1%}, {runs[name][-1]['tokens']:,} tokens",
                           flush=True)
-            before = solo
-            after = solo_rates(tmp / "solo-after", quotas_alone, groups, solo_steps, inner)
-            solo = {q: max(before[q], after[q], key=lambda rate: rate["tokens_per_second"]) for q in quotas_alone}
-            for measured in runs.values():  # goodput against the capacity from the faster solo rates
+            after = {quotas: independent_rates(tmp / f"alone-after-{i}", quotas, groups, alone_steps, inner)
+                     for i, quotas in enumerate(sets)}
+            alone = {quotas: [max(b, a, key=lambda rate: rate["tokens_per_second"])
+                              for b, a in zip(before[quotas], after[quotas], strict=True)] for quotas in sets}
+            for measured in runs.values():  # goodput against the capacity from the faster rates
                 for m in measured:
-                    available = sum(solo[q]["tokens_per_second"] for q in m["quotas"])
+                    available = capacity_of(alone, m["quotas"])
                     m["goodput"] *= m["available"] / available
-            capacity = sum(solo[q]["tokens_per_second"] for q in QUOTAS)
+            capacity = capacity_of(alone, QUOTAS)
     finally:
         groups.close()
 
@@ -396,31 +435,39 @@ def main() -> None:
 
     rows, spreads = [], {}
     for name, measured in runs.items():
-        s = {key: spread([m[key] for m in measured]) for key in ("goodput", "blocked_share_0", "waited_share_worst",
-                                                                 "eval_loss", "tokens", "syncs", "loop_seconds")}
+        s = {key: spread([m.get(key, 0) for m in measured])
+             for key in ("goodput", "blocked_share_0", "blocked_end_share_0", "waited_share_worst", "eval_loss",
+                         "tokens", "dropped", "syncs", "loop_seconds")}
         spreads[name] = s
         flag = " FLAGGED: above 100%" if s["goodput"]["max"] > FLAGGED else ""
         rows.append([name, percent(s["goodput"]) + flag, percent(s["blocked_share_0"]),
-                     percent(s["waited_share_worst"]), show(s["eval_loss"], "{:.4f}"), show(s["tokens"]),
+                     percent(s["blocked_end_share_0"]), percent(s["waited_share_worst"]),
+                     show(s["eval_loss"], "{:.4f}"), show(s["tokens"]), show(s["dropped"]),
                      show(s["syncs"], "{:.0f}"), show(s["loop_seconds"], "{:.1f}")])
     first = "3 replicas, quotas of 1.4 cores" if args.quality else "3 replicas at 60%, 60%, 20% of a core"
-    table = markdown_table([first, "goodput", "replica 0 blocked",
-                            "waited, worst replica", "eval loss", "tokens", "syncs", "loop s"], rows)
-    rates = ", ".join(f"{q:.0%}: {before[q]['tokens_per_second']:,.0f} and {after[q]['tokens_per_second']:,.0f} "
-                      f"tokens/s ({solo[q]['seconds_per_step']:.3f} s/step)" for q in solo)
+    table = markdown_table([first, "goodput", "replica 0 blocked", "of which the last sync",
+                            "waited, worst replica", "eval loss", "tokens", "of which dropped at landing", "syncs",
+                            "loop s"], rows)
+    rates = "; ".join(", ".join(f"{q:.0%}: {b['tokens_per_second']:,.0f} and {a['tokens_per_second']:,.0f} "
+                                f"tokens/s ({best['seconds_per_step']:.3f} s/step)"
+                                for q, b, a, best in zip(quotas, before[quotas], after[quotas], alone[quotas],
+                                                         strict=True))
+                      for quotas in sets)
     kind = "seeds (--seed 0, 1, 2), constant learning rate after 20 warmup steps," if args.quality else "repeats"
     table += (f"\n\n{steps} steps (max_steps; a time-budget run ends when its fastest replica gets there), "
               f"128-token blocks, batch 4, fp32, {repeats} {kind}"
-              f" interleaved; median [min, max]. Solo rates under each quota, before the runs and after them: "
-              f"{rates}; capacity = {capacity:,.0f} tokens/s (the sum over the 3 replicas of each quota's faster "
-              f"solo rate). round_seconds = {inner} × the 60% replica's solo seconds per step (measured before the "
-              f"runs). Goodput = committed tokens ÷ (replica 0's loop seconds × capacity); waited: Σ waited_seconds "
+              f" interleaved; median [min, max]. Each replica's rate under its quota with the others training at the "
+              f"same time, each alone (no syncs), before the runs and after them: {rates}; capacity = "
+              f"{capacity:,.0f} tokens/s (the sum over the 3 replicas of each one's faster rate). round_seconds = "
+              f"{inner} × replica 0's seconds per step (measured before the runs). Goodput = (committed tokens − those "
+              f"of the steps a mix landing dropped) ÷ (replica 0's loop seconds × capacity); the last sync's wait "
+              f"(blocking: the slowest replica's last step and the exchange) is once per run; waited: Σ waited_seconds "
               f"of the replica that waited most (torch: its arrival before the last replica's; torchft: forming the "
               f"quorum) ÷ replica 0's loop seconds. Quotas enforced per "
               f"{args.period_ms:g} ms CFS period.")
     if args.quality:
         table += (f" Equal speed: every replica at {EQUAL:.1%} of a core (the same 1.4 cores; capacity "
-                  f"{len(QUOTAS) * solo[EQUAL]['tokens_per_second']:,.0f} tokens/s), max_steps {equal_steps} so that "
+                  f"{capacity_of(alone, sets[1]):,.0f} tokens/s), max_steps {equal_steps} so that "
                   f"the three train about as many tokens as the unequal run in about as many syncs.")
         for backend in backends:
             for method in (f"time budget {round_seconds:g} s", f"time budget, delayed Nesterov N = {DELAY}"):
@@ -446,9 +493,10 @@ def main() -> None:
     mode = "methods" if args.methods else "quality" if args.quality else "overlap" if args.overlap else None
     name = f"speeds-{mode}-{'-'.join(backends)}" if mode else "speeds"
     save(name, table, {"quotas": QUOTAS, "steps": steps, "inner_steps": inner,
-                           "round_seconds": round_seconds, "solo": {str(q): v for q, v in solo.items()},
-                           "solo_before": {str(q): v for q, v in before.items()},
-                           "solo_after": {str(q): v for q, v in after.items()},
+                           "round_seconds": round_seconds,
+                           "alone": {",".join(map(str, q)): v for q, v in alone.items()},
+                           "alone_before": {",".join(map(str, q)): v for q, v in before.items()},
+                           "alone_after": {",".join(map(str, q)): v for q, v in after.items()},
                            "period_ms": args.period_ms,
                            "capacity_tokens_per_second": capacity, "runs": runs, "spreads": spreads},
          figure, quick=args.quick, seconds=time.time() - begun)
