@@ -131,7 +131,7 @@ class FixedGroup:
         if self.over:  # the last sync landed (a called-off sync's blocking one may have been the last)
             return False
         # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.budget.due()))
+        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.budget))
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:

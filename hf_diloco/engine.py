@@ -71,21 +71,19 @@ class Progress:
     def __init__(self):
         self.reset()
 
-    def budget_spent(self, budget: float) -> bool:
-        """A time-budget sync is due: the inner step whose end falls nearest `budget` seconds after the last launch
-        has been taken (its wall seconds per step so far tell when the next one would end). Ending at the nearest
-        step rather than the first past the budget brings every replica to the sync within half a step of the
-        budget, whatever its speed, so the faster ones wait less for the slowest.
+    def budget_spent(self, budget: TimeBudget) -> bool:
+        """A time-budget sync is due (TimeBudget.spent): this replica's seconds since the budget began and its wall
+        seconds per step so far tell when its next step would end.
 
         >>> progress = Progress()
         >>> progress.started = progress.origin = time.perf_counter() - 0.85
         >>> progress.steps = 2                                                  # 0.425 s a step so far
-        >>> progress.budget_spent(1.0), progress.budget_spent(1.1)            # a third step would end at 1.275 s
+        >>> progress.budget_spent(TimeBudget(1.0)), progress.budget_spent(TimeBudget(1.1))  # a third ends at 1.275 s
         (True, False)
         """
         now = time.perf_counter()
         per_step = (now - self.started) / self.steps if self.steps else 0.0
-        return now - self.origin + per_step / 2 >= budget
+        return budget.spent(now - self.origin, per_step)
 
     def align(self, moment: float) -> None:
         """Count the budget from `moment` (a perf_counter time) if later than the launch: the instant an overlapped

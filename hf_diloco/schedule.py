@@ -58,6 +58,22 @@ class TimeBudget:
         replica expected to reach max_steps first (it syncs there), else `current`."""
         return math.inf if self.last and self.finishes else self.current()
 
+    def spent(self, elapsed: float, step_seconds: float) -> bool:
+        """Whether this replica's sync is due, `elapsed` seconds into its budget at `step_seconds` a step: once it
+        has taken the step whose end falls nearest the budget, so that every replica reaches the sync within half
+        a step of it, whatever its speed. Under the run's last budget (`size_last`), the replica that reaches
+        max_steps syncs there and has nothing left to train while it waits, so the others take only the steps
+        that end within the budget: they arrive up to a step early and wait for it, not it for them.
+
+        >>> b = TimeBudget(1.0)
+        >>> b.spent(0.7, 0.5), b.spent(0.8, 0.5)       # the next step ends 0.2 s past (take it), then 0.3 s past
+        (False, True)
+        >>> b.size_last(0.0, 8, 0.125, False), b.spent(0.7, 0.5)   # the last budget: no step that ends past it
+        (1.0, True)
+        """
+        late = step_seconds if self.last and not self.finishes else step_seconds / 2
+        return elapsed + late >= self.due()
+
     def size_last(self, elapsed: float, steps_left: int, fastest_step_seconds: float, finishes: bool) -> float:
         """Time-budget rounds: the replica that reaches max_steps first syncs at once, and would wait for the rest
         of the others' budgets (up to a whole one). So when the fastest replica (`fastest_step_seconds` a step,

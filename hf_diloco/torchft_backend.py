@@ -493,7 +493,7 @@ class TorchftQuorum:
         if step >= max_steps:
             return not self.run_over()
         if self.args.round_seconds > 0:  # the members of a replica agree: they enter the sync at the same step
-            return self.comm.control.members_any(progress.budget_spent(self.schedule.budget.due()))
+            return self.comm.control.members_any(progress.budget_spent(self.schedule.budget))
         return progress.steps >= self.schedule.sync_every
 
     def may_overlap(self) -> bool:
