@@ -182,13 +182,22 @@ def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConf
     """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time budgets
     one whose exchange is still running then (it waits for the slowest participant, who may arrive half of its own
     step late) lands at a later step, once it is done, so the inner loop trains on instead of waiting (each replica
-    then continues at the furthest one's step plus its own since the launch); the next sync coming due lands it,
-    waiting if it must. The members of a replica land at the same step."""
+    then continues at the furthest one's step plus its own since the launch). The members of a replica land at the
+    same step."""
     if flight is None or step < min(flight.lands_at, max_steps):
         return False
-    if step >= max_steps or not (args.round_seconds > 0 and flight.future is not None):
-        return True
-    return not backend.comm.control.members_any(not flight.future.done())
+    return not exchanging(flight, step, max_steps, args, backend)
+
+
+def exchanging(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
+    """Under time budgets, whether the overlapped sync in flight is still exchanging before the last step: it lands
+    once done, and the next sync that comes due meanwhile waits for it to land (an exchange slower than a budget, a
+    slow link before sync_delay auto has stretched the budget to it), so the inner loop trains on instead of
+    waiting at the landing; a sync's steps are those since the one before launched, however many. The members of
+    a replica decide together."""
+    if flight is None or step >= max_steps or not (args.round_seconds > 0 and flight.future is not None):
+        return False
+    return backend.comm.control.members_any(not flight.future.done())
 
 
 def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFeedback | None, schedule: Schedule,
@@ -306,10 +315,10 @@ class SyncEngine:
             return None
         landing = lands_now(self.in_flight, step, max_steps, self.args, self.backend)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
-        # A time-budget sync that landed may have moved the step: what follows is decided where it continues.
-        step = self.trainer.state.global_step if landing else step
-        due = self.backend.due(step, max_steps, self.progress)
-        if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight lands now
+        step = self.trainer.state.global_step if landing else step  # (a time-budget sync moves it: decide there)
+        due = self.backend.due(step, max_steps, self.progress) and not exchanging(self.in_flight, step, max_steps,
+                                                                                 self.args, self.backend)
+        if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight (done) lands
             landing, stop = True, stop | self.land(self.in_flight, step, max_steps)
             step = self.trainer.state.global_step
             due = self.backend.due(step, max_steps, self.progress)

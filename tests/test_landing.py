@@ -287,3 +287,58 @@ def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
     else:
         assert torch.equal(outer.global_params[0].detach(), before_global)
         assert torch.equal(theta.detach(), before_local)
+
+
+def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_waits_and_the_loop_trains_on():
+    """SyncEngine.sync at the end of inner steps, its backend and its sync kinds replaced by stand-ins: an
+    overlapped time-budget sync launched at step 10 with τ 2 whose exchange is still running (a slow link) when
+    the next budget is spent at step 30: nothing lands and nothing is launched (the replica takes step 31), and at
+    step 31, once the exchange is done, it lands and the next sync is launched at once, the steps since the last
+    launch in it. At max_steps the sync in flight lands whatever its exchange (the last sync waits for it); and with
+    rounds of H steps the next sync lands the one in flight as before."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    def engine_with_flight(round_seconds: float):
+        calls = []
+        sync_engine = object.__new__(engine.SyncEngine)
+        sync_engine.args = SimpleNamespace(round_seconds=round_seconds)
+        sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
+                                              comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
+        sync_engine.trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+        sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
+        flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
+        sync_engine.in_flight = flight
+
+        def land(landing, step, max_steps):
+            calls.append(("land", landing.launched_at, step))
+            sync_engine.in_flight = None
+            return False
+
+        def launch(step, max_steps):
+            calls.append(("launch", step))
+            sync_engine.in_flight = engine.Flight(launched_at=step, lands_at=step + 2, outer_lr=0.7, measured=[],
+                                                  began=0.0, future=Future())
+            return sync_engine.in_flight
+
+        sync_engine.land, sync_engine.launch = land, launch
+        return sync_engine, flight, calls
+
+    budgets, flight, calls = engine_with_flight(1.0)
+    for step in (12, 20, 30):
+        budgets.trainer.state.global_step = step
+        assert budgets.sync(step, 100) is None and calls == [], step
+    flight.future.set_result(None)
+    budgets.trainer.state.global_step = 31
+    assert budgets.sync(31, 100) is False
+    assert calls == [("land", 10, 31), ("launch", 31)]
+
+    at_end, _, calls = engine_with_flight(1.0)
+    at_end.trainer.state.global_step = 100
+    at_end.sync(100, 100)
+    assert calls[0] == ("land", 10, 100), "the last step lands the sync in flight, waiting for its exchange"
+
+    rounds, _, calls = engine_with_flight(0.0)
+    rounds.trainer.state.global_step = 11
+    rounds.sync(11, 100)
+    assert calls == [("land", 10, 11), ("launch", 11)], "rounds of H steps: the sync that comes due lands it first"

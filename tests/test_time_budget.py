@@ -196,21 +196,19 @@ def test_a_link_too_slow_for_the_time_budget_stretches_it_and_nobody_waits(two):
     """A link too slow for the budget: every all-reduce across replicas first waits SLOW_LINK s, so a sync's
     exchange takes longer than the steps of a SHORT_BUDGET s budget can cover (a ring all-reduce runs at its
     slowest link for everyone). With `sync_delay: auto` the first exchange is still running when the next budget
-    is spent, so the replicas wait for it then (an overlapped sync lands once its exchange is done, at the latest
-    when the next one comes due); once one has been measured and agreed, the budget stretches to the exchange
-    plus two of the slowest replica's steps (TimeBudget.stretch), τ covers the sync's time in flight (the
-    agreement, then the exchange) with a margin, and the later overlapped syncs keep replica 0 waiting under an
-    eighth of SLOW_LINK at the median and a quarter on average (without the stretch, about SLOW_LINK each: the wait
-    eats the budget, the next sync comes after a step or two, and τ chosen from them stays short). The replicas end
-    identical."""
+    is spent: the next sync waits for it to land while the replicas train on (an overlapped sync lands once its
+    exchange is done), so it keeps replica 0 under an eighth of SLOW_LINK (landing it when the next sync came due
+    waited for the rest of the exchange, 0.24 s measured); once one has been measured and agreed, the budget
+    stretches to the exchange plus two of the slowest replica's steps (TimeBudget.stretch), τ covers the sync's
+    time in flight (the agreement, then the exchange) with a margin, and the later overlapped syncs keep replica 0
+    waiting under an eighth of SLOW_LINK at the median and a quarter on average. The replicas end identical."""
     folder, (fast, slow) = two["slow-link"]
     assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
     records = read_syncs(folder / "run")
     assert len(records) >= 8, records
-    # The first sync's exchange outlasted the budget: the replica trained through the budget, then waited for the
-    # rest of the exchange (SLOW_LINK less about SHORT_BUDGET; at least half of that, the budget's own timing aside)
+    # The first sync's exchange outlasted the budget: the replica trained on through it, past the next budget
     assert records[0]["sync_seconds"] >= SLOW_LINK and "launch_step" in records[0], records[0]
-    assert records[0]["blocked_seconds"] >= 0.5 * (SLOW_LINK - SHORT_BUDGET), records[0]
+    assert records[0]["blocked_seconds"] < SLOW_LINK / 8, records[0]
     choices = [(r["sync"], r["sync_delay_auto"]) for r in records if "sync_delay_auto" in r]
     stretched = [(n, c) for n, c in choices if c["budget_seconds"] > SHORT_BUDGET]
     assert stretched and stretched[0][0] <= 3, choices

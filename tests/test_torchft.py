@@ -318,13 +318,17 @@ def test_sync_delay_auto_on_torchft_chooses_alike_on_every_replica(pair):
 @pytest.mark.process
 def test_a_link_too_slow_for_the_time_budget_stretches_it_on_torchft_and_nobody_waits(pair):
     """Time-budget rounds of 0.2 s with `sync_delay: auto` over a link on which each all-reduce waits 0.6 s
-    first (a step 0.03 s): the exchange does not fit the budget, so once the first exchange's time has been agreed
-    the budget stretches to the sync's time in flight (the quorum, then the exchange) plus two steps, alike on both
-    replicas (TimeBudget.stretch), and the later overlapped syncs keep replica 0 waiting at their landing under
-    an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s each).
-    The replicas end identical."""
+    first (a step 0.03 s): the exchange does not fit the budget. The first one is still running when the next
+    budget is spent: the next sync waits for it to land while the replica trains on, so it keeps replica 0 under an
+    eighth of 0.6 s (landing it when the next came due waited about 0.4 s). Once the first exchange's time has been
+    agreed the budget stretches to the sync's time in flight (the quorum, then the exchange) plus two steps, alike
+    on both replicas (TimeBudget.stretch), and the later overlapped syncs keep replica 0 waiting at their landing
+    under an eighth of the link's 0.6 s at the median and a quarter on average (without the stretch, most of 0.6 s
+    each). The replicas end identical."""
     folder = pair / "slow-link-budget"
     records = [read_syncs(folder / f"replica-{r}") for r in range(2)]
+    first = next(r for r in records[0] if "launch_step" in r)
+    assert first["sync_seconds"] >= 0.6 and first["blocked_seconds"] < 0.6 / 8, first
     budgets = [[(r["sync"], r["sync_delay_auto"]["budget_seconds"]) for r in rounds if "sync_delay_auto" in r]
                for rounds in records]
     # Alike where both chose: a replica whose last sync lands at max_steps makes no choice for a next round, and
