@@ -279,10 +279,17 @@ def spread_errors(spreads: list[dict], scale: float = 1.0) -> list[list[float]]:
 
 def spread_bars(labels: list[str], spreads: list[dict], colors: list[str], ylabel: str, title: str,
                 size: tuple[float, float]):
-    """A bar per spread at its median, with [min, max] error bars; returns (figure, axes)."""
-    fig, ax = pyplot().subplots(figsize=size)
-    ax.bar(labels, [s["median"] for s in spreads], yerr=spread_errors(spreads), capsize=4, color=colors)
-    ax.set_ylabel(ylabel)
+    """A bar per spread at its median, with [min, max] error bars; returns (figure, axes). More than six bars are
+    drawn across, one under the other, so that their labels stay readable (`size`'s width kept)."""
+    if len(labels) > 6:
+        fig, ax = pyplot().subplots(figsize=(max(size[0], 9.0), 0.45 * len(labels) + 1.2))
+        ax.barh(labels, [s["median"] for s in spreads], xerr=spread_errors(spreads), capsize=4, color=colors)
+        ax.invert_yaxis()  # the first label on top, as in the table
+        ax.set_xlabel(ylabel)
+    else:
+        fig, ax = pyplot().subplots(figsize=size)
+        ax.bar(labels, [s["median"] for s in spreads], yerr=spread_errors(spreads), capsize=4, color=colors)
+        ax.set_ylabel(ylabel)
     ax.set_title(title)
     return fig, ax
 

@@ -25,15 +25,15 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
 drop. `--overlap` runs the time-budget rounds blocking and overlapped (`sync_delay 1`), nothing else. `--quality`
-compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 8 nominal
-steps, 400 steps (about 50 syncs, 45 or so overlapped), plain and with the delayed outer Nesterov, under 60%, 60%,
-20% and under three quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the rates below so that they
-train about as many tokens in about as many syncs (the same budget); and at unequal speeds overlapped (sync_delay
-1) with each landing, mixed (α 0: the steps taken in flight dropped) and eager (kept). Each row runs 3 seeds
-(`--seed` 0, 1, 2), interleaved, and the learning rate is constant after a 20-step warmup: a run's length is
-max_steps of its fastest replica, so equal tokens at unequal and at equal speeds are different step counts, which
-a decaying schedule would turn into different schedules. `--period-ms` sets the CFS period the quotas are
-enforced over.
+compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 8 nominal steps,
+400 steps (about 50 syncs, 45 or so overlapped), plain and with the delayed outer Nesterov, under 60%, 60%, 20% and
+under three quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the rates below
+so that they train about as many tokens in about as many syncs (the same budget); and at unequal speeds overlapped
+(sync_delay 1) with each landing, mixed (α 0: the steps taken in flight dropped) and eager (kept). Each row runs 3
+seeds (`--seed` 0, 1, 2), interleaved, and the learning rate is constant after a 20-step warmup: a run's length is
+max_steps of its fastest replica, so equal tokens at unequal and at equal speeds are different step counts, which a
+decaying schedule would turn into different schedules. `--period-ms` sets the CFS period the quotas are enforced
+over.
 
 Capacity = the sum over replicas of each one's rate under its own quota while the run's other replicas train on
 the machine at the same time, each alone (one process each, no syncs between them: what the machine sustains when
