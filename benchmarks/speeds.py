@@ -35,13 +35,13 @@ max_steps of its fastest replica, so equal tokens at unequal and at equal speeds
 decaying schedule would turn into different schedules. `--period-ms` sets the CFS period the quotas are enforced
 over.
 
-Capacity = the sum over replicas of each one's rate under its own quota while the run's other replicas train on
-the machine at the same time, each alone (one process each, no syncs between them: what the machine sustains when
-nobody waits for anybody, its caches and memory shared as in a run; a replica measured on an idle machine ran 10%
-faster than inside any run, which read as lost goodput). Replica r trains 150 steps × its quota's share of the
-fastest quota, so that they end together; rate = its tokens ÷ its loop time over the syncs after the first (the
-warm-up left out). Measured before the runs and again after them; each replica's faster rate counts. Per run, from
-replica 0's own records (syncs.jsonl of the run, or of replica-0 on torchft):
+Capacity = the sum over replicas of each one's rate under its own quota while the run's other replicas train on the
+machine at the same time, each alone (one process each, no syncs between them: what the machine sustains when nobody
+waits for anybody, its caches and memory shared as in a run, rather than one replica on an idle machine). Replica r
+trains 150 steps × its quota's share of the fastest quota, so that they end together; rate = its tokens ÷ its loop
+time over the syncs after the first (the warm-up left out). Measured before the runs and again after them; each
+replica's faster rate counts. Per run, from replica 0's own records (syncs.jsonl of the run, or of replica-0 on
+torchft):
 - loop seconds: replica 0's time in the training loop, Σ (its inner-step seconds, from its row of `replicas`, + its
   blocked seconds); start-up and the final evaluation are left out, as they are of the rates;
 - goodput = tokens merged into the final model (Σ `tokens` of the committed syncs, less the tokens of the steps a
