@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import psutil
-from common import REPO, markdown_table, pyplot, run_env, save, skip
+from common import REPO, dropped_tokens, markdown_table, pyplot, run_env, save, skip
 from netns import NamespaceError, star
 
 sys.path.insert(0, str(REPO))
@@ -61,20 +61,6 @@ SLOW_RATE = 1_000_000
 
 def committed(folder: Path) -> list[dict]:
     return [r for r in run_syncs(folder) if r.get("committed", True)]
-
-
-def dropped_tokens(folder: Path, landing: str) -> int:
-    """Tokens whose steps an overlapped sync's mix landing (α 0) dropped: each replica's `in_flight_steps` of its
-    committed syncs at its tokens per step, counted in the next sync's tokens but no longer in its parameters."""
-    if landing == "eager":
-        return 0
-    dropped = 0
-    for k in range(REPLICAS):
-        for record in read_syncs(folder / f"replica-{k}"):
-            own = next((m for m in record["replicas"] if m["replica"] == k and m.get("steps")), None)
-            if record.get("committed", True) and record.get("in_flight_steps") and own:
-                dropped += record["in_flight_steps"] * own["tokens"] // own["steps"]
-    return dropped
 
 
 def training_pid(folder: Path, replica: int) -> int | None:
@@ -177,7 +163,8 @@ def run(network, folder: Path, overrides: list[str], plan: list[tuple[float, str
     own = read_syncs(folder / "replica-0")
     budgets = [r["sync_delay_auto"]["budget_seconds"] for r in own if "budget_seconds" in r.get("sync_delay_auto", {})]
     return {"codes": codes, "wall_seconds": wall, "rounds": len(rounds), "tokens": sum(r["tokens"] for r in rounds),
-            "dropped": dropped_tokens(folder, "eager" if "eager" in overrides else "mix"),
+            "dropped": 0 if "eager" in overrides else dropped_tokens([folder / f"replica-{k}"
+                                                                      for k in range(REPLICAS)]),
             "eval_loss": summary.get("eval_loss_final"), "digests": [model_digest(folder / f"replica-{r}")
                                                                      for r in range(REPLICAS)],
             "incomplete_checkpoints": incomplete_checkpoints(folder),

@@ -248,6 +248,24 @@ def loop_tokens_per_second(result: dict, replicas: int) -> float:
     return result["metrics"]["global_step"] * BATCH * BLOCK * replicas / loop_seconds(result)
 
 
+def dropped_tokens(replica_folders: list[Path], whole_sync: bool = False) -> int:
+    """Tokens of the steps an overlapped sync's mix landing (α 0) dropped: replica k's records (in
+    `replica_folders[k]`) give, per committed sync, its `in_flight_steps`, trained after the launch and counted in
+    the next committed sync's tokens, while the landing took them out of its parameters; at its tokens per step
+    there (none where it sat that sync out: those tokens were never merged). `whole_sync`: the torch backend's one
+    folder, whose records carry replica 0's `in_flight_steps` only; every replica trained the same seconds while
+    the sync was in flight (they land together), so the next sync's tokens are taken in replica 0's share."""
+    dropped = 0
+    for k, folder in enumerate(replica_folders):
+        records = [r for r in read_syncs(folder) if r.get("committed", True)]
+        for record, following in zip(records, records[1:], strict=False):
+            own = next((m for m in following["replicas"] if m["replica"] == k and m.get("steps")), None)
+            if record.get("in_flight_steps") and own:
+                share = min(1.0, record["in_flight_steps"] / own["steps"])
+                dropped += round(share * (following["tokens"] if whole_sync else own["tokens"]))
+    return dropped
+
+
 def parameter_hash(model_dir: Path) -> str:
     """SHA-256 over a saved model's parameters (names, shapes, fp32 bytes), in the model's order."""
     import hashlib

@@ -71,7 +71,18 @@ import uuid
 from pathlib import Path
 
 import psutil
-from common import Processes, markdown_table, run_env, save, show, skip, spread, spread_bars, train_command
+from common import (
+    Processes,
+    dropped_tokens,
+    markdown_table,
+    run_env,
+    save,
+    show,
+    skip,
+    spread,
+    spread_bars,
+    train_command,
+)
 
 from hf_diloco.files import read_json
 from hf_diloco.metrics import read_summary, read_syncs, run_syncs
@@ -259,23 +270,6 @@ def capacity_of(rates: dict[tuple, list[dict]], quotas: tuple[float, ...]) -> fl
     return sum(rate["tokens_per_second"] for rate in rates[tuple(quotas)])
 
 
-def dropped_tokens(folder: Path, backend: str) -> int:
-    """Tokens of the steps a mix landing (α 0) dropped: counted in the next sync's tokens, no longer in the
-    parameters. torchft: each replica's `in_flight_steps` at its tokens per step in that next sync. torch: its
-    records carry replica 0's alone; every replica trained for the same seconds while the sync was in flight (they
-    land together), so the next sync's tokens are taken in replica 0's share (in-flight steps ÷ its steps there)."""
-    dropped = 0
-    for k in ([0] if backend == "torch" else range(len(QUOTAS))):
-        records = [r for r in read_syncs(folder if backend == "torch" else folder / f"replica-{k}")
-                   if r.get("committed", True)]
-        for record, following in zip(records, records[1:], strict=False):
-            own = next((m for m in following["replicas"] if m["replica"] == k and m.get("steps")), None)
-            if record.get("in_flight_steps") and own:
-                share = min(1.0, record["in_flight_steps"] / own["steps"])
-                dropped += round(share * (following["tokens"] if backend == "torch" else own["tokens"]))
-    return dropped
-
-
 def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (), capacity_lost: float = 0.0,
             mixed: bool = False) -> dict:
     """`slowed`: [from, to] (Unix time) in which the capacity was `capacity_lost` lower (a quota drop); `mixed`: its
@@ -288,7 +282,9 @@ def measure(folder: Path, backend: str, capacity: float, slowed: list[float] = (
         began = own[0]["time"] - own_row(own[0])["compute_seconds"] - own[0]["blocked_seconds"]
         inside = max(0.0, min(slowed[1], own[-1]["time"]) - max(slowed[0], began))
         capacity -= capacity_lost * inside / (own[-1]["time"] - began)
-    dropped = dropped_tokens(folder, backend) if mixed else 0
+    dropped = 0 if not mixed else dropped_tokens(
+        [folder] if backend == "torch" else [folder / f"replica-{k}" for k in range(len(QUOTAS))],
+        whole_sync=backend == "torch")
     tokens = sum(r["tokens"] for r in merged)
     waited: dict[int, float] = {}
     for r in merged if backend == "torch" else [x for i in range(len(QUOTAS))
