@@ -2,7 +2,7 @@
 
 - `SteadyClock`: steady tokens/s for run_metrics.json.
 - `RunRecorder` (main process only, no collective): `progress.json` with the current step and phase, rewritten at
-  most once a second while training, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so
+  most twice a second while training, and `trainer_log.jsonl` with every dict Trainer logs. The app reads both, so
   a baseline `Trainer` run (no sync rounds) is watchable and progress moves between syncs.
 - `StopOnRequest`: a stop file in the output folder (what the app's Stop writes) or `request()` (what SIGUSR1,
   SIGTERM and SIGINT call, through hf_diloco.trainer.graceful_stop_signals) stops the run after the current round
@@ -56,7 +56,7 @@ class RunRecorder(TrainerCallback):
     `extra` goes into progress.json as is (e.g. the bytes a DDP step sends, for comparing runs).
     """
 
-    def __init__(self, output_dir: str, extra: dict | None = None, min_interval: float = 1.0):
+    def __init__(self, output_dir: str, extra: dict | None = None, min_interval: float = 0.5):
         self.folder = Path(output_dir)
         self.extra = extra or {}
         self.min_interval = min_interval
