@@ -155,7 +155,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
         return newest is not None and checkpoints.step_of(newest) > 30
 
     # Every run passes this point and the checkpoint stays, so no machine, however loaded, can miss it (a round of
-    # the tiny model takes a fraction of a second, and progress.json, rewritten at most once a second, can skip
+    # the tiny model takes a fraction of a second, and progress.json, rewritten at most twice a second, can skip
     # every mid-round step). Asked often and acted on at once, the kill lands in the next round's inner steps.
     wait_for(checkpoint_past_step_30, 400, "a complete checkpoint past step 30", every=0.05)
     workers = subprocess.run(["pgrep", "-f", f"hf_diloco.cli train .*{out}"], capture_output=True, text=True)
@@ -167,7 +167,7 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes_by_itself(tmp_path, 
     rounds = read_syncs(out)
     assert [r["step"] for r in rounds] == list(range(10, 61, 10))
     resumed = [r for r in rounds if "resumed_from" in r]
-    # At most the round in flight. progress.json, from which steps_lost is counted, is written at most once a
+    # At most the round in flight. progress.json, from which steps_lost is counted, is written at most twice a
     # second, so a kill just after a round boundary can record 0.
     assert len(resumed) == 1 and 0 <= resumed[0]["steps_lost"] <= 10, resumed
 
