@@ -122,13 +122,16 @@ class DiLoCoCallback(TrainerCallback):
             if self.trainer.is_world_process_zero():
                 logger.warning("DiLoCo: stop requested; saving a checkpoint at step %d and stopping.", step)
             control.should_save = control.should_training_stop = True
-        if self.engine.run_over() and not control.should_training_stop:
+        if self.engine.run_over():
             # The run ended by its sync count (or this replica healed from one that finished it): the final model
-            # is θ_global, whatever this replica trained since its last sync.
+            # is θ_global, whatever this replica trained since its last sync. Also when Trainer stops here anyway:
+            # a replica whose joining sync healed it into a finished run still takes the one step Trainer always
+            # takes, and ends one step past max_steps.
             self.engine.outer.copy_global_to_replica()
-            if step < max_steps and self.args.eval_strategy != "no":
-                control.should_evaluate = True
-            control.should_training_stop = True
+            if not control.should_training_stop:
+                if step < max_steps and self.args.eval_strategy != "no":
+                    control.should_evaluate = True
+                control.should_training_stop = True
         if not self.timed:
             self._align_to_syncs(control, at_boundary)
 

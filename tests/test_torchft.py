@@ -597,6 +597,35 @@ def test_a_replica_behind_when_the_last_round_commits_ends_with_the_final_model(
 
 
 @pytest.mark.process
+def test_a_replica_restarted_after_the_last_sync_heals_into_the_finished_run_and_ends_with_the_final_model(tmp_path):
+    """Two replicas, min_replicas 1. Replica 1 is SIGKILLed after two syncs; replica 0 trains to max_steps alone
+    and stays (end_linger_seconds) for the replica it knows missed the last sync. Started again only then, replica
+    1 heals in its joining sync from replica 0 into a run that is over: it takes the one inner step Trainer takes
+    after training begins, yet ends with replica 0's parameters, exactly, and exits 0."""
+    max_steps = 24
+    with lighthouse(min_replicas=1, grace=1.0) as address:
+        def settings(r):
+            return {"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address, "min_replicas": 1,
+                    "max_steps": max_steps, "inner_steps": 4, "step_sleep": 0.05}
+
+        logs = [tmp_path / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica(settings(r), logs[r]) for r in range(2)]
+        wait_for(lambda: len(committed(tmp_path / "replica-0")) >= 2, 120, "two syncs")
+        os.kill(replicas[1].pid, signal.SIGKILL)
+        replicas[1].wait()
+        wait_for(lambda: any(r["step"] == max_steps for r in committed(tmp_path / "replica-0")), 120,
+                 "replica 0's last sync")
+        assert replicas[0].poll() is None, "replica 0 stays for the replica that missed the last sync"
+        replicas[1] = start_replica(settings(1), logs[1])
+        finish(replicas, logs)
+    assert not takes_part(committed(tmp_path / "replica-0")[-1], 1)
+    assert "handed the final model to replica(s) 1" in logs[0].read_text(), logs[0].read_text()[-3000:]
+    assert int((tmp_path / "step1.txt").read_text()) == max_steps + 1, "the one step Trainer takes after the heal"
+    final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
+    assert max_difference(final[0], final[1]) == 0.0
+
+
+@pytest.mark.process
 def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_and_a_killed_fast_one_rejoins(
         tmp_path, cpu_quota):
     """Three replicas under real CPU quotas (cgroups: 60%, 60% and 20% of a core, 1.4 of the machine's 2 cores),
@@ -609,6 +638,8 @@ def test_under_cpu_quotas_a_slow_replica_takes_fewer_steps_with_round_seconds_an
     parameters; the run ends when a replica reaches max_steps."""
     # 8 syncs or more: under their quota the fast replicas take 40 to 150 steps per budget, run to run (at 600 steps
     # a run at 150 ended in 5 syncs, before the restarted replica could take part again; it rejoins at about sync 6).
+    # A faster CPU takes 200 to 300 a budget: 5 syncs, and the restarted replica's joining sync is the last one (it
+    # heals into a run that is over, as in the test above).
     budget, max_steps = 1.5, 1200
     quotas = [cpu_quota(0.6), cpu_quota(0.6), cpu_quota(0.2)]
     hold, back = tmp_path / "hold", tmp_path / "replica-0-is-back"
