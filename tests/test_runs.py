@@ -379,3 +379,21 @@ def test_a_line_torn_by_a_kill_hides_no_later_record_and_appends_start_on_a_line
     log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     append_jsonl(log, {"step": 3, "loss": 1.5})
     assert log.read_text().splitlines()[-1] == '{"step": 3, "loss": 1.5}'
+
+
+def test_progress_json_is_rewritten_at_most_twice_a_second_and_its_first_step_at_once(tmp_path, monkeypatch):
+    """RunRecorder (what the app's status bar reads): steps ending every 0.1 s of a clock the test moves, over 3 s,
+    rewrite progress.json at step 1 and then only once 0.5 s have passed since the last write: 6 writes (steps 1,
+    6, 11, 16, 21, 26), each holding the step that ended then."""
+    from types import SimpleNamespace
+
+    from hf_diloco import callbacks
+
+    now, written = [1000.0], []
+    monkeypatch.setattr(callbacks.time, "time", lambda: now[0])
+    monkeypatch.setattr(callbacks, "write_json", lambda path, data, **_: written.append((path.name, data["step"])))
+    recorder = callbacks.RunRecorder(str(tmp_path))
+    for step in range(1, 31):
+        now[0] += 0.1
+        recorder.on_step_end(None, SimpleNamespace(is_world_process_zero=True, global_step=step, max_steps=30), None)
+    assert written == [(runs.PROGRESS_FILE, step) for step in (1, 6, 11, 16, 21, 26)]
