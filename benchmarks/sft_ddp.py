@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's hf_d
 
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
-from hf_diloco.callbacks import RunRecorder, SteadyClock  # noqa: E402
 from hf_diloco.recipes import parse_train_args  # noqa: E402
+from hf_diloco.run_callbacks import RunRecorder, SteadyClock  # noqa: E402
 from hf_diloco.train import build_model, tokens_per_step, trl_datasets, write_run_metrics  # noqa: E402
 
 

@@ -24,9 +24,11 @@ from common import REPO, markdown_table, run_env, save, train_command
 
 # Functions by (file suffix, name): the cumulative time of the outermost call of each is what it costs.
 INNER_TRAINING = [("transformers/trainer.py", "training_step"), ("torch/optim/optimizer.py", "wrapper")]
-DILOCO_PER_STEP = [("hf_diloco/callback.py", "on_step_begin"), ("hf_diloco/callback.py", "on_step_end"),
-                   ("hf_diloco/callback.py", "observe_micro_batch"), ("hf_diloco/callbacks.py", "on_step_end"),
-                   ("hf_diloco/callbacks.py", "on_step_begin"), ("hf_diloco/trainer.py", "_maybe_log_save_evaluate")]
+DILOCO_PER_STEP = [("hf_diloco/diloco_callback.py", "on_step_begin"),
+                   ("hf_diloco/diloco_callback.py", "on_step_end"),
+                   ("hf_diloco/diloco_callback.py", "observe_micro_batch"),
+                   ("hf_diloco/run_callbacks.py", "on_step_end"), ("hf_diloco/run_callbacks.py", "on_step_begin"),
+                   ("hf_diloco/trainer.py", "_maybe_log_save_evaluate")]
 SYNC = [("hf_diloco/engine.py", "sync")]
 LOOP = [("transformers/trainer.py", "_inner_training_loop")]
 

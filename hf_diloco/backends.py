@@ -20,7 +20,11 @@ the sync (its `comm`):
               staleness weights, a vote (commit or roll back) after the collectives, healing of a replica that is
               behind.
 
-Every backend has the same methods, and none reads or writes the Trainer's or the callback's state:
+Both extend `Backend`, which holds the rules they share (when a time-budget sync is due, where every replica
+continues after a sync, a replica's weight relative to the largest); what each adds is who takes part (the fixed
+group's agreement; torchft's quorum, vote and heal). None reads or writes the Trainer's or the callback's state:
+each answers with values (`SyncStart` before a sync's collectives, `Verdict` after its vote), and the engine hands
+them on.
 
     due(step, max_steps, progress)     is a sync due now (`progress`: this replica's steps since its last launch)
     expected_fragments(step, max_steps, local)
@@ -31,10 +35,11 @@ Every backend has the same methods, and none reads or writes the Trainer's or th
                                        numbers; torchft agrees on the fragments after the quorum); the joining
                                        sync before the first inner step makes the replicas' parameters
                                        identical. May run in an overlapped sync's background thread.
-    finish(start, result, record, tokens, step) -> (record, restart)
-                                       after the vote: the record's membership fields, and whether this replica
-                                       starts again from θ_global
+    finish(start, result, record, tokens, step) -> Verdict
+                                       after the vote: the record's membership fields, whether this replica
+                                       starts again from θ_global, and the step every replica continues at
     may_overlap()                      whether the sync being launched may run in the background (sync_delay > 0)
+    take_window()                      the agreed (before, now, sync) where saves and evaluations are decided
     joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
                                        (what a checkpoint keeps of the backend)
     replica, num_replicas, continues_record (a restarted replica appends to its record instead of cutting it at
@@ -48,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import ReplicaComm
-from .schedule import Schedule
+from .schedule import Boundaries, Schedule
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,16 @@ class SyncStart:
     excluded: dict[int, str] = field(default_factory=dict)  # replicas a contribution check found out, and why
     called_off: bool = False  # the fixed group's agreement found a save, an evaluation, a stop or the end: this
     # overlapped sync exchanges nothing, and every replica launches a blocking one where it would have landed
+    continue_at: int | None = None  # a late replica healed from a peer: it continues at the peer's step
+
+
+@dataclass
+class Verdict:
+    """A backend's word on a sync after its vote (`finish`)."""
+
+    record: dict  # the sync's record with the backend's fields (membership, the sync's number and step)
+    restart: bool = False  # this replica starts again from θ_global
+    continue_at: int | None = None  # every replica continues at this step (the furthest one's), when it moved
 
 
 @dataclass
@@ -89,26 +104,72 @@ class Agreement:
     called_off: bool = False  # an overlapped sync's agreement found a window, a stop or the end: nothing is exchanged
 
 
-class FixedGroup:
-    """The `torch` backend: every process of the launch, every sync (see the module docstring for time-budget
-    rounds)."""
+class Backend:
+    """What both backends share: the replica's `comm`, θ_global (`outer`), the run's `schedule` and length, and the
+    rules that do not depend on who takes part."""
 
     continues_record = False  # a resumed launch retrains the syncs after its checkpoint: they leave the record
 
-    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, continue_at_step=None,
-                 overlap: bool = False, step: int = 0, boundary_wanted=None):
+    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, max_steps: int):
         self.comm = comm
         self.outer = outer
         self.schedule = schedule
+        self.max_steps = max_steps
+
+    def budget_due(self, progress) -> bool:
+        """A time-budget sync is due: this replica's budget is spent (engine.Progress.budget_spent). The members of
+        a replica agree, so they enter the sync at the same step."""
+        return self.comm.control.members_any(progress.budget_spent(self.schedule.budget))
+
+    def continued_step(self, furthest: int, launched_at: int, step: int, over: bool = False) -> int:
+        """Where a replica continues after a sync that landed at its `step`: at the furthest participant's step,
+        plus the steps it took while the sync was in flight since its launch at `launched_at` (none once the run is
+        `over`), never past max_steps. A replica already further keeps its step."""
+        return max(step, min(self.max_steps, furthest + (0 if over else step - launched_at)))
+
+    @staticmethod
+    def relative_weight(mine: float, largest: float, when_nobody: float) -> float:
+        """A replica's weight relative to the largest of the sync (`when_nobody` when no one brought any)."""
+        return mine / largest if largest > 0 else when_nobody
+
+    def may_overlap(self) -> bool:
+        return True
+
+    def take_window(self) -> tuple[int, int, int] | None:
+        """The agreed (previous agreed step, this one, sync number) of the sync that landed last, once, where the
+        glue decides saves and evaluations; None where syncs do not agree on one."""
+        return None
+
+    def joined(self, start: SyncStart, step: int) -> None:
+        pass
+
+    def linger(self, step: int, max_steps: int) -> list[int]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class FixedGroup(Backend):
+    """The `torch` backend: every process of the launch, every sync (see the module docstring for time-budget
+    rounds)."""
+
+    def __init__(self, comm: ReplicaComm, outer, schedule: Schedule, resumed: bool, *, max_steps: int = 0,
+                 overlap: bool = False, step: int = 0, boundaries: Boundaries | None = None):
+        super().__init__(comm, outer, schedule, max_steps)
         self.resumed = resumed
-        self.continue_at_step = continue_at_step
         self.overlap = overlap  # sync_delay > 0: a sync lands τ or more of each replica's own steps after its launch
-        # boundary_wanted(before, now, sync): whether a save or an evaluation falls in the steps (before, now] or at
-        # time-budget sync number `sync` (the callback's rule); `previous_step`: the last sync's agreed step
-        self.boundary_wanted = boundary_wanted
+        # Where saves and evaluations fall (time-budget rounds: such a sync lands at one step everywhere);
+        # `previous_step`: the last sync's agreed step
+        self.boundaries = boundaries
         self.previous_step = step
         self.window: tuple[int, int, int] | None = None  # the window of the sync that landed last, if it had one
-        self.max_steps = 0
         self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
@@ -130,13 +191,11 @@ class FixedGroup:
             return bool(self.schedule.due_fragments(step, max_steps))
         if self.over:  # the last sync landed (a called-off sync's blocking one may have been the last)
             return False
-        # The members of a replica agree: they enter the sync at the same step.
-        return self.comm.control.members_any(step >= max_steps or progress.budget_spent(self.schedule.budget))
+        return step >= max_steps or self.budget_due(progress)
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         if not self.schedule.budget:
             return self.schedule.due_fragments(step, max_steps)
-        self.max_steps = max_steps
         local = local or {}
         mine = (step, local.get("tokens", 0), step >= max_steps, bool(local.get("stop_requested")))
         if self.overlap and step < max_steps and self.called_off is None:
@@ -160,9 +219,9 @@ class FixedGroup:
         now, most = int(table[:, 1].max()), float(table[:, 0].max())
         window = (self.previous_step, now, self.syncs + 1)
         wanted = last or before is not None or bool(table[:, 3].any()) or \
-            (self.boundary_wanted is not None and self.boundary_wanted(*window))
+            (self.boundaries is not None and self.boundaries.wanted(*window))
         agreed = Agreement(step=now, launched_at=step, last=last,
-                           weight=float(table[self.replica, 0]) / most if most > 0 else 1.0,
+                           weight=self.relative_weight(float(table[self.replica, 0]), most, when_nobody=1.0),
                            fragments=self.schedule.fragments_of_sync(self.syncs + 1, None, last),
                            bytes_sent=sent + (before.bytes_sent if before is not None else 0),
                            window=window if wanted else None, called_off=wanted and self.overlap and before is None)
@@ -195,44 +254,30 @@ class FixedGroup:
         self.outer.take_replica()
         return SyncStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 
-    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
-        """A time-budget sync: every replica continues at the furthest one's step (the Trainer glue's
-        continue_at_step), plus the steps it took while an overlapped sync was in flight (it lands at τ, or once
-        its exchange is done: hf_diloco.engine.lands_now), as on torchft; the record gets that step and the
-        sync's number. Saves and evaluations fall only at blocking syncs, which every replica lands at one step."""
+    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> Verdict:
+        """A time-budget sync: every replica continues at the furthest one's step, plus the steps it took while an
+        overlapped sync was in flight (it lands at τ, or once its exchange is done: SyncEngine.lands_now), as on
+        torchft (`continued_step`); the record gets that step and the sync's number. Saves and evaluations fall only
+        at blocking syncs, which every replica lands at one step."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
-            return record, False
+            return Verdict(record)
         self.syncs += 1
         self.over = agreed.last
         self.window = agreed.window
-        # (never past max_steps, where the next sync is the last; a blocking sync lands where it was launched)
-        moved = min(agreed.step + step - agreed.launched_at, self.max_steps)
-        if moved > step:
-            self.continue_at_step(moved)
+        moved = self.continued_step(agreed.step, agreed.launched_at, step)
         if record:  # its replica rows (records.replica_rows) hold each replica's steps, tokens and weight
-            record.update(step=max(step, moved), sync=self.syncs, round=self.schedule.round_of(self.syncs))
+            record.update(step=moved, sync=self.syncs, round=self.schedule.round_of(self.syncs))
             if moved != agreed.step:
                 record["launch_step"] = agreed.step
-        return record, False
+        return Verdict(record, continue_at=moved if moved > step else None)
 
     def take_window(self) -> tuple[int, int, int] | None:
-        """The window of the sync that landed last, once: (previous agreed step, this one, sync number) where the
-        glue decides saves and evaluations; None when it had none."""
         window, self.window = self.window, None
         return window
 
-    def joined(self, start: SyncStart, step: int) -> None:
-        pass
-
     def run_over(self) -> bool:
         return self.over
-
-    def linger(self, step: int, max_steps: int) -> list[int]:
-        return []
-
-    def shutdown(self) -> None:
-        pass
 
     def state_dict(self) -> dict:
         return {"syncs": self.syncs} if self.schedule.budget else {}

@@ -38,7 +38,7 @@ TEMPORARY_PREFIX = "tmp-checkpoint-"  # not a checkpoint: one being removed, or 
 # a torchft replica's own output folder; earlier versions named these parts "replica-<rank>", still read).
 PART_DIR = "process-{rank}"
 OUTER_STATE_FILE = "diloco_outer.pt"  # θ_global and the outer optimizer: one copy (sharded: one per shard)
-REPLICA_STATE_FILE = "diloco_replica.pt"  # what only one replica knows (replica_state), in each process's part
+REPLICA_STATE_FILE = "diloco_replica.pt"  # what only one replica knows (SyncEngine.state_dict), in each process's part
 EARLIER_PART_DIR = "replica-{rank}"
 PART_COMPLETE_FILE = "complete"  # in process-<rank>/: this process's part of the checkpoint is written
 TRAINER_STATE_FILE = "trainer_state.json"  # Trainer's TRAINER_STATE_NAME
@@ -169,36 +169,6 @@ def rotate(run_dir: Path, limit: int, best: str | None = None) -> list[Path]:
     for folder in removed:
         remove(folder)
     return removed
-
-
-# --- what only one replica knows ----------------------------------------------------------------------------------
-
-
-def replica_state(args, schedule, backend, feedback, outer) -> dict:
-    """What only this replica knows: the schedule's decisions, the backend's (a time-budget run's sync count), its
-    error-feedback residuals and, when replicas may differ after a sync (several fragments, α > 0, or eager
-    landings), its own trainable parameters."""
-    state = schedule.state_dict()
-    if backend is not None and backend.state_dict():
-        state["backend"] = backend.state_dict()
-    if feedback is not None:
-        state["error_feedback"] = feedback.state_dict()
-    if outer is not None and (args.num_fragments > 1 or args.fragment_alpha > 0 or args.overlap_landing == "eager"):
-        state["params"] = [p.detach().cpu().clone() for p in outer.params]
-    return state
-
-
-def load_replica_state(state: dict, args, schedule, backend, feedback, outer) -> None:
-    """Put back what `replica_state` kept (a resumed replica)."""
-    import torch
-
-    schedule.load_state_dict(state, staggered=args.staggered_end)
-    backend.load_state_dict(state.get("backend", {}))
-    if feedback is not None and "error_feedback" in state:
-        feedback.load_state_dict(state["error_feedback"])
-    with torch.no_grad():
-        for param, saved in zip(outer.params, state.get("params", []), strict=False):
-            param.copy_(saved)
 
 
 def save_diloco_state(checkpoint: str, part: Path, replica_state: dict, outer_state, *, sharded: bool,

@@ -23,8 +23,10 @@ Who decides what (the engine only sequences them):
     outer      the arithmetic of Algorithm 1, one bucket at a time; `outer.land` is the one landing of every sync
     health     a replica that is not finite restarts from θ_global; a run of them ends  hf_diloco.health.Health
     records    the sync's record, trackers and the summary                           hf_diloco.records.Records
-The Trainer callback (hf_diloco.callback) only asks `sync` at the end of each inner step and keeps Trainer's saves,
-evaluations and stop on sync boundaries.
+The engine is handed the replica's parameters, its inner optimizer, its communicator and (contribution_loss_check)
+a held-out loss, never the Trainer: `join` and `sync` answer with a `SyncOutcome` (whether a sync landed, a stop,
+the step every replica continues at, the window where saves and evaluations fall, the run's end), which the
+Trainer callback (hf_diloco.diloco_callback) applies to Trainer's state and control.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from .backends import FixedGroup, SyncStart
-from .checkpoints import load_replica_state, replica_state
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
 from .fragments import Fragment, outer_state_and_fragments, since_base
@@ -58,7 +59,7 @@ from .outer import (
     sync_device,
 )
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
-from .schedule import Schedule, TimeBudget
+from .schedule import Boundaries, Schedule, TimeBudget
 from .torchft_backend import TorchftQuorum
 from .tuner import Tuner
 
@@ -178,39 +179,6 @@ class Flight:
     in_flight_steps: int = 0  # an overlapped sync: the inner steps this replica took while it was in flight
 
 
-def lands_now(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
-    """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time budgets
-    one whose exchange is still running then (it waits for the slowest participant, who may arrive half of its own
-    step late) lands at a later step, once it is done, so the inner loop trains on instead of waiting (each replica
-    then continues at the furthest one's step plus its own since the launch). The members of a replica land at the
-    same step."""
-    if flight is None or step < min(flight.lands_at, max_steps):
-        return False
-    return not exchanging(flight, step, max_steps, args, backend)
-
-
-def exchanging(flight: Flight | None, step: int, max_steps: int, args: DiLoCoConfig, backend) -> bool:
-    """Under time budgets, whether the overlapped sync in flight is still exchanging before the last step: it lands
-    once done, and the next sync that comes due meanwhile waits for it to land (an exchange slower than a budget, a
-    slow link before sync_delay auto has stretched the budget to it), so the inner loop trains on instead of
-    waiting at the landing; a sync's steps are those since the one before launched, however many. The members of
-    a replica decide together."""
-    if flight is None or step >= max_steps or not (args.round_seconds > 0 and flight.future is not None):
-        return False
-    return backend.comm.control.members_any(not flight.future.done())
-
-
-def make_backend(args: DiLoCoConfig, comm, outer: OuterState, feedback: ErrorFeedback | None, schedule: Schedule,
-                 max_steps: int, *, resumed: bool, continue_at_step: Callable[[int], None], step: int = 0,
-                 boundary_wanted: Callable[[int, int, int], bool] | None = None):
-    """The backend `args.outer_backend` names, for this launch's processes `comm` (torchft: one replica)."""
-    if args.outer_backend == "torchft":
-        return TorchftQuorum(args, comm, outer, feedback, schedule, max_steps, resumed=resumed,
-                             continue_at_step=continue_at_step)
-    return FixedGroup(comm, outer, schedule, resumed, continue_at_step=continue_at_step, overlap=args.sync_delay > 0,
-                      step=step, boundary_wanted=boundary_wanted)
-
-
 def outer_settings(args: DiLoCoConfig) -> dict:
     """OuterState's settings from the configuration."""
     return dict(lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
@@ -219,20 +187,28 @@ def outer_settings(args: DiLoCoConfig) -> dict:
                 bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)))
 
 
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What the syncs of one step did, for the Trainer glue to apply (`SyncEngine.sync`, `SyncEngine.join`)."""
+
+    synced: bool = False  # a sync landed or was launched at this step
+    stop: bool = False  # a replica asked to stop (known from a sync that landed)
+    at_boundary: bool = False  # a sync landed and none is in flight: saves, evaluations and a stop may fall here
+    continue_at: int | None = None  # this replica continues at this step (the furthest one's, or a healing peer's)
+    window: tuple[int, int, int] | None = None  # time budgets, fixed group: the agreed (before, now, sync) of a
+    # sync where a save or an evaluation falls
+    run_over: bool = False  # the run's last sync landed: the replica holds the final model
+    syncs_landed: int = 0  # syncs this process landed since it started
+
+
 class SyncEngine:
     """One replica's side of the outer rounds: θ_global and the outer optimizer (`outer`), the fragments, the codec
-    and its residuals, the sync in flight, and what the next sync's statistics carry. `trainer` is the
-    DiLoCoTrainer (its comm, inner optimizer, learning rate); `continue_at_step` is the Trainer glue's one way to
-    move the step (a replica that joins late continues at the others' step)."""
+    and its residuals, the sync in flight, and what the next sync's statistics carry. `announce`: this process
+    prints the tuner's choices (the run's main process)."""
 
-    def __init__(self, args: DiLoCoConfig, trainer, records: Records, continue_at_step: Callable[[int], None]):
+    def __init__(self, args: DiLoCoConfig, records: Records, announce: bool = False):
         self.args = args
-        self.trainer = trainer
         self.records = records
-        self.continue_at_step = continue_at_step
-        # boundary_wanted(before, now, sync): the callback's rule for where saves and evaluations fall (time-budget
-        # rounds on the fixed group make such a sync blocking, so every replica lands it at the same step)
-        self.boundary_wanted: Callable[[int, int, int], bool] | None = None
         self.schedule = Schedule(args.inner_steps, args.num_fragments, sync_delay=args.sync_delay,
                                  budget=TimeBudget(max(0.0, args.round_seconds) / args.num_fragments))
         self.codec: Codec | None = None if args.compression == "none" else make_codec(
@@ -252,12 +228,10 @@ class SyncEngine:
         self.health = Health(args.max_bad_rounds, args.num_fragments)
         self.last_sync_tokens = 0  # tokens of the sync launched last (torchft carries them over a rollback)
         self.max_steps = 0
-        self.gate = Gate(args, trainer)
-        self.tuner = Tuner(args, self.schedule, announce=trainer.is_world_process_zero())
-
-    def take_window(self) -> tuple[int, int, int] | None:
-        """The agreed window of the sync that landed last (time budgets on the fixed group), once."""
-        return self.backend.take_window()
+        self.inner_optimizer: torch.optim.Optimizer | None = None
+        self.gate = Gate(args)
+        self.tuner = Tuner(args, self.schedule, announce=announce)
+        self.continue_at: int | None = None  # where this step's syncs moved the replica (a time budget, a heal)
 
     def request_stop(self) -> None:
         """This replica asks to stop: its next sync tells every replica, and all stop after it."""
@@ -266,22 +240,32 @@ class SyncEngine:
     # --- the start of training ---
 
     def begin(self, named: list[tuple[str, torch.nn.Parameter]], step: int, max_steps: int,
-              outer_state: dict | None, replica_state: dict) -> None:
-        """θ_global from the replica's parameters (or the checkpoint's outer state), the fragments, the backend, and
-        what a resumed replica kept (its residuals, its parameters, the schedule's decisions)."""
+              outer_state: dict | None, replica_state: dict, *, comm, inner_optimizer: torch.optim.Optimizer,
+              held_out_loss: Callable[[], float] | None = None, boundaries: Boundaries | None = None) -> None:
+        """θ_global from the replica's parameters `named` (or the checkpoint's outer state), the fragments, the
+        backend over the launch's `comm`, and what a resumed replica kept (its residuals, its parameters, the
+        schedule's decisions). `inner_optimizer`: the replica's own (a replica that diverged starts its state
+        afresh; the contribution checks read its kind and age); `held_out_loss`: the model's loss on a held-out
+        batch now (contribution_loss_check); `boundaries`: where saves and evaluations fall (time-budget rounds on
+        the fixed group, whose syncs there land at one step everywhere)."""
         args = self.args
         self.max_steps = max_steps
+        self.inner_optimizer = inner_optimizer
+        self.gate.attach(inner_optimizer, held_out_loss)
         if args.error_feedback:
             self.feedback = ErrorFeedback(args.error_feedback_decay, "cpu" if args.offload_outer_state
-                                          else self.trainer.comm.device)
+                                          else comm.device)
         try:
             self.outer, self.fragments = outer_state_and_fragments(named, args.num_fragments, args.fragment_pattern,
                                                                    self.feedback, **outer_settings(args))
         except ValueError as error:  # a fragment that would sync nothing, named
             raise ConfigError(str(error)) from None
-        self.backend = make_backend(args, self.trainer.comm, self.outer, self.feedback, self.schedule, max_steps,
-                                    resumed=outer_state is not None, continue_at_step=self.continue_at_step,
-                                    step=step, boundary_wanted=self.boundary_wanted)
+        if args.outer_backend == "torchft":
+            self.backend = TorchftQuorum(args, comm, self.outer, self.feedback, self.schedule, max_steps,
+                                         resumed=outer_state is not None)
+        else:
+            self.backend = FixedGroup(comm, self.outer, self.schedule, outer_state is not None, max_steps=max_steps,
+                                      overlap=args.sync_delay > 0, step=step, boundaries=boundaries)
         self.comm = self.backend.comm
         self.kinds = SyncKinds(self.outer, self.comm, self.backend, self.codec, self.feedback, self.fragments,
                                self.gate)
@@ -292,47 +276,80 @@ class SyncEngine:
         if outer_state is not None:
             self.outer.load_state_dict(outer_state)
             self.outer.copy_global_to_replica()
-            load_replica_state(replica_state, self.args, self.schedule, self.backend, self.feedback, self.outer)
+            self.load_state_dict(replica_state)
         self._place_end(step, max_steps, warn=True)
 
-    def join(self, step: int) -> SyncStart:
-        """The joining sync, before the first inner step: identical parameters everywhere (torchft: a heal)."""
+    def join(self, step: int) -> SyncOutcome:
+        """The joining sync, before the first inner step: identical parameters everywhere (torchft: a heal, which
+        may move a late replica to its peer's step: the outcome's `continue_at`)."""
+        self.continue_at = None
         flight = self.launch(step, self.max_steps, joining=True)
-        self.land(flight, self.trainer.state.global_step, self.max_steps)  # (a heal may have moved the step)
+        self.continue_at = flight.start.continue_at
+        self.land(flight, self._step(step), self.max_steps)
         self.progress.reset()
         if self.comm.num_replicas > 1:
             self.gate.rebase()
         self.backend.joined(flight.start, step)
-        return flight.start
+        return SyncOutcome(synced=True, continue_at=self.continue_at, run_over=self.backend.run_over(),
+                           syncs_landed=self.tuner.syncs_landed)
+
+    def _step(self, step: int) -> int:
+        """This replica's step, as this step's syncs moved it."""
+        return step if self.continue_at is None else max(step, self.continue_at)
 
     # --- the end of each inner step ---
 
-    def sync(self, step: int, max_steps: int) -> bool | None:
+    def sync(self, step: int, max_steps: int) -> SyncOutcome:
         """The syncs of this step: land the one in flight if it is due, then launch the one due now (a blocking
-        one lands at once). Returns None when nothing landed or launched, else whether any replica asked to stop
-        (known from the syncs that landed)."""
+        one lands at once). The outcome says whether any landed or launched, whether a replica asked to stop
+        (known from the syncs that landed), where this replica continues, and whether the run is over (then the
+        replica holds the final model, θ_global)."""
+        self.continue_at = None
         if self.backend.run_over():  # torchft: healed from a replica that finished the run
-            return None
-        landing = lands_now(self.in_flight, step, max_steps, self.args, self.backend)
+            self.outer.copy_global_to_replica()
+            return SyncOutcome(run_over=True, syncs_landed=self.tuner.syncs_landed)
+        landing = self.lands_now(step, max_steps)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
-        step = self.trainer.state.global_step if landing else step  # (a time-budget sync moves it: decide there)
-        due = self.backend.due(step, max_steps, self.progress) and not exchanging(self.in_flight, step, max_steps,
-                                                                                 self.args, self.backend)
+        step = self._step(step)  # (a time-budget sync moves it: decide there)
+        due = self.backend.due(step, max_steps, self.progress) and not self.exchanging(step, max_steps)
         if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight (done) lands
             landing, stop = True, stop | self.land(self.in_flight, step, max_steps)
-            step = self.trainer.state.global_step
+            step = self._step(step)
             due = self.backend.due(step, max_steps, self.progress)
         if not landing and not due:
-            return None
+            return SyncOutcome(syncs_landed=self.tuner.syncs_landed)
         # A stop learned from a sync that landed ends training here: no new sync is launched to be left in flight.
         if due and not (stop and step < max_steps):
             flight = self.launch(step, max_steps)
             if flight.future is None:
                 stop |= self.land(flight, step, max_steps)
-        if step >= max_steps and self.schedule.end is not None:
-            # The staggered end: every fragment's last sync has landed; the final model is θ_global.
+        if self.backend.run_over() or (step >= max_steps and self.schedule.end is not None):
+            # The run's last sync landed (the staggered end: every fragment's last): the final model is θ_global.
             self.outer.copy_global_to_replica()
-        return stop
+        return SyncOutcome(synced=True, stop=stop, at_boundary=self.in_flight is None, continue_at=self.continue_at,
+                           window=self.backend.take_window(), run_over=self.backend.run_over(),
+                           syncs_landed=self.tuner.syncs_landed)
+
+    def lands_now(self, step: int, max_steps: int) -> bool:
+        """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time
+        budgets one whose exchange is still running then (it waits for the slowest participant, who may arrive half
+        of its own step late) lands at a later step, once it is done, so the inner loop trains on instead of
+        waiting (each replica then continues at the furthest one's step plus its own since the launch). The members
+        of a replica land at the same step."""
+        if self.in_flight is None or step < min(self.in_flight.lands_at, max_steps):
+            return False
+        return not self.exchanging(step, max_steps)
+
+    def exchanging(self, step: int, max_steps: int) -> bool:
+        """Under time budgets, whether the overlapped sync in flight is still exchanging before the last step: it
+        lands once done, and the next sync that comes due meanwhile waits for it to land (an exchange slower than a
+        budget, a slow link before sync_delay auto has stretched the budget to it), so the inner loop trains on
+        instead of waiting at the landing; a sync's steps are those since the one before launched, however many.
+        The members of a replica decide together."""
+        flight = self.in_flight
+        if flight is None or step >= max_steps or not (self.args.round_seconds > 0 and flight.future is not None):
+            return False
+        return self.backend.comm.control.members_any(not flight.future.done())
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
         """Start the sync due at `step`: blocking (the backend's start, then the exchange, which without a vote runs
@@ -430,18 +447,17 @@ class SyncEngine:
                   sync_seconds: float, blocked: float) -> bool:
         # This replica's own parameters were not finite (it sat the sync out with weight 0): it takes θ_global.
         healthy = result.weights is None or result.weights[self.comm.replica_index] > 0
-        if not start.finite or (result.committed and start.weight > 0 and not healthy):
-            self.health.restart(self.outer, self.trainer.optimizer, self.backend.replica, step)
+        diverged = not start.finite or (result.committed and start.weight > 0 and not healthy)
+        if diverged:
+            self.health.restart(self.inner_optimizer, self.backend.replica, step)
         if result.committed:
             self.health.committed(result, step)
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this sync
         # kept the replica waiting is known after it: both are sent with the NEXT sync's statistics, so they cost
         # no collective of their own.
         result.sum_over_members(self.comm)  # each member measured its own shards (or decoded its own slice)
-        if self.gate.landed(result, start, self.comm.replica_index, self.backend.replica):
-            self.outer.copy_global_to_replica()  # left out: it starts from θ_global, as a replica that diverged
-        if result.committed:
-            self.gate.rebase()
+        # Left out by the checks: it starts from θ_global, as a replica that diverged.
+        left_out = self.gate.landed(result, start, self.comm.replica_index, self.backend.replica)
         self.previous_agreement = result.agreement(self.comm.replica_index)
         self.previous_blocked = blocked
         result.count_extra(start.extra_bytes)
@@ -451,7 +467,7 @@ class SyncEngine:
         record = {} if stats is None else sync_record(
             stats=stats, result=result, step=step, sync_number=number, round_number=self.schedule.round_of(number),
             fragments=start.fragments, cumulative_bytes=cumulative, sync_seconds=sync_seconds, blocked=blocked,
-            outer_lr=flight.outer_lr, inner_lr=self.trainer.optimizer.param_groups[0]["lr"],
+            outer_lr=flight.outer_lr, inner_lr=self.inner_optimizer.param_groups[0]["lr"],
             num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
             ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
             compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
@@ -464,21 +480,31 @@ class SyncEngine:
         if choices:  # τ or H changed: the staggered end is placed anew
             record.update(choices)
             self._place_end(step, max_steps)
-        self._finish(step, start, result, record)
-        self.tuner.size_last_budget(self.trainer.state.global_step, max_steps, self.progress.origin)
+        self._finish(step, start, result, record, takes_global=diverged or left_out, rebase=result.committed)
+        self.tuner.size_last_budget(self._step(step), max_steps, self.progress.origin)
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
-    def _finish(self, step: int, start: SyncStart, result: SyncResult, record: dict | None = None) -> None:
+    def _finish(self, step: int, start: SyncStart, result: SyncResult, record: dict | None = None, *,
+                takes_global: bool = False, rebase: bool = False) -> None:
         """The backend's word on the sync (torchft: commit bookkeeping, membership in the record, whether this
-        replica starts again from θ_global), then the record is queued. A sync with nothing exchanged (every
-        participant joining) has no record."""
-        record, restart = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
+        replica starts again from θ_global; a time budget: the step every replica continues at), then the record
+        is queued. `takes_global`: the replica diverged or was left out. A replica that starts again takes θ_global
+        here, the one copy of it into the replica outside a landing; then (`rebase`, a committed sync) the
+        contribution checks measure the next round's base. A sync with nothing exchanged (every participant
+        joining) has no record."""
+        verdict = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
+        if verdict.continue_at is not None:
+            self.continue_at = verdict.continue_at
+        restart = takes_global or verdict.restart
         fresh = restart or start.joining or (result.committed and self.backend.replica in start.excluded)
         for fragment in self.fragments:  # fresh: the replica starts from θ_global
             fragment.land(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
                           fresh)
         if restart:
             self.outer.copy_global_to_replica()
+        if rebase:
+            self.gate.rebase()
+        record = verdict.record
         lines = self.gate.record(start.excluded, record) if record and not start.empty else []
         if lines and self.comm.member == 0:
             print("\n".join(lines), flush=True)
@@ -494,9 +520,6 @@ class SyncEngine:
         self.records.expect_syncs(self.tuner.place_end(max_steps, busy_until, warn=warn))
 
     # --- the end of training ---
-
-    def run_over(self) -> bool:
-        return self.backend is not None and self.backend.run_over()
 
     def end(self, step: int) -> list[float] | None:
         """Training ended: the background thread stops, the last sync's agreement is handed over (it has no next
@@ -516,6 +539,27 @@ class SyncEngine:
 
     # --- what a checkpoint keeps of this replica ---
 
-    def replica_state(self) -> dict:
-        """What only this replica knows (hf_diloco.checkpoints.replica_state)."""
-        return replica_state(self.args, self.schedule, self.backend, self.feedback, self.outer)
+    def state_dict(self) -> dict:
+        """What only this replica knows, for its part of a checkpoint: the schedule's decisions, the backend's (a
+        time-budget run's sync count), its error-feedback residuals and, when replicas may differ after a sync
+        (several fragments, α > 0, or eager landings), its own trainable parameters."""
+        state = self.schedule.state_dict()
+        if self.backend is not None and self.backend.state_dict():
+            state["backend"] = self.backend.state_dict()
+        if self.feedback is not None:
+            state["error_feedback"] = self.feedback.state_dict()
+        args = self.args
+        if self.outer is not None and (args.num_fragments > 1 or args.fragment_alpha > 0
+                                       or args.overlap_landing == "eager"):
+            state["params"] = [p.detach().cpu().clone() for p in self.outer.params]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what `state_dict` kept (a resumed replica, once θ_global and the backend exist)."""
+        self.schedule.load_state_dict(state, staggered=self.args.staggered_end)
+        self.backend.load_state_dict(state.get("backend", {}))
+        if self.feedback is not None and "error_feedback" in state:
+            self.feedback.load_state_dict(state["error_feedback"])
+        for param, saved in zip(self.outer.params, state.get("params", []), strict=False):
+            param.copy_(saved)

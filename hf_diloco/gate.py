@@ -13,23 +13,25 @@ Who is left out is the gate's only output: the verdicts in the sync's start (`Sy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
 from .backends import SyncStart
-from .config import ConfigError, DiLoCoConfig
+from .config import DiLoCoConfig
 from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
 from .inner import unwrapped
 from .outer import SyncResult, norm
 
 
 class Gate:
-    """One replica's contribution checks. `trainer` gives the inner optimizer's kind (the `size` rule bounds
-    AdamW-like steps by the learning rate) and, with contribution_loss_check, the model and its evaluation set."""
+    """One replica's contribution checks. `attach` hands it the inner optimizer (its kind: the `size` rule bounds
+    AdamW-like steps by the learning rate; its age) and, with contribution_loss_check, the model's loss on a held-out
+    batch (a callable, the same batch on every replica)."""
 
-    def __init__(self, args: DiLoCoConfig, trainer):
-        self.args, self.trainer = args, trainer
+    def __init__(self, args: DiLoCoConfig):
+        self.args = args
+        self.inner_optimizer = None
+        self.held_out_loss: Callable[[], float] | None = None
         self.checks = ContributionChecks(
             args.contribution_checks, Limits(adam_ratio=args.contribution_adam_ratio,
                                              norm_ratio=args.contribution_norm_ratio,
@@ -38,7 +40,10 @@ class Gate:
                                              loss_margin=args.contribution_loss_margin),
             faulty_after=args.contribution_faulty_after, base_lr=args.learning_rate)
         self.base_loss = float("nan")  # contribution_loss_check: the held-out batch's loss where the round started
-        self.loss_batch: dict | None = None
+
+    def attach(self, inner_optimizer, held_out_loss: Callable[[], float] | None) -> None:
+        """The replica's inner optimizer and (contribution_loss_check) its held-out loss, once training begins."""
+        self.inner_optimizer, self.held_out_loss = inner_optimizer, held_out_loss
 
     @property
     def active(self) -> bool:
@@ -114,28 +119,13 @@ class Gate:
         θ_global when the round started, less its loss at the replica's parameters now); NaN without the check."""
         return self.base_loss - self._held_out_loss() if self.args.contribution_loss_check else float("nan")
 
-    @torch.no_grad()
     def _held_out_loss(self) -> float:
-        """The model's loss now on the check's held-out batch: the evaluation set's first contribution_loss_batch
-        examples, the same on every replica (every member of a sharded replica runs the forward pass)."""
-        trainer = self.trainer
-        if self.loss_batch is None:
-            if trainer.eval_dataset is None or len(trainer.eval_dataset) == 0:
-                raise ConfigError("contribution_loss_check scores each round on held-out examples, and this run has "
-                                  "no evaluation set: set eval_fraction above 0 or pass one.")
-            examples = [trainer.eval_dataset[i] for i in range(min(self.args.contribution_loss_batch,
-                                                                   len(trainer.eval_dataset)))]
-            self.loss_batch = trainer._prepare_inputs(trainer.data_collator(examples))
-        model = trainer.model
-        training = model.training
-        model.eval()
-        try:
-            return float(model(**self.loss_batch).loss)
-        finally:
-            model.train(training)
+        assert self.held_out_loss is not None, "contribution_loss_check needs the held-out loss (Gate.attach)"
+        return self.held_out_loss()
+
 
     def _inner_optimizer(self):
-        return unwrapped(self.trainer.optimizer)
+        return unwrapped(self.inner_optimizer)
 
     def _adam(self) -> bool:
         """Whether the inner optimizer's steps are bounded by the learning rate, as AdamW's are (the `size` check):

@@ -1,5 +1,6 @@
 """What a sync does about values that are not finite: a replica whose pseudo-gradient holds a NaN or an infinity sits
-the sync out (weight 0: hf_diloco.outer) and restarts from θ_global here; a run in which no replica brings a finite
+the sync out (weight 0: hf_diloco.outer) and restarts from θ_global (the engine copies it) with its inner optimizer
+state started afresh where that state is not finite either; a run in which no replica brings a finite
 pseudo-gradient for `max_bad_rounds` rounds in a row stops with one sentence instead of training on garbage."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 import torch
 
 from .errors import RunError
-from .outer import OuterState, SyncResult, is_finite
+from .outer import SyncResult, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,10 @@ class Health:
 
     @staticmethod
     @torch.no_grad()
-    def restart(outer: OuterState, optimizer: torch.optim.Optimizer, replica: int, step: int) -> None:
-        """This replica's pseudo-gradient was not finite: it takes θ_global for every parameter and, if its inner
-        optimizer state holds non-finite values too, starts that state afresh (stale NaN moments would poison the
-        next step again)."""
-        outer.copy_global_to_replica()
+    def restart(optimizer: torch.optim.Optimizer, replica: int, step: int) -> None:
+        """This replica's pseudo-gradient was not finite (it takes θ_global after the sync): if its inner optimizer
+        state holds non-finite values too, that state starts afresh (stale NaN moments would poison the next step
+        again)."""
         moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         if not is_finite(moments):
             optimizer.state.clear()

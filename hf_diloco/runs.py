@@ -3,7 +3,7 @@
     <runs_dir>/<run_id>/run.json     recipe, accelerate config, overrides, command, pids, status, times, exit code
     <runs_dir>/<run_id>/run.log      everything the run printed
     <runs_dir>/<run_id>/output/      the run's output_dir (syncs.jsonl, checkpoints, model, and the files
-                                     below, written by hf_diloco.callbacks)
+                                     below, written by hf_diloco.run_callbacks)
         progress.json       step, max_steps and phase, rewritten by the main process as it trains
         trainer_log.jsonl   every dict Trainer logged (loss, eval_loss, ...): what a baseline run shows
         stop.request        written by `stop`; the run stops at the next round boundary (or step) and removes it

@@ -117,6 +117,48 @@ class TimeBudget:
         return self.current()
 
 
+@dataclass(frozen=True)
+class Boundaries:
+    """Where Trainer's saves and evaluations fall when the step a sync lands at is known only as it lands
+    (time-budget rounds: every replica continues at the furthest one's step): at a multiple of `eval_steps` or
+    `save_steps` passed in the steps (before, now], at every `save_every_syncs`-th sync, and at the run's end.
+    0 turns a rule off. The same value on every replica: Trainer's resolved intervals and the configuration
+    (hf_diloco.diloco_callback builds it); the fixed group's agreement asks it where a sync must land at one step
+    everywhere.
+
+    >>> rule = Boundaries(eval_steps=10, save_steps=25, eval_delay=0, save_every_syncs=0, max_steps=100)
+    >>> rule.steps_due(8, 12), rule.steps_due(20, 26), rule.steps_due(97, 100), rule.steps_due(1, 5)
+    ((True, False), (False, True), (True, True), (False, False))
+    >>> Boundaries(0, 0, 0, save_every_syncs=4, max_steps=100).wanted(40, 45, sync=8)
+    True
+    """
+
+    eval_steps: float
+    save_steps: float
+    eval_delay: float
+    save_every_syncs: int
+    max_steps: int
+
+    def steps_due(self, before: int, now: int) -> tuple[bool, bool]:
+        """(evaluate, save): whether a multiple of eval_steps / save_steps lies in the steps (before, now], or now
+        is the end."""
+        def passed(every: float) -> bool:
+            return bool(every) and (now // every > before // every or now >= self.max_steps)
+
+        return now >= self.eval_delay and passed(self.eval_steps), passed(self.save_steps)
+
+    def at(self, before: int, now: int, sync: int) -> tuple[bool, bool]:
+        """(evaluate, save) at sync number `sync`, agreed at step `now` after the last boundary at `before`: the
+        step rules, and a save every save_every_syncs syncs and at the end."""
+        evaluate, save = self.steps_due(before, now)
+        every = self.save_every_syncs
+        return evaluate, save or (bool(every) and (sync % every == 0 or now >= self.max_steps))
+
+    def wanted(self, before: int, now: int, sync: int) -> bool:
+        """Whether a save or an evaluation falls at that sync."""
+        return any(self.at(before, now, sync))
+
+
 @dataclass
 class Schedule:
     """The sync schedule of a run: from step `origin_step` (sync number `origin_sync`) one fragment syncs every

@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 
 from . import compat
-from .backends import SyncStart
+from .backends import Backend, SyncStart, Verdict
 from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
@@ -385,23 +385,20 @@ def make_manager(args, replica: ReplicaComm, pg, host: str, store: tuple[str, in
             lighthouse_addr=lighthouse, replica_id=f"replica_{args.replica_id}", hostname=host, init_sync=init_sync)
 
 
-class TorchftQuorum:
+class TorchftQuorum(Backend):
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
-    with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine' and
+    with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine's and
     hf_diloco.outer's, as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
     fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends. It holds the
-    outer state `outer` (which a heal replaces and a peer is sent), the residuals `feedback` (cleared by a heal),
-    the run's `schedule`, and `continue_at_step`, the Trainer glue's one way to move a late replica's step."""
+    outer state `outer` (which a heal replaces and a peer is sent), the residuals `feedback` (cleared by a heal) and
+    the run's `schedule`; a late replica's new step is an answer (`SyncStart.continue_at`), not a call."""
 
     def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
-                 resumed: bool, continue_at_step):
+                 resumed: bool):
         require_torchft()
+        super().__init__(replica, outer, schedule, max_steps)
         self.args = args
-        self.outer = outer
         self.feedback = feedback
-        self.schedule = schedule
-        self.max_steps = max_steps
-        self.continue_at_step = continue_at_step
         self.global_sync = 0  # committed syncs that moved θ_global (healed with the rest)
         self.agreed_step = 0  # the step every participant continued at after the last commit (healed with the rest)
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
@@ -413,6 +410,7 @@ class TorchftQuorum:
         self.sync_step = 0  # the step the sync being formed started at (what a healing peer is given)
         self.sync_local_steps = 0  # this replica's inner steps since its last launch, as the sync started
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
+        self.healed_to_step: int | None = None  # this sync's heal moved a late replica to the peer's step
         self.heal_refused: str | None = None  # why this sync's heal was refused (heal_mismatch), as a sentence
         self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
         host = args.replica_address or socket.gethostname()
@@ -470,8 +468,7 @@ class TorchftQuorum:
         step = int(state["global_step"])
         if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
             # A replica that starts late continues at the others' step, so its schedule and its end match theirs.
-            self.continue_at_step(step)
-            self.continued_at = self.sync_step = step
+            self.healed_to_step = self.continued_at = self.sync_step = step
 
     # --- one sync: who takes part, and what happens after the vote ---
 
@@ -492,12 +489,9 @@ class TorchftQuorum:
         which fragments it syncs is agreed after the quorum (`start`)."""
         if step >= max_steps:
             return not self.run_over()
-        if self.args.round_seconds > 0:  # the members of a replica agree: they enter the sync at the same step
-            return self.comm.control.members_any(progress.budget_spent(self.schedule.budget))
+        if self.args.round_seconds > 0:
+            return self.budget_due(progress)
         return progress.steps >= self.schedule.sync_every
-
-    def may_overlap(self) -> bool:
-        return True  # each replica saves and evaluates on its own: nothing needs its syncs to land together
 
     def run_over(self) -> bool:
         """The run's last sync has committed: the one that brought a participant to max_steps (the agreed step is
@@ -508,12 +502,6 @@ class TorchftQuorum:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
         this replica heals in the quorum (see rounds.SyncEngine._launch_in_background)."""
         return self.schedule.fragments_of_sync(self.global_sync + 1, None, step >= max_steps)
-
-    def state_dict(self) -> dict:
-        return {}  # the sync counter is healed from a live peer, not taken from a checkpoint
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> SyncStart:
@@ -528,7 +516,7 @@ class TorchftQuorum:
         if not joining and self.comm.group_size > 1:
             local = whole_replica(local, self.comm)
         started = time.perf_counter()
-        self.healed_from_sync = self.heal_refused = None
+        self.healed_from_sync = self.heal_refused = self.healed_to_step = None
         self.overlapped = overlapped
         self.sync_step = step
         try:
@@ -581,18 +569,19 @@ class TorchftQuorum:
         fragments = self.schedule.fragments_of_sync(self.global_sync + 1, None, last)
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return SyncStart(
-            weight=weight / largest if largest > 0 else 0.0, fragments=fragments, empty=largest == 0,
+            weight=self.relative_weight(weight, largest, when_nobody=0.0), fragments=fragments, empty=largest == 0,
             stash=self.stash, healed=healed, finite=finite, joining=joining,
             stop_requested=any(row["stop_requested"] for row in rows), participants=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
-            error=None if error is None else first_line(error), startup_bytes=startup_bytes)
+            error=None if error is None else first_line(error), startup_bytes=startup_bytes,
+            continue_at=self.healed_to_step)
 
-    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> tuple[dict, bool]:
+    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> Verdict:
         """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
         (`restart`: it starts again from θ_global), and put the sync's membership in its record: a row per
         replica (participants with their rows, absent ones), the vote, and loss and tokens from the participants'
         rows (known even when the sync rolled back). `tokens`: what this replica trained in the sync."""
-        restart = False
+        restart, continue_at = False, None
         if result.committed:
             if result.total_weight > 0:
                 self.global_sync += 1
@@ -600,10 +589,9 @@ class TorchftQuorum:
                 # Every participant continues at the furthest one's step (the run's progress, as on torch), plus
                 # the steps it took while an overlapped sync was in flight, unless this sync ended the run.
                 self.agreed_step = max(self.agreed_step, *(int(row["at_step"]) for row in start.participants))
-                moved = min(self.max_steps, self.agreed_step + (0 if self.run_over() else step - self.sync_step))
+                moved = self.continued_step(self.agreed_step, self.sync_step, step, over=self.run_over())
                 if moved > step:
-                    step = moved
-                    self.continue_at_step(step)
+                    step = continue_at = moved
             # A healed replica's training against the old base went into this sync: it starts from θ_global, as
             # every replica does from the sync that ended the run (the final model), whatever it trained since.
             restart = start.healed or self.run_over()
@@ -624,18 +612,14 @@ class TorchftQuorum:
             logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
                            "progress for the next sync.", step, reason)
         if not record:
-            return record, restart
+            return Verdict(record, restart, continue_at)
         quorum_record(record, replicas, committed=result.committed, step=step, sync=self.global_sync,
                       round_number=self.schedule.round_of(self.global_sync), quorum_seconds=start.quorum_seconds,
                       replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal_refused:
             record["heal_refused"] = self.heal_refused
         record.update({"error": reason} if reason else {})
-        return record, restart
-
-    def take_window(self) -> None:
-        """torchft syncs are due by each replica's own progress: no agreed window (see FixedGroup.take_window)."""
-        return None
+        return Verdict(record, restart, continue_at)
 
     def joined(self, start: SyncStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""

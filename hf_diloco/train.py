@@ -458,7 +458,7 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
     transformers' own progress bars are turned off for the process). `callbacks` are added to the trainer.
     Returns the trainer.
     """
-    from .callbacks import RunRecorder, StopOnRequest
+    from .run_callbacks import RunRecorder, StopOnRequest
     from .trainer import graceful_stop_signals
 
     check_arguments(run, config)
@@ -475,9 +475,9 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
            stop_signals: bool):
     from transformers import Seq2SeqTrainer, Trainer
 
-    from .callbacks import SteadyClock
     from .console import calm, quiet_other_processes
     from .data import build_datasets, build_task_datasets
+    from .run_callbacks import SteadyClock
     from .tasks import CAUSAL_LM, SEQ2SEQ, get_task, task_collator, task_metrics
     from .trainer import DiLoCoSeq2SeqTrainer, DiLoCoTrainer, data_shard
 

@@ -2,7 +2,7 @@
 
 Each process is one replica (or one member of a replica group). Trainer runs the inner loop untouched (its
 optimizer, scheduler, gradient accumulation, clipping, mixed precision); this module adapts Trainer where DiLoCo
-needs it, and the outer loop itself is hf_diloco.callback's (Trainer glue) over hf_diloco.engine' round engine.
+needs it, and the outer loop itself is hf_diloco.diloco_callback's (Trainer glue) over hf_diloco.engine' round engine.
 
 Design choices:
 - No DDP across replicas. Accelerate would wrap the model in DistributedDataParallel and all-reduce gradients
@@ -41,13 +41,13 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 from transformers.trainer_utils import HubStrategy
 
 from . import checkpoints, compat, parallel
-from .callback import DiLoCoCallback
-from .callbacks import StopOnRequest
 from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
+from .diloco_callback import DiLoCoCallback
 from .files import read_json, write_json
 from .inner import InnerOptimizer, check_resumable
+from .run_callbacks import StopOnRequest
 from .runs import PROGRESS_FILE
 
 logger = logging.getLogger(__name__)

@@ -147,3 +147,9 @@ def quotas():
 
 cpu_quota = pytest.fixture(quotas, name="cpu_quota")
 cpu_quota_of_module = pytest.fixture(quotas, scope="module", name="cpu_quota_of_module")  # for a module's runs
+
+
+def pytest_configure(config):
+    """matplotlib lists the system's fonts with a process (fc-list) the first time it is imported on a machine: done
+    here, before any test, so that a fast-tier test that draws a figure on a fresh machine starts no process."""
+    import matplotlib.font_manager  # noqa: F401

@@ -36,11 +36,23 @@ class Network:
 
 
 def fixed_group(network: Network, replica: int, moved: list[int], wanted=lambda before, now, sync: False):
+    """Replica `replica`'s fixed group; the steps its verdicts move it to go to `moved` (`finish`), and `wanted` stands
+    in for the Boundaries rule of where saves and evaluations fall."""
     control = SimpleNamespace(replica_table=lambda tokens, row: network.replica_table(replica, tokens, row))
     comm = SimpleNamespace(control=control, replica_index=replica, num_replicas=2)
     schedule = Schedule(10, 1, sync_delay=2, budget=TimeBudget(1.0))
-    return FixedGroup(comm, None, schedule, resumed=False, continue_at_step=moved.append, overlap=True,
-                      boundary_wanted=wanted)
+    group = FixedGroup(comm, None, schedule, resumed=False, max_steps=MAX_STEPS, overlap=True,
+                       boundaries=SimpleNamespace(wanted=wanted))
+    group.moves = moved
+    return group
+
+
+def finish(group: FixedGroup, start, step: int) -> tuple[dict, bool]:
+    """The group's verdict on a sync that landed at `step`: (record, restart); a step move is noted in its `moves`."""
+    verdict = group.finish(start, None, {"replicas": []}, step=step)
+    if verdict.continue_at is not None:
+        group.moves.append(verdict.continue_at)
+    return verdict.record, verdict.restart
 
 
 def in_background(group: FixedGroup, step: int, expected: list[int]):
@@ -77,7 +89,7 @@ def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent
     assert [s.weight for s in starts] == [1.0, pytest.approx(45 / 120, abs=1e-12)]
     assert [s.fragments for s in starts] == [[0], [0]]
     for group, start, step, continues in ((fast, starts[0], 14, 14), (slow, starts[1], 12, 15)):
-        record, restart = group.finish(start, None, {"replicas": []}, step=step)
+        record, restart = finish(group, start, step)
         assert not restart and record["step"] == continues and record["launch_step"] == 12 and record["sync"] == 1
     assert moved == [[], [15]]
 
@@ -111,7 +123,7 @@ def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_wher
         fragments = group.expected_fragments(step, MAX_STEPS, {"tokens": 150})
         assert fragments == [0] and not group.may_overlap(), "blocking"
         start = group.start(step, MAX_STEPS, {}, fragments)
-        again[r] = group.finish(start, None, {"replicas": []}, step=step)[0], start, group.take_window()
+        again[r] = finish(group, start, step)[0], start, group.take_window()
 
     landing = [threading.Thread(target=land, args=(r, step), name=f"inner-{r}") for r, step in ((0, 14), (1, 12))]
     for t in landing:
@@ -147,7 +159,7 @@ def test_the_replica_at_max_steps_calls_the_last_sync_off_and_agrees_again_in_th
     assert len(network.calls) == 4
     for group, step in ((fast, MAX_STEPS), (slow, 99)):
         start = group.start(step, MAX_STEPS, {}, [0])
-        record = group.finish(start, None, {"replicas": []}, step=step)[0]
+        record = finish(group, start, step)[0]
         assert record["step"] == MAX_STEPS and group.run_over() and group.take_window() == (0, MAX_STEPS, 1)
         assert not group.due(MAX_STEPS, MAX_STEPS), "nothing follows the last sync"
 
@@ -168,13 +180,13 @@ def test_a_stop_asked_for_by_one_replica_calls_the_sync_off_so_every_replica_sto
         assert [result["start"].called_off for _, result in threads] == [called_off] * 2
         if not called_off:
             for group, (_, result) in zip(groups, threads, strict=True):
-                group.finish(result["start"], None, {"replicas": []}, step=10)
+                finish(group, result["start"], 10)
     landed = {}
 
     def land(r, step):
         groups[r].expected_fragments(step, MAX_STEPS, {"tokens": 150, "stop_requested": r == 1})
         start = groups[r].start(step, MAX_STEPS, {}, [0])
-        landed[r] = groups[r].may_overlap(), groups[r].finish(start, None, {"replicas": []}, step=step)[0]["step"]
+        landed[r] = groups[r].may_overlap(), finish(groups[r], start, step)[0]["step"]
 
     again = [threading.Thread(target=land, args=(r, step)) for r, step in ((0, 13), (1, 11))]
     for t in again:

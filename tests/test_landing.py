@@ -304,9 +304,10 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
         sync_engine = object.__new__(engine.SyncEngine)
         sync_engine.args = SimpleNamespace(round_seconds=round_seconds)
         sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
+                                              take_window=lambda: None,
                                               comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
-        sync_engine.trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
         sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
+        sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
         flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
         sync_engine.in_flight = flight
 
@@ -326,19 +327,16 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
 
     budgets, flight, calls = engine_with_flight(1.0)
     for step in (12, 20, 30):
-        budgets.trainer.state.global_step = step
-        assert budgets.sync(step, 100) is None and calls == [], step
+        assert not budgets.sync(step, 100).synced and calls == [], step
     flight.future.set_result(None)
-    budgets.trainer.state.global_step = 31
-    assert budgets.sync(31, 100) is False
+    outcome = budgets.sync(31, 100)
+    assert outcome.synced and not outcome.stop and not outcome.at_boundary, "the new sync is in flight"
     assert calls == [("land", 10, 31), ("launch", 31)]
 
     at_end, _, calls = engine_with_flight(1.0)
-    at_end.trainer.state.global_step = 100
     at_end.sync(100, 100)
     assert calls[0] == ("land", 10, 100), "the last step lands the sync in flight, waiting for its exchange"
 
     rounds, _, calls = engine_with_flight(0.0)
-    rounds.trainer.state.global_step = 11
     rounds.sync(11, 100)
     assert calls == [("land", 10, 11), ("launch", 11)], "rounds of H steps: the sync that comes due lands it first"

@@ -1,5 +1,7 @@
 """The package's shape, checked: no import circle among hf_diloco's modules (imports inside functions included, so
-a circle cannot hide behind a late import), and no class over 300 lines (configuration dataclasses aside)."""
+a circle cannot hide behind a late import), and nothing under the Trainer callback touches the Trainer: the sync
+engine and every module it imports is handed values (parameters, the inner optimizer, the communicator, a held-out
+loss) and answers with values (hf_diloco.engine.SyncOutcome), which the callback applies."""
 
 import ast
 from pathlib import Path
@@ -63,15 +65,49 @@ def test_no_import_circle_late_imports_included():
     assert circles(graph) == []
 
 
-# Configuration dataclasses: one field per setting, each with its help; long by nature.
-CONFIGURATIONS = {"DiLoCoConfig", "RunArguments"}
+def closure(graph: dict[str, set[str]], module: str) -> set[str]:
+    """`module` and every module it imports, directly or not."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += graph.get(name, ())
+    return seen
 
 
-def test_no_class_over_300_lines_configurations_aside():
-    long = {}
-    for path in PACKAGE.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.name not in CONFIGURATIONS and \
-                    node.end_lineno - node.lineno + 1 > 300:
-                long[f"{path.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
-    assert long == {}
+# What Trainer's objects hold that a sync must not read or write: its step and learning-rate schedule, its control's
+# flags, its private helpers, its data, and the callback's own levers.
+TRAINER_ATTRIBUTES = {"trainer", "global_step", "lr_scheduler", "_prepare_inputs", "data_collator", "eval_dataset",
+                      "train_dataset", "callback_handler", "should_save", "should_evaluate",
+                      "should_training_stop", "continue_at_step", "is_world_process_zero", "accelerator"}
+
+
+def trainer_contacts(source: str) -> list[str]:
+    """Where `source` imports transformers (at any depth) or reads an attribute of TRAINER_ATTRIBUTES, as
+    'line: what'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] == "transformers"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "transformers":
+            found.append(f"{node.lineno}: from {node.module} import")
+        elif isinstance(node, ast.Attribute) and node.attr in TRAINER_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_contact_finder_finds_an_import_and_a_step_read():
+    source = "def f(t):\n    from transformers import Trainer\n    return t.state.global_step\n"
+    assert trainer_contacts(source) == ["2: from transformers import", "3: .global_step"]
+
+
+def test_nothing_under_the_callback_imports_transformers_or_touches_trainer_state():
+    """Every module the sync engine reaches (hf_diloco.engine and its imports, at any depth) is free of transformers
+    and of Trainer's state, except the configuration (DiLoCoConfig extends TrainingArguments; what it imports comes
+    along) and compat (each of its workarounds over a library says what upstream change it waits for)."""
+    graph = imports()
+    under = closure(graph, "engine") - closure(graph, "config") - {"compat"}
+    assert {"engine", "backends", "torchft_backend", "gate", "health", "outer", "fragments", "records"} <= under
+    contacts = {name: trainer_contacts((PACKAGE / f"{name}.py").read_text()) for name in sorted(under)}
+    assert {name: found for name, found in contacts.items() if found} == {}

@@ -387,7 +387,7 @@ def test_progress_json_is_rewritten_at_most_twice_a_second_and_its_first_step_at
     6, 11, 16, 21, 26), each holding the step that ended then."""
     from types import SimpleNamespace
 
-    from hf_diloco import callbacks
+    from hf_diloco import run_callbacks as callbacks
 
     now, written = [1000.0], []
     monkeypatch.setattr(callbacks.time, "time", lambda: now[0])
