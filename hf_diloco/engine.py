@@ -1,14 +1,16 @@
 """The sync engine: every sync of every backend is `launch`, then `land`.
 
     launch(step)   the backend says who takes part (torch: every replica; torchft: the quorum, its weights, a heal);
-                   the due fragments' pseudo-gradients go into their exchange (hf_diloco.outer.exchange)
-    land(flight)   wait for the exchange, then the outer step and the copy back (hf_diloco.outer.land), or nothing
-                   when the backend's vote rolled the sync back; then the sync's numbers go to the records
+                   an overlapped sync's Δ_i are taken and sent in the background (hf_diloco.outer.exchange)
+    land(flight)   a blocking sync runs Algorithm 1 over its fragments' buckets, Δ_i, the average (the network) and
+                   the outer step and copy back one bucket at a time (hf_diloco.outer.outer_round); an overlapped one
+                   waits for its exchange, then steps and copies back (hf_diloco.outer.land), or nothing when the
+                   backend's vote rolled the sync back; then the sync's numbers go to the records
 
-A blocking sync lands at the step it was launched, its buckets averaged and applied one at a time. An overlapped
-sync (sync_delay τ > 0) takes its Δ_i at launch, runs the backend's start and the exchange in a background thread
-while the replica trains on, and lands τ steps later (or at the last step): one exchange is in flight at a time. A
-sync in which nobody brings progress (every participant joins) lands a vote alone. Before the first inner step
+A blocking sync lands at the step it was launched. An overlapped sync (sync_delay τ > 0) takes its Δ_i at launch,
+runs the backend's start and the exchange in a background thread while the replica trains on, and lands τ steps
+later (or at the last step): one exchange is in flight at a time. A sync in which nobody brings progress (every
+participant joins) lands a vote alone. Before the first inner step
 each replica runs a joining sync: the backend makes the replicas start from identical parameters (torch: a digest
 check and a broadcast where they differ; torchft: the quorum, where a late replica heals).
 
@@ -18,9 +20,8 @@ Who decides what (the engine only sequences them):
     schedule   which fragment is due at which step, with what τ                      hf_diloco.schedule.Schedule
     tuner      auto H, auto τ, where the staggered end falls                         hf_diloco.tuner.Tuner
     backend    who takes part, with what weight, the vote, healing                   hf_diloco.backends
-    kinds      where each kind of sync's exchange runs (blocking, overlapped, vote)  hf_diloco.kinds.SyncKinds
     gate       contribution checks between launch and land: who is left out         hf_diloco.gate.Gate
-    outer      the arithmetic of Algorithm 1, one bucket at a time; `outer.land` is the one landing of every sync
+    outer      the arithmetic of Algorithm 1, one bucket at a time (outer_round; exchange and land)
     health     a replica that is not finite restarts from θ_global; a run of them ends  hf_diloco.health.Health
     records    the sync's record, trackers and the summary                           hf_diloco.records.Records
 The engine is handed the replica's parameters, its inner optimizer, its communicator and (contribution_loss_check)
@@ -46,13 +47,15 @@ from .config import ConfigError, DiLoCoConfig
 from .fragments import Fragment, outer_state_and_fragments, since_base
 from .gate import Gate
 from .health import Health
-from .kinds import SyncKinds
 from .outer import (
     Exchange,
     OuterState,
+    StatsFn,
     SyncResult,
+    exchange,
     is_finite,
     land,
+    outer_round,
     pseudo_gradients,
     replica_copies,
     snapshot,
@@ -160,8 +163,8 @@ class Progress:
 
 @dataclass
 class Flight:
-    """A launched sync, until it lands: blocking (`start` and `exchange` made at launch) or overlapped (`future`
-    runs the backend's start and the exchange in the background)."""
+    """A launched sync, until it lands: blocking (`start` made at launch, the exchange run as it lands) or
+    overlapped (`future` runs the backend's start and the exchange in the background)."""
 
     launched_at: int
     lands_at: int
@@ -171,7 +174,9 @@ class Flight:
     launch_seconds: float = 0.0  # time the inner loop spent launching an overlapped sync (its snapshot)
     future: Future | None = None
     start: SyncStart | None = None
-    exchange: Exchange | None = None
+    exchange: Exchange | None = None  # an overlapped sync's, once its background thread is done
+    stats: StatsFn | None = None  # this replica's statistics, riding the sync's last collective
+    checking: bool = False  # the contribution checks judge this sync (then a codec's decoded terms are measured)
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
     launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
@@ -267,8 +272,6 @@ class SyncEngine:
             self.backend = FixedGroup(comm, self.outer, self.schedule, outer_state is not None, max_steps=max_steps,
                                       overlap=args.sync_delay > 0, step=step, boundaries=boundaries)
         self.comm = self.backend.comm
-        self.kinds = SyncKinds(self.outer, self.comm, self.backend, self.codec, self.feedback, self.fragments,
-                               self.gate)
         # FSDP2's row cuts tell each member which values it syncs; a tensor-parallel member syncs what it holds.
         self.comm.describe_buckets(None if args.tensor_parallel else self.outer.bucket_shapes(),
                                    self.outer.repeated_spans(self.comm.member % args.tp_size)
@@ -352,54 +355,106 @@ class SyncEngine:
         return self.backend.comm.control.members_any(not flight.future.done())
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
-        """Start the sync due at `step`: blocking (the backend's start, then the exchange, which without a vote runs
-        as `land` applies it), or with sync_delay > 0 in the background, the backend's start (its wait) included."""
+        """Start the sync due at `step`: blocking (the backend's start and the contribution checks' verdict; its
+        exchange runs as it lands), or with sync_delay > 0 in the background, the backend's start (its wait)
+        included."""
         began = time.perf_counter()
         # this replica's numbers, read here, before the inner loop moves on
         local = self.progress.numbers(self.stop_requested, is_finite(self.outer.params))
         self.last_sync_tokens = self.progress.tokens
         stats = self.progress.stats(self.stop_requested,
                                     (self.previous_agreement, self.previous_blocked, self.schedule.exchanged[1]))
+        checking = self.gate.checking(joining, self.comm.num_replicas)
         flight = Flight(launched_at=step, lands_at=step, outer_lr=self.outer.lr(),
-                        measured=self.schedule.exchanged[0], began=began)
+                        measured=self.schedule.exchanged[0], began=began, stats=stats, checking=checking)
         if not joining:
             self.comm.rendezvous.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
-        checking = self.gate.checking(joining, self.comm.num_replicas)
         if joining and self.gate.active:  # its base learning rate, for the others' checks (torchft's table)
             local["checks"] = self.gate.presence_row()
         for fragment in self.fragments:
             fragment.launch(step, self.progress, carried=fragment.index in fragments)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
-            buckets = self.kinds.buckets(fragments)
-            deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.kinds.codec))
+            buckets = self._buckets(fragments)
+            deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.codec))
             flight.launched = replica_copies(self.outer, buckets) if self.args.overlap_landing == "eager" else None
             if checking:
                 local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, fragments))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-            flight.future = self.executor.submit(self.kinds.in_background, step, max_steps, local, fragments,
-                                                 deltas, stats)
+            flight.future = self.executor.submit(self._in_background, step, max_steps, local, fragments, deltas,
+                                                 stats)
             flight.lands_at = step + self.schedule.launch_delay(step, fragments)
             flight.launch_seconds = time.perf_counter() - began
             self.in_flight = flight
             flight.progress, self.progress = self.progress, Progress()
             return flight
         if checking:
-            buckets = self.kinds.buckets(fragments)
+            buckets = self._buckets(fragments)
             local["checks"] = self.gate.row(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
                                             since_base(self.fragments, fragments), with_loss=True)
         flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
         with self.comm.rendezvous.naming_the_absent(step):
-            flight.start = self.kinds.judge(flight.start, local)
-            flight.exchange_began = time.perf_counter()
-            flight.exchange = self.kinds.blocking(flight.start, stats, checking)
+            flight.start = self._judge(flight.start, local)
+        flight.exchange_began = time.perf_counter()
         return flight
 
+    def _buckets(self, fragments: list[int]) -> list[int]:
+        """The buckets of the `fragments` a sync carries, in their order."""
+        return [b for f in fragments for b in self.fragments[f].buckets]
+
+    def _judge(self, start: SyncStart, local: dict) -> SyncStart:
+        """`start` with the gate's verdict on this sync's contributions (hf_diloco.gate)."""
+        return self.gate.judge(start, local, self.comm, sum(self.fragments[f].size for f in start.fragments),
+                               self.backend.replica)
+
+    def _vote_only(self, start: SyncStart) -> SyncResult:
+        """A sync that carries nothing (every participant joins): the vote alone."""
+        return SyncResult(weights=[0.0] * max(1, len(start.participants)), committed=self.comm.vote())
+
+    def _blocking(self, flight: Flight, alpha: float) -> SyncResult:
+        """A blocking sync, once the backend started it: Algorithm 1 over the buckets of the fragments it carries
+        (hf_diloco.outer.outer_round). A replica healed in this sync sends its Δ_i against the base it left."""
+        start = flight.start
+        buckets = self._buckets(start.fragments)
+        return outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
+                           stats=flight.stats, weight=start.weight, alpha=alpha, decoded=flight.checking,
+                           deltas=None if start.stash is None else [start.stash[b] for b in buckets],
+                           device=sync_device(self.outer, self.comm, self.codec))
+
+    def _in_background(self, step: int, max_steps: int, local: dict, fragments: list[int],
+                       deltas: list[torch.Tensor], stats: StatsFn) -> tuple[SyncStart, Exchange | None, float, float]:
+        """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
+        at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
+        from a peer further along), or that sits it out for a reason of its own, takes part with weight 0, sending
+        zeros of the agreed sizes. One left out by the checks keeps its Δ_i, unsent: its agreement with the others
+        is measured still, and decides when it is taken back. Returns (start, exchange, when the exchange began,
+        which is when the participants and the verdict on their contributions were known, when it finished), in
+        perf_counter times."""
+        start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
+        if start.called_off:  # the fixed group's agreement found a save, an evaluation, a stop or the end
+            return start, None, time.perf_counter(), time.perf_counter()
+        sitting_out = start.weight == 0
+        start = self._judge(start, local)
+        began = time.perf_counter()
+        buckets = self._buckets(start.fragments)
+        weight = start.weight
+        if start.fragments != fragments or sitting_out:
+            deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
+                      for b in buckets]
+            weight = 0.0
+        if start.empty:
+            sent = Exchange([], [], self._vote_only(start), weight=0.0)
+        else:
+            sent = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
+                            weight=weight, decoded="checks" in local)
+        return start, sent, began, time.perf_counter()
+
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
-        """Finish `flight` at `step`, whatever its kind: wait for a background exchange (blocked time), apply it
-        through `outer.land` if it committed (α, the weight it was sent with and the vote are the same call for every
-        kind of sync), and hand its record on. Returns whether a participant asked to stop."""
+        """Finish `flight` at `step`, whatever its kind: run a blocking sync (outer.outer_round), or wait for a
+        background exchange (blocked time) and apply it if it committed (outer.land); α and the weight it was sent
+        with are the same arithmetic for every kind. Then its record is handed on. Returns whether a participant
+        asked to stop."""
         overlapped = flight.future is not None
         waited = time.perf_counter()
         if overlapped:
@@ -412,15 +467,18 @@ class SyncEngine:
             if self.args.round_seconds > 0:  # the next budget counts from when the participants were known
                 self.progress.align(flight.exchange_began)
         start = flight.start
+        # The run's last landing makes the final model global (α 0).
+        alpha, launched = (0.0, None) if step >= max_steps else (self.args.fragment_alpha, flight.launched)
+        with self.comm.rendezvous.naming_the_absent(flight.launched_at):
+            if overlapped:
+                result = flight.exchange.result if start.empty else land(self.outer, flight.exchange, alpha, launched)
+            else:
+                result = self._vote_only(start) if start.empty else self._blocking(flight, alpha)
         if start.empty:
             if not overlapped:
                 self.progress.reset()
-            self._finish(step, start, flight.exchange.result)
+            self._finish(step, start, result)
             return start.stop_requested
-        # A blocking sync is averaged as it is applied; the run's last landing makes the final model global (α 0).
-        with self.comm.rendezvous.naming_the_absent(flight.launched_at):
-            alpha, launched = (0.0, None) if step >= max_steps else (self.args.fragment_alpha, flight.launched)
-            result = land(self.outer, flight.exchange, alpha, launched)
         done = time.perf_counter()
         if overlapped:  # τ auto must cover the whole time in flight: the backend's start, then the exchange
             blocked, in_flight = flight.launch_seconds + done - waited, flight.exchanged - flight.began

@@ -8,8 +8,10 @@
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
         each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
 
-Every sync is that loop body in two halves: `exchange` (the first three lines: Δ_i, its codec, the average) and
-`land` (the last two: the outer step and the copy back). `outer_round` runs them at once, as the paper does.
+A blocking sync is that loop body as written, one bucket at a time: `outer_round`, the production path of every sync
+that does not overlap inner steps (Δ_i, its codec and the average run there, in the open, then the outer step and
+the copy back). A sync that overlaps inner steps, or waits for a vote, runs it in two halves: `exchange` (the first
+three lines, every bucket's average held) and later `land` (the last two).
 Streaming DiLoCo (arXiv 2501.18512) syncs one fragment of the model at a time, and with an overlap of τ
 inner steps lands it τ steps after the exchange started (which then runs in the background), where the copy back
 mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.engine decides when each half runs; these lines are the same for
@@ -506,12 +508,11 @@ class SyncResult:
 
 @dataclass
 class Exchange:
-    """The first half of a sync: (bucket, averaged Δ) pairs waiting to be applied, as a list once they have all
-    arrived, or as an iterator that averages each bucket when `land` reaches it (a blocking sync without a vote).
-    `weight` is the weight this replica sent with (0: it sat the sync out, and takes θ_global as it is)."""
+    """The first half of a sync: every bucket's averaged Δ, waiting to be applied (`land`). `weight` is the weight
+    this replica sent with (0: it sat the sync out, and takes θ_global as it is)."""
 
     buckets: list[int]
-    averaged: list[tuple[int, torch.Tensor]] | Iterator[tuple[int, torch.Tensor]]
+    averaged: list[tuple[int, torch.Tensor]]
     result: SyncResult
     weight: float = 1.0
 
@@ -609,21 +610,41 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
 
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
                 feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
-                alpha: float = 0.0, decoded: bool = False) -> SyncResult:
-    """One blocking sync over `buckets` (all of them: the paper's outer round; or one fragment's): the two halves
-    at once.
+                alpha: float = 0.0, decoded: bool = False, finite: bool | None = None,
+                deltas: list[torch.Tensor] | None = None, device: torch.device | None = None) -> SyncResult:
+    """One blocking sync over `buckets` (all of them: the paper's outer round; or the due fragments'), the loop
+    body of Algorithm 1 one bucket at a time: the path of every sync that does not overlap inner steps.
 
     `weight` is this replica's share in the average (1 on the torch backend; torchft's token and staleness
-    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity sits the sync out
-    (weight 0: it sends zeros, the others divide by the weight that took part) and takes θ_global; with no weight
-    at all θ_global does not move. Without a vote the exchange runs as `land` applies it, one bucket at a time
-    (bounded memory); on a backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held
-    until the vote and applied only if the sync commits. Every process must call this with the same buckets.
+    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity (`finite` False, or
+    found so here) sits the sync out (weight 0: it sends zeros, the others divide by the weight that took part) and
+    takes θ_global; with no weight at all θ_global does not move. Each bucket's Δ_i is formed, averaged (the
+    network), stepped and copied back before the next is formed (bounded memory: one bucket's Δ_i and Δ held). On a
+    backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held until the vote and applied
+    only if the sync commits (`exchange`, then `land`), as is a healed replica's `deltas` (its Δ_i taken against
+    the base it left). Δ_i is formed on `device` (the communication device by default: `sync_device`). Every
+    process must call this with the same buckets.
     """
-    finite = comm.control.members_all(is_finite(outer.params[i] for index in buckets for i in outer.buckets[index]))
-    landed = exchange(comm, buckets, pseudo_gradients(outer, comm, buckets), codec=codec, feedback=feedback,
-                      stats=stats, weight=weight, finite=finite, decoded=decoded, lazy=not comm.votes)
-    return land(outer, landed, alpha)
+    if finite is None and deltas is None:
+        finite = comm.control.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
+    if deltas is not None or comm.votes:
+        formed = deltas if deltas is not None else pseudo_gradients(outer, comm, buckets, device)
+        return land(outer, exchange(comm, buckets, formed, codec=codec, feedback=feedback, stats=stats,
+                                    weight=weight, finite=finite, decoded=decoded), alpha)
+    weight = weight if finite else 0.0
+    keep = alpha if weight > 0 else 0.0  # a replica that sat the sync out takes θ_global as it is
+    result = SyncResult()
+    for position, index in enumerate(buckets):
+        bucket = outer.buckets[index]
+        delta_i = outer.pseudo_gradient(bucket, device or comm.device)               # Δ_i ← θ_global − θ_i
+        riding = _riding(position, len(buckets), weight, stats)
+        delta = _average_bucket(comm, index, delta_i, result, weight, codec, feedback, riding, decoded)  # Δ (network)
+        del delta_i
+        if result.participants:
+            outer.step(bucket, delta)                                                 # θ_global ← OuterOpt(θ_global, Δ)
+        outer.copy_to_replica(bucket, keep)                                           # θ_i ← α·θ_i + (1 − α)·θ_global
+        del delta  # freed before the next bucket's Δ_i is formed
+    return result
 
 
 def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor]) -> float:
@@ -653,50 +674,36 @@ def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int],
     return (outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets)
 
 
-def exchange(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor], *,
-             codec: Codec | None = None, feedback: ErrorFeedback | None = None,
-             stats: StatsFn | None = None, weight: float = 1.0, finite: bool | None = None,
-             decoded: bool = False, lazy: bool = False) -> Exchange:
-    """The communication half of a sync: Δ = Σ_i w_i Δ_i / Σ_i w_i for each of `buckets`, then (torchft) the vote.
+def exchange(comm: ReplicaComm, buckets: list[int], deltas: Iterable[torch.Tensor], *, codec: Codec | None = None,
+             feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
+             finite: bool | None = None, decoded: bool = False) -> Exchange:
+    """The communication half of a sync that overlaps inner steps or waits for a vote: Δ = Σ_i w_i Δ_i / Σ_i w_i for
+    each of `buckets`, every one held until `land` applies it, then (torchft) the vote.
 
-    Where the network runs is the caller's choice, `lazy`: False averages every bucket here, now (an overlapped
-    sync, in its background thread; a sync that votes); True averages each bucket when `land` reaches it, one at a
-    time (a blocking sync without a vote: bounded memory), so the network then runs inside `land`. `deltas` is a
-    list taken at launch (the replica trains on while it is sent) or an iterator that forms each bucket's Δ_i when
-    its turn comes (`pseudo_gradients`). `finite` says whether this replica's values are finite (known before the
-    first bucket goes, for the iterator); a list is checked here. `decoded`: with a codec, also measure what the
-    others decode of this replica's contribution (SyncResult.decoded_*). On a backend that votes, the result says
-    whether the sync committed; a sync that did not is never applied, whatever part of it arrived. Touches neither
-    θ_global nor the replica's parameters.
+    `deltas`: each bucket's Δ_i, taken at launch (an overlapped sync: the replica trains on while they are sent, in a
+    background thread), or formed as the exchange reaches each (`pseudo_gradients`: a voted blocking sync).
+    `finite` says whether this replica's values are finite; without it the deltas are checked here. `decoded`: with
+    a codec, also measure what the others decode of this replica's contribution (SyncResult.decoded_*). On a backend
+    that votes, the result says whether the sync committed; a sync that did not is never applied, whatever part of
+    it arrived. Touches neither θ_global nor the replica's parameters.
     """
-    assert not (lazy and comm.votes), "a sync that votes averages every bucket before the vote, so it is never lazy"
     result = SyncResult()
     if finite is None:
-        assert isinstance(deltas, list), "an exchange of Δ_i formed on the way is told whether they are finite"
+        deltas = list(deltas)
         finite = comm.control.members_all(is_finite(deltas))
     if not finite:
         weight = 0.0
-    averaged = _averaged(comm, buckets, iter(deltas), result, weight, codec, feedback, stats, decoded)
-    if not comm.votes:
-        return Exchange(buckets, averaged if lazy else list(averaged), result, weight)
     # A sync that may be rolled back must not leave its trace in the residuals: the replica sends the same
     # progress again in its next sync.
-    kept = feedback.copy([str(i) for i in buckets]) if feedback is not None else None
-    averaged = list(averaged)
-    result.committed = comm.vote()
-    if not result.committed and kept is not None:
-        feedback.restore(kept)
+    kept = feedback.copy([str(i) for i in buckets]) if feedback is not None and comm.votes else None
+    averaged = [(index, _average_bucket(comm, index, delta_i, result, weight, codec, feedback,
+                                        _riding(position, len(buckets), weight, stats), decoded))
+                for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True))]
+    if comm.votes:
+        result.committed = comm.vote()
+        if not result.committed and kept is not None:
+            feedback.restore(kept)
     return Exchange(buckets, averaged, result, weight)
-
-
-def _averaged(comm: ReplicaComm, buckets: list[int], deltas: Iterator[torch.Tensor], result: SyncResult,
-              weight: float, codec: Codec | None, feedback: ErrorFeedback | None,
-              stats: StatsFn | None, decoded: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
-    """(bucket, Δ) in bucket order, each averaged when asked for. Nothing of a bucket stays referenced here once it
-    is handed on, so a consumer that drops each Δ before asking for the next holds one bucket at a time."""
-    for position, index in enumerate(buckets):
-        riding = _riding(position, len(buckets), weight, stats)
-        yield index, _average_bucket(comm, index, next(deltas), result, weight, codec, feedback, riding, decoded)
 
 
 def land(outer: OuterState, landed: Exchange, alpha: float = 0.0,
@@ -704,8 +711,8 @@ def land(outer: OuterState, landed: Exchange, alpha: float = 0.0,
     """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
     θ_i ← α·θ_i + (1 − α)·θ_global, or with `launched` (an eager landing: each bucket's θ_i at the sync's launch)
     θ_i ← θ_global + (θ_i − θ_i at launch), the steps taken while it was in flight kept (a replica that sat the sync
-    out, weight 0, takes θ_global as it is). Every sync of every kind lands here: blocking, overlapped (τ steps
-    after its launch) and voted (torchft). A sync that did not commit leaves θ_global and θ_i as they are: the
+    out, weight 0, takes θ_global as it is): the same two lines as `outer_round`'s, for an overlapped sync (τ steps
+    after its launch) and a voted one (torchft). A sync that did not commit leaves θ_global and θ_i as they are: the
     replica keeps its progress for the next sync."""
     result = landed.result
     if not result.committed:
@@ -716,5 +723,4 @@ def land(outer: OuterState, landed: Exchange, alpha: float = 0.0,
         if result.participants:
             outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
         outer.copy_to_replica(bucket, keep, launched.get(index))              # θ_i ← α·θ_i + (1 − α)·θ_global
-        del delta  # freed before the next bucket is averaged
     return result

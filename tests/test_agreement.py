@@ -56,7 +56,7 @@ def finish(group: FixedGroup, start, step: int) -> tuple[dict, bool]:
 
 
 def in_background(group: FixedGroup, step: int, expected: list[int]):
-    """What the engine's background thread does first: the backend's start (hf_diloco.kinds.SyncKinds)."""
+    """What the engine's background thread does first: the backend's start (SyncEngine._in_background)."""
     result = {}
     thread = threading.Thread(target=lambda: result.update(start=group.start(step, MAX_STEPS, {}, expected,
                                                                              overlapped=True)), name="diloco-sync")

@@ -1,5 +1,6 @@
-"""Every sync kind lands through one path: α, the weight sent and the outer step are the same arithmetic whether the
-sync blocks (τ = 0) or overlaps τ inner steps, for one fragment or several.
+"""Every sync kind lands with the same arithmetic: α, the weight sent and the outer step are the same whether the sync
+blocks (τ = 0: outer.outer_round, Algorithm 1 one bucket at a time) or overlaps τ inner steps (outer.exchange, then
+outer.land), for one fragment or several.
 
 The model has known gradients: its loss is Σ g·w with a fixed g per weight, so inner SGD moves each weight by −η·g
 every step whatever the weights are, and the whole trajectory is arithmetic. The reference below replays the syncs
@@ -25,7 +26,7 @@ from transformers import TrainerCallback, default_data_collator
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer, engine
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
-from hf_diloco.outer import OuterState, exchange, land, pseudo_gradients
+from hf_diloco.outer import OuterState, exchange, land, outer_round, pseudo_gradients
 
 ETA, LAMBDA, H, STEPS = 0.1, 0.7, 4, 12
 GRADIENTS = {"head.w": [0.5, -1.0, 0.25], "layers.0.w": [1.0, -0.5], "layers.1.w": [-0.75, 2.0]}
@@ -72,8 +73,9 @@ def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | Non
     trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     trajectory = Trajectory(model)
     trainer.add_callback(trajectory)
-    with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer.land: count them
+    with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer_round or outer.land: count them
         patch.setattr(engine, "land", lambda *a: landings.append((a[2], a[3] is not None)) or land(*a))
+        patch.setattr(engine, "outer_round", lambda *a, **k: landings.append((k["alpha"], False)) or outer_round(*a, **k))
         trainer.train()
     records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
     return start, trajectory.steps, records
@@ -136,7 +138,7 @@ def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragment
     overlapped = [r.get("launch_step", r["step"]) != r["step"] for r in records]
     assert landings == [(alpha if r["step"] < STEPS else 0.0, eager and o and r["step"] < STEPS)
                         for r, o in zip(records, overlapped, strict=True)], \
-        "every sync, blocking or overlapped, lands through outer.land with α (0 at the last step)"
+        "every sync, blocking or overlapped, lands through outer_round or outer.land with α (0 at the last step)"
     assert any(overlapped) == (delay > 0)
     assert all(r["in_flight_steps"] == r["step"] - r["launch_step"] == delay
                for r, o in zip(records, overlapped, strict=True) if o), "the steps each overlapped sync was in flight"
@@ -257,8 +259,7 @@ class Voting(ReplicaComm):
 
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "rolled back"])
 def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
-    """A sync that votes averages every bucket before the vote (never lazily), then lands through outer.land as
-    any other: committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the
+    """A sync that votes averages every bucket before the vote, then lands through outer.land as any other: committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the
     error-feedback residual (the replica sends the same progress again). One replica: Δ = Δ_1, exact arithmetic
     (outer SGD lr 0.5, α 0.25) with int8 + error feedback, whose decoded Δ is compared to the outer step it made."""
     theta = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 4.0]))
@@ -268,8 +269,6 @@ def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
     before_global, before_local = outer.global_params[0].detach().clone(), theta.detach().clone()
     feedback = ErrorFeedback(0.9, "cpu")
     comm = Voting(commit)
-    with pytest.raises(AssertionError):  # a sync that votes is never averaged lazily
-        exchange(comm, [0], pseudo_gradients(outer, comm, [0]), finite=True, lazy=True)
     landed = exchange(comm, [0], pseudo_gradients(outer, comm, [0]), codec=make_codec("int8"), feedback=feedback,
                       finite=True)
     assert isinstance(landed.averaged, list)
@@ -340,3 +339,26 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
     rounds, _, calls = engine_with_flight(0.0)
     rounds.sync(11, 100)
     assert calls == [("land", 10, 11), ("launch", 11)], "rounds of H steps: the sync that comes due lands it first"
+
+
+def test_a_blocking_sync_is_algorithm_1_one_bucket_at_a_time_over_the_fragments_it_carries():
+    """outer_round, the production path of every blocking sync, on numbers written down by hand: two parameters in
+    two fragments (one bucket each), one replica (Δ = Δ_1), outer Nesterov SGD lr 0.5 momentum 0.5, α 0.25. A sync
+    carrying fragment 1 only moves fragment 1's θ_global and θ_i; fragment 0 keeps its inner progress. A second sync
+    of fragment 1 uses the momentum the first left: v ← 0.5·v + Δ; θ_global ← θ_global − 0.5·(Δ + 0.5·v)."""
+    first, second = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([4.0]))
+    outer = OuterState([first, second], lr=0.5, momentum=0.5, nesterov=True, fragments=[[0], [1]])
+    assert outer.fragment_buckets == [[0], [1]]
+    with torch.no_grad():
+        first.sub_(torch.tensor([0.5, 0.5]))
+        second.sub_(torch.tensor([1.0]))  # θ_i = 3: Δ = 4 − 3 = 1
+    result = outer_round(outer, ReplicaComm(), outer.fragment_buckets[1], alpha=0.25)
+    # v = 1; θ_global = 4 − 0.5·(1 + 0.5·1) = 3.25; θ_i = 0.25·3 + 0.75·3.25 = 3.1875
+    assert result.participants == 1 and result.local_norm_sq == pytest.approx(1.0)
+    assert outer.global_params[1].item() == pytest.approx(3.25) and second.item() == pytest.approx(3.1875)
+    assert outer.global_params[0].tolist() == [1.0, 2.0] and first.tolist() == [0.5, 1.5], "fragment 0 untouched"
+    with torch.no_grad():
+        second.sub_(torch.tensor([0.1875]))  # θ_i = 3: Δ = 0.25
+    outer_round(outer, ReplicaComm(), outer.fragment_buckets[1], alpha=0.0)
+    # v = 0.5·1 + 0.25 = 0.75; θ_global = 3.25 − 0.5·(0.25 + 0.375) = 2.9375; α 0: θ_i = θ_global
+    assert outer.global_params[1].item() == pytest.approx(2.9375) and second.item() == pytest.approx(2.9375)
