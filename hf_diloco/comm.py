@@ -8,9 +8,11 @@ With g = 1 a replica is one process and the slice group is the whole world.
 
 Design choices:
 - Every round's collectives run through `ReplicaComm` here: each below says who calls it, when, and what it costs.
-  (On torchft, `TorchftComm` replaces the three collectives across replicas with torchft's process group, and the
-  membership table and healing of hf_diloco.torchft_backend talk through torchft's Manager.) Between two outer
-  syncs nothing here is called, so zero bytes cross replicas.
+  (On torchft, `TorchftComm` replaces the three collectives across replicas, all-reduce, all-to-all and
+  all-gather, with torchft's process group, and the membership table and healing of hf_diloco.torchft_backend talk
+  through torchft's Manager.) Between two outer syncs nothing here crosses replicas, so zero bytes do: the one call
+  between syncs is `Control.members_any` inside a replica of several processes (its members agree on the step a
+  time-budget sync starts at), over the replica's own group.
 - A sync is a sequence of buckets of the flat fp32 pseudo-gradient, summed over replicas one at a time
   (`sum_replicas`; the caller divides by the replicas that took part). With g > 1 the replica's members hold the
   same pseudo-gradient (DDP keeps them identical), so member j sums only the j-th 1/g slice with its
@@ -474,10 +476,6 @@ class Control:
         return bool(tensor.item() == 0)
 
 
-def _topology_field(name: str) -> property:
-    return property(lambda self: getattr(self.topology, name), doc=f"Topology.{name} of this communicator.")
-
-
 class ReplicaComm:
     """The reduction across replicas (the `torch` backend: a fixed group): the sync's sums, the start from
     identical parameters, each documenting its bytes. Where this process sits is its `topology`; the rendezvous store
@@ -499,12 +497,66 @@ class ReplicaComm:
     # and counts instead of this one (OuterState.repeated_spans), so that a replica's norms count them once.
     repeated_spans: dict[str, list[tuple[int, int]]] | None = None
 
-    group_size, num_replicas, replica_index, member = map(_topology_field, ("group_size", "num_replicas",
-                                                                           "replica_index", "member"))
-    distributed, sharded, device, timeout_seconds = map(_topology_field, ("distributed", "sharded", "device",
-                                                                          "timeout_seconds"))
-    replica_group, slice_group, gather_group, active = map(_topology_field, ("replica_group", "slice_group",
-                                                                             "gather_group", "active"))
+    # Where this process sits (its Topology), read through the communicator.
+    @property
+    def group_size(self) -> int:
+        """Processes in a replica (g) (Topology.group_size)."""
+        return self.topology.group_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in the sync (M) (Topology.num_replicas)."""
+        return self.topology.num_replicas
+
+    @property
+    def replica_index(self) -> int:
+        """This process's replica, among the sync's (Topology.replica_index)."""
+        return self.topology.replica_index
+
+    @property
+    def member(self) -> int:
+        """This process's place in its replica (Topology.member)."""
+        return self.topology.member
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group exists (Topology.distributed)."""
+        return self.topology.distributed
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each member holds its own shard of every parameter (Topology.sharded)."""
+        return self.topology.sharded
+
+    @property
+    def device(self) -> torch.device:
+        """Where the sync's collectives run (Topology.device)."""
+        return self.topology.device
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        """How long a collective waits (Topology.timeout_seconds)."""
+        return self.topology.timeout_seconds
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The group of this replica's processes (Topology.replica_group)."""
+        return self.topology.replica_group
+
+    @property
+    def slice_group(self) -> dist.ProcessGroup | None:
+        """Member j of every replica: the only path between replicas (Topology.slice_group)."""
+        return self.topology.slice_group
+
+    @property
+    def gather_group(self) -> dist.ProcessGroup | None:
+        """The group a replica's summed slices are all-gathered over (Topology.gather_group)."""
+        return self.topology.gather_group
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to reduce with (Topology.active)."""
+        return self.topology.active
 
     def __init__(self, group_size: int = 1, background: bool = False, timeout_seconds: float | None = None,
                  sharded: bool = False, *, topology: Topology | None = None, rendezvous: Rendezvous | None = None):
@@ -575,8 +627,8 @@ class ReplicaComm:
     ) -> tuple[torch.Tensor, torch.Tensor | None, SyncCost]:
         """Σ_i Δ_i over the replicas for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
 
-        The caller divides by the number of replicas that took part (see outer.outer_round), which it learns from
-        the statistics that ride along.
+        The caller divides by the total weight of the replicas that took part (the weighted mean of
+        hf_diloco.outer, whose weights ride along with the first bucket).
 
         Called by every process, once per bucket, in the same bucket order everywhere, with buckets of identical
         sizes (the trainer syncs the same buckets at the same steps on every process). With g > 1 each member

@@ -316,7 +316,8 @@ class SyncEngine:
         step = self._step(step)  # (a time-budget sync moves it: decide there)
         due = self.backend.due(step, max_steps, self.progress) and not self.exchanging(step, max_steps)
         if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight (done) lands
-            landing, stop = True, stop | self.land(self.in_flight, step, max_steps)
+            landing = True
+            stop |= self.land(self.in_flight, step, max_steps)
             step = self._step(step)
             due = self.backend.due(step, max_steps, self.progress)
         if not landing and not due:
@@ -481,12 +482,13 @@ class SyncEngine:
             return start.stop_requested
         done = time.perf_counter()
         if overlapped:  # τ auto must cover the whole time in flight: the backend's start, then the exchange
-            blocked, in_flight = flight.launch_seconds + done - waited, flight.exchanged - flight.began
+            blocked = flight.launch_seconds + done - waited
+            in_flight = flight.exchanged - flight.began
             exchange_seconds = flight.exchanged - flight.exchange_began
         else:  # the next budget counts from here (an overlapped sync's, from its launch)
             self.progress.reset()
-            blocked, in_flight = done - flight.began, done - flight.exchange_began
-            exchange_seconds = in_flight
+            blocked = done - flight.began
+            in_flight = exchange_seconds = done - flight.exchange_began
         self.schedule.exchange_measured(start.fragments, in_flight)
         return start.stop_requested | self._complete(step, max_steps, flight, start, result, exchange_seconds,
                                                      blocked)
@@ -553,7 +555,8 @@ class SyncEngine:
         verdict = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
         if verdict.continue_at is not None:
             self.continue_at = verdict.continue_at
-        restart = takes_global or verdict.restart
+        # (a joining sync that sent the first replica's parameters to the others: they take θ_global too)
+        restart = takes_global or verdict.restart or (start.joining and bool(start.startup_bytes))
         fresh = restart or start.joining or (result.committed and self.backend.replica in start.excluded)
         for fragment in self.fragments:  # fresh: the replica starts from θ_global
             fragment.land(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,

@@ -37,6 +37,7 @@ import os
 import pickle
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -278,69 +279,79 @@ def replica_store(replica: ReplicaComm, host: str):
     return None, (store_host, int(port))
 
 
-def heal_mismatch(state: object, outer, global_sync: int, agreed: int, max_steps: int) -> str | None:
-    """Why a peer's state cannot heal a replica (a clause), or None. Its outer state must fit the replica's `outer`
-    (names, shapes, dtypes, finite: OuterState.mismatch); its sync counter must lie between the replica's
-    `global_sync` and `agreed`, the step the quorum agreed on (torchft's count of commits, which moves with every sync
-    that moves θ_global and never less often); its steps must be whole numbers within the run's `max_steps`."""
-    if not isinstance(state, dict) or not {"outer", "global_sync", "global_step", "agreed_step"} <= set(state):
-        return "it is not a replica's state (outer, global_sync, global_step, agreed_step)"
-    wrong = outer.mismatch(state["outer"])
-    if wrong:
-        return f"its outer state does not fit this model: {wrong}"
-    numbers = {key: state[key] for key in ("global_sync", "global_step", "agreed_step")}
-    for key, value in numbers.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"its {key} is {value!r}, not a whole number"
-    if not global_sync <= numbers["global_sync"] <= agreed:
-        return (f"its sync counter {numbers['global_sync']} is outside {global_sync}..{agreed} (this replica's, and "
-                f"the quorum's step)")
-    for key in ("global_step", "agreed_step"):
-        if not 0 <= numbers[key] <= max_steps:
-            return f"its {key} {numbers[key]} is outside the run's 0..{max_steps} steps"
-    return None
+class PeerHeal:
+    """A torchft heal, on the replica that is behind: what it takes from a live peer in a sync's quorum, and what it
+    keeps of its own progress. torchft's Manager hands `load` the peer's state while the quorum forms; the state is
+    checked first (`mismatch`: it arrives over the network), this replica's progress against the base it leaves is
+    kept as its Δ_i (`stash`), and the state waits until the quorum applies it (`take`, TorchftQuorum.start) before
+    the sync's collectives. A state that does not fit is refused (`refused` says why): nothing is taken, and the
+    replica sits the sync out and heals again at the next one, from whichever peer that quorum names.
 
+    `outer` is read here, never written; `agreed` gives the quorum's step (torchft's count of commits)."""
 
-def whole_replica(local: dict, comm: ReplicaComm) -> dict:
-    """A replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group): its
-    tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of them
-    does and is finite only if all are. Every member then writes the same row, so every slice of the sync is
-    averaged with the same weights."""
-    mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
-                         float(local["stop_requested"]), float(not local.get("finite", True))], dtype=torch.float64)
-    every = torch.empty(comm.group_size * mine.numel(), dtype=torch.float64)
-    gather_into(every, mine, group=comm.gather_group)
-    every = every.view(comm.group_size, -1)
-    return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
-            "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
-            "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
+    def __init__(self, outer, max_steps: int, agreed: Callable[[], int]):
+        self.outer, self.max_steps, self.agreed = outer, max_steps, agreed
+        self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
+        self.refused: str | None = None
+        self.taken: dict | None = None
+        self.global_sync = 0  # as the quorum forms: this replica's sync counter,
+        self.local_steps = 0  # its inner steps since its last launch,
+        self.overlapped = False  # and whether the sync runs in the background while it trains on
 
+    def expect(self, global_sync: int, local_steps: int, overlapped: bool) -> None:
+        """A sync's quorum is about to form, with this replica at `global_sync` after `local_steps` inner steps."""
+        self.global_sync, self.local_steps, self.overlapped = global_sync, local_steps, overlapped
+        self.refused = self.taken = None
 
-def digest(outer) -> float:
-    """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
-    return float(int.from_bytes(tensor_digest(outer.global_params)[:6], "big"))
+    def mismatch(self, state: object) -> str | None:
+        """Why a peer's state cannot heal this replica (a clause), or None. Its outer state must fit the replica's
+        (names, shapes, dtypes, finite: OuterState.mismatch); its sync counter must lie between the replica's and
+        the quorum's step (torchft's count of commits, which moves with every sync that moves θ_global and never less
+        often); its steps must be whole numbers within the run's max_steps."""
+        if not isinstance(state, dict) or not {"outer", "global_sync", "global_step", "agreed_step"} <= set(state):
+            return "it is not a replica's state (outer, global_sync, global_step, agreed_step)"
+        wrong = self.outer.mismatch(state["outer"])
+        if wrong:
+            return f"its outer state does not fit this model: {wrong}"
+        numbers = {key: state[key] for key in ("global_sync", "global_step", "agreed_step")}
+        for key, value in numbers.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"its {key} is {value!r}, not a whole number"
+        agreed = self.agreed()
+        if not self.global_sync <= numbers["global_sync"] <= agreed:
+            return (f"its sync counter {numbers['global_sync']} is outside {self.global_sync}..{agreed} (this "
+                    f"replica's, and the quorum's step)")
+        for key in ("global_step", "agreed_step"):
+            if not 0 <= numbers[key] <= self.max_steps:
+                return f"its {key} {numbers[key]} is outside the run's 0..{self.max_steps} steps"
+        return None
 
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        """torchft's Manager: a peer's state, to heal this replica with (checked, then kept for `take`)."""
+        wrong = self.mismatch(state)
+        if wrong:
+            sender = state.get("replica", "?") if isinstance(state, dict) else "?"
+            self.refused = f"refused the state sent by replica {sender} to heal this one: {wrong}"
+            logger.warning("DiLoCo/torchft: %s; this replica sits the sync out and heals again at the next one.",
+                           self.refused)
+            return
+        if self.local_steps > 0 and self.stash is None and not self.overlapped:
+            # Local progress made against the old base: kept, and brought to this sync with a staleness weight.
+            # (Not in an overlapped sync's background start: the replica is training meanwhile; that sync's
+            # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
+            # healed θ_global.)
+            self.stash = [self.outer.pseudo_gradient(bucket) for bucket in self.outer.buckets]
+        self.taken = state
 
-@torch.no_grad()
-def start_identical(manager, outer, digests: torch.Tensor) -> int:
-    """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the first
-    participant's θ goes to the others (an all-reduce where the others send zeros). Returns the bytes this process
-    sent (0 when every digest agrees, as with one seed or one checkpoint)."""
-    if bool((digests == digests[0]).all()):
-        return 0
-    flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
-    if manager.participating_rank() != 0:
-        flat.zero_()
-    manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-    if manager.errored() is not None:
-        raise RunError(f"the replicas started from different parameters and sending the first one's to the others "
-                       f"failed ({first_line(manager.errored())}); start them again.")
-    copy_flat(flat, outer.global_params)
-    outer.copy_global_to_replica()
-    logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's (%.2f "
-                   "MB) were sent to the others. Give every replica the same seed or checkpoint to skip this.",
-                   flat.numel() * 4 / 1e6)
-    return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
+    def take(self) -> dict | None:
+        """The peer's state this quorum healed the replica with, once (None: no heal, or a refused one)."""
+        state, self.taken = self.taken, None
+        return state
+
+    def settle(self) -> None:
+        """The sync that brought the stash landed or was given up: the replica starts from θ_global."""
+        self.stash = None
 
 
 def replica_group(sync_timeout: float, group_timeout: float):
@@ -366,25 +377,6 @@ def replica_group(sync_timeout: float, group_timeout: float):
     return FormingGroup(timeout=timedelta(seconds=sync_timeout))
 
 
-def make_manager(args, replica: ReplicaComm, pg, host: str, store: tuple[str, int], lighthouse: str, load_state_dict,
-                 state_dict, init_sync: bool):
-    """torchft's Manager for this process: rank `replica.member` of the replica's `replica.group_size`, meeting its
-    other ranks in the replica's `store`, the quorum at `lighthouse`; a peer's state is taken by `load_state_dict`
-    (checked first: it arrives over the network) and this replica's given by `state_dict`. Its gRPC server (rank 0
-    of the replica) and the healing transport listen on `host` only."""
-    from torchft import Manager
-
-    timeout = timedelta(seconds=args.sync_timeout)
-    with compat.torchft_listeners_on(host):
-        return Manager(
-            checkpoint_transport=safe_checkpoint_transport(host, timeout), pg=pg, load_state_dict=load_state_dict,
-            state_dict=state_dict, min_replica_size=args.min_replicas,
-            use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)),
-            rank=replica.member, world_size=replica.group_size, store_addr=store[0], store_port=store[1],
-            lighthouse_addr=lighthouse, replica_id=f"replica_{args.replica_id}", hostname=host, init_sync=init_sync)
-
-
 class TorchftQuorum(Backend):
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
     with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine's and
@@ -401,9 +393,7 @@ class TorchftQuorum(Backend):
         self.feedback = feedback
         self.global_sync = 0  # committed syncs that moved θ_global (healed with the rest)
         self.agreed_step = 0  # the step every participant continued at after the last commit (healed with the rest)
-        self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
-        self.healed_from_sync: int | None = None
-        self.overlapped = False  # the sync being started runs in the background (no stash: the replica trains on)
+        self.heal = PeerHeal(outer, max_steps, agreed=lambda: self.manager.current_step())
         self.carried_tokens = 0  # tokens of local progress that a rolled-back sync did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
         self.last_participants: set[int] = set()  # the participants of the last sync that moved θ_global
@@ -411,7 +401,6 @@ class TorchftQuorum(Backend):
         self.sync_local_steps = 0  # this replica's inner steps since its last launch, as the sync started
         self.continued_at: int | None = None  # the step a late replica continued at, taken from its peer
         self.healed_to_step: int | None = None  # this sync's heal moved a late replica to the peer's step
-        self.heal_refused: str | None = None  # why this sync's heal was refused (heal_mismatch), as a sentence
         self.check_identical = not resumed  # a fresh run: compare θ by digest at the start
         host = args.replica_address or socket.gethostname()
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
@@ -428,9 +417,27 @@ class TorchftQuorum(Backend):
         # A fresh run's replicas at step 0 do not heal from each other (the whole state, every time): like the torch
         # backend, they compare a digest of θ in the first sync's table and send it only if they differ (start).
         # Resumed replicas heal from the primary, so they agree on θ, the outer state and the sync.
-        self.manager = make_manager(args, replica, pg, host, store_address, lighthouse, self._load_healed,
-                                    self._state_for_peer, init_sync=not self.check_identical)
+        self.manager = self._manager(replica, pg, host, store_address, lighthouse)
         self.comm = TorchftComm(self.manager, pg, replica, ExchangeTimeout(args.group_timeout, args.sync_timeout))
+
+    def _manager(self, replica: ReplicaComm, pg, host: str, store: tuple[str, int], lighthouse: str):
+        """torchft's Manager for this process: rank `replica.member` of the replica's `replica.group_size`, meeting
+        its other ranks in the replica's `store`, the quorum at `lighthouse`; a peer's state heals this replica
+        through `PeerHeal.load` (checked first: it arrives over the network), and this replica's is sent from
+        `_state_for_peer`. Its gRPC server (rank 0 of the replica) and the healing transport listen on `host` only."""
+        from torchft import Manager
+
+        args = self.args
+        timeout = timedelta(seconds=args.sync_timeout)
+        with compat.torchft_listeners_on(host):
+            return Manager(
+                checkpoint_transport=safe_checkpoint_transport(host, timeout), pg=pg, load_state_dict=self.heal.load,
+                state_dict=self._state_for_peer, min_replica_size=args.min_replicas,
+                use_async_quorum=False,  # heal before the sync's collectives: a healed replica takes part at once
+                timeout=timeout, quorum_timeout=timeout,
+                connect_timeout=timedelta(seconds=min(60.0, args.sync_timeout)), rank=replica.member,
+                world_size=replica.group_size, store_addr=store[0], store_port=store[1], lighthouse_addr=lighthouse,
+                replica_id=f"replica_{args.replica_id}", hostname=host, init_sync=not self.check_identical)
 
     # --- what a peer sends a healing replica, and how it is taken ---
 
@@ -442,33 +449,66 @@ class TorchftQuorum(Backend):
                 "global_step": self.sync_step, "agreed_step": self.agreed_step, "replica": self.args.replica_id}
 
     @torch.no_grad()
-    def _load_healed(self, state: dict) -> None:
-        wrong = heal_mismatch(state, self.outer, self.global_sync, self.manager.current_step(), self.max_steps)
-        if wrong:
-            # Nothing is taken: this replica sits the sync out (weight 0, its vote fails, see start) and heals
-            # again at the next sync, from whichever peer that quorum names.
-            sender = state.get("replica", "?") if isinstance(state, dict) else "?"
-            self.heal_refused = f"refused the state sent by replica {sender} to heal this one: {wrong}"
-            logger.warning("DiLoCo/torchft: %s; this replica sits the sync out and heals again at the next one.",
-                           self.heal_refused)
-            return
-        outer = self.outer
-        if self.sync_local_steps > 0 and self.stash is None and not self.overlapped:
-            # Local progress made against the old base: kept, and brought to this sync with a staleness weight.
-            # (Not in an overlapped sync's background start: the replica is training meanwhile; that sync's
-            # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
-            # healed θ_global.)
-            self.stash = [outer.pseudo_gradient(bucket) for bucket in outer.buckets]
-        self.healed_from_sync = self.global_sync
-        outer.load_state_dict(state["outer"])
+    def _healed(self) -> int | None:
+        """Apply the state a peer healed this replica with while the quorum formed, if any: θ_global, the outer
+        optimizer, the sync counter and the agreed step are the peer's; the residuals go (they were what this
+        replica did not send against the base it left); a replica that starts late continues at the peer's step, so
+        its schedule and its end match theirs. Returns the sync counter it healed from (None: no heal)."""
+        state = self.heal.take()
+        if state is None:
+            return None
+        healed_from = self.global_sync
+        self.outer.load_state_dict(state["outer"])
         self.global_sync = int(state["global_sync"])
         self.agreed_step = int(state["agreed_step"])
         if self.feedback is not None:
-            self.feedback.clear()  # its residuals were what it did not send against the base it left
+            self.feedback.clear()
         step = int(state["global_step"])
         if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
-            # A replica that starts late continues at the others' step, so its schedule and its end match theirs.
             self.healed_to_step = self.continued_at = self.sync_step = step
+        return healed_from
+
+    def _whole_replica(self, local: dict) -> dict:
+        """A replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group): its
+        tokens are theirs summed, its loss their mean, its compute time the slowest's; it asks to stop if any of
+        them does and is finite only if all are. Every member then writes the same row, so every slice of the sync
+        is averaged with the same weights."""
+        comm = self.comm
+        mine = torch.tensor([local["steps"], local["tokens"], local["loss_sum"], local["compute_seconds"],
+                             float(local["stop_requested"]), float(not local.get("finite", True))],
+                            dtype=torch.float64)
+        every = torch.empty(comm.group_size * mine.numel(), dtype=torch.float64)
+        gather_into(every, mine, group=comm.gather_group)
+        every = every.view(comm.group_size, -1)
+        return {**local, "steps": int(every[:, 0].max()), "tokens": int(every[:, 1].sum()),
+                "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
+                "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
+
+    def _digest(self) -> float:
+        """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
+        return float(int.from_bytes(tensor_digest(self.outer.global_params)[:6], "big"))
+
+    @torch.no_grad()
+    def _start_identical(self, digests: torch.Tensor) -> int:
+        """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the first
+        participant's θ_global goes to the others (an all-reduce where the others send zeros); the engine then
+        copies it into the replica (SyncStart.identical_sent). Returns the bytes this process sent (0 when every
+        digest agrees, as with one seed or one checkpoint)."""
+        if bool((digests == digests[0]).all()):
+            return 0
+        manager, outer = self.manager, self.outer
+        flat = torch.cat([p.detach().reshape(-1).cpu() for p in outer.global_params])
+        if manager.participating_rank() != 0:
+            flat.zero_()
+        manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            raise RunError(f"the replicas started from different parameters and sending the first one's to the "
+                           f"others failed ({first_line(manager.errored())}); start them again.")
+        copy_flat(flat, outer.global_params)
+        logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's "
+                       "(%.2f MB) were sent to the others. Give every replica the same seed or checkpoint to skip "
+                       "this.", flat.numel() * 4 / 1e6)
+        return ring_all_reduce_bytes(flat.numel() * 4, len(digests))
 
     # --- one sync: who takes part, and what happens after the vote ---
 
@@ -500,7 +540,7 @@ class TorchftQuorum(Backend):
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
-        this replica heals in the quorum (see rounds.SyncEngine._launch_in_background)."""
+        this replica heals in the quorum (see SyncEngine._in_background)."""
         return self.schedule.fragments_of_sync(self.global_sync + 1, None, step >= max_steps)
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
@@ -514,10 +554,10 @@ class TorchftQuorum(Backend):
         local = {**local, "tokens": local["tokens"] + self.carried_tokens}
         self.sync_local_steps = local["steps"]
         if not joining and self.comm.group_size > 1:
-            local = whole_replica(local, self.comm)
+            local = self._whole_replica(local)
         started = time.perf_counter()
-        self.healed_from_sync = self.heal_refused = self.healed_to_step = None
-        self.overlapped = overlapped
+        self.healed_to_step = None
+        self.heal.expect(self.global_sync, self.sync_local_steps, overlapped)
         self.sync_step = step
         try:
             self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
@@ -528,11 +568,13 @@ class TorchftQuorum(Backend):
                 f"the others have finished the run, or the Lighthouse "
                 f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
         quorum_seconds = time.perf_counter() - started
+        healed_from = self._healed()
         error = self.manager.errored()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        healed = self.healed_from_sync is not None
-        staleness = max(0, self.global_sync - self.healed_from_sync) if healed and self.stash is not None else 0
+        healed = healed_from is not None
+        stash = self.heal.stash
+        staleness = max(0, self.global_sync - healed_from) if healed and stash is not None else 0
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
         over = self.run_over()
@@ -540,15 +582,15 @@ class TorchftQuorum(Backend):
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
         # replica that diverged sits the sync out with weight 0 (it sends zeros) and takes θ_global after it.
         # (An overlapped sync's exchange checks its snapshot again; here the parameters have not moved yet.)
-        finite = joining or over or self.stash is not None or local.get("finite", True)
-        refused = self.heal_refused is not None  # behind, and not healed: what it would send is against an old base
+        finite = joining or over or stash is not None or local.get("finite", True)
+        refused = self.heal.refused is not None  # behind, and not healed: what it would send is against an old base
         weight = staleness_weight(tokens, staleness) if finite and not (healed and overlapped) and not refused \
             else 0.0
-        self.comm.refusal = self.heal_refused
+        self.comm.refusal = self.heal.refused
         checking = joining and self.check_identical and not healed and not refused
         mine = [float(self.args.replica_id), local["steps"], tokens, weight, float(healed), staleness,
                 local["loss_sum"], local["compute_seconds"], quorum_seconds, float(local["stop_requested"]),
-                float(not finite), float(step), digest(self.outer) if checking else 0.0,
+                float(not finite), float(step), self._digest() if checking else 0.0,
                 *local.get("checks", [float("nan")] * len(CHECK_FIELDS))]
         table = torch.zeros(max(participants, 1), len(MEMBER_FIELDS), dtype=torch.float64)
         if rank is not None and error is None:
@@ -561,7 +603,7 @@ class TorchftQuorum(Backend):
         startup_bytes = None
         if checking and participants > 1 and error is None:
             digests = table[:participants, MEMBER_FIELDS.index("digest")]
-            startup_bytes = start_identical(self.manager, self.outer, digests)
+            startup_bytes = self._start_identical(digests)
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
         # A participant at its last step: every fragment syncs, so the final model is global.
@@ -570,7 +612,7 @@ class TorchftQuorum(Backend):
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return SyncStart(
             weight=self.relative_weight(weight, largest, when_nobody=0.0), fragments=fragments, empty=largest == 0,
-            stash=self.stash, healed=healed, finite=finite, joining=joining,
+            stash=stash, healed=healed, finite=finite, joining=joining,
             stop_requested=any(row["stop_requested"] for row in rows), participants=rows, quorum_seconds=quorum_seconds,
             extra_bytes=ring_all_reduce_bytes(table.numel() * 8, participants),
             error=None if error is None else first_line(error), startup_bytes=startup_bytes,
@@ -595,13 +637,13 @@ class TorchftQuorum(Backend):
             # A healed replica's training against the old base went into this sync: it starts from θ_global, as
             # every replica does from the sync that ended the run (the final model), whatever it trained since.
             restart = start.healed or self.run_over()
-            self.stash = None
+            self.heal.settle()
             self.carried_tokens = 0
         elif start.healed or not start.finite:
             # The base moved under this replica and the sync did not land, or its own progress is not finite:
             # start over from θ_global.
             restart = True
-            self.stash = None
+            self.heal.settle()
             self.carried_tokens = 0
         elif not start.joining:
             self.carried_tokens += tokens  # progress kept for the next sync
@@ -616,8 +658,8 @@ class TorchftQuorum(Backend):
         quorum_record(record, replicas, committed=result.committed, step=step, sync=self.global_sync,
                       round_number=self.schedule.round_of(self.global_sync), quorum_seconds=start.quorum_seconds,
                       replica=self.args.replica_id, tokens_trained=tokens)
-        if self.heal_refused:
-            record["heal_refused"] = self.heal_refused
+        if self.heal.refused:
+            record["heal_refused"] = self.heal.refused
         record.update({"error": reason} if reason else {})
         return Verdict(record, restart, continue_at)
 

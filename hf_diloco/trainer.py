@@ -2,7 +2,8 @@
 
 Each process is one replica (or one member of a replica group). Trainer runs the inner loop untouched (its
 optimizer, scheduler, gradient accumulation, clipping, mixed precision); this module adapts Trainer where DiLoCo
-needs it, and the outer loop itself is hf_diloco.diloco_callback's (Trainer glue) over hf_diloco.engine' round engine.
+needs it, and the outer loop itself is hf_diloco.diloco_callback's (Trainer glue) over hf_diloco.engine's sync
+engine.
 
 Design choices:
 - No DDP across replicas. Accelerate would wrap the model in DistributedDataParallel and all-reduce gradients
