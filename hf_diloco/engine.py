@@ -177,6 +177,7 @@ class Flight:
     exchange: Exchange | None = None  # an overlapped sync's, once its background thread is done
     stats: StatsFn | None = None  # this replica's statistics, riding the sync's last collective
     checking: bool = False  # the contribution checks judge this sync (then a codec's decoded terms are measured)
+    finite: bool = True  # this replica's parameters were finite at launch (else it sends zeros, with weight 0)
     exchange_began: float = 0.0
     exchanged: float = 0.0  # an overlapped sync: when its exchange finished in the background
     launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
@@ -360,14 +361,18 @@ class SyncEngine:
         exchange runs as it lands), or with sync_delay > 0 in the background, the backend's start (its wait)
         included."""
         began = time.perf_counter()
+        # The sync's one finiteness check: Δ_i = θ_global − θ_i is finite exactly when θ_i is (θ_global always is);
+        # the members of a sharded replica agree, so the replica sits a sync out whole.
+        finite = self.comm.control.members_all(is_finite(self.outer.params))
         # this replica's numbers, read here, before the inner loop moves on
-        local = self.progress.numbers(self.stop_requested, is_finite(self.outer.params))
+        local = self.progress.numbers(self.stop_requested, finite)
         self.last_sync_tokens = self.progress.tokens
         stats = self.progress.stats(self.stop_requested,
                                     (self.previous_agreement, self.previous_blocked, self.schedule.exchanged[1]))
         checking = self.gate.checking(joining, self.comm.num_replicas)
         flight = Flight(launched_at=step, lands_at=step, outer_lr=self.outer.lr(),
-                        measured=self.schedule.exchanged[0], began=began, stats=stats, checking=checking)
+                        measured=self.schedule.exchanged[0], began=began, stats=stats, checking=checking,
+                        finite=finite)
         if not joining:
             self.comm.rendezvous.arrive(step)
         fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
@@ -384,7 +389,7 @@ class SyncEngine:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
             flight.future = self.executor.submit(self._in_background, step, max_steps, local, fragments, deltas,
-                                                 stats)
+                                                 stats, finite)
             flight.lands_at = step + self.schedule.launch_delay(step, fragments)
             flight.launch_seconds = time.perf_counter() - began
             self.in_flight = flight
@@ -420,11 +425,13 @@ class SyncEngine:
         buckets = self._buckets(start.fragments)
         return outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
                            stats=flight.stats, weight=start.weight, alpha=alpha, decoded=flight.checking,
+                           finite=flight.finite,
                            deltas=None if start.stash is None else [start.stash[b] for b in buckets],
                            device=sync_device(self.outer, self.comm, self.codec))
 
     def _in_background(self, step: int, max_steps: int, local: dict, fragments: list[int],
-                       deltas: list[torch.Tensor], stats: StatsFn) -> tuple[SyncStart, Exchange | None, float, float]:
+                       deltas: list[torch.Tensor], stats: StatsFn,
+                       finite: bool) -> tuple[SyncStart, Exchange | None, float, float]:
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
         at launch. A replica whose sync turns out to carry other fragments than it expected (torchft: it healed
         from a peer further along), or that sits it out for a reason of its own, takes part with weight 0, sending
@@ -448,7 +455,7 @@ class SyncEngine:
             sent = Exchange([], [], self._vote_only(start), weight=0.0)
         else:
             sent = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
-                            weight=weight, decoded="checks" in local)
+                            weight=weight, finite=finite, decoded="checks" in local)
         return start, sent, began, time.perf_counter()
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
