@@ -375,31 +375,31 @@ class SyncEngine:
                         finite=finite)
         if not joining:
             self.comm.rendezvous.arrive(step)
-        fragments = [] if joining else self.backend.expected_fragments(step, max_steps, local)
+        carried = [] if joining else self.backend.expected_fragments(step, max_steps, local)
         if joining and self.gate.active:  # its base learning rate, for the others' checks (torchft's table)
             local["checks"] = self.gate.presence_row()
         for fragment in self.fragments:
-            fragment.launch(step, self.progress, carried=fragment.index in fragments)
+            fragment.launched(step, self.progress, carried=fragment.index in carried)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
-            buckets = self._buckets(fragments)
+            buckets = self._buckets(carried)
             deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.codec))
             flight.launched = replica_copies(self.outer, buckets) if self.args.overlap_landing == "eager" else None
             if checking:
-                local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, fragments))
+                local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, carried))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-            flight.future = self.executor.submit(self._in_background, step, max_steps, local, fragments, deltas,
+            flight.future = self.executor.submit(self._in_background, step, max_steps, local, carried, deltas,
                                                  stats, finite)
-            flight.lands_at = step + self.schedule.launch_delay(step, fragments)
+            flight.lands_at = step + self.schedule.launch_delay(step, carried)
             flight.launch_seconds = time.perf_counter() - began
             self.in_flight = flight
             flight.progress, self.progress = self.progress, Progress()
             return flight
         if checking:
-            buckets = self._buckets(fragments)
+            buckets = self._buckets(carried)
             local["checks"] = self.gate.row(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
-                                            since_base(self.fragments, fragments), with_loss=True)
-        flight.start = self.backend.start(step, max_steps, local, fragments, joining=joining)
+                                            since_base(self.fragments, carried), with_loss=True)
+        flight.start = self.backend.start(step, max_steps, local, carried, joining=joining)
         with self.comm.rendezvous.naming_the_absent(step):
             flight.start = self._judge(flight.start, local)
         flight.exchange_began = time.perf_counter()
@@ -429,7 +429,7 @@ class SyncEngine:
                            deltas=None if start.stash is None else [start.stash[b] for b in buckets],
                            device=sync_device(self.outer, self.comm, self.codec))
 
-    def _in_background(self, step: int, max_steps: int, local: dict, fragments: list[int],
+    def _in_background(self, step: int, max_steps: int, local: dict, carried: list[int],
                        deltas: list[torch.Tensor], stats: StatsFn,
                        finite: bool) -> tuple[SyncStart, Exchange | None, float, float]:
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
@@ -439,7 +439,7 @@ class SyncEngine:
         is measured still, and decides when it is taken back. Returns (start, exchange, when the exchange began,
         which is when the participants and the verdict on their contributions were known, when it finished), in
         perf_counter times."""
-        start = self.backend.start(step, max_steps, local, fragments, overlapped=True)
+        start = self.backend.start(step, max_steps, local, carried, overlapped=True)
         if start.called_off:  # the fixed group's agreement found a save, an evaluation, a stop or the end
             return start, None, time.perf_counter(), time.perf_counter()
         sitting_out = start.weight == 0
@@ -447,7 +447,7 @@ class SyncEngine:
         began = time.perf_counter()
         buckets = self._buckets(start.fragments)
         weight = start.weight
-        if start.fragments != fragments or sitting_out:
+        if start.fragments != carried or sitting_out:
             deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
                       for b in buckets]
             weight = 0.0
@@ -566,7 +566,7 @@ class SyncEngine:
         restart = takes_global or verdict.restart or (start.joining and bool(start.startup_bytes))
         fresh = restart or start.joining or (result.committed and self.backend.replica in start.excluded)
         for fragment in self.fragments:  # fresh: the replica starts from θ_global
-            fragment.land(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
+            fragment.decided(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
                           fresh)
         if restart:
             self.outer.copy_global_to_replica()

@@ -13,8 +13,8 @@ Each fragment of a replica owns, for its share of the trainable parameters:
                  moved, before the sync in flight;
     at_launch    the same with the sync launched last
 
-The engine (hf_diloco.engine) calls `launch` on every fragment when it launches a sync and `land` when that sync
-is decided; the schedule (hf_diloco.schedule) says which fragments a sync carries.
+The engine (hf_diloco.engine) tells every fragment when it launches a sync (`launched`) and when that sync is
+decided (`decided`, or `call_off`); the schedule (hf_diloco.schedule) says which fragments a sync carries.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Fragment:
         held = self.feedback.residuals if self.feedback is not None else {}
         return {str(b): held[str(b)] for b in self.buckets if str(b) in held}
 
-    def launch(self, step: int, progress, carried: bool) -> None:
+    def launched(self, step: int, progress, carried: bool) -> None:
         """A sync was launched at `step`, after `progress` since the previous launch (engine.Progress: its inner
         steps, their Σ η and examples); `carried`: it is expected to carry this fragment."""
         self.at_launch = (self.covered[0] + progress.steps, self.covered[1] + progress.lr_sum,
@@ -63,7 +63,7 @@ class Fragment:
         its Δ_i covered goes into the next launch's, as if it had never been launched."""
         self.in_flight = None
 
-    def land(self, step: int, synced: bool, alpha: float, fresh: bool = False) -> None:
+    def decided(self, step: int, synced: bool, alpha: float, fresh: bool = False) -> None:
         """The sync launched last was decided at `step`: if it carried this fragment and committed, the base moved
         and α of the replica's own progress stays in its parameters; else its Δ_i covers those steps too. `fresh`:
         the replica took θ_global (it joined, healed, or was left out), so its Δ_i covers nothing yet."""
