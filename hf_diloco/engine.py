@@ -331,9 +331,10 @@ class SyncEngine:
         if self.backend.run_over() or (step >= max_steps and self.schedule.end is not None):
             # The run's last sync landed (the staggered end: every fragment's last): the final model is θ_global.
             self.outer.copy_global_to_replica()
-        return SyncOutcome(synced=True, stop=stop, at_boundary=self.in_flight is None, continue_at=self.continue_at,
-                           window=self.backend.take_window(), run_over=self.backend.run_over(),
-                           syncs_landed=self.tuner.syncs_landed)
+        at_boundary = self.in_flight is None  # (an agreed window is handed over at a boundary only)
+        return SyncOutcome(synced=True, stop=stop, at_boundary=at_boundary, continue_at=self.continue_at,
+                           window=self.backend.take_window() if at_boundary else None,
+                           run_over=self.backend.run_over(), syncs_landed=self.tuner.syncs_landed)
 
     def lands_now(self, step: int, max_steps: int) -> bool:
         """Whether the sync in flight lands at `step`: τ steps after its launch, or at the last step. Under time
