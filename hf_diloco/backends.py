@@ -115,6 +115,10 @@ class Backend:
         self.outer = outer
         self.schedule = schedule
         self.max_steps = max_steps
+        # The run's count of syncs that moved θ_global, where the backend numbers its syncs (torch with time budgets:
+        # checkpointed; torchft: healed from a live peer with θ_global). With rounds of H steps on the torch backend
+        # a sync's number is its step's (Schedule.sync_at).
+        self.syncs = 0
 
     def budget_due(self, progress) -> bool:
         """A time-budget sync is due: this replica's budget is spent (engine.Progress.budget_spent). The members of
@@ -170,7 +174,6 @@ class FixedGroup(Backend):
         self.boundaries = boundaries
         self.previous_step = step
         self.window: tuple[int, int, int] | None = None  # the window of the sync that landed last, if it had one
-        self.syncs = 0  # time-budget syncs landed in the run, checkpointed (the fragments go in turn)
         self.over = False  # a time-budget run's last sync landed
         self.agreed: Agreement | None = None
         self.pending: tuple[int, float, bool, bool] | None = None  # an overlapped launch's numbers, agreed in `start`

@@ -391,7 +391,6 @@ class TorchftQuorum(Backend):
         super().__init__(replica, outer, schedule, max_steps)
         self.args = args
         self.feedback = feedback
-        self.global_sync = 0  # committed syncs that moved θ_global (healed with the rest)
         self.agreed_step = 0  # the step every participant continued at after the last commit (healed with the rest)
         self.heal = PeerHeal(outer, max_steps, agreed=lambda: self.manager.current_step())
         self.carried_tokens = 0  # tokens of local progress that a rolled-back sync did not merge yet
@@ -445,7 +444,7 @@ class TorchftQuorum(Backend):
         # The step the sync being formed started at, not the trainer's step: an overlapped sync's quorum runs in
         # the background while the inner loop moves on, and a healer given a later step would run its syncs that
         # many steps ahead of everyone's, and end one sync early.
-        return {"outer": self.outer.state_dict(), "global_sync": self.global_sync,
+        return {"outer": self.outer.state_dict(), "global_sync": self.syncs,
                 "global_step": self.sync_step, "agreed_step": self.agreed_step, "replica": self.args.replica_id}
 
     @torch.no_grad()
@@ -457,9 +456,9 @@ class TorchftQuorum(Backend):
         state = self.heal.take()
         if state is None:
             return None
-        healed_from = self.global_sync
+        healed_from = self.syncs
         self.outer.load_state_dict(state["outer"])
-        self.global_sync = int(state["global_sync"])
+        self.syncs = int(state["global_sync"])
         self.agreed_step = int(state["agreed_step"])
         if self.feedback is not None:
             self.feedback.clear()
@@ -541,7 +540,7 @@ class TorchftQuorum(Backend):
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
         this replica heals in the quorum (see SyncEngine._in_background)."""
-        return self.schedule.fragments_of_sync(self.global_sync + 1, None, step >= max_steps)
+        return self.schedule.fragments_of_sync(self.syncs + 1, None, step >= max_steps)
 
     def start(self, step: int, max_steps: int, local: dict, expected: list[int] | None = None, joining: bool = False,
               timeout: float | None = None, overlapped: bool = False) -> SyncStart:
@@ -557,7 +556,7 @@ class TorchftQuorum(Backend):
             local = self._whole_replica(local)
         started = time.perf_counter()
         self.healed_to_step = None
-        self.heal.expect(self.global_sync, self.sync_local_steps, overlapped)
+        self.heal.expect(self.syncs, self.sync_local_steps, overlapped)
         self.sync_step = step
         try:
             self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
@@ -574,7 +573,7 @@ class TorchftQuorum(Backend):
         rank = self.manager.participating_rank()
         healed = healed_from is not None
         stash = self.heal.stash
-        staleness = max(0, self.global_sync - healed_from) if healed and stash is not None else 0
+        staleness = max(0, self.syncs - healed_from) if healed and stash is not None else 0
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
         over = self.run_over()
@@ -608,7 +607,7 @@ class TorchftQuorum(Backend):
         largest = float(weights.max()) if participants else 0.0
         # A participant at its last step: every fragment syncs, so the final model is global.
         last = bool((table[:participants, MEMBER_FIELDS.index("at_step")] >= max_steps).any())
-        fragments = self.schedule.fragments_of_sync(self.global_sync + 1, None, last)
+        fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
         rows = [dict(zip(MEMBER_FIELDS, row, strict=True)) for row in table[:participants].tolist()]
         return SyncStart(
             weight=self.relative_weight(weight, largest, when_nobody=0.0), fragments=fragments, empty=largest == 0,
@@ -626,7 +625,7 @@ class TorchftQuorum(Backend):
         restart, continue_at = False, None
         if result.committed:
             if result.total_weight > 0:
-                self.global_sync += 1
+                self.syncs += 1
                 self.last_participants = {int(row["replica"]) for row in start.participants}
                 # Every participant continues at the furthest one's step (the run's progress, as on torch), plus
                 # the steps it took while an overlapped sync was in flight, unless this sync ended the run.
@@ -655,8 +654,8 @@ class TorchftQuorum(Backend):
                            "progress for the next sync.", step, reason)
         if not record:
             return Verdict(record, restart, continue_at)
-        quorum_record(record, replicas, committed=result.committed, step=step, sync=self.global_sync,
-                      round_number=self.schedule.round_of(self.global_sync), quorum_seconds=start.quorum_seconds,
+        quorum_record(record, replicas, committed=result.committed, step=step, sync=self.syncs,
+                      round_number=self.schedule.round_of(self.syncs), quorum_seconds=start.quorum_seconds,
                       replica=self.args.replica_id, tokens_trained=tokens)
         if self.heal.refused:
             record["heal_refused"] = self.heal.refused
@@ -666,7 +665,7 @@ class TorchftQuorum(Backend):
     def joined(self, start: SyncStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""
         if self.comm.member == 0:
-            where = self.schedule.name_sync(self.global_sync)
+            where = self.schedule.name_sync(self.syncs)
             print(f"[diloco] replica {self.args.replica_id} joined at {where} (step "
                   f"{step if self.continued_at is None else self.continued_at})"
                   f"{', healed from a live peer' if start.healed else ''}; {len(start.participants)} replica(s) in the "
