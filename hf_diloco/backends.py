@@ -35,9 +35,10 @@ them on.
                                        numbers; torchft agrees on the fragments after the quorum); the joining
                                        sync before the first inner step makes the replicas' parameters
                                        identical. May run in an overlapped sync's background thread.
-    finish(start, result, record, tokens, step) -> Verdict
-                                       after the vote: the record's membership fields, whether this replica
-                                       starts again from θ_global, and the step every replica continues at
+    finish(start, result, tokens, step) -> Verdict
+                                       after the vote: whether this replica starts again from θ_global, the
+                                       step every replica continues at, and the sync's number and membership for
+                                       its record (which the engine builds)
     may_overlap()                      whether the sync being launched may run in the background (sync_delay > 0)
     take_window()                      the agreed (before, now, sync) where saves and evaluations are decided
     joined(start, step), run_over(), linger(step, max_steps), shutdown(), state_dict() / load_state_dict(state)
@@ -82,11 +83,14 @@ class SyncStart:
 
 @dataclass
 class Verdict:
-    """A backend's word on a sync after its vote (`finish`)."""
+    """A backend's word on a sync after its vote (`finish`), which the engine's record of the sync is built from."""
 
-    record: dict  # the sync's record with the backend's fields (membership, the sync's number and step)
     restart: bool = False  # this replica starts again from θ_global
     continue_at: int | None = None  # every replica continues at this step (the furthest one's), when it moved
+    sync: int | None = None  # the sync's number, where the backend counts them (else its step's: Schedule.sync_at)
+    step: int | None = None  # the step its record is placed at (else the step it landed at)
+    launch_step: int | None = None  # the step its record names as its launch (else the replica's own)
+    membership: dict | None = None  # torchft: who took part and the vote (records.quorum_record's arguments)
 
 
 @dataclass
@@ -257,23 +261,20 @@ class FixedGroup(Backend):
         self.outer.take_replica()
         return SyncStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 
-    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> Verdict:
+    def finish(self, start: SyncStart, result, tokens: int = 0, step: int = 0) -> Verdict:
         """A time-budget sync: every replica continues at the furthest one's step, plus the steps it took while an
         overlapped sync was in flight (it lands at τ, or once its exchange is done: SyncEngine.lands_now), as on
-        torchft (`continued_step`); the record gets that step and the sync's number. Saves and evaluations fall only
-        at blocking syncs, which every replica lands at one step."""
+        torchft (`continued_step`); its record is placed at that step, under the sync's number. Saves and
+        evaluations fall only at blocking syncs, which every replica lands at one step."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
-            return Verdict(record)
+            return Verdict()
         self.syncs += 1
         self.over = agreed.last
         self.window = agreed.window
         moved = self.continued_step(agreed.step, agreed.launched_at, step)
-        if record:  # its replica rows (records.replica_rows) hold each replica's steps, tokens and weight
-            record.update(step=moved, sync=self.syncs, round=self.schedule.round_of(self.syncs))
-            if moved != agreed.step:
-                record["launch_step"] = agreed.step
-        return Verdict(record, continue_at=moved if moved > step else None)
+        return Verdict(continue_at=moved if moved > step else None, sync=self.syncs, step=moved,
+                       launch_step=agreed.step if moved != agreed.step else None)
 
     def take_window(self) -> tuple[int, int, int] | None:
         window, self.window = self.window, None

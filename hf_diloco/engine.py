@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import FixedGroup, SyncStart
+from .backends import FixedGroup, SyncStart, Verdict
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
 from .fragments import Fragment, outer_state_and_fragments, since_base
@@ -61,7 +61,7 @@ from .outer import (
     snapshot,
     sync_device,
 )
-from .records import Records, ReplicaStats, SyncStats, arrival_clock, sync_record
+from .records import Records, ReplicaStats, SyncStats, arrival_clock, quorum_record, sync_record
 from .schedule import Boundaries, Schedule, TimeBudget
 from .torchft_backend import TorchftQuorum
 from .tuner import Tuner
@@ -531,36 +531,54 @@ class SyncEngine:
         result.count_extra(start.extra_bytes)
         cumulative = self.records.add_bytes(result.cost.bytes_sent)
         stats = SyncStats(result.stats) if result.stats is not None else None
-        number = self.schedule.sync_at(flight.launched_at)
-        record = {} if stats is None else sync_record(
-            stats=stats, result=result, step=step, sync_number=number, round_number=self.schedule.round_of(number),
-            fragments=start.fragments, cumulative_bytes=cumulative, sync_seconds=sync_seconds, blocked=blocked,
-            outer_lr=flight.outer_lr, inner_lr=self.inner_optimizer.param_groups[0]["lr"],
-            num_replicas=self.comm.num_replicas, group_size=self.comm.group_size, sharded=self.comm.sharded,
-            ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
-            compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
-            synced_parameters=sum(self.fragments[f].size for f in start.fragments))
-        if flight.launched_at != step:  # (a mix landing keeps α of the steps taken in flight, eager all of them)
-            record.update(launch_step=flight.launched_at, in_flight_steps=flight.in_flight_steps)
+        verdict = self.backend.finish(start, result, tokens=self.last_sync_tokens, step=step)
+        record = {} if stats is None else self._record(stats, result, verdict, flight, step, cumulative, sync_seconds,
+                                                       blocked)
         choices = self.tuner.landed(stats, replica=self.comm.replica_index, measured=flight.measured,
                                     launched_at=flight.launched_at, step=step, max_steps=max_steps,
                                     sizes=[f.size for f in self.fragments])
         if choices:  # τ or H changed: the staggered end is placed anew
             record.update(choices)
             self._place_end(step, max_steps)
-        self._finish(step, start, result, record, takes_global=diverged or left_out, rebase=result.committed)
+        self._finish(step, start, result, verdict, record, takes_global=diverged or left_out,
+                     rebase=result.committed)
         self.tuner.size_last_budget(self._step(step), max_steps, self.progress.origin)
         return stats is not None and bool(stats.stop_requested.sum() > 0)
 
-    def _finish(self, step: int, start: SyncStart, result: SyncResult, record: dict | None = None, *,
-                takes_global: bool = False, rebase: bool = False) -> None:
-        """The backend's word on the sync (torchft: commit bookkeeping, membership in the record, whether this
-        replica starts again from θ_global; a time budget: the step every replica continues at), then the record
-        is queued. `takes_global`: the replica diverged or was left out. A replica that starts again takes θ_global
-        here, the one copy of it into the replica outside a landing; then (`rebase`, a committed sync) the
-        contribution checks measure the next round's base. A sync with nothing exchanged (every participant
-        joining) has no record."""
-        verdict = self.backend.finish(start, result, record or {}, tokens=self.last_sync_tokens, step=step)
+    def _record(self, stats: SyncStats, result: SyncResult, verdict: Verdict, flight: Flight, step: int,
+                cumulative: int, sync_seconds: float, blocked: float) -> dict:
+        """The sync's record, built here only: its numbers (records.sync_record), placed where the backend's
+        verdict says (a time budget's step and count, torchft's count) or at the sync's own step and number, with
+        torchft's membership and vote (records.quorum_record)."""
+        start = flight.start
+        number = self.schedule.sync_at(flight.launched_at) if verdict.sync is None else verdict.sync
+        record = sync_record(
+            stats=stats, result=result, step=step if verdict.step is None else verdict.step, sync_number=number,
+            round_number=self.schedule.round_of(number), fragments=start.fragments, cumulative_bytes=cumulative,
+            sync_seconds=sync_seconds, blocked=blocked, outer_lr=flight.outer_lr,
+            inner_lr=self.inner_optimizer.param_groups[0]["lr"], num_replicas=self.comm.num_replicas,
+            group_size=self.comm.group_size, sharded=self.comm.sharded,
+            ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
+            compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
+            synced_parameters=sum(self.fragments[f].size for f in start.fragments))
+        if flight.launched_at != step:  # (a mix landing keeps α of the steps taken in flight, eager all of them)
+            record.update(launch_step=flight.launched_at, in_flight_steps=flight.in_flight_steps)
+        if verdict.launch_step is not None:  # a time budget: the furthest replica's launch
+            record["launch_step"] = verdict.launch_step
+        if verdict.membership is not None:
+            quorum_record(record, **verdict.membership)
+        return record
+
+    def _finish(self, step: int, start: SyncStart, result: SyncResult, verdict: Verdict | None = None,
+                record: dict | None = None, *, takes_global: bool = False, rebase: bool = False) -> None:
+        """After the backend's word on the sync (`verdict`, asked here for a sync with nothing exchanged: torchft's
+        commit bookkeeping, whether this replica starts again from θ_global; a time budget: the step every replica
+        continues at), the record is queued. `takes_global`: the replica diverged or was left out. A replica that
+        starts again takes θ_global here, the one copy of it into the replica outside a landing; then (`rebase`, a
+        committed sync) the contribution checks measure the next round's base. A sync with nothing exchanged (every
+        participant joining) has no record."""
+        if verdict is None:
+            verdict = self.backend.finish(start, result, tokens=self.last_sync_tokens, step=step)
         if verdict.continue_at is not None:
             self.continue_at = verdict.continue_at
         # (a joining sync that sent the first replica's parameters to the others: they take θ_global too)
@@ -573,7 +591,6 @@ class SyncEngine:
             self.outer.copy_global_to_replica()
         if rebase:
             self.gate.rebase()
-        record = verdict.record
         lines = self.gate.record(start.excluded, record) if record and not start.empty else []
         if lines and self.comm.member == 0:
             print("\n".join(lines), flush=True)

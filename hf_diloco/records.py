@@ -195,17 +195,18 @@ def membership(rows: list[dict], known: set[int]) -> tuple[list[dict], set[int]]
     return replicas + [{"replica": r, "participated": False} for r in sorted(known - present)], present
 
 
-def quorum_record(record: dict, replicas: list[dict], *, committed: bool, step: int, sync: int, round_number: int,
-                  quorum_seconds: float, replica: int, tokens_trained: int) -> None:
+def quorum_record(record: dict, replicas: list[dict], *, committed: bool, quorum_seconds: float, replica: int,
+                  tokens_trained: int, heal_refused: str | None = None, error: str | None = None) -> None:
     """A torchft sync's record, in place: its membership (every member, absent ones too), the vote, and loss and
     tokens from the members' rows (known even when the sync rolled back), replacing the fixed group's reading.
-    `tokens_trained`: what this replica trained in the sync (its tokens per second)."""
+    `tokens_trained`: what this replica trained in the sync (its tokens per second); `heal_refused` and `error`:
+    why its heal was refused, why the sync did not commit."""
     for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
         record.pop(key, None)
     took_part = [m for m in replicas if m["participated"]]
     losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]
     compute = record["compute_seconds"] + record["blocked_seconds"]
-    record.update(step=step, sync=sync, round=round_number, replicas=sorted(replicas, key=lambda m: m["replica"]),
+    record.update(replicas=sorted(replicas, key=lambda m: m["replica"]),
                   committed=committed, participants=len(took_part), num_replicas=len(took_part),
                   quorum_seconds=quorum_seconds, outer_backend="torchft", replica=replica,
                   loss=sum(losses) / len(losses) if losses else float("nan"), replica_losses=losses,
@@ -216,6 +217,10 @@ def quorum_record(record: dict, replicas: list[dict], *, committed: bool, step: 
         record["non_finite_replicas"] = non_finite
     if not committed:
         record["outer_step_skipped"] = True
+    if heal_refused:
+        record["heal_refused"] = heal_refused
+    if error:
+        record["error"] = error
 
 
 def summary(syncs: list[dict], *, steps: int, train_started: float, initial_eval_loss: float | None,

@@ -48,7 +48,7 @@ from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
 from .errors import ConfigError, RunError, first_line
-from .records import membership, quorum_record
+from .records import membership
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -617,9 +617,9 @@ class TorchftQuorum(Backend):
             error=None if error is None else first_line(error), startup_bytes=startup_bytes,
             continue_at=self.healed_to_step)
 
-    def finish(self, start: SyncStart, result, record: dict, tokens: int = 0, step: int = 0) -> Verdict:
+    def finish(self, start: SyncStart, result, tokens: int = 0, step: int = 0) -> Verdict:
         """After the vote: move the sync counter on a commit, decide what a replica keeps after a rollback
-        (`restart`: it starts again from θ_global), and put the sync's membership in its record: a row per
+        (`restart`: it starts again from θ_global), and give the sync's membership for its record: a row per
         replica (participants with their rows, absent ones), the vote, and loss and tokens from the participants'
         rows (known even when the sync rolled back). `tokens`: what this replica trained in the sync."""
         restart, continue_at = False, None
@@ -652,15 +652,9 @@ class TorchftQuorum(Backend):
         if reason:  # said here for a sync that failed before anything was exchanged too (it has no record)
             logger.warning("DiLoCo/torchft: the sync at step %d did not commit (%s); this replica keeps its local "
                            "progress for the next sync.", step, reason)
-        if not record:
-            return Verdict(record, restart, continue_at)
-        quorum_record(record, replicas, committed=result.committed, step=step, sync=self.syncs,
-                      round_number=self.schedule.round_of(self.syncs), quorum_seconds=start.quorum_seconds,
-                      replica=self.args.replica_id, tokens_trained=tokens)
-        if self.heal.refused:
-            record["heal_refused"] = self.heal.refused
-        record.update({"error": reason} if reason else {})
-        return Verdict(record, restart, continue_at)
+        return Verdict(restart, continue_at, sync=self.syncs, step=step, membership=dict(
+            replicas=replicas, committed=result.committed, quorum_seconds=start.quorum_seconds,
+            replica=self.args.replica_id, tokens_trained=tokens, heal_refused=self.heal.refused, error=reason))
 
     def joined(self, start: SyncStart, step: int) -> None:
         """Say, on the replica's main process, where it joined the run."""

@@ -48,11 +48,15 @@ def fixed_group(network: Network, replica: int, moved: list[int], wanted=lambda 
 
 
 def finish(group: FixedGroup, start, step: int) -> tuple[dict, bool]:
-    """The group's verdict on a sync that landed at `step`: (record, restart); a step move is noted in its `moves`."""
-    verdict = group.finish(start, None, {"replicas": []}, step=step)
+    """The group's verdict on a sync that landed at `step`: (where its record is placed: step, sync and, where it
+    names one, launch_step; restart); a step move is noted in its `moves`."""
+    verdict = group.finish(start, None, step=step)
     if verdict.continue_at is not None:
         group.moves.append(verdict.continue_at)
-    return verdict.record, verdict.restart
+    placed = {"step": verdict.step, "sync": verdict.sync}
+    if verdict.launch_step is not None:
+        placed["launch_step"] = verdict.launch_step
+    return placed, verdict.restart
 
 
 def in_background(group: FixedGroup, step: int, expected: list[int]):

@@ -240,12 +240,12 @@ def test_a_fragment_counts_the_examples_since_its_base_across_a_missed_sync_and_
     from hf_diloco.fragments import Fragment, since_base
 
     fragment = Fragment(0, [0], 1, outer=None)
-    fragment.launch(10, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
-    fragment.land(10, synced=False, alpha=0.0)  # rolled back: those steps stay in its Δ_i
-    fragment.launch(20, SimpleNamespace(steps=10, lr_sum=0.02, examples=37), carried=True)
+    fragment.launched(10, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
+    fragment.decided(10, synced=False, alpha=0.0)  # rolled back: those steps stay in its Δ_i
+    fragment.launched(20, SimpleNamespace(steps=10, lr_sum=0.02, examples=37), carried=True)
     assert since_base([fragment], [0]) == (20, 0.03, 77)
-    fragment.land(20, synced=True, alpha=0.5)
-    fragment.launch(30, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
+    fragment.decided(20, synced=True, alpha=0.5)
+    fragment.launched(30, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
     assert since_base([fragment], [0]) == pytest.approx((20, 0.025, 78.5))
 
 

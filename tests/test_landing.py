@@ -75,7 +75,8 @@ def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | Non
     trainer.add_callback(trajectory)
     with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer_round or outer.land: count them
         patch.setattr(engine, "land", lambda *a: landings.append((a[2], a[3] is not None)) or land(*a))
-        patch.setattr(engine, "outer_round", lambda *a, **k: landings.append((k["alpha"], False)) or outer_round(*a, **k))
+        patch.setattr(engine, "outer_round",
+                      lambda *a, **k: landings.append((k["alpha"], False)) or outer_round(*a, **k))
         trainer.train()
     records = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()]
     return start, trajectory.steps, records
@@ -259,9 +260,10 @@ class Voting(ReplicaComm):
 
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "rolled back"])
 def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
-    """A sync that votes averages every bucket before the vote, then lands through outer.land as any other: committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the
-    error-feedback residual (the replica sends the same progress again). One replica: Δ = Δ_1, exact arithmetic
-    (outer SGD lr 0.5, α 0.25) with int8 + error feedback, whose decoded Δ is compared to the outer step it made."""
+    """A sync that votes averages every bucket before the vote, then lands through outer.land as any other:
+    committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the error-feedback residual
+    (the replica sends the same progress again). One replica: Δ = Δ_1, exact arithmetic (outer SGD lr 0.5, α 0.25)
+    with int8 + error feedback, whose decoded Δ is compared to the outer step it made."""
     theta = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 4.0]))
     outer = OuterState([theta], lr=0.5, momentum=0.0, nesterov=False)
     with torch.no_grad():
