@@ -166,14 +166,14 @@ def run(settings: dict) -> None:
 
     def sync_and_record(step, max_steps):
         before, began = bytes_written(), time.perf_counter()
-        stop = original_sync(step, max_steps)
-        if stop is not None:  # a sync landed or was launched at this step
+        outcome = original_sync(step, max_steps)
+        if outcome.synced:  # a sync landed or was launched at this step
             sync_seconds.append(time.perf_counter() - began)
             steps_between.append(probe.own_steps - last_sync_steps[0])
             last_sync_steps[0] = probe.own_steps
             sync_wire_bytes.append((step, bytes_written() - before))
             sync_digests.append((trainer.state.global_step, digest(trainer.model)))
-        return stop  # None, or whether a replica asked to stop: the trainer acts on it
+        return outcome  # the trainer acts on it
 
     trainer.diloco.sync = sync_and_record
     seen_blocks = []  # which pattern blocks this replica trained on, identified by their first token

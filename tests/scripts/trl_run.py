@@ -84,10 +84,10 @@ def run(settings: dict) -> None:
     digests = []
 
     def recorded_sync(step, max_steps):
-        stop = sync(step, max_steps)
-        if stop is not None:
+        outcome = sync(step, max_steps)
+        if outcome.synced:
             digests.append((trainer.state.global_step, digest(trainer.model)))
-        return stop
+        return outcome
 
     trainer.diloco.sync = recorded_sync
     trainer.train()
