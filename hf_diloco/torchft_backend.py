@@ -491,8 +491,8 @@ class TorchftQuorum(Backend):
     def _start_identical(self, digests: torch.Tensor) -> int:
         """A fresh run's first sync: if the participants' θ differ (replicas built from different seeds), the first
         participant's θ_global goes to the others (an all-reduce where the others send zeros); the engine then
-        copies it into the replica (SyncStart.identical_sent). Returns the bytes this process sent (0 when every
-        digest agrees, as with one seed or one checkpoint)."""
+        copies it into the replica (a joining SyncStart with startup_bytes). Returns the bytes this process sent (0
+        when every digest agrees, as with one seed or one checkpoint)."""
         if bool((digests == digests[0]).all()):
             return 0
         manager, outer = self.manager, self.outer
