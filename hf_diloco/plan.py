@@ -183,6 +183,20 @@ class ModelShape:
     def synced_values(self) -> int:
         return sum(numel for _, numel in self.synced)
 
+    @property
+    def most_fragments(self) -> int:
+        """The most fragments a run may cut the synced parameters into (outer.assign_fragments): one per layer, and
+        one more for what is outside the layers where anything is (a LoRA model's adapters are all inside).
+
+        >>> ModelShape("m", 10, [("embed.weight", 4), ("layers.0.w", 3), ("layers.1.w", 3)], 2, 8).most_fragments
+        3
+        >>> ModelShape("m", 10, [("layers.0.lora_A", 4), ("layers.1.lora_A", 4)], 2, 8).most_fragments
+        2
+        """
+        from .outer import layer_of
+
+        return self.layers + any(layer_of(name) is None for name, _ in self.synced)
+
     def flops_per_token(self, sequence: int) -> float:
         """6 N + 12 · layers · hidden · sequence (PaLM, appendix B).
 
@@ -461,9 +475,9 @@ def _row(method, codec, streaming, inner_steps, fragments, taus, compute, sent, 
 
 
 def fragment_choices(s: Setting, inner_steps: int) -> list[int]:
-    """F that a streamed round may use: divisors of H from 1 up to the model's layers + 1 (fragment 0 holds what
-    is outside the layers)."""
-    return [f for f in range(1, min(inner_steps, s.shape.layers + 1) + 1) if inner_steps % f == 0]
+    """F that a streamed round may use: divisors of H from 1 up to the model's layers, + 1 where parameters lie
+    outside the layers (fragment 0 holds them; ModelShape.most_fragments)."""
+    return [f for f in range(1, min(inner_steps, s.shape.most_fragments) + 1) if inner_steps % f == 0]
 
 
 def streamed_row(s: Setting, codec: str, inner_steps: int) -> Row:
@@ -539,7 +553,7 @@ def recommend(s: Setting, codecs: tuple[str, ...] | None = None, max_inner_steps
             return _recommendation(row, True, f"the fewest bytes per round that reach {s.target:.0%} utilisation "
                                               f"at H = {inner_steps}{moved}")
     return _recommendation(best, False, f"nothing tried reaches {s.target:.0%} (H up to {ladder[-1]}, every codec, "
-                                        f"F up to {s.shape.layers + 1}); this is the best utilisation found")
+                                        f"F up to {s.shape.most_fragments}); this is the best utilisation found")
 
 
 def _recommendation(row: Row, meets: bool, reason: str) -> Recommendation:

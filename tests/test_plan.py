@@ -167,3 +167,15 @@ def test_refusals_of_the_library_api():
         plan.Link(0)
     with pytest.raises(ConfigError, match="too few|needs at least"):
         plan.diloco_row(s, "none", 30, fragments=5, sync_delay=1)  # 2 layers cannot make 4 layer fragments
+
+
+def test_plan_searches_a_lora_models_fragments_up_to_its_layers():
+    """A LoRA model's adapters all lie inside its layers, so a run cuts them into at most one fragment per layer:
+    the plan of the 4-layer tiny Llama with LoRA at H = 50 (divisible by 5) over a link slow enough that the
+    fragments are searched tries F up to 4, not 5, with the recipe's F and with --fragments 1."""
+    for extra in ([], ["--fragments", "1"]):
+        code, out, err = run_cli("recipes/lora-finetune.yaml", "--model", "tiny-llama", "--replicas", "2", "--link",
+                                 "100kbit", "--tokens-per-second", "15000", "--inner-steps", "50", "--json", *extra)
+        assert code == 0, err
+        planned = json.loads(out)
+        assert max(row["fragments"] for row in planned["rows"]) <= 4, planned["rows"]
