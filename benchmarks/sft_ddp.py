@@ -34,7 +34,8 @@ def main(argv: list[str]) -> None:
     from transformers import set_seed
 
     set_seed(args.seed)
-    model, tokenizer = build_model(run)
+    loaded = build_model(run)
+    model, tokenizer = loaded.model, loaded.tokenizer
     train_dataset, eval_dataset = trl_datasets(run, tokenizer)
     clock = SteadyClock()
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,

@@ -24,7 +24,16 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict,
 from torch.utils.data import Sampler
 
 from .config import ConfigError, RunArguments, first_line
-from .tasks import DIGITS, IMAGE_CLASSIFICATION, IMAGE_SIZE, MASKED_LM, SEQ2SEQ, SEQUENCE_CLASSIFICATION, Task
+from .tasks import (
+    DIGITS,
+    IMAGE_CLASSIFICATION,
+    IMAGE_SIZE,
+    MASKED_LM,
+    SEQ2SEQ,
+    SEQUENCE_CLASSIFICATION,
+    TASKS,
+    Task,
+)
 
 BUILTIN = "builtin"
 STREAM_BATCH = 100  # documents a streamed corpus is tokenized in at a time
@@ -149,9 +158,11 @@ def _chat_column(first: dict | None, columns: list[str] | None, text_column: str
 
 def check_dataset(run: RunArguments) -> None:
     """What can be known of the corpus named by `run` without loading it, in the sentence training would end with:
-    the built-in corpus, or a local file or folder that exists, can be read and has `text_column`, or the columns
-    of its task (COLUMNS; asked of its first row, streamed; a `save_to_disk` folder is memory-mapped). A Hub
-    dataset is not asked for: the processes that train fetch it."""
+    the built-in corpus, or a local file or folder that exists, can be read and has `text_column` or conversations
+    (a `messages` column of turns), the columns a TRL trainer reads (TRL_FORMATS), or those of its task (COLUMNS;
+    asked of its first row, streamed; a `save_to_disk` folder is memory-mapped). The same check serves a training
+    launch, its dry run and the app's preview. A Hub dataset is not asked for: the processes that train
+    fetch it."""
     name, path = run.dataset_name, os.path.expanduser(run.dataset_name)
     if name in BUILTINS:
         columns = load_raw_dataset(name).column_names
@@ -159,20 +170,42 @@ def check_dataset(run: RunArguments) -> None:
             return  # conversations or preferences: rendered by the chat template, checked where they are
     elif os.path.exists(path) or name.startswith((".", "/", "~")):
         dataset = _load(name, run.dataset_config, streaming=run.streaming or not _saved_to_disk(path))
-        columns = dataset.column_names
-        if columns is None:  # a streamed json or csv file names its columns in its rows
-            try:
-                first = next(iter(dataset), None)
-            except Exception as error:  # datasets raises many types; the user needs the one-line reason
-                raise ConfigError(f"could not load dataset {name!r}: {first_line(error)}.") from None
-            columns = list(first) if first else None  # an empty file: nothing to check
+        try:  # a streamed json or csv file names its columns in its rows
+            first = _first_row(dataset)
+        except Exception as error:  # datasets raises many types; the user needs the one-line reason
+            raise ConfigError(f"could not load dataset {name!r}: {first_line(error)}.") from None
+        columns = dataset.column_names if dataset.column_names is not None else list(first) if first else None
+        if columns is None:  # an empty file: nothing to check
+            return
     else:
         return
     if run.task in COLUMNS:
         if name not in BUILTINS:
             _check_task_columns(name, columns, run.task)
+            if run.task == SEQUENCE_CLASSIFICATION:  # its labels name or number the classes
+                class_names(run, TASKS[run.task])
         return
-    _check_text_column(name, columns, run.text_column)
+    if run.trainer in TRL_FORMATS:
+        _check_trl_columns(name, columns, run.trainer)
+    elif name not in BUILTINS and _chat_column(first, columns, run.text_column) is not None:
+        return  # conversations, rendered by the tokenizer's chat template (load_text_dataset)
+    else:
+        _check_text_column(name, columns, run.text_column)
+
+
+# The column sets TRL's trainers read (any one of them): SFT's text, conversations, or prompt and completion
+# (each plain or conversational); DPO's preference pairs.
+TRL_FORMATS = {"sft": (("text",), ("messages",), ("prompt", "completion")), "dpo": (("prompt", "chosen", "rejected"),
+                                                                                    ("chosen", "rejected"))}
+
+
+def _check_trl_columns(name: str, columns: list[str], trainer: str) -> None:
+    """ConfigError when dataset `name` has none of the column sets trainer `trainer` reads (TRL_FORMATS)."""
+    if any(set(wanted) <= set(columns) for wanted in TRL_FORMATS[trainer]):
+        return
+    shown = " or ".join(" and ".join(wanted) for wanted in TRL_FORMATS[trainer])
+    raise ConfigError(f"trainer {trainer} reads the columns {shown} of its dataset, and {name!r} has none of those "
+                      f"(it has {', '.join(columns) or 'none'}).")
 
 
 def _saved_to_disk(path: str) -> bool:
@@ -442,6 +475,39 @@ def _check_task_columns(name: str, columns: list[str] | None, task: str) -> None
                              else "."))
 
 
+BUILTIN_TEXT_LABELS = ["written", "mirrored"]  # builtin_labelled_texts: label 0 as written, 1 reversed
+
+
+def class_names(run, task: Task) -> list[str] | None:
+    """The classes of a classifier's data in id order (the model's `id2label`): the built-in data's (written and
+    mirrored prose; the digits "0" to "9"), a `ClassLabel` column's names (an image folder's sub-folders), the
+    sorted distinct values of a `label` column of strings, or "0" to "K-1" for integer labels, K the largest + 1.
+    None for a task without classes. ConfigError for a negative label or labels neither all integers nor all
+    strings."""
+    if not task.new_head:
+        return None
+    if run.dataset_name == BUILTIN:
+        return [str(d) for d in range(DIGITS)] if task.name == IMAGE_CLASSIFICATION else list(BUILTIN_TEXT_LABELS)
+    dataset = load_raw_dataset(run.dataset_name, run.dataset_config)
+    _check_task_columns(run.dataset_name, dataset.column_names or [], task.name)
+    names = getattr((dataset.features or {}).get("label"), "names", None)
+    if names:
+        return list(names)
+    values = dataset["label"]
+    if not values:
+        raise ConfigError(f"dataset {run.dataset_name!r} holds no rows.")
+    if all(isinstance(v, str) for v in values):
+        return sorted(set(values))
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise ConfigError(f"dataset {run.dataset_name!r} has label {min(values)}: integer labels number the "
+                              f"classes from 0 (or give the classes' names as strings).")
+        return [str(i) for i in range(int(max(values)) + 1)]
+    odd = next(v for v in values if not isinstance(v, (str, int, np.integer)) or isinstance(v, bool))
+    raise ConfigError(f"dataset {run.dataset_name!r} has labels that are not all class numbers (0, 1, ...) or all "
+                      f"class names (e.g. {odd!r}); a classifier's label is one or the other.")
+
+
 def _rows(run, task: Task) -> list[tuple]:
     """The task's (input, target) rows: built-in, or the two columns COLUMNS names of the dataset run names."""
     if run.dataset_name == BUILTIN:
@@ -492,7 +558,7 @@ def _ids(tokenizer, texts: list[str], length: int, pad_with: int) -> tuple[list[
 def build_task_datasets(run, task: Task, tokenizer, model_config=None):
     """(train, eval or None) for a task other than causal-lm: rows as the task's model takes them, fixed shapes,
     the last `eval_fraction` of the rows held out. `model_config`: the model's, for a dataset of images of the
-    user's (their size, channels and classes)."""
+    user's (their size, channels and classes) and for class names (`label2id`; `class_names`)."""
     if task.name == MASKED_LM:  # the corpus in blocks, as for causal LM; the collator makes masks and labels
         train, held = build_datasets(run, tokenizer)
         return tuple(None if part is None else part.remove_columns("labels") for part in (train, held))
@@ -507,8 +573,9 @@ def build_task_datasets(run, task: Task, tokenizer, model_config=None):
         if task.name == SEQ2SEQ:
             labels, _ = _ids(tokenizer, targets, TARGET_LENGTH, -100)
             columns["labels"] = labels
-        else:
-            columns["labels"] = [int(label) for label in targets]
+        else:  # a class's name (a string) or number
+            ids = getattr(model_config, "label2id", None) or {}
+            columns["labels"] = [ids[label] if isinstance(label, str) else int(label) for label in targets]
         rows = Dataset.from_dict(columns)
     rows.set_format("torch")
     return split_held_out(rows, run.eval_fraction)

@@ -10,7 +10,10 @@ Design choices:
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
@@ -24,7 +27,10 @@ from .tasks import (
     build_task_preset,
     check_fits_task,
     get_task,
+    saved_as,
 )
+
+logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, dict] = {
     # ≈ 1.1M parameters; trains at ~12k tokens/s on one CPU core.
@@ -88,41 +94,113 @@ def weights_dtype(name: str) -> torch.dtype | str:
 
 
 def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: int = 0,
-                             tokenizer_name_or_path: str | None = None, dtype: str = "auto", task: str = "causal-lm"):
+                             tokenizer_name_or_path: str | None = None, dtype: str = "auto", task: str = "causal-lm",
+                             labels: list[str] | None = None):
     """Return (model, tokenizer) for a preset name, a local model directory, or a Hub id, its weights in `dtype`
     ("auto": a checkpoint's own, float32 for a preset; a preset in bfloat16 is initialised in float32 and rounded,
     so it starts where the float32 one does), for `task` (hf_diloco.tasks: the model class transformers uses for
     it). The tokenizer is the model's own (a preset's: the byte tokenizer; an image classifier's: none), or the one
     `tokenizer_name_or_path` names ("byte": the built-in byte tokenizer; a preset's vocabulary is then sized to it).
-    A model saved for another task, and a tokenizer that cannot be loaded, is empty or has more ids than the model's
-    embeddings, are refused in one sentence (ConfigError): nothing is substituted."""
+    A classifier has one class per name in `labels` (id order; its config's `id2label`), two by default.
+    A checkpoint loads as `from_pretrained` loads it for the task, new weights (a classifier's head on a pretrained
+    encoder) said in one logged line (`Loaded.note`); a checkpoint the task cannot train (`check_fits_task`), and a
+    tokenizer that cannot be loaded, is empty or has more ids than the model's embeddings, are refused in one
+    sentence (ConfigError): nothing is substituted.
+
+    >>> model, tokenizer = load_model_and_tokenizer("tiny-bert", task="sequence-classification",
+    ...                                             labels=["negative", "positive"])
+    >>> type(model).__name__, model.config.id2label
+    ('BertForSequenceClassification', {0: 'negative', 1: 'positive'})
+    """
+    loaded = load_model(name_or_path, max_positions, seed, tokenizer_name_or_path, dtype, task, labels)
+    if loaded.note:
+        logger.warning(loaded.note)
+    return loaded.model, loaded.tokenizer
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object | None
+    note: str | None = None  # what the checkpoint did not hold and was initialised new (`loading_note`)
+
+
+def load_model(name_or_path: str, max_positions: int = 256, seed: int = 0, tokenizer_name_or_path: str | None = None,
+               dtype: str = "auto", task: str = "causal-lm", labels: list[str] | None = None) -> Loaded:
+    """`load_model_and_tokenizer`'s work, with its note returned for the caller to show (a run prints it once)."""
     kind = get_task(task)
+    if labels is not None and not kind.new_head:
+        raise ValueError(f"labels are a classifier's; task {kind.name} has none")
     shown = f"tokenizer {tokenizer_name_or_path!r}" if tokenizer_name_or_path else \
         f"the tokenizer of model {name_or_path!r}"
     if name_or_path in PRESETS or name_or_path in TASK_PRESETS:
         tokenizer = None if kind.name == IMAGE_CLASSIFICATION else \
             load_tokenizer(tokenizer_name_or_path or BYTE, shown, mask=kind.name == MASKED_LM)
         if name_or_path in TASK_PRESETS:
-            model = build_task_preset(name_or_path, kind, tokenizer, max_positions, seed)
+            model = build_task_preset(name_or_path, kind, tokenizer, max_positions, seed, labels)
         elif kind.name != "causal-lm":
             raise ConfigError(f"preset {name_or_path!r} is a causal language model; task {kind.name} starts from "
                               f"preset {kind.preset!r} (or a model of its own).")
         else:
             model = build_preset(name_or_path, tokenizer, max_positions, seed)
-        return (model if dtype == "auto" else model.to(weights_dtype(dtype))), tokenizer
+        return Loaded((model if dtype == "auto" else model.to(weights_dtype(dtype))), tokenizer)
     source = _source(name_or_path)
-    check_fits_task(load_model_config(name_or_path), kind, name_or_path)
+    config = load_model_config(name_or_path)
+    check_fits_task(config, kind, name_or_path)
     import transformers
 
+    classes = {} if labels is None else {
+        "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+        "label2id": {name: i for i, name in enumerate(labels)},
+        "ignore_mismatched_sizes": True}  # a classifier's head of another size is replaced, and said
     try:
-        model = getattr(transformers, kind.auto_class).from_pretrained(source, dtype=weights_dtype(dtype))
+        with _load_report_quiet():  # its table of keys is said in one line below
+            model, info = getattr(transformers, kind.auto_class).from_pretrained(
+                source, dtype=weights_dtype(dtype), output_loading_info=True, **classes)
     except (OSError, ValueError) as error:
         raise ConfigError(_unloadable(name_or_path, error, source)) from None
+    note = loading_note(name_or_path, saved_as(config), model, info, labels)
     if kind.name == IMAGE_CLASSIFICATION:
-        return model, None
+        return Loaded(model, None, note)
     tokenizer = load_tokenizer(tokenizer_name_or_path or source, shown, mask=kind.name == MASKED_LM)
     check_vocabulary(tokenizer, model, name_or_path)
-    return model, tokenizer
+    return Loaded(model, tokenizer, note)
+
+
+@contextmanager
+def _load_report_quiet():
+    """transformers' table of the keys a checkpoint lacked or had over, which `loading_note` says in a line."""
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        report.setLevel(level)
+
+
+def loading_note(shown: str, saved: str, model, info: dict, labels: list[str] | None) -> str | None:
+    """One line on what loading a checkpoint (`saved`, as tasks.saved_as says) into `model` left new and left out,
+    from `from_pretrained`'s loading info; None when every weight came from the checkpoint.
+
+    >>> loading_note("m", "a BertModel (no task head)", torch.nn.Linear(1, 1),
+    ...              {"missing_keys": {"classifier.weight", "classifier.bias"}, "mismatched_keys": set(),
+    ...               "unexpected_keys": set()}, ["neg", "pos"])
+    "model 'm' is a BertModel (no task head), loaded as a Linear: a new classification head of 2 labels (neg, pos) \
+is initialised (classifier.bias, classifier.weight)."
+    """
+    new = sorted(set(info["missing_keys"]) | {key[0] for key in info["mismatched_keys"]})
+    if not new:
+        return None
+    what = "new weights are" if labels is None else \
+        f"a new classification head of {len(labels)} labels ({_few(labels, 6)}) is"
+    note = f"model {shown!r} is {saved}, loaded as a {type(model).__name__}: {what} initialised ({_few(new, 4)})"
+    left = sorted(info["unexpected_keys"])
+    return note + (f"; the checkpoint's {_few(left, 4)} are left out." if left else ".")
+
+
+def _few(names: list[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 BYTE = "byte"  # tokenizer_name_or_path of the built-in byte tokenizer

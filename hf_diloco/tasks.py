@@ -17,8 +17,11 @@ Design choices:
   trains on 2 CPU cores with nothing downloaded.
 - The built-in data (hf_diloco.data) are derived from the built-in corpus (pydoc topics) or drawn by code from a fixed
   seed: the same on every machine. The held-out part is the last `eval_fraction` of the rows, as for text.
-- A model must fit the task asked: its saved architecture is looked up in transformers' own table of the task's
-  model classes, and a model for another task is refused in one sentence before anything is loaded.
+- A checkpoint is taken as transformers' `from_pretrained` takes it for the task: a classifier's backbone may come
+  from any checkpoint of its architecture (none, a masked LM's head: the usual pretrained encoder), under a new
+  head sized to the data's labels; a generative task reuses a saved head only where it was trained for that task.
+  What would train a head for another objective, or has no class for the task, is refused in one sentence before
+  anything is loaded (`check_fits_task`).
 - Seq2seq trains with `Seq2SeqTrainer` through `DiLoCoMixin` (hf_diloco.trainer.DiLoCoSeq2SeqTrainer); the other
   tasks with `DiLoCoTrainer`. Their streaming fragments cut layers by number: an encoder-decoder's encoder block
   l and decoder block l travel in the same fragment.
@@ -46,6 +49,7 @@ class Task:
     preset: str  # the preset a recipe starts from
     metric: str  # what the task's evaluation reports beside the loss: "loss" (the loss itself) or "accuracy"
     noun: str  # what its models are called in a sentence, with its article
+    new_head: bool = False  # classifiers: any checkpoint of the architecture loads, under a new head for the labels
 
 
 TASKS: dict[str, Task] = {task.name: task for task in [
@@ -56,9 +60,10 @@ TASKS: dict[str, Task] = {task.name: task for task in [
     Task(MASKED_LM, "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", "fill-mask", "tiny-bert", "loss",
          "a masked language model"),
     Task(SEQUENCE_CLASSIFICATION, "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-         "AutoModelForSequenceClassification", "text-classification", "tiny-bert", "accuracy", "a text classifier"),
+         "AutoModelForSequenceClassification", "text-classification", "tiny-bert", "accuracy", "a text classifier",
+         new_head=True),
     Task(IMAGE_CLASSIFICATION, "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification",
-         "image-classification", "tiny-vit", "accuracy", "an image classifier"),
+         "image-classification", "tiny-vit", "accuracy", "an image classifier", new_head=True),
 ]}
 
 
@@ -85,26 +90,58 @@ def task_of_architectures(names: list[str]) -> Task | None:
     return None
 
 
-def check_fits_task(config, task: Task, shown: str) -> None:
-    """A model whose saved architecture belongs to another task than `task` is refused in one sentence, before its
-    weights are loaded (a masked LM asked to train as a causal LM would see the tokens it predicts). A config that
-    names no architecture passes when the task's table has a class for its model type."""
+def saved_as(config) -> str:
+    """What a checkpoint was saved as, for a sentence: "a BertModel (no task head)", "a BertForMaskedLM", or "a bert
+    model" when its config names no architecture."""
     from transformers.models.auto import modeling_auto
 
     named = list(getattr(config, "architectures", None) or [])
-    table = getattr(modeling_auto, task.mapping)
-    if named:
-        if set(named) & task_classes(task):
-            return
-        other = task_of_architectures(named)
-        what = f"a {named[0]}" + (f", {other.noun}" if other is not None else ", saved with a head for another task")
-    elif config.model_type in table:
+    if not named:
+        return f"a {config.model_type} model"
+    bare = {name for names in modeling_auto.MODEL_MAPPING_NAMES.values()
+            for name in ((names,) if isinstance(names, str) else names)}
+    return f"a {named[0]}" + (" (no task head)" if named[0] in bare else "")
+
+
+def check_fits_task(config, task: Task, shown: str) -> None:
+    """Whether the checkpoint whose config is `config` trains for `task`, decided before any weight is read: a
+    ConfigError in one sentence where it would not.
+
+    - Saved as one of the task's classes: its head is reused.
+    - An architecture with no class for the task (a Llama for seq2seq, a ViT for text): refused.
+    - A classifier (`Task.new_head`) takes any other checkpoint of its architecture, as transformers does: the
+      backbone loads and a new head is initialised, whatever head it was saved with (none, a masked LM's).
+    - A generative task (causal-lm, seq2seq, masked-lm) gives a checkpoint with no head a new one; a checkpoint
+      saved with another task's head is refused (that head's training would serve another objective), and causal-lm
+      refuses an encoder (a BERT-like model not configured as a decoder), whose attention sees the tokens it is to
+      predict.
+
+    >>> from transformers import BertConfig
+    >>> check_fits_task(BertConfig(architectures=["BertModel"]), TASKS[SEQUENCE_CLASSIFICATION], "m")
+    >>> check_fits_task(BertConfig(architectures=["BertModel"]), TASKS[CAUSAL_LM], "m")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    hf_diloco.errors.ConfigError: model 'm' is a BertModel (no task head), an encoder whose attention sees every ...
+    """
+    from transformers.models.auto import modeling_auto
+
+    named = list(getattr(config, "architectures", None) or [])
+    if set(named) & task_classes(task):
         return
-    else:
-        what = f"a {config.model_type} model, which transformers has no class of {task.noun} for"
-    hint = f" (task {other.name} trains it)" if named and other is not None else ""
-    raise ConfigError(f"model {shown!r} is {what}{hint}: task {task.name} trains {task.noun} "
-                      f"({task.auto_class}), which would be the wrong objective for it.")
+    saved = saved_as(config)
+    wanted = f"task {task.name} trains {task.noun} ({task.auto_class})"
+    if config.model_type not in getattr(modeling_auto, task.mapping):
+        raise ConfigError(f"model {shown!r} is {saved}, and its architecture ({config.model_type}) has no class "
+                          f"of the kind task {task.name} trains: {task.noun} ({task.auto_class}).")
+    if task.new_head:
+        return
+    other = task_of_architectures(named)
+    if other is not None:
+        raise ConfigError(f"model {shown!r} is {saved}, {other.noun} (task {other.name} trains it): {wanted}, which "
+                          f"would be the wrong objective for it.")
+    encoder = config.model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if task.name == CAUSAL_LM and encoder and not getattr(config, "is_decoder", False):
+        raise ConfigError(f"model {shown!r} is {saved}, an encoder whose attention sees every token, the ones it is "
+                          f"to predict included: {wanted}, which would be the wrong objective for it.")
 
 
 # --- presets ----------------------------------------------------------------------------------------------------
@@ -113,9 +150,11 @@ TASK_PRESETS = ("tiny-t5", "tiny-bert", "tiny-vit")
 IMAGE_SIZE, DIGITS = 8, 10
 
 
-def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed: int):
-    """A freshly initialised small model for `task`, identical for identical seeds (ConfigError when the preset does
-    not do that task)."""
+def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed: int,
+                      labels: list[str] | None = None):
+    """A freshly initialised small model for `task`, identical for identical seeds, a classifier with one class per
+    name in `labels` (its default: two for text, the ten digits for images); ConfigError when the preset does not
+    do that task."""
     fits = {"tiny-t5": (SEQ2SEQ,), "tiny-bert": (MASKED_LM, SEQUENCE_CLASSIFICATION), "tiny-vit":
             (IMAGE_CLASSIFICATION,)}[name]
     if task.name not in fits:
@@ -132,6 +171,10 @@ def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed
         ViTForImageClassification,
     )
 
+    if labels is None and task.new_head:
+        labels = [str(i) for i in range(DIGITS if task.name == IMAGE_CLASSIFICATION else 2)]
+    classes = {} if labels is None else {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                                         "label2id": {label: i for i, label in enumerate(labels)}}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "tiny-t5":
@@ -142,11 +185,10 @@ def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed
         if name == "tiny-bert":
             config = BertConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                                 intermediate_size=512, max_position_embeddings=max_positions,
-                                pad_token_id=tokenizer.pad_token_id, num_labels=2)
+                                pad_token_id=tokenizer.pad_token_id, **classes)
             return (BertForMaskedLM if task.name == MASKED_LM else BertForSequenceClassification)(config)
         config = ViTConfig(image_size=IMAGE_SIZE, patch_size=4, num_channels=1, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=256, num_labels=DIGITS,
-                           id2label={i: str(i) for i in range(DIGITS)}, label2id={str(i): i for i in range(DIGITS)})
+                           num_attention_heads=4, intermediate_size=256, **classes)
         return ViTForImageClassification(config)
 
 

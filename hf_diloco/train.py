@@ -192,15 +192,16 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
 # --- the model -------------------------------------------------------------------------------------------------------
 
 
-def build_model(run: RunArguments):
-    """(model, tokenizer) named by `run`, with LoRA adapters when `lora_r > 0`."""
-    from .models import load_model_and_tokenizer
+def build_model(run: RunArguments, labels: list[str] | None = None):
+    """The model named by `run` (models.Loaded: the model, its tokenizer and the line on what a checkpoint left new),
+    a classifier with one class per name in `labels` (data.class_names), with LoRA adapters when `lora_r > 0`."""
+    import dataclasses
 
-    model, tokenizer = load_model_and_tokenizer(run.model_name_or_path, run.block_size, run.seed_model,
-                                                run.tokenizer_name_or_path, run.torch_dtype, run.task)
-    if run.lora_r > 0:
-        model = add_lora(model, run)
-    return model, tokenizer
+    from .models import load_model
+
+    loaded = load_model(run.model_name_or_path, run.block_size, run.seed_model, run.tokenizer_name_or_path,
+                        run.torch_dtype, run.task, labels)
+    return dataclasses.replace(loaded, model=add_lora(loaded.model, run)) if run.lora_r > 0 else loaded
 
 
 def lora_targets(model, named: str) -> list[str]:
@@ -261,7 +262,7 @@ def shape_only_model(run: RunArguments):
 
     if run.model_name_or_path in PRESETS or run.model_name_or_path in TASK_PRESETS:
         with torch.device("meta"):
-            return build_model(run)[0]
+            return build_model(run).model
     config = load_model_config(run.model_name_or_path)
     task = get_task(run.task)
     check_fits_task(config, task, run.model_name_or_path)
@@ -476,7 +477,7 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     from transformers import Seq2SeqTrainer, Trainer
 
     from .console import calm, quiet_other_processes
-    from .data import build_datasets, build_task_datasets
+    from .data import build_datasets, build_task_datasets, class_names
     from .run_callbacks import SteadyClock
     from .tasks import CAUSAL_LM, SEQ2SEQ, get_task, task_collator, task_metrics
     from .trainer import DiLoCoSeq2SeqTrainer, DiLoCoTrainer, data_shard
@@ -490,10 +491,13 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     set_seed(config.seed)  # every replica builds the same LoRA adapters (and anything else drawn at random)
     if not run.verbose:
         quiet_other_processes(config)
-    model, tokenizer = build_model(run)
+    task = get_task(run.task)
+    loaded = build_model(run, class_names(run, task))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if loaded.note and config.process_index == 0:
+        print(f"[diloco] {loaded.note}", flush=True)
     # A stream is split between DiLoCo's replicas before it is tokenized; the baseline's by accelerate.
     shard = data_shard(config) if run.trainer != "ddp" else None
-    task = get_task(run.task)
     if task.name != CAUSAL_LM:
         train_dataset, eval_dataset = build_task_datasets(run, task, tokenizer, model.config)
     else:

@@ -7,10 +7,13 @@ starts a process, in its body or in a fixture it sets up, fails with a sentence 
 """
 
 import contextlib
+import hashlib
+import importlib.util
 import multiprocessing.process
 import os
 import subprocess
 import uuid
+import zipfile
 from pathlib import Path
 
 # Nothing in a test reaches the real Hub; commands run inside pytest (helpers.cli) read this as their processes do.
@@ -83,6 +86,27 @@ def shared_runs(tmp_path_factory):
 def paper_run(shared_runs):
     """The paper run above: (folder, every rank's record)."""
     return shared_runs("conftest")["paper"]
+
+
+PRETRAINED_WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+PRETRAINED_FILES = ("config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                    "tokenizer_config.json")
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 as a user has it: a model folder (config.json says BertModel: no task head) with its
+    WordPiece tokenizer, taken from the wheel tests/pretrained-model.txt pins, its weights checked by checksum."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None:
+        pytest.fail("the pretrained test model is not installed: `make test` installs it (tests/pretrained-model.txt)")
+    folder = tmp_path_factory.mktemp("all-MiniLM-L6-v2")
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+        for name in PRETRAINED_FILES:
+            archive.extract(name, folder)
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == PRETRAINED_WEIGHTS_SHA256, f"all-MiniLM-L6-v2's weights are not the pinned ones ({digest})"
+    return folder
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")

@@ -184,3 +184,29 @@ def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_on
     assert reachable and not any(reachable.values()), reachable
     assert len(ports) == 2 and all(ports.values()), ports  # gloo in each training process
     assert set(reachable) - set().union(*ports.values()), "the launcher's rendezvous store"
+
+
+def test_conversations_and_trls_formats_pass_the_launch_check_that_training_passes(tmp_path):
+    """The one check of a dataset (data.check_dataset) that a launch, its dry run and the app's preview make
+    accepts what training accepts: a `messages` column of turns for a causal LM (rendered by the chat template),
+    TRL SFT's prompt and completion, DPO's preference pairs; and refuses a TRL trainer's data with none of its
+    columns in one sentence naming them."""
+    def jsonl(name: str, row: dict):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for _ in range(4)))
+        return str(path)
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chats = jsonl("chats.jsonl", {"messages": turns})
+    pairs = jsonl("pairs.jsonl", {"prompt": "say hi", "completion": "hi"})
+    preferences = jsonl("preferences.jsonl", {"prompt": "say hi", "chosen": "hi", "rejected": "no"})
+    for recipe, data in [("tiny-pretrain", chats), ("sft-lora", chats), ("sft-lora", pairs),
+                         ("dpo-lora", preferences)]:
+        result = cli("launch", f"recipes/{recipe}.yaml", "--accelerate-config", "accelerate_configs/cpu-2proc.yaml",
+                     "--dry-run", "--", "--dataset_name", data)
+        assert result.returncode == 0, (recipe, data, result.stderr[-2000:])
+    result = cli("launch", "recipes/dpo-lora.yaml", "--accelerate-config", "accelerate_configs/cpu-2proc.yaml",
+                 "--dry-run", "--", "--dataset_name", pairs)
+    assert one_sentence(result) == (f"hf-diloco: error: trainer dpo reads the columns prompt and chosen and rejected "
+                                    f"or chosen and rejected of its dataset, and {pairs!r} has none of those (it has "
+                                    f"prompt, completion).")

@@ -18,8 +18,8 @@ from hf_diloco.train import add_lora
 @pytest.mark.parametrize("kind, words", [
     ("bert-masked-lm", "is a BertForMaskedLM, a masked language model (task masked-lm trains it): task causal-lm "
                        "trains a causal language model (AutoModelForCausalLM)"),
-    ("t5", "is a T5ForConditionalGeneration, an encoder-decoder (sequence-to-sequence) model (task seq2seq trains it): "
-           "task causal-lm trains a causal language model"),
+    ("t5", "is a T5ForConditionalGeneration, and its architecture (t5) has no class of the kind task causal-lm "
+           "trains: a causal language model (AutoModelForCausalLM)"),
 ])
 def test_a_model_with_another_tasks_head_is_refused_in_one_sentence_and_left_as_it_was(tmp_path, kind, words):
     """In process and through `hf-diloco train` (task causal-lm, the default): the sentence names the saved

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,14 +30,18 @@ def saved_config(architecture: str, model_type: str):
 
 @pytest.mark.parametrize("architecture, model_type, task, words", [
     ("BertForMaskedLM", "bert", "causal-lm", "is a BertForMaskedLM, a masked language model (task masked-lm "
-                                             "trains it)"),
-    ("LlamaForCausalLM", "llama", "seq2seq", "is a LlamaForCausalLM, a causal language model (task causal-lm trains "
-                                             "it): task seq2seq trains an encoder-decoder"),
-    ("T5ForConditionalGeneration", "t5", "sequence-classification", "(task seq2seq trains it): task "
-                                                                    "sequence-classification trains a text classifier"),
-    ("ViTForImageClassification", "vit", "masked-lm", "an image classifier (task image-classification trains it)"),
+                                             "trains it): task causal-lm trains a causal language model"),
+    ("BertModel", "bert", "causal-lm", "is a BertModel (no task head), an encoder whose attention sees every token"),
+    ("BertLMHeadModel", "bert", "masked-lm", "is a BertLMHeadModel, a causal language model (task causal-lm trains "
+                                             "it): task masked-lm trains a masked language model"),
+    ("LlamaForCausalLM", "llama", "seq2seq", "is a LlamaForCausalLM, and its architecture (llama) has no class of the "
+                                             "kind task seq2seq trains: an encoder-decoder"),
+    ("ViTForImageClassification", "vit", "masked-lm", "its architecture (vit) has no class of the kind task masked-lm "
+                                                      "trains"),
+    ("ViTModel", "vit", "sequence-classification", "is a ViTModel (no task head), and its architecture (vit) has no "
+                                                   "class of the kind task sequence-classification trains"),
 ])
-def test_a_model_saved_for_another_task_is_refused_naming_both_tasks(architecture, model_type, task, words):
+def test_a_model_the_task_cannot_train_is_refused_naming_what_it_is(architecture, model_type, task, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         check_fits_task(saved_config(architecture, model_type), TASKS[task], "m")
 
@@ -45,8 +50,13 @@ def test_a_model_saved_for_another_task_is_refused_naming_both_tasks(architectur
     ("T5ForConditionalGeneration", "t5", "seq2seq"), ("BertForMaskedLM", "bert", "masked-lm"),
     ("BertForSequenceClassification", "bert", "sequence-classification"),
     ("ViTForImageClassification", "vit", "image-classification"), ("LlamaForCausalLM", "llama", "causal-lm"),
+    # a classifier takes any checkpoint of its architecture, under a new head
+    ("BertModel", "bert", "sequence-classification"), ("BertForMaskedLM", "bert", "sequence-classification"),
+    ("T5ForConditionalGeneration", "t5", "sequence-classification"), ("ViTModel", "vit", "image-classification"),
+    # a generative task gives a checkpoint with no head a new one
+    ("BertModel", "bert", "masked-lm"), ("T5Model", "t5", "seq2seq"), ("LlamaModel", "llama", "causal-lm"),
 ])
-def test_a_model_of_the_task_asked_passes(architecture, model_type, task):
+def test_a_model_the_task_trains_passes(architecture, model_type, task):
     assert check_fits_task(saved_config(architecture, model_type), TASKS[task], "m") is None
 
 
@@ -318,43 +328,74 @@ def guide_trainer_example(out, task: str) -> str:
     return code
 
 
+def labelled_jsonl(path) -> Path:
+    """A classifier's data as users keep it: a JSONL of texts whose labels are the classes' names (the built-in
+    written and mirrored prose, 400 rows)."""
+    path.write_text("".join(json.dumps({"text": text, "label": ["written", "mirrored"][label]}) + "\n"
+                            for text, label in builtin_labelled_texts()[:400]))
+    return path
+
+
+def pretrained_flags(pretrained, data) -> list[str]:
+    """The text classifier's recipe fine-tuning the pretrained encoder (tests/conftest.py `pretrained`: no head) on
+    `data`: two syncs of H = 10, 8 rows of 32 tokens a step, fine-tuning's learning rate, the held-out tenth
+    evaluated on start and at each sync."""
+    return ["--model_name_or_path", str(pretrained), "--dataset_name", str(data), "--eval_fraction", "0.1",
+            "--block_size", "32", "--per_device_train_batch_size", "8", "--learning_rate", "5e-5", "--warmup_steps",
+            "2", "--max_steps", "20", "--inner_steps", "10", "--eval_steps", "10", "--report_to", "none",
+            "--disable_tqdm", "true"]
+
+
 @pytest.fixture(scope="module")
-def task_runs(tmp_path_factory):
+def labelled(tmp_path_factory):
+    return labelled_jsonl(tmp_path_factory.mktemp("labelled") / "mine.jsonl")
+
+
+@pytest.fixture(scope="module")
+def task_runs(tmp_path_factory, pretrained, labelled):
     folder = tmp_path_factory.mktemp("tasks")
     scripts = {"python-seq2seq": guide_example(folder / "python-seq2seq"),
                **{f"python-{task}": guide_trainer_example(folder / f"python-{task}", task) for task in PYTHON_TASKS}}
     for name, code in scripts.items():
         (folder / f"{name}.py").write_text(code)
     images = str(image_folder(folder / "my-digits", classes=3, each=60))
-    train_runs([*({"name": name, "recipe": f"recipes/{TASK_RUNS[name][0]}.yaml", "digests": True,
-                   "args": [*task_flags(name, images), "--output_dir", str(folder / name)]} for name in TASK_RUNS),
-                *({"name": name, "script": str(folder / f"{name}.py")} for name in scripts)], ACCELERATE_CPU_2PROC)
-    return {name: folder / name for name in [*TASK_RUNS, *scripts]}
+    launch = train_runs([*({"name": name, "recipe": f"recipes/{TASK_RUNS[name][0]}.yaml", "digests": True,
+                            "args": [*task_flags(name, images), "--output_dir", str(folder / name)]}
+                           for name in TASK_RUNS),
+                         *({"name": name, "script": str(folder / f"{name}.py")} for name in scripts),
+                         {"name": "pretrained", "recipe": "recipes/sequence-classification.yaml", "digests": True,
+                          "args": [*pretrained_flags(pretrained, labelled), "--output_dir",
+                                   str(folder / "pretrained")]}],
+                        ACCELERATE_CPU_2PROC)
+    (folder / "launch.log").write_text(launch.stdout + launch.stderr)
+    return {name: folder / name for name in [*TASK_RUNS, *scripts, "pretrained"]}
 
 
 @pytest.fixture(scope="module")
-def torchft_task_runs(tmp_path_factory):
+def torchft_task_runs(tmp_path_factory, pretrained, labelled):
     """The four tasks' recipes on outer_backend torchft: two replicas, each one process (its own launch, as `hf-diloco
     launch --replicas 2` starts them) that trains the four in turn, each task against a Lighthouse of its own.
     Task → the run's folder (replica-k/ inside)."""
     from hf_diloco.launch import start_lighthouse
 
     folder = tmp_path_factory.mktemp("torchft-tasks")
-    houses = {name: start_lighthouse("127.0.0.1:0", 2, 5.0) for name in TASKS_ON_TORCHFT}
+    flags = {**{name: [*task_flags(name), "--max_steps", str(torchft_steps(name))] for name in TASKS_ON_TORCHFT},
+             "pretrained": pretrained_flags(pretrained, labelled)}
+    recipes = {**{name: name for name in TASKS_ON_TORCHFT}, "pretrained": "sequence-classification"}
+    houses = {name: start_lighthouse("127.0.0.1:0", 2, 5.0) for name in flags}
     try:
         launches = [start_train_runs([{
-            "name": name, "recipe": f"recipes/{name}.yaml", "digests": True,
-            "args": [*task_flags(name), "--max_steps", str(torchft_steps(name)), "--outer_backend", "torchft",
-                     "--lighthouse", houses[name].address(),
+            "name": name, "recipe": f"recipes/{recipes[name]}.yaml", "digests": True,
+            "args": [*flags[name], "--outer_backend", "torchft", "--lighthouse", houses[name].address(),
                      "--replica_id", str(k), "--num_replicas", "2", "--min_replicas", "2", "--replica_address",
-                     "127.0.0.1", "--output_dir", str(folder / name / f"replica-{k}")]} for name in TASKS_ON_TORCHFT],
+                     "127.0.0.1", "--output_dir", str(folder / name / f"replica-{k}")]} for name in flags],
             TORCHFT_REPLICA, log=folder / f"replica-{k}.log") for k in range(2)]
         for k, launch in enumerate(launches):
             assert launch.wait(timeout=600) == 0, (folder / f"replica-{k}.log").read_text()[-4000:]
     finally:
         for house in houses.values():
             house.shutdown()
-    return {name: folder / name for name in TASKS_ON_TORCHFT}
+    return {name: folder / name for name in flags}
 
 
 def assert_trained(summary: dict, name: str) -> None:
@@ -433,6 +474,39 @@ def test_each_task_trains_on_torchft_as_two_replicas_identical_after_every_sync(
     summary = json.loads((out / "replica-0" / "diloco_summary.json").read_text())
     assert summary["num_replicas"] == 2 and summary["syncs"] == len(steps)
     assert_trained(summary, name)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("backend", ["torch", "torchft"])
+def test_a_pretrained_encoder_fine_tunes_as_two_replicas_into_a_classifier_named_by_its_datas_labels(request, backend):
+    """all-MiniLM-L6-v2 (a BertModel: no head) fine-tuned as a text classifier on a JSONL of one's own whose labels
+    are names, two replicas on each backend: the new head said once, the replicas identical after both syncs,
+    held-out accuracy well above the start's, and the saved model a BertForSequenceClassification that
+    transformers' text-classification pipeline loads and answers with the data's label names."""
+    from transformers import pipeline
+
+    if backend == "torch":
+        out = request.getfixturevalue("task_runs")["pretrained"]
+        digests = [json.loads((out / f"digests-rank{r}.json").read_text()) for r in (0, 1)]
+        log = (out.parent / "launch.log").read_text()
+    else:
+        out = request.getfixturevalue("torchft_task_runs")["pretrained"]
+        digests = [json.loads((out / f"replica-{k}" / "digests-rank0.json").read_text()) for k in (0, 1)]
+        out, log = out / "replica-0", (out.parent / "replica-0.log").read_text()
+    said = [line for line in log.splitlines() if "(no task head), loaded as a BertForSequenceClassification" in line]
+    assert len(said) == 1 and said[0].endswith("a new classification head of 2 labels (mirrored, written) is "
+                                               "initialised (classifier.bias, classifier.weight)."), said
+    assert list(digests[0]) == ["10", "20"] and digests[0] == digests[1], digests
+    summary = json.loads((out / "diloco_summary.json").read_text())
+    assert summary["eval_accuracy_final"] >= max(0.8, summary["eval_accuracy_initial"] + 0.25), summary
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert config["id2label"] == {"0": "mirrored", "1": "written"}, config["id2label"]
+    classify = pipeline("text-classification", model=str(out), device="cpu")
+    texts = [text for text, _label in builtin_labelled_texts()[400:440]]
+    answers = [answer["label"] for answer in classify(texts, truncation=True, max_length=32)]
+    assert set(answers) <= {"mirrored", "written"}
+    assert sum(a == ["written", "mirrored"][i % 2] for i, a in enumerate(answers)) >= 0.8 * len(texts), answers
 
 
 @pytest.mark.process
