@@ -15,7 +15,7 @@ Design choices:
   shell expands only SLURM's variables and the node's host name. `--submit` runs `sbatch SCRIPT` as an argument list.
 - A run over nodes listens on the network by nature: the rendezvous port on the first node (torch), or the
   Lighthouse, each replica's torchft ports and its healing server (torchft). The node's host name must resolve to
-  an address the other nodes reach; the ports table of docs/guides/across-machines.md says which ports to open.
+  an address the other nodes reach; docs/guides/across-machines.md (Ports) says which ports to open.
 """
 
 from __future__ import annotations
