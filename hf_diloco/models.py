@@ -26,6 +26,7 @@ from .tasks import (
     TASKS,
     build_task_preset,
     check_fits_task,
+    class_settings,
     get_task,
     saved_as,
 )
@@ -149,10 +150,8 @@ def load_model(name_or_path: str, max_positions: int = 256, seed: int = 0, token
     check_fits_task(config, kind, name_or_path)
     import transformers
 
-    classes = {} if labels is None else {
-        "num_labels": len(labels), "id2label": dict(enumerate(labels)),
-        "label2id": {name: i for i, name in enumerate(labels)},
-        "ignore_mismatched_sizes": True}  # a classifier's head of another size is replaced, and said
+    # A classifier's head of another size is replaced (and said in the note).
+    classes = {} if labels is None else {**class_settings(labels), "ignore_mismatched_sizes": True}
     try:
         with _load_report_quiet():  # its table of keys is said in one line below
             model, info = getattr(transformers, kind.auto_class).from_pretrained(

@@ -144,6 +144,16 @@ def check_fits_task(config, task: Task, shown: str) -> None:
                           f"to predict included: {wanted}, which would be the wrong objective for it.")
 
 
+def class_settings(labels: list[str]) -> dict:
+    """A classifier's config fields for classes named `labels` (id order): num_labels, id2label, label2id.
+
+    >>> class_settings(["neg", "pos"])
+    {'num_labels': 2, 'id2label': {0: 'neg', 1: 'pos'}, 'label2id': {'neg': 0, 'pos': 1}}
+    """
+    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {label: i for i, label in enumerate(labels)}}
+
+
 # --- presets ----------------------------------------------------------------------------------------------------
 
 TASK_PRESETS = ("tiny-t5", "tiny-bert", "tiny-vit")
@@ -173,8 +183,7 @@ def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed
 
     if labels is None and task.new_head:
         labels = [str(i) for i in range(DIGITS if task.name == IMAGE_CLASSIFICATION else 2)]
-    classes = {} if labels is None else {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-                                         "label2id": {label: i for i, label in enumerate(labels)}}
+    classes = {} if labels is None else class_settings(labels)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "tiny-t5":
