@@ -604,13 +604,19 @@ def test_a_replica_restarted_after_the_last_sync_heals_into_the_finished_run_and
     after training begins, yet ends with replica 0's parameters, exactly, and exits 0."""
     max_steps = 24
     with lighthouse(min_replicas=1, grace=1.0) as address:
+        up = str(tmp_path / "replica-1-is-up")
+
         def settings(r):
+            # Replica 0 waits at step 2 for replica 1 to begin, so that (however slowly it starts) both take part
+            # in the first syncs: at min_replicas 1, replica 0 alone can otherwise run all 24 steps first.
             return {"out": str(tmp_path), "replica": r, "replicas": 2, "lighthouse": address, "min_replicas": 1,
-                    "max_steps": max_steps, "inner_steps": 4, "step_sleep": 0.05}
+                    "max_steps": max_steps, "inner_steps": 4, "step_sleep": 0.05,
+                    **({"announce": up} if r else {"hold": [2, up]})}
 
         logs = [tmp_path / f"replica{r}.log" for r in range(2)]
         replicas = [start_replica(settings(r), logs[r]) for r in range(2)]
-        wait_for(lambda: len(committed(tmp_path / "replica-0")) >= 2, 120, "two syncs")
+        wait_for(lambda: sum(takes_part(r, 1) for r in committed(tmp_path / "replica-0")) >= 2, 120,
+                 "two syncs with replica 1")
         os.kill(replicas[1].pid, signal.SIGKILL)
         replicas[1].wait()
         wait_for(lambda: any(r["step"] == max_steps for r in committed(tmp_path / "replica-0")), 120,
