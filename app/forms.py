@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -296,6 +297,22 @@ def check_knobs(knobs: Knobs) -> None:
     if machines and rank and int(rank) >= int(machines):
         raise FormError(f"this machine's rank must be below the number of machines ({machines}), got {rank}; "
                         f"ranks count from 0.")
+    check_main_address(str(knobs.main_process_ip).strip(), int(machines) if machines else 1)
+
+
+def check_main_address(address: str, machines: int) -> None:
+    """The rendezvous address the form passes on: one machine's name or address, and on one machine loopback (the
+    rendezvous store listens where this says: anything else opens it to the network for nothing)."""
+    if not address:
+        return
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:\-]*", address) or address in ("0.0.0.0", "::"):
+        raise FormError(f"the main machine address must be one machine's name or IP address, got {address!r}.")
+    loopback = address == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = ipaddress.ip_address(address).is_loopback
+    if machines == 1 and not loopback:
+        raise FormError(f"a run on one machine meets on loopback: leave the main machine address blank (127.0.0.1) "
+                        f"or set Machines above 1, got {address!r}.")
 
 
 def check_number(text: str, label: str, kind: type, low: float, high: float | None) -> None:

@@ -19,7 +19,8 @@ Design choices:
 - Knobs are checked as they are typed; model and dataset paths are checked by Preview and Start.
 - Validation runs as an `hf-diloco` subprocess and pushing in the app's process through hf_diloco.hub; the app
   never imports torch.
-- Binds 127.0.0.1 unless --host says otherwise; --auth (or HF_DILOCO_APP_AUTH) asks for a user and password; no
+- Binds 127.0.0.1 unless --host says otherwise; every request needs the key of this start of the app and a host
+  the app answers to (app.guard); --auth (or HF_DILOCO_APP_AUTH) also asks for a user and password; no
   share link unless --share. A token typed into the push form goes to
   huggingface_hub only.
 """
@@ -32,8 +33,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import gradio as gr
+from starlette.middleware import Middleware
 
-from app import forms, views
+from app import forms, guard, views
 from hf_diloco import runs
 from hf_diloco.errors import ConfigError
 from hf_diloco.launch import free_port
@@ -503,8 +505,13 @@ def serve(host: str = "127.0.0.1", port: int = 7860, runs_dir: Path = Path("runs
         print(f"hf-diloco: error: {exposure} lets others start runs on this machine; add --auth user:password "
               f"(or set HF_DILOCO_APP_AUTH).", file=sys.stderr)
         return 2
+    key, key_path = guard.draw_key(runs_dir, port)
+    shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in guard.WIDE else host)
+    print(f"hf-diloco app: open http://{shown}:{port}/?key={key}\n"
+          f"  (the key is in {key_path}, readable only by you; every page and API call needs it)", flush=True)
+    middleware = [Middleware(guard.Guard, key=key, key_path=key_path, host=host, port=port, check_host=not share)]
     build(runs_dir).launch(server_name=host, server_port=port, auth=credentials, share=share, css=CSS,
-                           show_error=True)
+                           show_error=True, app_kwargs={"middleware": middleware})
     return 0
 
 

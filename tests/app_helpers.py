@@ -18,18 +18,38 @@ TORCHFT_YAML = (REPO / "recipes" / "torchft-3.yaml").read_text().replace("block_
     .replace("eval_strategy: steps", "eval_strategy: \"no\"")
 
 
+# The app's key for the servers tests start (HF_DILOCO_APP_KEY): tests send it as a program would (`connect`) or
+# open the page through the link with it (`keyed`), as the user does.
+APP_KEY = "test-key-5c1e0d9a"
+
+
+def connect(url: str, **kwargs):
+    """gradio_client for the app at `url`, sending its key (app.guard.KeyAuth)."""
+    from gradio_client import Client
+
+    sys.path.insert(0, str(REPO))
+    from app.guard import KeyAuth
+
+    return Client(url, verbose=False, httpx_kwargs={"auth": KeyAuth(APP_KEY)}, **kwargs)
+
+
+def keyed(url: str) -> str:
+    """The link `hf-diloco app` prints: the page's address with the key."""
+    return f"{url}?key={APP_KEY}"
+
+
 @contextlib.contextmanager
 def app_server(runs_dir, extra_env: dict | None = None, args: tuple = ()):
     port = free_port()
     command = [sys.executable, "-m", "hf_diloco.cli", "app", "--port", str(port), "--runs-dir", str(runs_dir), *args]
-    process = subprocess.Popen(command, cwd=REPO, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=REPO, env={**env(), "HF_DILOCO_APP_KEY": APP_KEY, **(extra_env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + 90
         while True:
             try:
-                urllib.request.urlopen(url, timeout=2)
+                urllib.request.urlopen(urllib.request.Request(url, headers={"X-HF-Diloco-Key": APP_KEY}), timeout=2)
                 break
             except OSError:
                 if process.poll() is not None or time.time() > deadline:

@@ -1,14 +1,14 @@
 """The app as a real server, driven by gradio_client: launch, watch rounds, stop, push; bad input refused."""
 
 import json
+import re
 import subprocess
 import sys
 import time
 from dataclasses import fields
 
 import pytest
-from app_helpers import TINY_YAML, app_server, knobs, table
-from gradio_client import Client
+from app_helpers import APP_KEY, TINY_YAML, app_server, connect, knobs, table
 from helpers import REPO, cli, env
 from hub_server import FakeHub
 
@@ -25,7 +25,7 @@ def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
     reads every run's records alike (tests/test_app_views.py)."""
     sharded = (REPO / "recipes" / "fsdp-replicas.yaml").read_text().replace("block_size: 256", "block_size: 32")
     sft = (REPO / "recipes" / "sft-lora.yaml").read_text()
-    client = Client(form_app[0], verbose=False)
+    client = connect(form_app[0])
     form = ["", "fsdp-replicas.yaml", sharded, "cpu-fsdp-2x2.yaml", *knobs(replicas=2, inner_steps=10, max_steps=20)]
     command, message = client.predict(*form, api_name="/preview")
     assert "Form is valid" in message, message
@@ -49,6 +49,11 @@ BAD_FORMS = {
                    "outer_momentum must be in [0, 1), got 1.0."),
     "H = abc": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(inner_steps="abc")], "must be a whole number"),
     "max steps -5": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(max_steps=-5)], "max steps must be at least 1"),
+    "every interface as the rendezvous": (["tiny-pretrain.yaml", "multi-node.yaml",
+                                           knobs(num_machines=2, main_process_ip="0.0.0.0")],
+                                          "one machine's name or IP address, got '0.0.0.0'"),
+    "a LAN address on one machine": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(main_process_ip="192.0.2.7")],
+                                     "a run on one machine meets on loopback"),
     "rank 5 of 2": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(num_machines=2, machine_rank=5)],
                     "rank must be below the number of machines"),
     "outside folders": (["/etc/hostname", "cpu-2proc.yaml", knobs()], "is not a file in"),
@@ -92,12 +97,69 @@ def form_app(tmp_path_factory):
         yield url, runs_dir
 
 
+def ask(url: str, path: str = "", method: str = "GET", **headers) -> tuple[int, dict, str]:
+    """(status, headers, body) of one plain HTTP request to the app, redirects not followed."""
+    import urllib.error
+    import urllib.request
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    request = urllib.request.Request(url + path, method=method, headers=headers,
+                                     data=b"{}" if method == "POST" else None)
+    try:
+        with urllib.request.build_opener(Stay).open(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, dict(refused.headers), refused.read().decode()
+
+
+@pytest.mark.process
+def test_the_app_answers_only_requests_that_hold_its_key_and_name_its_host(form_app):
+    """Reaching the port is not enough, on loopback too: without the app's key the page, the API's list and a push
+    get 401 and a page that says where the key is; the key file is the user's alone. With the key, a Host or Origin
+    of another site (a page that rebound its own name to 127.0.0.1) gets 403. The printed link sets the cookie and
+    sends the browser to the page without the key in its address; the cookie alone then opens the page."""
+    url, runs_dir = form_app
+    key_file = runs_dir / f".app-{url.rsplit(':', 1)[1].strip('/')}.key"
+    assert key_file.read_text().strip() == APP_KEY and key_file.stat().st_mode & 0o077 == 0
+    for path, method in (("", "GET"), ("gradio_api/info", "GET"), ("gradio_api/call/push", "POST")):
+        status, _, body = ask(url, path, method)
+        assert status == 401 and "needs its key" in body and str(key_file) in body, (path, status, body)
+    from gradio_client import Client
+    from gradio_client.exceptions import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        Client(url, verbose=False)
+    key = {"X-HF-Diloco-Key": APP_KEY}
+    assert ask(url, "gradio_api/info", **key)[0] == 200
+    assert ask(url, "gradio_api/info", **{"X-HF-Diloco-Key": APP_KEY[:-1] + "x"})[0] == 401
+    status, _, body = ask(url, "gradio_api/info", **key, Host="evil.example:7860")
+    assert status == 403 and "'evil.example'" in body
+    assert ask(url, "gradio_api/info", **key, Host="localhost")[0] == 200
+    assert ask(url, "gradio_api/info", **key, Origin="http://evil.example")[0] == 403
+    assert ask(url, "gradio_api/info", **key, Origin=url.rstrip("/"))[0] == 200
+    # The app guide's gradio_client example, pointed at this server, gets the API in.
+    guide = (REPO / "docs" / "guides" / "app.md").read_text()
+    example = re.search(r"```python\n(from gradio_client.*?)```", guide, re.S).group(1)
+    scope: dict = {}
+    exec(example.replace("http://127.0.0.1:7860/", url).replace("runs/.app-7860.key", str(key_file)), scope)
+    assert "/preview" in scope["client"].view_api(print_info=False, return_format="dict")["named_endpoints"]
+    status, headers, _ = ask(url, f"?key={APP_KEY}")
+    assert status == 303 and headers["location"] == "/", headers
+    cookie = headers["set-cookie"].split(";")[0]
+    assert "HttpOnly" in headers["set-cookie"] and "SameSite=Strict" in headers["set-cookie"]
+    status, _, page = ask(url, Cookie=cookie)
+    assert status == 200 and "<title>hf-diloco app: refused" not in page
+
+
 @pytest.mark.process
 def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_nothing(form_app):
     """Every knob is checked: Preview never calls a form valid that Start would run into an error, and the
     message is one sentence, not a usage dump."""
     url, runs_dir = form_app
-    client = Client(url, verbose=False)
+    client = connect(url)
     for case, ((recipe, config, values), words) in BAD_FORMS.items():
         form = ["", recipe, "", config, *values]
         previewed = client.predict(*form, api_name="/preview")[1]
@@ -105,7 +167,7 @@ def test_bad_form_input_gets_one_sentence_from_preview_and_start_and_starts_noth
         for message in (previewed, started):
             assert message.startswith("**Cannot start:**") and words in message, (case, message)
             assert "usage:" not in message and message.count("\n") == 0, (case, message)
-    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
+    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts" and not p.name.endswith(".key")] == []
 
 
 @pytest.mark.process
@@ -118,7 +180,7 @@ def test_preview_predicts_each_round_over_the_link_as_hf_diloco_plan_does(tmp_pa
     planned = cli("plan", str(recipe), "--replicas", "3", "--link", "10mbit", "--tokens-per-second", "15000",
                   "--inner-steps", "20", "--json")
     expected = json.loads(planned.stdout)
-    client = Client(form_app[0], verbose=False)
+    client = connect(form_app[0])
     form = ["tiny-pretrain.yaml", TINY_YAML, "cpu-2proc.yaml"]
     shown = client.predict(*form, "10mbit", "", "15000", *knobs(replicas=3, inner_steps=20), api_name="/predict")
     refused = client.predict(*form, "0mbit", "", "15000", *knobs(), api_name="/predict")
@@ -178,7 +240,7 @@ def test_bad_push_input_gets_a_message(tmp_path, monkeypatch):
     save_file({"w": np.zeros(2, dtype=np.float32)}, str(folder / "output" / "model.safetensors"))
     runs._write(folder, runs.Run("done", "r.yaml", "c.yaml", [], ["true"], str(folder / "output"), status="finished"))
     with app_server(runs_dir, {"HOME": str(tmp_path), "HF_TOKEN": ""}) as url:
-        client = Client(url, verbose=False)
+        client = connect(url)
         spaces = client.predict("done", "my model", False, "hf_x", False, "", api_name="/push")[0]
         no_token = client.predict("done", "alice/model", False, "", False, "", api_name="/push")[0]
     assert "repo id" in spaces and "not valid" in spaces
@@ -211,7 +273,7 @@ def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
     secrets = {"HF_TOKEN": "hf_planted_token_789", "HF_DILOCO_APP_AUTH": "alice:planted-password-789"}
     with app_server(tmp_path / "runs", {**secrets, "PYTHONPATH": str(hooks), "HF_DILOCO_TEST_ENV_DUMP": str(seen)}) \
             as url:
-        client = Client(url, auth=("alice", "planted-password-789"), verbose=False)
+        client = connect(url, auth=("alice", "planted-password-789"))
         message = client.predict("", "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=50),
                                  api_name="/preview")[1]
         assert "Form is valid" in message, message
@@ -224,6 +286,7 @@ def test_the_forms_check_runs_without_the_apps_token_and_password(tmp_path):
         assert check["env"]["HF_DILOCO_TEST_ENV_DUMP"] == str(seen), "an ordinary variable of the app's arrives"
         assert not set(secrets) & set(check["env"]), sorted(check["env"])
         assert not [k for k, v in check["env"].items() if "planted" in v], "no secret under another name either"
+        assert APP_KEY not in check["env"].values(), "nor the app's key"
 
 
 def plotted(values) -> list:
@@ -268,7 +331,7 @@ def test_the_app_serves_a_good_run_beside_run_json_files_it_cannot_read(tmp_path
         (runs_dir / name / "run.json").write_text(text)
         os.utime(runs_dir / name / "run.json", (time.time() - 3600,) * 2)  # older than the good run
     with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
+        client = connect(url)
         live = client.predict("good", api_name="/refresh")
         listed = {row[0]: row for row in table(live[11])["data"]}
         assert set(listed) == {"good", *bad}, listed
@@ -364,7 +427,7 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(form_app):
     process count must fit the replica groups (found in Preview, not in every worker). Two runs previewed from one
     form get two rendezvous ports."""
     url, runs_dir = form_app
-    client = Client(url, verbose=False)
+    client = connect(url)
     for case, (draft, values, words) in BAD_DRAFTS.items():
         form = ["", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(**values)]
         previewed = client.predict(*form, api_name="/preview")[1]
@@ -380,7 +443,7 @@ def test_the_app_starts_only_runs_it_may_and_gives_each_its_own_port(form_app):
         command = client.predict(*form, api_name="/preview")[0]
         ports.add(command.split("--main_process_port")[1].split()[0])
     assert len(ports) == 2
-    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts"] == []
+    assert [p.name for p in runs_dir.iterdir() if p.name != "drafts" and not p.name.endswith(".key")] == []
 
 
 @pytest.mark.process

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from app_helpers import TINY_YAML, app_server, knobs, table
-from gradio_client import Client
+from app_helpers import TINY_YAML, app_server, connect, keyed, knobs, table
 from helpers import ACCELERATE_CPU_2PROC, REPO, env, free_port, replica_training_pid, wait_for
 
 from hf_diloco import runs
@@ -54,7 +53,7 @@ def status(page) -> str:
 def open_form(browser, url: str, recipe: str):
     """A new page on the app, once its form is there, with `recipe` picked from the recipe list."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(url)
+    page.goto(keyed(url))
     page.get_by_text("Preview command").wait_for(timeout=60_000)
     page.locator("#recipe input").click()
     page.get_by_role("option", name=recipe).click()
@@ -123,7 +122,7 @@ def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds_an
 
     with app_server(runs_dir) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_role("tab", name="Live").click()
         wait_for(lambda: "demo" in status(page) and page.evaluate(
             "document.querySelector('#hfd-status')?.dataset.status") == "finished", 30, "the demo run, finished")
@@ -141,7 +140,7 @@ def test_the_demo_prints_a_calm_console_and_a_fresh_app_then_shows_its_rounds_an
         started = [start_short_run(runs_dir, "fedavg-baseline.yaml", "fedavg-H5", ["--inner_steps", "5"]),
                    start_short_run(runs_dir, "ddp-baseline.yaml", "ddp", [])]
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_text("Preview command").wait_for(timeout=60_000)
         assert runs.load(started[-1].folder).status in runs.ACTIVE
         assert page.locator("#start").is_enabled(), "a new run can start while others train"
@@ -195,7 +194,7 @@ def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_
     (empty / "README.md").write_text("notes, no data\n")
     with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_text("Preview command").wait_for(timeout=60_000)
         message = page.locator("#form-message")
 
@@ -327,7 +326,7 @@ def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_
         # The supervisor records the end, then exits: under load the second can come a moment after.
         wait_for(lambda: not runs._alive(run.supervisor_pid, "hf_diloco.launch"), 30, "the supervisor to exit")
 
-        client = Client(url, verbose=False)
+        client = connect(url)
         client.predict(api_name="/reattach")  # what a page load shows: the run list, for this client too
         card, metadata, _ = client.predict(run.id, "alice/tiny-diloco", api_name="/card")
         assert "## DiLoCo settings" in card and "- diloco" in metadata
@@ -371,7 +370,7 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
     assert "sync_timeout: 120" in draft
     draft = draft.replace("sync_timeout: 120", "sync_timeout: 30")
     with app_server(runs_dir) as url:
-        client = Client(url, verbose=False)
+        client = connect(url)
         form = ["", "torchft-3.yaml", draft, "torchft-replica.yaml", *knobs(replicas=2, inner_steps=5, max_steps=300)]
         message = client.predict(*form, api_name="/start")[0]
         assert message.startswith("Started"), message
@@ -379,7 +378,7 @@ def test_a_torchft_replica_killed_from_outside_is_started_again_shown_and_the_ru
         assert " --max-restarts 3 " in " ".join(run.command), "the default: a failed replica is started again"
         output = Path(run.output_dir)
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_role("tab", name="Live").click()
         table = page.locator("#replicas")
         wait_for(lambda: len(read_syncs(output / "replica-1")) >= 2, 180, "two rounds of replica 1")
@@ -472,7 +471,7 @@ def test_a_one_round_run_draws_lines_a_failed_run_shows_its_reason_and_a_contrib
             "CONTRIBUTION_HOOK_RANK": "1"}
     with app_server(runs_dir, extra_env=hook) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_role("tab", name="Live").click()
         wait_for(lambda: {"#2563eb", "#ea580c"} <= set(page.evaluate(LINES, "loss-plot")), 30,
                  "a line for each replica of the single round")
@@ -493,14 +492,14 @@ def test_a_one_round_run_draws_lines_a_failed_run_shows_its_reason_and_a_contrib
         data.write_text("hello world\n")
         draft = TINY_YAML.replace("dataset_name: builtin", f"dataset_name: {data}")
         before = {run.id for run in runs.list_runs(runs_dir)}
-        client = Client(url, verbose=False)
+        client = connect(url)
         message = client.predict("", "tiny-pretrain.yaml", draft, "cpu-2proc.yaml", *knobs(inner_steps=5, max_steps=20),
                                  api_name="/start")[0]
         assert message.startswith("Started"), message
         (run,) = [run for run in runs.list_runs(runs_dir) if run.id not in before]
         wait_for(lambda: runs.load(run.folder).status == "failed", 180, "the run to fail")
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(url)
+        page.goto(keyed(url))
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'failed'", timeout=60_000)
         shown = status(page)
         assert "fewer than" in shown and "tokens of text" in shown and "exit code" not in shown, shown
@@ -517,7 +516,7 @@ def test_a_one_round_run_draws_lines_a_failed_run_shows_its_reason_and_a_contrib
         assert message.startswith("Started"), message
         (run,) = [run for run in runs.list_runs(runs_dir) if run.id not in before]
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(url)
+        page.goto(keyed(url))
         page.get_by_role("tab", name="Live").click()
         wait_for(lambda: run.name in status(page), 30, "the new run selected")
         page.wait_for_function("document.querySelector('#hfd-status')?.dataset.status === 'finished'",
@@ -616,7 +615,7 @@ def test_two_ddp_runs_stop_in_their_first_seconds_then_a_torchft_run_shows_its_m
         page.get_by_text("Distributed settings").click()
         for knob in ("main_process_port", "main_process_ip", "num_machines", "machine_rank"):
             assert page.locator(f"#knob-{knob} input, #knob-{knob} textarea").first.input_value() == "", knob
-        client = Client(url, verbose=False)
+        client = connect(url)
         wrong = client.predict("", "torchft-3.yaml", "", "cpu-2proc.yaml", *knobs(replicas=2), api_name="/preview")[1]
         assert wrong.startswith("**Cannot start:**") and "use accelerate_configs/torchft-replica.yaml" in wrong
         fill(page, "knob-model_name_or_path", "")
