@@ -518,8 +518,7 @@ class SyncEngine:
         diverged = not start.finite or (result.committed and start.weight > 0 and not healthy)
         if diverged:
             self.health.restart(self.inner_optimizer, self.backend.replica, step)
-        if result.committed:
-            self.health.committed(result, step)
+        self.health.decided(result, step)
         # Agreement cos(Δ_i, Δ) needs the average, which only exists after the exchange, and the time this sync
         # kept the replica waiting is known after it: both are sent with the NEXT sync's statistics, so they cost
         # no collective of their own.

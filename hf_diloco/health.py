@@ -1,7 +1,8 @@
 """What a sync does about values that are not finite: a replica whose pseudo-gradient holds a NaN or an infinity sits
 the sync out (weight 0: hf_diloco.outer) and restarts from θ_global (the engine copies it) with its inner optimizer
 state started afresh where that state is not finite either; a run in which no replica brings a finite
-pseudo-gradient for `max_bad_rounds` rounds in a row stops with one sentence instead of training on garbage."""
+pseudo-gradient for `max_bad_rounds` rounds in a row, or whose syncs are refused that long (what arrived broke a bound:
+hf_diloco.outer.SyncResult.refuse), stops with one sentence instead of training on garbage."""
 
 from __future__ import annotations
 
@@ -22,14 +23,24 @@ class Health:
         self.max_bad_rounds, self.num_fragments = max_bad_rounds, num_fragments
         self.bad_syncs = 0  # consecutive syncs in which no replica had a finite pseudo-gradient
 
-    def committed(self, result: SyncResult, step: int) -> None:
-        """`max_bad_rounds` consecutive rounds (F syncs each) with no healthy participant stop the run with one
-        sentence."""
-        self.bad_syncs = 0 if result.participants else self.bad_syncs + 1
+    def decided(self, result: SyncResult, step: int) -> None:
+        """After a sync that applied its outer step or was refused (one a vote rolled back counts neither way):
+        `max_bad_rounds` consecutive rounds (F syncs each) with no healthy participant, or refused, stop the run
+        with one sentence."""
+        if not (result.committed or result.refused):
+            return
+        if result.refused:
+            logger.warning("DiLoCo: the sync at step %d was refused (%s); θ_global keeps its value and every replica "
+                           "its own progress for the next sync.", step, "; ".join(result.refused))
+        self.bad_syncs = 0 if result.participants and not result.refused else self.bad_syncs + 1
         fragments = self.num_fragments
         if self.bad_syncs >= self.max_bad_rounds * fragments:
             counted = f"{self.bad_syncs} consecutive rounds" if fragments == 1 else \
                 f"{self.bad_syncs} consecutive syncs ({self.bad_syncs // fragments} rounds)"
+            if result.refused:
+                raise RunError(f"{counted} brought nothing that could be applied (last at step {step}: "
+                               f"{result.refused[0]}); a replica sends values it should not: stop it, or resume "
+                               f"without it from the last checkpoint.")
             raise RunError(
                 f"no replica had a finite pseudo-gradient for {counted} (last at step {step}); the run is diverging: "
                 f"lower learning_rate or outer_lr, or resume from an earlier checkpoint."

@@ -450,7 +450,15 @@ class SyncResult:
     stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
     cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
     fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
-    committed: bool = True  # False: a backend that votes (torchft) rolled the sync back; nothing was applied
+    committed: bool = True  # False: a backend that votes (torchft) rolled the sync back, or the sync was refused
+    # Why the sync was refused, if it was (`refuse`): what arrived breaks a bound no honest replica breaks
+    refused: list[str] = field(default_factory=list)
+
+    def refuse(self, reason: str) -> None:
+        """What arrived cannot be applied (a merge weight out of bounds, an average that is not finite): the outer
+        step is skipped from this bucket on and the replicas keep their own parameters, as for a sync rolled back."""
+        self.refused.append(reason)
+        self.committed = False
 
     @property
     def healthy(self) -> list[bool] | None:
@@ -590,13 +598,18 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
                                           key=str(index), stats=values, decoded=carried)
     if rows is not None:
         if result.weights is None:
-            result.weights = rows[0, :, 0].tolist()
+            result.weights = bounded_weights(rows[0, :, 0].tolist(), result)
         if rows.shape[-1] > 1:
             result.stats = rows
     total_weight = result.total_weight
     delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
-    result.average_norm_sq += _counted_dot(comm, index, delta, delta)
+    average_norm_sq = _counted_dot(comm, index, delta, delta)  # (NaN or infinite exactly when the average is not)
+    result.average_norm_sq += average_norm_sq
     result.dot += _counted_dot(comm, index, sent, delta)
+    # Every replica sees the same sum, so all refuse alike; a sharded replica's members agree on their shards.
+    if result.committed and not comm.control.members_all(math.isfinite(average_norm_sq)):
+        result.refuse(f"the average of bucket {index} is not finite, though every replica reported finite values: "
+                      f"a replica sent what its report did not show")
     if carried:
         result.decoded_norm_sq = (result.decoded_norm_sq or 0.0) + _counted_dot(comm, index, carried[0], carried[0])
         result.decoded_dot = (result.decoded_dot or 0.0) + _counted_dot(comm, index, carried[0], delta)
@@ -606,6 +619,17 @@ def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result
         result.unsent_dot += _counted_dot(comm, index, delta_i, delta)
     result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
     return delta
+
+
+def bounded_weights(reported: list[float], result: SyncResult) -> list[float]:
+    """Each replica's merge weight as it reported it, if every one is what an honest replica sends (from 0 to 1: a
+    weight is relative to the largest); otherwise the sync is refused, naming who sent what, since the sum the
+    weights divide already holds their contributions (a weight of 1e9, or a negative one leaving a tiny total,
+    would make Δ anything). Weights out of bounds count as 0."""
+    bad = [(r, w) for r, w in enumerate(reported) if not 0.0 <= w <= 1.0 + 1e-6]
+    if bad:
+        result.refuse("merge weight out of bounds (0 to 1) from " + ", ".join(f"replica {r} ({w:g})" for r, w in bad))
+    return [0.0 if not 0.0 <= w <= 1.0 + 1e-6 else w for w in reported]
 
 
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
@@ -640,9 +664,10 @@ def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, cod
         riding = _riding(position, len(buckets), weight, stats)
         delta = _average_bucket(comm, index, delta_i, result, weight, codec, feedback, riding, decoded)  # Δ (network)
         del delta_i
-        if result.participants:
-            outer.step(bucket, delta)                                                 # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, keep)                                           # θ_i ← α·θ_i + (1 − α)·θ_global
+        if result.committed:  # (refused: this bucket and those after it keep θ_global and θ_i as they are)
+            if result.participants:
+                outer.step(bucket, delta)                                             # θ_global ← OuterOpt(θ_global, Δ)
+            outer.copy_to_replica(bucket, keep)                                       # θ_i ← α·θ_i + (1 − α)·θ_global
         del delta  # freed before the next bucket's Δ_i is formed
     return result
 
@@ -700,7 +725,7 @@ def exchange(comm: ReplicaComm, buckets: list[int], deltas: Iterable[torch.Tenso
                                         _riding(position, len(buckets), weight, stats), decoded))
                 for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True))]
     if comm.votes:
-        result.committed = comm.vote()
+        result.committed = comm.vote() and not result.refused
         if not result.committed and kept is not None:
             feedback.restore(kept)
     return Exchange(buckets, averaged, result, weight)

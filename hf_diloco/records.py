@@ -130,6 +130,8 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
         record["participants"] = result.participants
         if not result.participants:
             record["outer_step_skipped"] = True
+    if result.refused:  # what arrived broke a bound (hf_diloco.outer.SyncResult.refuse): nothing was applied
+        record.update(refused=result.refused, outer_step_skipped=True)
     previous = stats.previous_agreement[0].tolist()
     if all(math.isfinite(x) for x in previous):
         record["agreement_sync"] = sync_number - 1
@@ -201,7 +203,7 @@ def quorum_record(record: dict, replicas: list[dict], *, committed: bool, quorum
     tokens from the members' rows (known even when the sync rolled back), replacing the fixed group's reading.
     `tokens_trained`: what this replica trained in the sync (its tokens per second); `heal_refused` and `error`:
     why its heal was refused, why the sync did not commit."""
-    for key in ("non_finite_replicas", "outer_step_skipped", "participants"):
+    for key in ("non_finite_replicas", "outer_step_skipped", "participants"):  # (a refusal's reasons stay)
         record.pop(key, None)
     took_part = [m for m in replicas if m["participated"]]
     losses = [m["loss_sum"] / m["steps"] for m in took_part if m["steps"]]

@@ -126,6 +126,32 @@ def run_both_backends(tmp_path: Path, round_settings: dict, **settings):
             run_torchft(tmp_path / "torchft", round_settings, **settings))
 
 
+@pytest.mark.process
+@pytest.mark.parametrize("backend,told", [("torch", "nan"), ("torch", 1e9), ("torch", -0.999), ("torchft", "nan")])
+def test_a_replica_that_lies_in_a_sync_costs_that_sync_only(tmp_path, backend, told):
+    """Replica 1 lies in the second of three syncs (H = 4, 12 steps): it reports finite values and sends a NaN, or
+    reports a merge weight no honest replica has (1e9; −0.999, which would leave the divisor 0.001). Every replica
+    refuses that sync, naming why in its record: θ_global after it is θ_global after the first, bit for bit, on
+    every process; the replicas keep their own progress, and the third sync, honest, merges both and moves θ_global
+    to finite values, where the run ends, identical on both replicas."""
+    settings = {"globals": True, "lie": [1, 2, told]}
+    if backend == "torch":
+        final, folder = run_torch_backend(tmp_path / "run", {}, **settings), tmp_path / "run" / "run"
+    else:
+        final, folder = run_torchft(tmp_path / "run", {}, **settings), tmp_path / "run" / "replica-0"
+    records = read_syncs(folder)
+    assert [r["step"] for r in records] == [4, 8, 12], records
+    second = records[1]
+    why = "is not finite" if told == "nan" else f"replica 1 ({told:g})"
+    assert second["outer_step_skipped"] and any(why in reason for reason in second["refused"]), second
+    assert not records[0].get("refused") and not records[2].get("refused")
+    for process in range(2):  # (the process on torch, the replica on torchft)
+        after = {step: torch.load(tmp_path / "run" / f"global{process}-{step}.pt") for step in (4, 8, 12)}
+        assert max_difference(after[4], after[8]) == 0.0, "the refused sync left θ_global as it was"
+        assert max_difference(after[8], after[12]) > 0.0 and all(bool(torch.isfinite(p).all()) for p in after[12])
+    assert max_difference(final[0], final[1]) == 0.0
+
+
 CODECS = {
     "sparse+ef": {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
     "streaming-int4+ef-overlap": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,

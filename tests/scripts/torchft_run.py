@@ -24,7 +24,10 @@ peers wait for it inside that collective, as when its link goes down mid-exchang
 "step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th way (its first parameter a
 scalar, its first parameter NaN, its global_step past the run's end); later ones are sound. "weights": "bfloat16"
 trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on a machine without
-one); the replica then also writes the dtypes of its outer state to `outer<r>.json`.
+one); the replica then also writes the dtypes of its outer state to `outer<r>.json`. "lie": [r, n, "nan" | weight]
+makes replica r lie in its n-th sync: it reports finite values and sends a NaN, or reports that merge weight.
+"globals": true writes θ_global after every step that ends a round of H (`global<p>-<step>.pt`, p the process on
+torch, the replica on torchft).
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -80,6 +83,18 @@ class Pace(TrainerCallback):
             with torch.no_grad():
                 next(p for p in model.parameters() if p.requires_grad).view(-1)[0] = float("nan")
         (self.out / f"step{self.replica}.txt").write_text(str(state.global_step))
+
+
+class GlobalsAfterSyncs(TrainerCallback):
+    """Writes θ_global after every sync's step (`global<name>-<step>.pt`: after the DiLoCo callback has synced)."""
+
+    def __init__(self, trainer, out: Path, name: int):
+        self.trainer, self.out, self.name = trainer, out, name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.inner_steps == 0:
+            params = [p.detach().clone() for p in self.trainer.diloco.outer.global_params]
+            torch.save(params, self.out / f"global{self.name}-{state.global_step}.pt")
 
 
 @contextlib.contextmanager
@@ -170,6 +185,28 @@ def faults(settings: dict):
             return state
 
         patch(TorchftQuorum, "_state_for_peer", spoiled_state)
+    if settings.get("lie"):
+        from hf_diloco import outer
+
+        liar, at_sync, told = settings["lie"]
+        me = int(os.environ.get("RANK", 0)) // settings.get("group", 1) if settings.get("backend") == "torch" \
+            else settings.get("replica", 0)
+        honest_average, syncs = outer._average_bucket, {"count": 0}
+
+        def lying_average(comm, index, delta_i, result, weight, codec, feedback, riding, decoded=False):
+            syncs["count"] += result.weights is None  # the first bucket of a sync
+            if syncs["count"] == at_sync and told == "nan":  # reported finite, sends a NaN
+                delta_i = delta_i.clone()
+                delta_i.view(-1)[0] = float("nan")
+            elif syncs["count"] == at_sync and riding is not None:  # reports a merge weight of `told`
+                def riding(norm_sq, honest=riding):
+                    values = honest(norm_sq).clone()
+                    values[0] = float(told)
+                    return values
+            return honest_average(comm, index, delta_i, result, weight, codec, feedback, riding, decoded)
+
+        if me == liar:
+            patch(outer, "_average_bucket", lying_average)
     try:
         yield
     finally:
@@ -225,6 +262,8 @@ def run(settings: dict) -> None:
         model = model.to(getattr(torch, settings["weights"]))
     trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(256),
                             data_collator=default_data_collator, callbacks=[Pace(settings, out, replica)])
+    if settings.get("globals"):
+        trainer.add_callback(GlobalsAfterSyncs(trainer, out, config.process_index if backend == "torch" else replica))
     trainer.train()
     # Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
     if backend == "torch" or trainer.args.process_index == 0:
