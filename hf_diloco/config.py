@@ -276,8 +276,9 @@ class DiLoCoConfig(TrainingArguments):
         default=3,
         metadata={"help": "A replica whose pseudo-gradient holds NaN or Inf sits its round out (the others are "
                           "averaged without it) and restarts from the global parameters; when no replica is "
-                          "healthy the outer step is skipped, and after this many such rounds in a row the run stops "
-                          "with an error."},
+                          "healthy the outer step is skipped; a sync whose average is not finite though every "
+                          "replica reported finite values, or with a merge weight outside 0..1, is refused (a "
+                          "replica that lies); after this many such rounds in a row the run stops with an error."},
     )
 
     contribution_checks: str = field(
