@@ -8,6 +8,7 @@
     append_jsonl(path, value)   one record more, on a line of its own even after a writer killed mid-line
     replace_text(path, text)    a file rewritten whole, as write_json writes
     read_yaml(path, what)       a recipe or an accelerate config: a mapping of settings
+    hold_run_folder(folder)     the lock one run holds on its output folder for its life (`check_run_folder_free`)
 
 Design choices:
 - One reader per format, so a damaged file reads the same wherever it is read: one sentence that names the file,
@@ -158,3 +159,63 @@ def read_yaml(path: str | os.PathLike, what: str, holds: str = "field names to v
     if not isinstance(values, dict):
         raise ConfigError(f"{shown} must be a mapping of {holds}.")
     return values
+
+
+LOCK_FILE = ".hf-diloco.lock"
+
+
+def _lock(folder: Path):
+    """(the open lock file, None) when this process now holds the folder's lock, else (None, who holds it)."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the run's life, or closed below)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return None, holder
+    return handle, None
+
+
+def _in_use(folder: Path, holder: str) -> ConfigError:
+    return ConfigError(f"output_dir {str(folder)!r} is in use by another run ({holder}); wait for it to end, stop "
+                       f"it, or choose another output_dir.")
+
+
+class hold_run_folder:  # noqa: N801 (a context manager, used as `with hold_run_folder(...)`)
+    """One run per output folder: the process that writes a run's folder (process 0 of a launch, member 0 of a
+    torchft replica) holds an exclusive lock on `<folder>/.hf-diloco.lock` for the run's life, which the system
+    releases however the process ends. A second run into the folder is refused in one sentence (ConfigError) before
+    it touches anything: no clean-up of a live run's checkpoint in progress, no second writer of its logs."""
+
+    def __init__(self, folder: str | Path):
+        import socket
+
+        self.folder = Path(folder)
+        self.handle, holder = _lock(self.folder)
+        if self.handle is None:
+            raise _in_use(self.folder, holder)
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self.handle.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()  # (the lock goes with it; the file stays, empty of meaning)
+
+
+def check_run_folder_free(folder: str | Path) -> None:
+    """ConfigError, naming who holds it, when a live run holds `folder` (checked by the launcher before any worker
+    starts, and before resume's clean-up of a folder's incomplete checkpoints)."""
+    if not Path(folder).is_dir():
+        return
+    handle, holder = _lock(Path(folder))
+    if handle is None:
+        raise _in_use(Path(folder), holder)
+    handle.close()

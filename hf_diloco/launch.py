@@ -52,7 +52,7 @@ from typing import Any
 
 from .checks import require_torchft
 from .errors import ConfigError
-from .files import read_json, write_json
+from .files import check_run_folder_free, hold_run_folder, read_json, write_json
 from .hub import MODEL_PATTERNS
 from .metrics import read_syncs, sync_number
 from .runs import (
@@ -84,9 +84,9 @@ def check_launch(run, config, accelerate_config: str, processes: int | None = No
     any number of replicas): the accelerate config with the launch flags beside it (`processes`, `machines`,
     `rank`; None: the config's), what a dry run checks (the recipe's arguments and their combinations, H against
     max_steps among them; the model, built from its config on the meta device, with its LoRA targets; the dataset
-    and its text column, from its first row: `train.check_inputs`), the checkpoint to resume and (unless `dry_run`)
-    that the output folder holds no other run. Returns the accelerate config's settings; raises ConfigError in the
-    sentence a training process would end with."""
+    and its text column, from its first row: `train.check_inputs`), that no live run holds the output folder, the
+    checkpoint to resume and (unless `dry_run`) that the output folder holds no other run. Returns the accelerate
+    config's settings; raises ConfigError in the sentence a training process would end with."""
     from . import train as training
 
     values = training.check_accelerate_config(accelerate_config, config, processes=processes, machines=machines,
@@ -96,6 +96,7 @@ def check_launch(run, config, accelerate_config: str, processes: int | None = No
         from .parallel import check_shardable
 
         check_shardable(model)
+    check_run_folder_free(config.output_dir)  # before resume's clean-up: a live run's save in progress is its own
     training.resolve_checkpoint(config)
     if not dry_run:
         training.check_output_dir(config)
@@ -394,7 +395,8 @@ def supervise_replicas(commands: list[list[str]], config, max_restarts: int) -> 
     """Run the replica launches under a ReplicaSupervisor until the run ends; its exit status."""
     # A replica started again near the end may outlive the others by the time it needs to heal and see the end.
     linger = config.end_linger_seconds + config.sync_grace_seconds + 15
-    return ReplicaSupervisor(commands, config.output_dir, max_restarts, linger_seconds=linger).run()
+    with hold_run_folder(config.output_dir):  # each replica's process 0 holds its own replica-<r>/ besides
+        return ReplicaSupervisor(commands, config.output_dir, max_restarts, linger_seconds=linger).run()
 
 
 class ReplicaSupervisor:

@@ -459,17 +459,20 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
     transformers' own progress bars are turned off for the process). `callbacks` are added to the trainer.
     Returns the trainer.
     """
+    from .files import hold_run_folder
     from .run_callbacks import RunRecorder, StopOnRequest
     from .trainer import graceful_stop_signals
 
     check_arguments(run, config)
-    checkpoint = resolve_checkpoint(config)
-    check_output_dir(config)
-    recorder, stopper = RunRecorder(config.output_dir), StopOnRequest(config.output_dir)
-    if config.process_index == 0:
-        recorder.phase("loading model and data")
-    with graceful_stop_signals(stopper.request) if stop_signals else contextlib.nullcontext():
-        return _train(run, config, checkpoint, recorder, stopper, callbacks, stop_signals)
+    # Process 0 holds the folder for the run's life: a second run into it stops here, before its clean-up.
+    with hold_run_folder(config.output_dir) if config.process_index == 0 else contextlib.nullcontext():
+        checkpoint = resolve_checkpoint(config)
+        check_output_dir(config)
+        recorder, stopper = RunRecorder(config.output_dir), StopOnRequest(config.output_dir)
+        if config.process_index == 0:
+            recorder.phase("loading model and data")
+        with graceful_stop_signals(stopper.request) if stop_signals else contextlib.nullcontext():
+            return _train(run, config, checkpoint, recorder, stopper, callbacks, stop_signals)
 
 
 def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, recorder, stopper, callbacks: Sequence,

@@ -261,3 +261,37 @@ def test_a_launcher_killed_outright_leaves_no_training_process_beside_the_restar
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.process
+def test_a_second_run_into_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path):
+    """A run trains into a folder (two replicas); meanwhile the folder holds a checkpoint folder without its marker,
+    as one being saved does. A second `hf-diloco launch` into it with `resume_from_checkpoint auto`, and a single
+    `hf-diloco train` process, are each refused in one sentence naming the live run's process, exit 2, and leave
+    that folder where it was (resume's clean-up of incomplete checkpoints never runs against a live run). Once the
+    first run has ended, the same launch is no longer refused for the lock."""
+    from helpers import cli
+
+    out = tmp_path / "run"
+    first = launch(["-m", "hf_diloco.cli", *train_args(out, max_steps=100_000, inner_steps=10)])
+    try:
+        wait_for(lambda: read_json(out / "progress.json", {}).get("phase") == "training", 180, "the first run to train")
+        saving = out / "checkpoint-999999"
+        saving.mkdir()
+        (saving / checkpoints.SAVING_FILE).touch()
+        second = cli("launch", RECIPE, "--accelerate-config", str(ACCELERATE_CPU_2PROC), "--",
+                     "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--max_steps", "20", "--inner_steps", "10")
+        alone = cli(*train_args(out, max_steps=20, inner_steps=10), "--resume_from_checkpoint", "auto")
+        for refused in (second, alone):
+            assert refused.returncode == 2, refused.stdout + refused.stderr
+            lines = [line for line in refused.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and "is in use by another run (process " in lines[0], refused.stderr
+            assert "Traceback" not in refused.stderr
+        assert saving.is_dir() and first.poll() is None, "the live run and its save in progress are untouched"
+    finally:
+        (out / "stop.request").touch()
+        first.communicate(timeout=300)
+    assert first.returncode == 0
+    again = cli("launch", RECIPE, "--accelerate-config", str(ACCELERATE_CPU_2PROC), "--dry-run", "--",
+                "--output_dir", str(out), "--resume_from_checkpoint", "auto")
+    assert "in use by another run" not in again.stderr, again.stderr
