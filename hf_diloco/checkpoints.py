@@ -17,6 +17,11 @@ Design choices:
   `diloco_saving`, first, before any process writes into the folder, and removes it after the marker.
 - Removal is atomic: a folder leaves the `checkpoint-*` names in one rename (to `tmp-checkpoint-removed-<name>`),
   then its files are deleted. Nothing named `tmp-checkpoint-*` is a checkpoint; resume deletes such folders.
+- Every file the marker lists carries its CRC-32 too. Resuming from the newest checkpoint (`auto`, `latest`)
+  first reads it back (`damage`): a file whose bytes changed at the same size (a disk, a copy gone wrong) makes the
+  checkpoint unusable, and the resume falls back to the newest one before it that reads back whole, saying so in
+  one line; the damaged folder stays where it is (until the resumed run saves that step again). Each process
+  reads the same files and comes to the same answer on its own.
 - Rotation (`save_total_limit`) keeps the newest `limit` complete checkpoints and the best one; folders that are not
   complete are left to resume, which removes them with a notice.
 - Standard library only: the checks that run before anything is built (hf_diloco.train.resolve_checkpoint, also
@@ -83,11 +88,35 @@ def mark_complete(folder: Path, step: int, processes: int) -> None:
     for path in [*listed, *sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
         _flush(path)
     files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in listed}
-    marker = {"step": step, "processes": processes, "files": files}
+    marker = {"step": step, "processes": processes, "files": files,
+              "crc32": {p.relative_to(folder).as_posix(): _crc32(p) for p in listed}}
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=1) + "\n")
     _flush(folder / MARKER_FILE)
     (folder / SAVING_FILE).unlink(missing_ok=True)
     _flush(folder)
+
+
+def _crc32(path: Path) -> int:
+    import zlib
+
+    value = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def damage(folder: Path) -> str | None:
+    """Why a complete checkpoint cannot be resumed from, or None: a listed file whose CRC-32 is not the one its
+    marker holds (checkpoints written before markers held one: sizes only, as `is_complete` checks)."""
+    try:
+        sums = json.loads((folder / MARKER_FILE).read_text()).get("crc32", {})
+        for name, expected in sums.items():
+            if _crc32(folder / name) != expected:
+                return f"{name} does not hold the bytes that were saved"
+    except (OSError, ValueError, AttributeError) as error:
+        return f"its files cannot be read back ({type(error).__name__})"
+    return None
 
 
 def _flush(path: Path) -> None:
@@ -135,10 +164,16 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return [p for p in checkpoint_folders(run_dir) if is_complete(p)]
 
 
-def newest_complete(run_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step: where a resume starts."""
-    complete = complete_checkpoints(run_dir)
-    return complete[-1] if complete else None
+def newest_complete(run_dir: Path, report=None) -> Path | None:
+    """The complete checkpoint with the highest step that reads back whole (`damage`): where a resume starts.
+    `report`, if given, is told of each newer one passed over, in one line."""
+    for folder in reversed(complete_checkpoints(run_dir)):
+        wrong = damage(folder) if (folder / MARKER_FILE).is_file() else None
+        if wrong is None:
+            return folder
+        if report is not None:
+            report(f"[diloco] not resuming from {folder.name}: {wrong}")
+    return None
 
 
 def leftovers(run_dir: Path) -> list[Path]:

@@ -44,6 +44,7 @@ import torch
 from .backends import FixedGroup, SyncStart, Verdict
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
+from .errors import first_line
 from .fragments import Fragment, outer_state_and_fragments, since_base
 from .gate import Gate
 from .health import Health
@@ -278,7 +279,11 @@ class SyncEngine:
                                    self.outer.repeated_spans(self.comm.member % args.tp_size)
                                    if args.tensor_parallel else None)
         if outer_state is not None:
-            self.outer.load_state_dict(outer_state)
+            try:
+                self.outer.load_state_dict(outer_state)
+            except ValueError as error:  # the checkpoint's outer state, named: another model's, or damaged
+                raise ConfigError(f"{first_line(error)}; resume from a checkpoint of this run, or start afresh in "
+                                  f"another output_dir.") from None
             self.outer.copy_global_to_replica()
             self.load_state_dict(replica_state)
         self._place_end(step, max_steps, warn=True)

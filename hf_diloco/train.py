@@ -94,7 +94,7 @@ def newest_complete_checkpoint(output_dir: str, clean_up: bool = True) -> str | 
         print(f"[diloco] removing {leftover.name}: an incomplete checkpoint left by a process that stopped while "
               f"saving or removing it", flush=True)
         checkpoints.remove(leftover)
-    newest = checkpoints.newest_complete(out)
+    newest = checkpoints.newest_complete(out, report=(lambda line: print(line, flush=True)) if clean_up else None)
     return str(newest) if newest else None
 
 

@@ -280,7 +280,8 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_and_touches_nothing(tmp
         saving.mkdir()
         (saving / checkpoints.SAVING_FILE).touch()
         second = cli("launch", RECIPE, "--accelerate-config", str(ACCELERATE_CPU_2PROC), "--",
-                     "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--max_steps", "20", "--inner_steps", "10")
+                     "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--max_steps", "20",
+                     "--inner_steps", "10")
         alone = cli(*train_args(out, max_steps=20, inner_steps=10), "--resume_from_checkpoint", "auto")
         for refused in (second, alone):
             assert refused.returncode == 2, refused.stdout + refused.stderr
@@ -295,3 +296,24 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_and_touches_nothing(tmp
     again = cli("launch", RECIPE, "--accelerate-config", str(ACCELERATE_CPU_2PROC), "--dry-run", "--",
                 "--output_dir", str(out), "--resume_from_checkpoint", "auto")
     assert "in use by another run" not in again.stderr, again.stderr
+
+
+@pytest.mark.process
+def test_resume_passes_over_a_newest_checkpoint_damaged_at_the_same_size(tmp_path, uninterrupted):
+    """The never-interrupted run's folder, its newest checkpoint (checkpoint-60) with one byte of its weights
+    flipped: the file keeps its size, so the folder still reads as complete. `auto` says in one line that it does
+    not resume from it and why, resumes from checkpoint-50, and ends with the uninterrupted run's model (1e-5)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    weights = out / "checkpoint-60" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert checkpoints.is_complete(out / "checkpoint-60")
+    printed = finish(launch(["-m", "hf_diloco.cli", *train_args(out, 60, 10), "--resume_from_checkpoint", "auto"]))
+    assert ("[diloco] not resuming from checkpoint-60: model.safetensors does not hold the bytes that were saved"
+            in printed), printed[-3000:]
+    assert f"[diloco] resuming from {out / 'checkpoint-50'}" in printed
+    assert_same_model(out, uninterrupted)
