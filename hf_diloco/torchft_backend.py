@@ -31,7 +31,6 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -48,6 +47,7 @@ from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
 from .errors import ConfigError, RunError, first_line
+from .network import interface_of
 from .records import membership
 from .schedule import Schedule
 
@@ -110,28 +110,6 @@ def safe_checkpoint_transport(host: str, timeout: timedelta):
 
     with compat.torchft_listeners_on(host):  # torchft's constructor binds and starts serving
         return SafeTransport(timeout=timeout, num_chunks=0)
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface of this machine that holds `address` (an address or a name), or None.
-
-    >>> interface_of("127.0.0.1"), interface_of("192.0.2.1")
-    ('lo', None)
-    """
-    import ipaddress
-
-    import psutil
-
-    try:
-        wanted = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)}
-    except (OSError, ValueError):
-        return None
-    for name, addresses in psutil.net_if_addrs().items():
-        for entry in addresses:
-            with contextlib.suppress(ValueError):
-                if ipaddress.ip_address(entry.address.split("%", 1)[0]) in wanted:
-                    return name
-    return None
 
 
 class QuorumFailed(RunError):

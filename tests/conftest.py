@@ -177,3 +177,27 @@ def pytest_configure(config):
     """matplotlib lists the system's fonts with a process (fc-list) the first time it is imported on a machine: done
     here, before any test, so that a fast-tier test that draws a figure on a fresh machine starts no process."""
     import matplotlib.font_manager  # noqa: F401
+
+
+@pytest.fixture
+def hostname_elsewhere(tmp_path):
+    """A command prefix under which this machine's host name resolves to its non-loopback address (as on many cloud
+    machines), not 127.0.0.1: a mount namespace with its own /etc/hosts (`unshare -m`). Skips with one sentence
+    where a mount namespace cannot be made (CI runs as root)."""
+    import shutil
+    import socket
+    import subprocess
+
+    import psutil
+
+    external = next((a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+                     if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{external} {socket.gethostname()}\n")
+    prefix = ["unshare", "-m", "sh", "-c", f'mount --bind {hosts} /etc/hosts && exec "$@"', "sh"]
+    probe = subprocess.run([*prefix, "getent", "hosts", socket.gethostname()], capture_output=True, text=True) \
+        if external and shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0 or external not in probe.stdout:
+        pytest.skip("a mount namespace cannot be made here (unshare -m needs root): the host name cannot be mapped "
+                    "to another address.")
+    return prefix

@@ -149,7 +149,8 @@ def test_a_torchft_dry_run_shows_each_replica_s_command_with_the_token_hidden(tm
 
 
 @pytest.mark.process
-def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_only(tmp_path):
+@pytest.mark.parametrize("hostname", ["loopback", "elsewhere"])
+def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_only(tmp_path, request, hostname):
     """A real two-process run of the torch backend (cpu-2proc.yaml) given a token in both spellings (push_to_hub
     off: nothing is sent anywhere): the printed command shows `***`; the token is in no byte the launch printed and
     no file of its output folder (training_args.bin, in the model's folder and every checkpoint, is a pickle of the
@@ -158,9 +159,12 @@ def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_on
     Its listeners, read with psutil every 0.1 s while it runs: every one of every process (torchrun's rendezvous
     store in the launcher, gloo in each training process) is on 127.0.0.1 and refuses a connection to this
     machine's external address; the store is among them (under plain `accelerate launch` it binds every
-    interface)."""
+    interface). `elsewhere`: the machine's host name resolves to its LAN address, as on many cloud machines (where
+    gloo, left to itself, binds that address); the one-machine run's gloo still listens on loopback."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "hf_diloco.cli", "launch", TINY, "--accelerate-config", CPU_2PROC, "--port",
+    prefix = request.getfixturevalue("hostname_elsewhere") if hostname == "elsewhere" else []
+    command = [*prefix, sys.executable, "-m", "hf_diloco.cli", "launch", TINY, "--accelerate-config", CPU_2PROC,
+               "--port",
                str(free_port()), "--", "--output_dir", str(out), *SHORT, "--hub_token", TOKEN, f"--hub-token={TOKEN}"]
     launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
     listeners = ListenerWatch(launch)
