@@ -12,7 +12,8 @@ Design choices:
 - `launch` validates the recipe, the accelerate config, the model and the data in this process before starting
   anything, as a dry run does; bad input only a worker can find ends the launch with the worker's sentence, once,
   exit status 2, and is never restarted (hf_diloco.launch.Launch).
-- A command is printed with its Hub token as `***` (hf_diloco.launch.redact); the process run gets the token.
+- A command is printed with its Hub token as `***` (hf_diloco.launch.redact); the processes run get the token in
+  their environment, not on their command lines (hf_diloco.launch.Launch).
 - This module parses and prints; what starts and watches processes (launches, torchft replicas, the Lighthouse,
   SLURM jobs, a worker's exit) is hf_diloco.launch's and hf_diloco.slurm's. The app is started as a program of its
   own (`python -m app.server`): the library never imports it.

@@ -55,6 +55,7 @@ from .errors import ConfigError
 from .files import check_run_folder_free, hold_run_folder, read_json, write_json
 from .hub import MODEL_PATTERNS
 from .metrics import read_syncs, sync_number
+from .recipes import HUB_TOKEN_ENV
 from .runs import (
     ACTIVE,
     LOG_FILE,
@@ -159,6 +160,23 @@ def token_values(command: list[str]) -> list[str]:
             if previous in TOKEN_FLAGS or ("=" in word and word.partition("=")[0] in TOKEN_FLAGS)]
 
 
+def without_tokens(command: list[str]) -> tuple[list[str], str | None]:
+    """`command` without its `--hub_token` flags (either spelling, `--hub_token=...` too), and the token they gave
+    (the last), for a launch to hand its workers in their environment instead (recipes.HUB_TOKEN_ENV).
+
+    >>> without_tokens(["train", "--hub_token", "a", "--x", "1", "--hub-token=b"])
+    (['train', '--x', '1'], 'b')
+    """
+    kept, words = [], iter(command)
+    for word in words:
+        if word in TOKEN_FLAGS:
+            next(words, None)  # its value
+        elif not ("=" in word and word.partition("=")[0] in TOKEN_FLAGS):
+            kept.append(word)
+    values = token_values(command)
+    return kept, (values[-1] if values else None)
+
+
 def shown(command: list[str]) -> str:
     """The line that shows `command` (redacted)."""
     return " ".join(redact(command))
@@ -196,9 +214,13 @@ class Launch:
         self.input_error: str | None = None
         # In the stream, a value short enough to be ordinary text is left alone (a real token has the token's shape).
         self._secrets = {value.encode() for value in token_values(command) if len(value) >= 8}
-        self.process = subprocess.Popen(command, env={**(os.environ if env is None else env),
-                                                      INPUT_ERROR_FILE: self._report},
-                                        stderr=subprocess.PIPE, start_new_session=new_session)
+        # The token goes to the workers in their environment, never on a command line any user can read (`ps`).
+        command, token = without_tokens(command)
+        environment = {**(os.environ if env is None else env), INPUT_ERROR_FILE: self._report}
+        if token is not None:
+            environment[HUB_TOKEN_ENV] = token
+        self.process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE,
+                                        start_new_session=new_session)
         self.pid = self.process.pid
         self.new_session = new_session
         self._copier = threading.Thread(target=self._pass_stderr_on, daemon=True)

@@ -13,12 +13,17 @@ commands that parse none (app, push, lighthouse) start in a fraction of a second
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
 from .checks import TRL_TRAINERS
 from .errors import ConfigError, first_line
 from .files import read_yaml
+
+# The Hub token a launch hands its workers (hf_diloco.launch.Launch), in their environment: a command line is
+# readable by every user of the machine (`ps`), a process's environment by its owner only.
+HUB_TOKEN_ENV = "HF_DILOCO_HUB_TOKEN"
 
 
 class CLIError(ConfigError):
@@ -79,6 +84,8 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in recipe {recipe!r}; "
             f"keys must be DiLoCoConfig or RunArguments fields (see `hf-diloco train --help`)."
         )
+    if os.environ.get(HUB_TOKEN_ENV) and "hub_token" not in values:
+        values["hub_token"] = os.environ[HUB_TOKEN_ENV]  # (a flag still wins)
     values, overrides = _auto_fields(values, overrides)
     # Floats go back to text so that argparse converts them with the field's own type, like a flag.
     parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in values.items()})

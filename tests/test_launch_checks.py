@@ -154,7 +154,8 @@ def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_on
     """A real two-process run of the torch backend (cpu-2proc.yaml) given a token in both spellings (push_to_hub
     off: nothing is sent anywhere): the printed command shows `***`; the token is in no byte the launch printed and
     no file of its output folder (training_args.bin, in the model's folder and every checkpoint, is a pickle of the
-    arguments), while its training processes were started with it.
+    arguments), while its training processes were handed it in their environment (HF_DILOCO_HUB_TOKEN), and no
+    process of the launch had it on its command line, which every user of the machine can read.
 
     Its listeners, read with psutil every 0.1 s while it runs: every one of every process (torchrun's rendezvous
     store in the launcher, gloo in each training process) is on 127.0.0.1 and refuses a connection to this
@@ -168,18 +169,20 @@ def test_a_launch_given_a_hub_token_leaves_it_nowhere_and_listens_on_loopback_on
                str(free_port()), "--", "--output_dir", str(out), *SHORT, "--hub_token", TOKEN, f"--hub-token={TOKEN}"]
     launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
     listeners = ListenerWatch(launch)
-    given = False
-    while launch.poll() is None and not given:
+    given, on_a_command_line = False, False
+    while launch.poll() is None:
         for process in psutil.Process(launch.pid).children(recursive=True):
             try:
-                argv = process.cmdline()
+                argv, environment = process.cmdline(), process.environ()
             except psutil.Error:
                 continue
-            given |= "train" in argv and not is_launcher(argv) and TOKEN in argv
+            on_a_command_line |= any(TOKEN in word for word in argv)
+            given |= "train" in argv and not is_launcher(argv) and environment.get("HF_DILOCO_HUB_TOKEN") == TOKEN
         time.sleep(0.1)
     stdout, stderr = launch.communicate(timeout=300)
     assert launch.returncode == 0, stderr[-3000:]
-    assert given, "a training process was started with the token"
+    assert given, "a training process was handed the token in its environment"
+    assert not on_a_command_line, "no process of the launch had the token on its command line (ps shows those)"
     assert "--hub_token *** --hub-token=***" in stdout and TOKEN not in stdout + stderr
     assert (out / "training_args.bin").is_file() and any(out.glob("checkpoint-*/training_args.bin"))
     assert files_holding(out, TOKEN) == []
@@ -214,3 +217,15 @@ def test_conversations_and_trls_formats_pass_the_launch_check_that_training_pass
     assert one_sentence(result) == (f"hf-diloco: error: trainer dpo reads the columns prompt and chosen and rejected "
                                     f"or chosen and rejected of its dataset, and {pairs!r} has none of those (it has "
                                     f"prompt, completion).")
+
+
+def test_a_worker_takes_the_hub_token_its_launch_hands_it_in_the_environment(monkeypatch):
+    """What a worker of a launch given --hub_token parses (the launch moves the token into HF_DILOCO_HUB_TOKEN):
+    config.hub_token is the token; a --hub_token on the worker's own command line still wins."""
+    from hf_diloco.recipes import parse_train_args
+
+    monkeypatch.setenv("HF_DILOCO_HUB_TOKEN", TOKEN)
+    assert parse_train_args(TINY, [])[1].hub_token == TOKEN
+    assert parse_train_args(TINY, ["--hub_token", "hf_" + "b" * 30])[1].hub_token == "hf_" + "b" * 30
+    monkeypatch.delenv("HF_DILOCO_HUB_TOKEN")
+    assert parse_train_args(TINY, [])[1].hub_token is None
