@@ -303,6 +303,33 @@ def rendezvous_store_on_its_address() -> Iterator[None]:
         static_module.TCPStore = store_class
 
 
+def env_rendezvous_store_on_its_address() -> None:
+    """For this process: a TCPStore that rank 0 serves for an `env://` rendezvous without torchrun's agent (MPI's
+    launch: accelerate's mpirun path sets MASTER_ADDR and MASTER_PORT and each process initialises from them)
+    listens on MASTER_ADDR only, instead of every interface.
+
+    Patches `torch.distributed.rendezvous.TCPStore`, the name `_create_c10d_store` builds it through, as
+    `rendezvous_store_on_its_address` does the agent's; under torchrun the agent serves the store and every process
+    is a client, which this leaves as it is. Idempotent.
+    Waits for: TCPStore or the env rendezvous taking a bind address (torch 2.13 takes none).
+    """
+    import importlib
+
+    # (the package torch.distributed exports a function of the module's name: import the module itself)
+    rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
+    store_class = rendezvous_module.TCPStore
+    if getattr(store_class, "_binds_its_address", False):
+        return
+
+    def bound_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
+        if is_master and "master_listen_fd" not in kwargs:
+            kwargs["master_listen_fd"], _ = listening_socket(host_name, port)
+        return store_class(host_name, port, world_size, is_master, *args, **kwargs)
+
+    bound_store._binds_its_address = True
+    rendezvous_module.TCPStore = bound_store
+
+
 def listening_socket(host: str, port: int = 0) -> tuple[int, int]:
     """The file descriptor and port of a TCP socket bound to `host`:`port` (0: a free port) and listening, for a
     TCPStore's `master_listen_fd`: the store owns it from then on (it closes it), so Python lets go of it here."""

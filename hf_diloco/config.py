@@ -424,6 +424,9 @@ class DiLoCoConfig(TrainingArguments):
             # Pinned host memory only speeds up copies to an accelerator; without one torch's DataLoader warns on
             # every process that it cannot pin.
             self.dataloader_pin_memory = False
+        from . import compat
+
+        compat.env_rendezvous_store_on_its_address()  # (MPI's launch: rank 0 serves the store, on MASTER_ADDR only)
         super().__post_init__()
         # With an iterable (streaming) dataset Accelerate would otherwise read every batch on rank 0 and send it
         # to the other processes at every step; each replica reads its own shard instead.

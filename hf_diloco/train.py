@@ -143,6 +143,12 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
     source = f"accelerate config {path!r}" + (" with the launch flags" if any(v is not None for v in given.values())
                                                else "")
     kind = str(values.get("distributed_type", "NO")).upper()
+    if str(values.get("rdzv_backend", "static")).lower() not in ("static", ""):
+        raise ConfigError(
+            f"accelerate config {path!r} asks for rdzv_backend {values['rdzv_backend']!r}, whose rendezvous store "
+            f"listens on every interface and reads back what it receives with pickle (anyone who reaches it can run "
+            f"code here); use rdzv_backend: static, or outer_backend: torchft for replicas that come and go."
+        )
     group = config.replica_group_size
     if kind == "DEEPSPEED":
         raise ConfigError(

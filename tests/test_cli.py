@@ -365,6 +365,17 @@ def test_an_unreadable_accelerate_config_is_named_in_one_sentence(tmp_path, text
     assert "\n" not in message
 
 
+def test_an_elastic_c10d_rendezvous_is_refused_in_one_sentence(tmp_path):
+    """The shipped multi-node config with `rdzv_backend: c10d` (its store listens on every interface and unpickles
+    what it receives): `hf-diloco launch --dry-run` refuses it in one sentence, exit 2, naming static and torchft."""
+    config = tmp_path / "elastic.yaml"
+    config.write_text((REPO / "accelerate_configs" / "multi-node.yaml").read_text()
+                      .replace("rdzv_backend: static", "rdzv_backend: c10d"))
+    result = cli("launch", RECIPE, "--accelerate-config", str(config), "--dry-run")
+    assert result.returncode == 2 and "rdzv_backend 'c10d'" in result.stderr, result.stderr
+    assert "use rdzv_backend: static" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_the_dry_run_of_time_budget_rounds_says_when_replicas_sync_and_refuses_a_staggered_end():
     """`--round_seconds 4 --num_fragments 2 --sync_delay auto` on the torch backend: the plan says a sync every 2 s
     of inner steps, overlapped with each replica's own steps, a blocking end, and how the run ends; with
