@@ -121,15 +121,17 @@ def test_a_replica_ending_on_bad_input_is_not_started_again_and_its_sentence_end
 
 @pytest.mark.process
 def test_a_launch_passes_stderr_on_with_the_token_hidden(tmp_path, capfd):
-    """What a launch's processes write to stderr reaches ours, but a token of its command (as a traceback that
-    quotes the command would print it) reads `***`; the process itself got the real value."""
+    """What a launch's processes write to stderr reaches ours, but the token of its command (as a traceback that
+    quotes it would print it) reads `***`; the process itself got the real value, in its environment, and a
+    command line without it."""
     from hf_diloco.launch import Launch
 
-    echo = "import sys; print(sys.argv[2]); sys.stderr.write(f'failed: {sys.argv}\\n')"
-    assert Launch([sys.executable, "-c", echo, "--hub_token", TOKEN]).wait() == 0
+    echo = ("import os, sys; print(os.environ['HF_DILOCO_HUB_TOKEN']); "
+            "sys.stderr.write(f'failed: {sys.argv} {os.environ[\"HF_DILOCO_HUB_TOKEN\"]}\\n')")
+    assert Launch([sys.executable, "-c", echo, "--hub_token", TOKEN, "--x"]).wait() == 0
     out, err = capfd.readouterr()
     assert out.strip() == TOKEN, "the process gets the token"
-    assert "failed: [" in err and "'--hub_token', '***'" in err and TOKEN not in err, err
+    assert "failed: ['-c', '--x'] ***" in err and TOKEN not in err, err
 
 
 def files_holding(folder, secret: str) -> list[str]:
