@@ -629,6 +629,11 @@ class SyncEngine:
 
     # --- what a checkpoint keeps of this replica ---
 
+    def global_is_finite(self) -> bool:
+        """Whether θ_global holds no NaN or infinity (a sharded replica's members agree on their shards): what a
+        checkpoint may be saved from."""
+        return self.comm.control.members_all(is_finite(self.outer.global_params))
+
     def state_dict(self) -> dict:
         """What only this replica knows, for its part of a checkpoint: the schedule's decisions, the backend's (a
         time-budget run's sync count), its error-feedback residuals and, when replicas may differ after a sync

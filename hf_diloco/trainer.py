@@ -335,6 +335,13 @@ class DiLoCoMixin(InnerOptimizer):
         step = self.state.global_step
         run_dir = Path(self._get_output_dir(trial=trial))
         folder = run_dir / f"{checkpoints.CHECKPOINT_PREFIX}{step}"
+        if self.diloco.outer is not None and not self.diloco.engine.global_is_finite():
+            # Every process asks (θ_global is alike everywhere), so all skip: the last good checkpoint stays the
+            # newest, and rotation, which runs only after a save, deletes nothing.
+            if self.args.should_save:
+                print(f"[diloco] no checkpoint at step {step}: θ_global is not finite; the newest checkpoint stays "
+                      f"the one to resume from", flush=True)
+            return
         # One process per filesystem, as Trainer saves: the main process, or each machine's with save_on_each_node
         # (machines without a shared filesystem).
         if self.args.should_save:

@@ -152,6 +152,25 @@ def test_a_replica_that_lies_in_a_sync_costs_that_sync_only(tmp_path, backend, t
     assert max_difference(final[0], final[1]) == 0.0
 
 
+@pytest.mark.process
+def test_no_checkpoint_is_saved_from_a_global_model_that_is_not_finite(tmp_path):
+    """Two replicas (torch backend), a checkpoint every round (H = 4, 12 steps, save_total_limit 1). θ_global is
+    spoiled with a NaN after step 5 (no sync can do that now: a non-finite average is refused, but an outer step is
+    arithmetic). The saves at steps 8 and 12 are skipped with one line, so checkpoint-4, the last saved from a
+    finite θ_global, stays complete and newest: rotation never removed it."""
+    from hf_diloco import checkpoints
+
+    out = tmp_path / "run"
+    settings = {"out": str(out), "backend": "torch", "max_steps": 12, "inner_steps": 4, "nan_global_at_step": 5,
+                "round": {"save_every_rounds": 1, "save_total_limit": 1, "final_sync": "blocking"}}
+    result = accelerate_launch([TORCHFT_RUN, json.dumps(settings)], config=ACCELERATE_CPU_2PROC)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for step in (8, 12):
+        assert f"[diloco] no checkpoint at step {step}: θ_global is not finite" in result.stdout, result.stdout[-3000:]
+    assert [p.name for p in checkpoints.complete_checkpoints(out / "run")] == ["checkpoint-4"]
+    assert not (out / "run" / "checkpoint-8").exists() and not (out / "run" / "checkpoint-12").exists()
+
+
 CODECS = {
     "sparse+ef": {"compression": "sparse", "error_feedback": True, "sparse_k": 16, "sparse_chunk": 256},
     "streaming-int4+ef-overlap": {"compression": "int4", "error_feedback": True, "num_fragments": 2, "sync_delay": 1,

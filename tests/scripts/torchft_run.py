@@ -26,8 +26,8 @@ scalar, its first parameter NaN, its global_step past the run's end); later ones
 trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on a machine without
 one); the replica then also writes the dtypes of its outer state to `outer<r>.json`. "lie": [r, n, "nan" | weight]
 makes replica r lie in its n-th sync: it reports finite values and sends a NaN, or reports that merge weight.
-"globals": true writes θ_global after every step that ends a round of H (`global<p>-<step>.pt`, p the process on
-torch, the replica on torchft).
+"nan_global_at_step": s fills one value of θ_global with NaN after step s. "globals": true writes θ_global after
+every step that ends a round of H (`global<p>-<step>.pt`, p the process on torch, the replica on torchft).
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -95,6 +95,18 @@ class GlobalsAfterSyncs(TrainerCallback):
         if state.global_step % args.inner_steps == 0:
             params = [p.detach().clone() for p in self.trainer.diloco.outer.global_params]
             torch.save(params, self.out / f"global{self.name}-{state.global_step}.pt")
+
+
+class SpoilGlobal(TrainerCallback):
+    """Fills one value of θ_global with NaN after step `step` (as no sync can now)."""
+
+    def __init__(self, trainer, step: int):
+        self.trainer, self.step = trainer, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                self.trainer.diloco.outer.global_params[0].view(-1)[0] = float("nan")
 
 
 @contextlib.contextmanager
@@ -250,9 +262,10 @@ def run(settings: dict) -> None:
         output_dir=str(out / (f"replica-{replica}" if backend == "torchft" else "run")), per_device_train_batch_size=2,
         learning_rate=3e-3, lr_scheduler_type="constant", max_steps=settings.get("max_steps", 12),
         inner_steps=settings.get("inner_steps", 4), outer_lr=0.7, outer_momentum=0.9, save_strategy="no",
-        eval_strategy="no", report_to="none", disable_tqdm=True, seed=0, save_every_rounds=0,
+        eval_strategy="no", report_to="none", disable_tqdm=True, seed=0,
         replica_group_size=settings.get("group", 1), **torchft_fields,
-        **({"bf16": True} if "weights" in settings else {}), **settings.get("round", {}),
+        **({"bf16": True} if "weights" in settings else {}),
+        **{"save_every_rounds": 0, **settings.get("round", {})},
     )
     # "seed_by_replica": each replica (torch: each process) builds its model from its own seed, so they start apart.
     seed = (replica if backend == "torchft" else int(os.environ.get("RANK", 0))) \
@@ -262,6 +275,8 @@ def run(settings: dict) -> None:
         model = model.to(getattr(torch, settings["weights"]))
     trainer = DiLoCoTrainer(model=model, args=config, train_dataset=pattern_dataset(256),
                             data_collator=default_data_collator, callbacks=[Pace(settings, out, replica)])
+    if settings.get("nan_global_at_step"):
+        trainer.add_callback(SpoilGlobal(trainer, settings["nan_global_at_step"]))
     if settings.get("globals"):
         trainer.add_callback(GlobalsAfterSyncs(trainer, out, config.process_index if backend == "torch" else replica))
     trainer.train()
