@@ -290,13 +290,7 @@ def rendezvous_store_on_its_address() -> Iterator[None]:
     import torch.distributed.elastic.rendezvous.static_tcp_rendezvous as static_module
 
     store_class = static_module.TCPStore
-
-    def bound_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
-        if is_master and "master_listen_fd" not in kwargs:
-            kwargs["master_listen_fd"], _ = listening_socket(host_name, port)
-        return store_class(host_name, port, world_size, is_master, *args, **kwargs)
-
-    static_module.TCPStore = bound_store
+    static_module.TCPStore = store_bound_to_its_host(store_class)
     try:
         yield
     finally:
@@ -318,16 +312,20 @@ def env_rendezvous_store_on_its_address() -> None:
     # (the package torch.distributed exports a function of the module's name: import the module itself)
     rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
     store_class = rendezvous_module.TCPStore
-    if getattr(store_class, "_binds_its_address", False):
-        return
+    if not getattr(store_class, "binds_its_address", False):
+        rendezvous_module.TCPStore = store_bound_to_its_host(store_class)
 
+
+def store_bound_to_its_host(store_class):
+    """`store_class` (TCPStore) as the server side of a store builds it, handed a socket already bound to the
+    store's host and listening (`master_listen_fd`), instead of binding every interface; clients are unchanged."""
     def bound_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
         if is_master and "master_listen_fd" not in kwargs:
             kwargs["master_listen_fd"], _ = listening_socket(host_name, port)
         return store_class(host_name, port, world_size, is_master, *args, **kwargs)
 
-    bound_store._binds_its_address = True
-    rendezvous_module.TCPStore = bound_store
+    bound_store.binds_its_address = True
+    return bound_store
 
 
 def listening_socket(host: str, port: int = 0) -> tuple[int, int]:

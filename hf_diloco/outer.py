@@ -626,10 +626,11 @@ def bounded_weights(reported: list[float], result: SyncResult) -> list[float]:
     weight is relative to the largest); otherwise the sync is refused, naming who sent what, since the sum the
     weights divide already holds their contributions (a weight of 1e9, or a negative one leaving a tiny total,
     would make Δ anything). Weights out of bounds count as 0."""
-    bad = [(r, w) for r, w in enumerate(reported) if not 0.0 <= w <= 1.0 + 1e-6]
-    if bad:
-        result.refuse("merge weight out of bounds (0 to 1) from " + ", ".join(f"replica {r} ({w:g})" for r, w in bad))
-    return [0.0 if not 0.0 <= w <= 1.0 + 1e-6 else w for w in reported]
+    honest = [0.0 <= w <= 1.0 + 1e-6 for w in reported]  # (NaN fails both comparisons)
+    if not all(honest):
+        result.refuse("merge weight out of bounds (0 to 1) from " + ", ".join(
+            f"replica {r} ({w:g})" for r, (w, ok) in enumerate(zip(reported, honest, strict=True)) if not ok))
+    return [w if ok else 0.0 for w, ok in zip(reported, honest, strict=True)]
 
 
 def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
