@@ -35,7 +35,9 @@ import logging
 import os
 import pickle
 import socket
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -57,6 +59,9 @@ logger = logging.getLogger(__name__)
 # every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
                  "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest", *CHECK_FIELDS)
+# No participant's merge weight is more than this many times the median one's (merge_weights): replicas of unequal
+# speed fit well inside it, one that claims a trillion tokens does not.
+WEIGHT_LIMIT = 8
 # How long a lingering replica waits between quorums that brought no late replica (two that both finished would
 # otherwise form thousands of empty quorums a second between themselves).
 LINGER_PAUSE_SECONDS = 0.25
@@ -71,6 +76,23 @@ def staleness_weight(tokens: int, staleness: int) -> float:
     (4096.0, 2048.0)
     """
     return float(tokens) / (1 + max(0, staleness))
+
+
+def merge_weights(rows: list[list[float]]) -> list[float]:
+    """The participants' merge weights from their rows of (tokens, staleness, weight), each bounded by what a
+    replica may claim, so that one that lies about its progress cannot outweigh the rest: never negative (or NaN),
+    never more than its own tokens and staleness give (staleness_weight), and never more than WEIGHT_LIMIT times
+    the median positive weight (the lower median: with two replicas, the smaller). Every participant computes this
+    from the same table, so all agree.
+
+    >>> merge_weights([[4096, 0, 4096.0], [4096, 1, 2048.0], [1e12, 0, 1e12], [100, 0, -5.0], [5, 0, 9.0]])
+    [4096.0, 2048.0, 16384.0, 0.0, 5.0]
+    """
+    claimed = [0.0 if not w >= 0 else min(w, staleness_weight(max(0.0, t), s) if t >= 0 and s >= 0 else 0.0)
+               for t, s, w in rows]
+    positive = [w for w in claimed if w > 0]
+    limit = WEIGHT_LIMIT * statistics.median_low(positive) if positive else 0.0
+    return [min(w, limit) for w in claimed]
 
 
 def safe_checkpoint_transport(host: str, timeout: timedelta):
@@ -426,15 +448,13 @@ class TorchftQuorum(Backend):
                 "global_step": self.sync_step, "agreed_step": self.agreed_step, "replica": self.args.replica_id}
 
     @torch.no_grad()
-    def _healed(self) -> int | None:
+    def _heal_with(self, state: dict | None) -> None:
         """Apply the state a peer healed this replica with while the quorum formed, if any: θ_global, the outer
         optimizer, the sync counter and the agreed step are the peer's; the residuals go (they were what this
         replica did not send against the base it left); a replica that starts late continues at the peer's step, so
-        its schedule and its end match theirs. Returns the sync counter it healed from (None: no heal)."""
-        state = self.heal.take()
+        its schedule and its end match theirs."""
         if state is None:
-            return None
-        healed_from = self.syncs
+            return
         self.outer.load_state_dict(state["outer"])
         self.syncs = int(state["global_sync"])
         self.agreed_step = int(state["agreed_step"])
@@ -443,7 +463,35 @@ class TorchftQuorum(Backend):
         step = int(state["global_step"])
         if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
             self.healed_to_step = self.continued_at = self.sync_step = step
-        return healed_from
+
+    def _heals_refused(self, rows: torch.Tensor, state: dict | None) -> list[int]:
+        """The participants (ranks in this quorum) whose heal must be refused, the same on every participant: where
+        a participant healed, each sends the digest of its θ_global (a healed one: of the θ_global it received) in
+        one small all-reduce, and a healed θ_global that is not the one more than half of the others hold is not
+        taken, since the peer that sent it sent something its own quorum does not hold. Sets this replica's refusal
+        if it is among them. (The state's own checks ran as it arrived: PeerHeal.mismatch.)"""
+        rank = self.manager.participating_rank()
+        healed = rows[:, MEMBER_FIELDS.index("healed")] > 0
+        digests = torch.zeros(len(rows), dtype=torch.float64)
+        if rank is not None:
+            held = state["outer"]["global_params"] if state is not None else self.outer.global_params
+            digests[rank] = float(int.from_bytes(tensor_digest(list(held))[:6], "big"))
+        self.manager.allreduce(digests, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return []
+        others = [float(d) for d, h in zip(digests, healed, strict=True) if not h]
+        held_most, count = Counter(others).most_common(1)[0] if others else (None, 0)
+        majority = held_most if 2 * count > len(others) else None
+        refused = [r for r in range(len(rows)) if healed[r] and float(digests[r]) != majority]
+        if rank in refused:
+            sender = state.get("replica", "?")
+            self.heal.refused = (
+                f"refused the state sent by replica {sender} to heal this one: its θ_global is not the one "
+                + ("the quorum's other replicas hold" if majority is not None else
+                   "the quorum's other replicas hold, since they hold no θ_global in common"))
+            logger.warning("DiLoCo/torchft: %s; this replica sits the sync out and heals again at the next one.",
+                           self.heal.refused)
+        return refused
 
     def _whole_replica(self, local: dict) -> dict:
         """A replica's numbers from its g processes' own (an all-gather inside the replica, on the sync's group): its
@@ -482,6 +530,11 @@ class TorchftQuorum(Backend):
             raise RunError(f"the replicas started from different parameters and sending the first one's to the "
                            f"others failed ({first_line(manager.errored())}); start them again.")
         copy_flat(flat, outer.global_params)
+        if self._digest() != float(digests[0]):
+            raise RunError("the replicas started from different parameters, and those the first participant sent "
+                           "are not the ones its digest names (a replica sent something other than zeros, or the "
+                           "sender something other than its parameters); start them again from one seed or "
+                           "checkpoint.")
         logger.warning("DiLoCo/torchft: the replicas started from different parameters; the first participant's "
                        "(%.2f MB) were sent to the others. Give every replica the same seed or checkpoint to skip "
                        "this.", flat.numel() * 4 / 1e6)
@@ -510,10 +563,11 @@ class TorchftQuorum(Backend):
             return self.budget_due(progress)
         return progress.steps >= self.schedule.sync_every
 
-    def run_over(self) -> bool:
+    def run_over(self, agreed_step: int | None = None) -> bool:
         """The run's last sync has committed: the one that brought a participant to max_steps (the agreed step is
-        healed with the rest, so a replica that was behind learns it from the peer it heals from)."""
-        return self.agreed_step >= self.max_steps
+        healed with the rest, so a replica that was behind learns it from the peer it heals from; `agreed_step`:
+        the one a heal brings, before it is taken)."""
+        return (self.agreed_step if agreed_step is None else agreed_step) >= self.max_steps
 
     def expected_fragments(self, step: int, max_steps: int, local: dict | None = None) -> list[int]:
         """The fragments the next sync carries by this replica's sync counter; the same on every participant unless
@@ -545,16 +599,18 @@ class TorchftQuorum(Backend):
                 f"the others have finished the run, or the Lighthouse "
                 f"({self.args.lighthouse or 'TORCHFT_LIGHTHOUSE'}) cannot be reached.") from None
         quorum_seconds = time.perf_counter() - started
-        healed_from = self._healed()
+        # A peer's state that healed this replica is applied only once the quorum's digests show it is the
+        # θ_global the others hold (after the table below); what the table needs of it is read from it here.
+        state = self.heal.take()
         error = self.manager.errored()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        healed = healed_from is not None
+        healed = state is not None
         stash = self.heal.stash
-        staleness = max(0, self.syncs - healed_from) if healed and stash is not None else 0
+        staleness = max(0, int(state["global_sync"]) - self.syncs) if healed and stash is not None else 0
         # The run is over (this replica healed from one that finished it, or is handing the final model to a late
         # one): nobody's progress is merged any more, so every participant comes with weight 0.
-        over = self.run_over()
+        over = self.run_over(int(state["agreed_step"]) if healed else None)
         tokens = 0 if joining or over else local["tokens"]
         # θ_global is finite, so Δ_i = θ_global − θ_i is finite exactly when this replica's parameters are: a
         # replica that diverged sits the sync out with weight 0 (it sends zeros) and takes θ_global after it.
@@ -581,6 +637,18 @@ class TorchftQuorum(Backend):
         if checking and participants > 1 and error is None:
             digests = table[:participants, MEMBER_FIELDS.index("digest")]
             startup_bytes = self._start_identical(digests)
+        if error is None and bool(table[:participants, MEMBER_FIELDS.index("healed")].any()):
+            for healer in self._heals_refused(table[:participants], state):
+                table[healer, MEMBER_FIELDS.index("weight")] = table[healer, MEMBER_FIELDS.index("healed")] = 0.0
+                if healer == rank:
+                    healed, state, stash, weight, finite = False, None, None, 0.0, local.get("finite", True)
+                    self.heal.settle()
+                    self.comm.refusal = self.heal.refused
+        self._heal_with(state)
+        table[:participants, MEMBER_FIELDS.index("weight")] = torch.tensor(merge_weights(
+            table[:participants, [MEMBER_FIELDS.index(f) for f in ("tokens", "staleness", "weight")]].tolist()),
+            dtype=torch.float64)
+        weight = float(table[rank, MEMBER_FIELDS.index("weight")]) if rank is not None and error is None else weight
         weights = table[:, MEMBER_FIELDS.index("weight")]
         largest = float(weights.max()) if participants else 0.0
         # A participant at its last step: every fragment syncs, so the final model is global.

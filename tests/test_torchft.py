@@ -153,6 +153,25 @@ def test_a_replica_that_lies_in_a_sync_costs_that_sync_only(tmp_path, backend, t
 
 
 @pytest.mark.process
+def test_a_torchft_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_limit(tmp_path):
+    """Replica 1 reports 10^12 tokens in the second of three syncs (its weight computed from them, as an honest
+    replica's is): every participant bounds it to WEIGHT_LIMIT times the median weight (the lower median: replica
+    0's), so the sync merges with weights 1 : 8 rather than 1 : 10^8 (the record's weights are relative to the
+    largest), and both replicas record those weights and end identical and finite."""
+    from hf_diloco.torchft_backend import WEIGHT_LIMIT
+
+    final = run_torchft(tmp_path / "run", {}, claim_tokens=[1, 2, 10**12])
+    for replica in range(2):
+        records = read_syncs(tmp_path / "run" / f"replica-{replica}")
+        assert [r["step"] for r in records] == [4, 8, 12] and all(r["committed"] for r in records), records
+        weights = [{m["replica"]: (m["tokens"], m["weight"]) for m in r["replicas"]} for r in records]
+        tokens = weights[0][0][0]  # what one replica trains in a round
+        assert weights[1] == {0: (tokens, 1 / WEIGHT_LIMIT), 1: (10**12, 1.0)}, records[1]
+        assert weights[0] == weights[2] == {0: (tokens, 1.0), 1: (tokens, 1.0)}, records
+    assert max_difference(final[0], final[1]) == 0.0 and all(bool(torch.isfinite(p).all()) for p in final[0])
+
+
+@pytest.mark.process
 def test_no_checkpoint_is_saved_from_a_global_model_that_is_not_finite(tmp_path):
     """Two replicas (torch backend), a checkpoint every round (H = 4, 12 steps, save_total_limit 1). θ_global is
     spoiled with a NaN after step 5 (no sync can do that now: a non-finite average is refused, but an outer step is
@@ -524,11 +543,12 @@ def test_a_replica_cut_off_inside_an_exchange_costs_the_other_seconds_not_sync_t
 
 @pytest.mark.process
 def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on(tmp_path):
-    """Replica 0 runs alone, then replica 1 joins and must heal from it. The first three states replica 0 sends
-    are spoiled (its first parameter a scalar, which copy_ would broadcast; NaN; a global_step past the run's end):
-    replica 1 refuses each in one sentence naming what is wrong, takes nothing, sits that sync out with weight 0
-    and does not commit it, while replica 0's syncs with it commit without waiting for a timeout. The fourth state
-    is sound: replica 1 heals, takes part, and both end with the same finite parameters."""
+    """Replica 0 runs alone, then replica 1 joins and must heal from it. The first four states replica 0 sends
+    are spoiled (its first parameter a scalar, which copy_ would broadcast; NaN; a global_step past the run's end; a
+    θ_global moved by 1e-3, sound in itself but not the one replica 0 reports holding in the quorum): replica 1
+    refuses each in one sentence naming what is wrong, takes nothing, sits that sync out with weight 0 and does not
+    commit it, while replica 0's syncs with it commit without waiting for a timeout. The fifth state is sound:
+    replica 1 heals, takes part, and both end with the same finite parameters."""
     ready = tmp_path / "replica-1-is-up"
     with lighthouse(min_replicas=1, grace=1.0) as address:
         def settings(r, **extra):
@@ -536,26 +556,28 @@ def test_a_heal_refuses_a_wrong_shape_a_nan_and_a_wrong_step_and_the_syncs_go_on
                     "max_steps": 48, "inner_steps": 4, "step_sleep": 0.05, "sync_timeout": 30, **extra}
 
         logs = [tmp_path / f"replica{r}.log" for r in range(2)]
-        replicas = [start_replica(settings(0, hold=[8, str(ready)], bad_heals=["shape", "nan", "step"]), logs[0])]
+        spoiled = ["shape", "nan", "step", "drift"]
+        replicas = [start_replica(settings(0, hold=[8, str(ready)], bad_heals=spoiled), logs[0])]
         wait_for(lambda: step_of(tmp_path, 0) >= 7, 120, "replica 0 to reach its hold at step 8")
         replicas.append(start_replica(settings(1, announce=str(ready)), logs[1]))
         finish(replicas, logs)
     own = read_syncs(tmp_path / "replica-1")
     refusals = [r["heal_refused"] for r in own if "heal_refused" in r]
     start = "refused the state sent by replica 0 to heal this one: "
-    assert refusals[:3] == [
+    assert refusals[:4] == [
         start + "its outer state does not fit this model: parameter 0 is torch.float32 () where this replica's is "
         f"torch.float32 {tuple(torch.load(tmp_path / 'params0.pt')[0].shape)}",
         start + "its outer state does not fit this model: parameter 0 holds NaN or infinite values",
-        start + "its global_step 480 is outside the run's 0..48 steps"], refusals
-    assert len(refusals) == 3 and not any(r["committed"] for r in own if "heal_refused" in r)
+        start + "its global_step 480 is outside the run's 0..48 steps",
+        start + "its θ_global is not the one the quorum's other replicas hold"], refusals
+    assert len(refusals) == 4 and not any(r["committed"] for r in own if "heal_refused" in r)
     assert len(logs[1].read_text().split(start + "its global_step 480")) == 3  # said once, and once as the vote
     refused_steps = {r["step"] for r in own if "heal_refused" in r}
     sender = read_syncs(tmp_path / "replica-0")
     with_1 = [r for r in sender if takes_part(r, 1)]
     assert with_1 and all(r["committed"] for r in with_1)
     at_weight_0 = [r for r in with_1 if any(m["replica"] == 1 and m["weight"] == 0 for m in r["replicas"])]
-    assert len(at_weight_0) >= 3 and max(r["sync_seconds"] for r in with_1) < 10, with_1
+    assert len(at_weight_0) >= 4 and max(r["sync_seconds"] for r in with_1) < 10, with_1
     healed = [r for r in own if r["committed"] and any(m["replica"] == 1 and m["healed"] for m in r["replicas"])]
     assert healed and healed[0]["step"] > max(refused_steps)
     final = [torch.load(tmp_path / f"params{r}.pt") for r in range(2)]
@@ -945,7 +967,11 @@ def test_launch_replicas_starts_a_lighthouse_and_restarts_a_killed_replica_which
         [(r["round"], r["step"], r["committed"]) for r in rounds]
     # A round went on without the killed replica, or (restarted quicker than a round) it healed into the next one.
     assert any(r["participants"] == 2 or healed(r, 1) for r in rounds), "replica 1 missed no round and never healed"
-    assert (f"[diloco] the run ended at round {rounds[-1]['round']} (step 300), committed by replica(s) 0, 1, 2; "
+    # (The restarted replica's fresh AdamW moments can make it an outlier for a while: left out, it still ends
+    # with θ_global, and the summary names the replicas whose contributions merged.)
+    merged = ", ".join(str(m["replica"]) for m in rounds[-1]["replicas"] if m["participated"])
+    assert merged in ("0, 1, 2", "0, 2"), rounds[-1]
+    assert (f"[diloco] the run ended at round {rounds[-1]['round']} (step 300), committed by replica(s) {merged}; "
             "replica 0 exit 0, replica 1 exit 0, replica 2 exit 0") in text
     from safetensors.torch import load_file
 

@@ -21,13 +21,16 @@ each replica's model from its own seed. "slow_sync_seconds": every cross-replica
 first sleeps this long (a slow link). "stall_in_all_reduce": [n, seconds] stops this process (SIGSTOP) inside its
 n-th cross-replica all-reduce of a sync's buckets, before it sends, for that long (a helper process lets it go): its
 peers wait for it inside that collective, as when its link goes down mid-exchange. "bad_heals": ["shape" | "nan" |
-"step", ...]: the n-th state this replica sends a healing peer is spoiled the n-th way (its first parameter a
-scalar, its first parameter NaN, its global_step past the run's end); later ones are sound. "weights": "bfloat16"
+"step" | "drift", ...]: the n-th state this replica sends a healing peer is spoiled the n-th way (its first parameter
+a scalar, its first parameter NaN, its global_step past the run's end, its first parameter moved by 1e-3: a sound
+state, but not the θ_global the replica holds); later ones are sound. "weights": "bfloat16"
 trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on a machine without
 one); the replica then also writes the dtypes of its outer state to `outer<r>.json`. "lie": [r, n, "nan" | weight]
 makes replica r lie in its n-th sync: it reports finite values and sends a NaN, or reports that merge weight.
-"nan_global_at_step": s fills one value of θ_global with NaN after step s. "globals": true writes θ_global after
-every step that ends a round of H (`global<p>-<step>.pt`, p the process on torch, the replica on torchft).
+"claim_tokens": [r, n, tokens] makes replica r (torchft) report that many tokens in its n-th sync's membership row,
+its weight computed from them. "nan_global_at_step": s fills one value of θ_global with NaN after step s.
+"globals": true writes θ_global after every step that ends a round of H (`global<p>-<step>.pt`, p the process on
+torch, the replica on torchft).
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -191,6 +194,8 @@ def faults(settings: dict):
                     params[0] = torch.tensor(0.5)
                 elif kind == "nan":
                     params[0] = torch.full_like(params[0], float("nan"))
+                elif kind == "drift":
+                    params[0] = params[0] + 1e-3
                 else:
                     state = {**state, "global_step": 10 * self.max_steps}
                 state = {**state, "outer": {**state["outer"], "global_params": params}}
@@ -219,6 +224,19 @@ def faults(settings: dict):
 
         if me == liar:
             patch(outer, "_average_bucket", lying_average)
+    if settings.get("claim_tokens") and settings["claim_tokens"][0] == settings.get("replica", 0):
+        from hf_diloco.torchft_backend import TorchftQuorum
+
+        _, at_sync, claimed = settings["claim_tokens"]
+        honest_start, starts = TorchftQuorum.start, {"count": 0}
+
+        def boasting_start(self, step, max_steps, local, *args, **kwargs):
+            starts["count"] += not kwargs.get("joining", False)  # (the joining start before step 1 is no sync)
+            if starts["count"] == at_sync:
+                local = {**local, "tokens": int(claimed)}
+            return honest_start(self, step, max_steps, local, *args, **kwargs)
+
+        patch(TorchftQuorum, "start", boasting_start)
     try:
         yield
     finally:
