@@ -175,17 +175,20 @@ def trl_fields(trainer: str) -> frozenset[str]:
     return frozenset(names) - training_argument_fields()
 
 
-def check_recipe_keys(recipe: Path) -> dict:
-    """The recipe's values, if every key is one a run started from the app may set; a FormError otherwise."""
+def check_recipe_keys(recipe: Path, readable: tuple[Path, ...]) -> dict:
+    """The recipe's values, if a run started from the app may take them (check_recipe_values); a FormError
+    otherwise."""
     try:
         values = read_yaml(recipe, "recipe")
     except ConfigError as error:
         raise FormError(str(error)) from None
-    return check_recipe_values(values)
+    return check_recipe_values(values, readable)
 
 
-def check_recipe_values(values: dict) -> dict:
-    """`values` (a recipe's), if every key is one a run started from the app may set; a FormError otherwise."""
+def check_recipe_values(values: dict, readable: tuple[Path, ...]) -> dict:
+    """`values` (a recipe's), if every key is one a run started from the app may set and the model and dataset it
+    names, where they are local paths, lie in the folders the app reads data from (`readable`); a FormError
+    otherwise."""
     trainer = str(values.get("trainer", "diloco"))
     own = library_fields() | (trl_fields(trainer) if trainer in TRL_CONFIGS else frozenset())
     known = own | training_argument_fields()
@@ -217,6 +220,9 @@ def check_recipe_values(values: dict) -> dict:
     report = values.get("report_to")
     if not set(report if isinstance(report, list) else [report]) <= set(REPORT_VALUES):
         raise FormError(f"report_to may only be 'none' or 'tensorboard' here (files on this machine), got {report!r}.")
+    for key, what in (("model_name_or_path", "model"), ("dataset_name", "dataset")):
+        if isinstance(values.get(key), str):
+            check_local_source(values[key], what, readable)
     return values
 
 
@@ -327,11 +333,31 @@ def check_number(text: str, label: str, kind: type, low: float, high: float | No
                         + f", got {text!r}.")
 
 
-def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
-    """A model or dataset is a preset/builtin name, an existing local path (a model folder; a dataset folder or
-    data file), or a Hub id: in the local cache when HF_HUB_OFFLINE is set, else existing on the Hub (when the Hub
-    cannot be reached, the run itself finds out). A path that does not exist is refused now, not minutes into a
-    run."""
+def check_local_source(value: str, what: str, readable: tuple[Path, ...]) -> None:
+    """A local model or dataset path the app may hand a run: inside one of the folders the app reads data from
+    (`readable`: --data-dir, the folder it started in by default), so that whoever drives the app cannot train on,
+    and push, any file its user can read; and a model folder, a dataset folder or a data file. Does nothing for a
+    value that is not an existing path."""
+    path = Path(value.strip()).expanduser()
+    if not value.strip() or not path.exists():
+        return
+    if not any(path.resolve().is_relative_to(root.resolve()) for root in readable):
+        raise FormError(f"{what} path {value.strip()!r} lies outside the folders the app reads data from "
+                        f"({', '.join(map(str, readable))}); start the app with --data-dir <folder> to add one.")
+    if what == "model" and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise FormError(f"model path {value!r} is not a model folder (expected a folder with config.json).")
+    if what == "dataset" and not path.is_dir() and path.suffix not in DATA_FILES:
+        raise FormError(f"dataset path {value!r} is not a dataset (a folder, or a {', '.join(DATA_FILES)} file).")
+    if what == "dataset" and path.is_dir() and not any(
+            p.suffix in DATA_FILES or p.name == "dataset_info.json" for p in path.rglob("*") if p.is_file()):
+        raise FormError(f"dataset folder {value!r} holds no data file ({', '.join(DATA_FILES)}) and is not a "
+                        f"dataset saved with save_to_disk.")
+
+
+def check_source(value: str, what: str, builtin: tuple[str, ...], readable: tuple[Path, ...]) -> None:
+    """A model or dataset is a preset/builtin name, an existing local path the app may read (check_local_source),
+    or a Hub id: in the local cache when HF_HUB_OFFLINE is set, else existing on the Hub (when the Hub cannot be
+    reached, the run itself finds out). A path that does not exist is refused now, not minutes into a run."""
     value = value.strip()
     if not value or value in builtin:
         return
@@ -339,14 +365,7 @@ def check_source(value: str, what: str, builtin: tuple[str, ...]) -> None:
     looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1 or not HUB_ID.match(value) \
         or (path.parts and Path(path.parts[0]).is_dir()) or path.suffix in DATA_FILES
     if path.exists():
-        if what == "model" and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-            raise FormError(f"model path {value!r} is not a model folder (expected a folder with config.json).")
-        if what == "dataset" and not path.is_dir() and path.suffix not in DATA_FILES:
-            raise FormError(f"dataset path {value!r} is not a dataset (a folder, or a {', '.join(DATA_FILES)} file).")
-        if what == "dataset" and path.is_dir() and not any(
-                p.suffix in DATA_FILES or p.name == "dataset_info.json" for p in path.rglob("*") if p.is_file()):
-            raise FormError(f"dataset folder {value!r} holds no data file ({', '.join(DATA_FILES)}) and is not a "
-                            f"dataset saved with save_to_disk.")
+        check_local_source(value, what, readable)
         return
     if looks_local:
         raise FormError(f"{what} path {value!r} does not exist.")
@@ -395,15 +414,15 @@ def allowed(path: str | Path, roots: list[Path], what: str) -> Path:
     raise FormError(f"{what} {str(path)!r} is not a file in {' or '.join(str(r) for r in roots)}.")
 
 
-def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: Path) -> None:
+def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: Path,
+                   readable: tuple[Path, ...]) -> None:
     """The instant check, run as the form is typed in: every refusal of Preview that the form's own values decide
     (the knobs, a local model or dataset path, the recipe's keys as typed, H against max steps), without writing a
     draft or asking the Hub. It refuses what Preview refuses for these, so whichever of the two answers last, the
     sentence shown is the same."""
     check_knobs(knobs)
     for value, what in ((knobs.model_name_or_path, "model"), (knobs.dataset_name, "dataset")):
-        if str(value).strip() and Path(str(value).strip()).expanduser().exists():
-            check_source(str(value), what, ())
+        check_local_source(str(value), what, readable)
     try:
         chosen = allowed(RECIPES / recipe_name if recipe_name and "/" not in recipe_name else recipe_name,
                          [RECIPES, runs_dir], "recipe")
@@ -411,7 +430,7 @@ def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: P
     except (FormError, OSError, yaml.YAMLError):
         return  # the recipe itself: Preview names what is wrong with it
     if isinstance(values, dict):
-        check_recipe_values(values)
+        check_recipe_values(values, readable)
         check_rounds(knobs, values)
 
 
@@ -432,12 +451,13 @@ def config_path(name: str) -> Path:
     return allowed(CONFIGS / name if name and "/" not in name else name, [CONFIGS], "accelerate config")
 
 
-def flags(knobs: Knobs, group_size: int = 1) -> tuple[list[str], list[str]]:
-    """(recipe overrides, accelerate launch flags) from the knobs that were filled in. The replicas knob counts
-    replicas: a launch of the `torch` backend starts replicas × the recipe's replica_group_size processes."""
+def flags(knobs: Knobs, readable: tuple[Path, ...], group_size: int = 1) -> tuple[list[str], list[str]]:
+    """(recipe overrides, accelerate launch flags) from the knobs that were filled in, a local model or dataset
+    only from the folders the app reads data from (`readable`). The replicas knob counts replicas: a launch of the
+    `torch` backend starts replicas × the recipe's replica_group_size processes."""
     check_knobs(knobs)
-    check_source(knobs.model_name_or_path, "model", PRESETS)
-    check_source(knobs.dataset_name, "dataset", ("builtin",))
+    check_source(knobs.model_name_or_path, "model", PRESETS, readable)
+    check_source(knobs.dataset_name, "dataset", ("builtin",), readable)
     overrides, launch = [], []
     for name in RECIPE_FIELDS:
         value = str(getattr(knobs, name)).strip()

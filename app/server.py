@@ -82,11 +82,13 @@ CSS = """
 
 
 class App:
-    """Callbacks of the page; everything they need is on disk under `runs_dir`."""
+    """Callbacks of the page; everything they need is on disk under `runs_dir`. A run it starts reads a local model
+    or dataset only from `data_dirs` (the folder the app started in by default)."""
 
-    def __init__(self, runs_dir: Path):
+    def __init__(self, runs_dir: Path, data_dirs: list[Path] | None = None):
         self.runs_dir = runs_dir.resolve()
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.readable = tuple(Path(d).expanduser().resolve() for d in (data_dirs or [Path.cwd()]))
 
     # --- runs -----------------------------------------------------------------------------------------------
 
@@ -104,9 +106,9 @@ class App:
         # Typed paths are accepted by the dropdowns; forms.allowed keeps them inside the project's folders.
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
-        recipe_values = forms.check_recipe_keys(recipe)
+        recipe_values = forms.check_recipe_keys(recipe, self.readable)
         forms.check_rounds(knobs, recipe_values)
-        overrides, launch = forms.flags(knobs, forms.group_size(recipe_values))
+        overrides, launch = forms.flags(knobs, self.readable, forms.group_size(recipe_values))
         replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
         typed = (name or "").strip()
@@ -140,7 +142,7 @@ class App:
         """The instant check of the form, run as the knobs are typed (forms.check_as_typed)."""
         try:
             forms.check_as_typed(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]),
-                                 recipe_name or "", yaml_text or "", self.runs_dir)
+                                 recipe_name or "", yaml_text or "", self.runs_dir, self.readable)
         except forms.FormError as error:
             return f"**Cannot start:** {error}"
         return ""
@@ -162,7 +164,8 @@ class App:
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         try:
             recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
-            prediction = forms.predict(recipe, forms.config_path(config_name), knobs, forms.check_recipe_keys(recipe),
+            prediction = forms.predict(recipe, forms.config_path(config_name), knobs,
+                                       forms.check_recipe_keys(recipe, self.readable),
                                        str(link), str(latency_ms or ""), str(speed or ""))
         except (forms.FormError, ConfigError) as error:
             return f"**Cannot plan:** {error}"
@@ -357,8 +360,8 @@ def command_text(command: list[str]) -> str:
     return " ".join(shlex.quote(part) for part in command)
 
 
-def build(runs_dir: Path) -> gr.Blocks:
-    app = App(runs_dir)
+def build(runs_dir: Path, data_dirs: list[Path] | None = None) -> gr.Blocks:
+    app = App(runs_dir, data_dirs)
     recipes, configs = forms.choices(forms.RECIPES), forms.choices(forms.CONFIGS)
     with gr.Blocks(title="hf-diloco") as page:
         gr.Markdown(HOW_IT_WORKS, elem_id="how-it-works")
@@ -492,7 +495,7 @@ def build(runs_dir: Path) -> gr.Blocks:
 
 
 def serve(host: str = "127.0.0.1", port: int = 7860, runs_dir: Path = Path("runs"), auth: str | None = None,
-          share: bool = False) -> int:
+          share: bool = False, data_dirs: list[Path] | None = None) -> int:
     credentials = None
     if auth:
         if ":" not in auth:
@@ -510,7 +513,7 @@ def serve(host: str = "127.0.0.1", port: int = 7860, runs_dir: Path = Path("runs
     print(f"hf-diloco app: open http://{shown}:{port}/?key={key}\n"
           f"  (the key is in {key_path}, readable only by you; every page and API call needs it)", flush=True)
     middleware = [Middleware(guard.Guard, key=key, key_path=key_path, host=host, port=port, check_host=not share)]
-    build(runs_dir).launch(server_name=host, server_port=port, auth=credentials, share=share, css=CSS,
+    build(runs_dir, data_dirs).launch(server_name=host, server_port=port, auth=credentials, share=share, css=CSS,
                            show_error=True, app_kwargs={"middleware": middleware})
     return 0
 
@@ -526,9 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--runs-dir", required=True)
     parser.add_argument("--share", action="store_true")
+    parser.add_argument("--data-dir", action="append", type=Path, default=[])
     args = parser.parse_args(argv)
+    missing = [str(d) for d in args.data_dir if not d.expanduser().is_dir()]
+    if missing:
+        print(f"hf-diloco: error: --data-dir {missing[0]} is not a folder.", file=sys.stderr)
+        return 2
     return serve(host=args.host, port=args.port, runs_dir=Path(args.runs_dir),
-                 auth=os.environ.get("HF_DILOCO_APP_AUTH") or None, share=args.share)
+                 auth=os.environ.get("HF_DILOCO_APP_AUTH") or None, share=args.share, data_dirs=args.data_dir)
 
 
 if __name__ == "__main__":

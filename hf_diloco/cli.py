@@ -255,7 +255,8 @@ def cmd_app(args: argparse.Namespace) -> int:
            "HF_DILOCO_APP_AUTH": args.auth or ""}
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the clone's `app`, not one in the current folder
     command = [sys.executable, *safe_path, "-m", "app.server", "--host", args.host, "--port", str(args.port),
-               "--runs-dir", args.runs_dir, *(["--share"] if args.share else [])]
+               "--runs-dir", args.runs_dir, *(["--share"] if args.share else []),
+               *[word for folder in args.data_dir for word in ("--data-dir", folder)]]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, command, env)
@@ -363,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "make demo's, a recipe's) and where it starts new ones (default runs/)")
     app.add_argument("--auth", default=os.environ.get("HF_DILOCO_APP_AUTH"),
                      help="'user:password' required to use the app (default: $HF_DILOCO_APP_AUTH)")
+    app.add_argument("--data-dir", action="append", default=[], metavar="FOLDER",
+                     help="a folder whose models and datasets runs started from the app may read (repeat for more; "
+                          "default: the folder the app starts in); a local path elsewhere is refused")
     app.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     app.set_defaults(func=cmd_app)
     from . import plan  # `hf-diloco plan`: its flags and command live in hf_diloco.plan

@@ -64,14 +64,20 @@ BAD_FORMS = {
                           "restarts must be at least 0"),
     "missing model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="models/missing-model")],
                       "'models/missing-model' is neither a local path"),
-    "not a model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="/etc/passwd")],
+    "not a model": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="README.md")],
                     "is not a model folder"),
+    "a model outside the data folders": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="/etc")],
+                                         "model path '/etc' lies outside the folders the app reads data from"),
     "climbs out": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(model_name_or_path="../../no-such-model")],
                    "model path '../../no-such-model' does not exist"),
     "missing dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="data/nothing.txt")],
                         "dataset path 'data/nothing.txt' does not exist"),
-    "not a dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="/etc/passwd")],
-                      "dataset path '/etc/passwd' is not a dataset"),
+    "not a dataset": (["tiny-pretrain.yaml", "cpu-2proc.yaml", knobs(dataset_name="README.md")],
+                      "dataset path 'README.md' is not a dataset"),
+    "a dataset outside the data folders": (["tiny-pretrain.yaml", "cpu-2proc.yaml",
+                                            knobs(dataset_name="/etc/passwd")],
+                                           "dataset path '/etc/passwd' lies outside the folders the app reads data "
+                                           "from"),
     # Launch flags are checked with the config they go beside, as every worker of the launch would.
     "rank 3 of the config's 2 machines": (["tiny-pretrain.yaml", "multi-node.yaml", knobs(machine_rank=3)],
                                           "rank 3, but there are only 2 machine(s)"),
@@ -203,7 +209,7 @@ def test_preview_asks_the_hub_about_an_id_that_is_not_a_local_path(tmp_path):
     check = ("import sys; from app import forms\n"
              "for what, value in (('model', 'alice/tiny'), ('model', 'alice/missing'), ('dataset', 'bob/missing')):\n"
              "    try:\n"
-             "        forms.check_source(value, what, ())\n"
+             "        forms.check_source(value, what, (), ())\n"
              "        print(what, value, 'ok')\n"
              "    except forms.FormError as error:\n"
              "        print(what, value, 'refused:', error)\n")
@@ -500,15 +506,17 @@ def test_the_checker_is_one_process_for_every_check_and_is_started_again_when_it
 @pytest.mark.process
 def test_the_instant_check_refuses_what_preview_refuses_for_the_forms_own_values(tmp_path):
     """The check that runs as knobs are typed and Preview answer in either order, so they must agree: H above max
-    steps (knobs or the recipe as typed), a local dataset folder without data, and an unknown key in the recipe as
-    edited are refused by both, in the same sentence; a valid form passes both; the check writes no draft."""
+    steps (knobs or the recipe as typed), a local dataset folder without data, a recipe as typed that names a
+    dataset outside the folders the app reads data from, and an unknown key in the recipe as edited are refused by
+    both, in the same sentence; a valid form passes both; the check writes no draft."""
     from app.server import App
 
-    app = App(tmp_path / "runs")
+    app = App(tmp_path / "runs", [tmp_path])
     empty = tmp_path / "my-data"
     empty.mkdir()
     cases = [(knobs(inner_steps=1000, max_steps=150), ""),
              (knobs(dataset_name=str(empty)), ""),
+             (knobs(), TINY_YAML.replace("dataset_name: builtin", "dataset_name: /etc/hostname")),
              (knobs(), TINY_YAML + "inner_stepz: 5\n"),
              (knobs(), TINY_YAML.replace("max_steps: 400", "max_steps: 3"))]
     for values, edited in cases:

@@ -192,7 +192,8 @@ def test_preview_refuses_four_bad_forms_then_the_live_view_draws_without_reload_
     empty = tmp_path / "my-data"
     empty.mkdir()
     (empty / "README.md").write_text("notes, no data\n")
-    with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}) as url:
+    with FakeHub() as hub, app_server(runs_dir, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
+                                      args=("--data-dir", str(tmp_path))) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(keyed(url))
         page.get_by_text("Preview command").wait_for(timeout=60_000)
@@ -469,7 +470,7 @@ def test_a_one_round_run_draws_lines_a_failed_run_shows_its_reason_and_a_contrib
                                  str(folder / "output"), status="finished", ended=time.time()))
     hook = {"PYTHONPATH": str(REPO / "tests" / "scripts" / "contribution_hook"), "CONTRIBUTION_HOOK_SCALE": "3",
             "CONTRIBUTION_HOOK_RANK": "1"}
-    with app_server(runs_dir, extra_env=hook) as url:
+    with app_server(runs_dir, extra_env=hook, args=("--data-dir", str(tmp_path))) as url:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(keyed(url))
         page.get_by_role("tab", name="Live").click()
