@@ -125,13 +125,19 @@ def torchft_script(job: Job) -> str:
             '  HOST="$(hostname)"',
             f'  {_words(lighthouse)} --host "$HOST" &',
             "  SERVER=$!",
-            f'  echo "http://$HOST:$HF_DILOCO_PORT" > {url_file}',
+            f'  (umask 077; echo "http://$HOST:$HF_DILOCO_PORT" > {url_file})',
             '  echo "[hf-diloco slurm] Lighthouse on http://$HOST:$HF_DILOCO_PORT"',
             "  # The Lighthouse stays while any replica task of this array is pending or running.",
             '  while squeue -h -r -j "$SLURM_ARRAY_JOB_ID" -o %K | grep -qvx 0; do sleep 5; done',
             '  kill "$SERVER"; exit 0',
             "fi",
             f"while [ ! -s {url_file} ]; do sleep 1; done",
+            # The address is taken only from a file of this user's: another user who can write in the folder
+            # could otherwise point every replica at a Lighthouse of theirs.
+            f"if [ ! -O {url_file} ]; then",
+            f'  echo "[hf-diloco slurm] "{url_file}" is not this user'"'"'s file: not joining the Lighthouse it names." >&2',
+            "  exit 1",
+            "fi",
             f'HF_DILOCO_LIGHTHOUSE="$(cat {url_file})"',
         ]
     else:

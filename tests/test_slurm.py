@@ -127,3 +127,27 @@ def test_a_torchft_run_of_two_replicas_and_its_lighthouse_run_as_one_job_array(c
 
     first, second = (load_file(out / f"replica-{r}" / "model.safetensors") for r in (0, 1))
     assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
+
+
+def test_a_replica_task_refuses_a_lighthouse_address_file_that_another_user_wrote(tmp_path):
+    """The replica tasks of a torchft job array read the Lighthouse's address from a file in the job's folder (task
+    0 writes it, readable by its user only); a file there that another user wrote (here: owned by nobody) is refused
+    in one sentence before any replica starts, so a user who can write in the folder cannot point the replicas at
+    a Lighthouse of theirs. (Needs no cluster: the script's replica task runs under bash.)"""
+    from hf_diloco import slurm
+
+    if os.getuid() != 0:
+        pytest.skip("making a file that belongs to another user takes root")
+    job = slurm.Job(str(REPO / "recipes" / "torchft-3.yaml"), "torchft-replica.yaml", [], str(tmp_path), replicas=1)
+    script = tmp_path / "job.sh"
+    script.write_text(slurm.torchft_script(job))
+    planted = tmp_path / "slurm" / "lighthouse-7.url"
+    planted.parent.mkdir()
+    planted.write_text("http://lighthouse.elsewhere.example:29510\n")
+    os.chown(planted, 65534, 65534)
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                            env={**env(), "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_JOB_ID": "7"})
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.strip() == (f"[hf-diloco slurm] {planted} is not this user's file: not joining the "
+                                     f"Lighthouse it names."), result.stderr
+    assert "replica 0 on" not in result.stdout
