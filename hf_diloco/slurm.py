@@ -135,7 +135,8 @@ def torchft_script(job: Job) -> str:
             # The address is taken only from a file of this user's: another user who can write in the folder
             # could otherwise point every replica at a Lighthouse of theirs.
             f"if [ ! -O {url_file} ]; then",
-            f'  echo "[hf-diloco slurm] "{url_file}" is not this user'"'"'s file: not joining the Lighthouse it names." >&2',
+            f'  echo "[hf-diloco slurm] "{url_file}" belongs to another user: not joining the Lighthouse it'
+            ' names." >&2',
             "  exit 1",
             "fi",
             f'HF_DILOCO_LIGHTHOUSE="$(cat {url_file})"',

@@ -468,23 +468,24 @@ class TorchftQuorum(Backend):
         """The participants (ranks in this quorum) whose heal must be refused, the same on every participant: where
         a participant healed, each sends the digest of its θ_global (a healed one: of the θ_global it received) in
         one small all-reduce, and a healed θ_global that is not the one more than half of the others hold is not
-        taken, since the peer that sent it sent something its own quorum does not hold. Sets this replica's refusal
-        if it is among them. (The state's own checks ran as it arrived: PeerHeal.mismatch.)"""
+        taken, since the peer that sent it sent something its own quorum does not hold (the members of a replica,
+        each with its own shard, refuse together). Sets this replica's refusal if it is among them. (The state's own
+        checks ran as it arrived: PeerHeal.mismatch.)"""
         rank = self.manager.participating_rank()
         healed = rows[:, MEMBER_FIELDS.index("healed")] > 0
         digests = torch.zeros(len(rows), dtype=torch.float64)
         if rank is not None:
-            held = state["outer"]["global_params"] if state is not None else self.outer.global_params
-            digests[rank] = float(int.from_bytes(tensor_digest(list(held))[:6], "big"))
+            digests[rank] = self._digest(state["outer"]["global_params"] if state is not None else None)
         self.manager.allreduce(digests, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
-            return []
         others = [float(d) for d, h in zip(digests, healed, strict=True) if not h]
         held_most, count = Counter(others).most_common(1)[0] if others else (None, 0)
         majority = held_most if 2 * count > len(others) else None
-        refused = [r for r in range(len(rows)) if healed[r] and float(digests[r]) != majority]
+        wrong = [0.0] * len(rows) if self.manager.errored() is not None else \
+            [float(bool(healed[r]) and float(digests[r]) != majority) for r in range(len(rows))]
+        # The members of a replica (each compares its own shard) refuse together: any member's refusal counts.
+        refused = [r for r, n in enumerate(self.comm.control.members_total(wrong)) if n > 0]
         if rank in refused:
-            sender = state.get("replica", "?")
+            sender = state.get("replica", "?") if state is not None else "?"
             self.heal.refused = (
                 f"refused the state sent by replica {sender} to heal this one: its θ_global is not the one "
                 + ("the quorum's other replicas hold" if majority is not None else
@@ -509,9 +510,11 @@ class TorchftQuorum(Backend):
                 "loss_sum": float(every[:, 2].mean()), "compute_seconds": float(every[:, 3].max()),
                 "stop_requested": bool(every[:, 4].any()), "finite": not bool(every[:, 5].any())}
 
-    def _digest(self) -> float:
-        """48 bits of the SHA-256 of θ_global's bytes, exact in a float64 cell of the membership table."""
-        return float(int.from_bytes(tensor_digest(self.outer.global_params)[:6], "big"))
+    def _digest(self, params: list[torch.Tensor] | None = None) -> float:
+        """48 bits of the SHA-256 of θ_global's bytes (or of `params`, a peer's θ_global), exact in a float64 cell
+        of the membership table."""
+        held = self.outer.global_params if params is None else list(params)
+        return float(int.from_bytes(tensor_digest(held)[:6], "big"))
 
     @torch.no_grad()
     def _start_identical(self, digests: torch.Tensor) -> int:

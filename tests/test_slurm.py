@@ -148,6 +148,6 @@ def test_a_replica_task_refuses_a_lighthouse_address_file_that_another_user_wrot
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
                             env={**env(), "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_JOB_ID": "7"})
     assert result.returncode == 1, (result.stdout, result.stderr)
-    assert result.stderr.strip() == (f"[hf-diloco slurm] {planted} is not this user's file: not joining the "
+    assert result.stderr.strip() == (f"[hf-diloco slurm] {planted} belongs to another user: not joining the "
                                      f"Lighthouse it names."), result.stderr
     assert "replica 0 on" not in result.stdout
