@@ -52,10 +52,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan(training.dry_run_plan(run, config))
         return 0
     require_lighthouse(config)
-    trainer = training.train(run, config)
+    import torch
+
+    try:
+        trainer = training.train(run, config)
+    except torch.OutOfMemoryError as error:
+        raise RunError(out_of_memory(config, error)) from None
     if trainer.is_world_process_zero():
         print(f"[diloco] finished: model and metrics in {config.output_dir}", flush=True)
     return 0
+
+
+def out_of_memory(config, error: Exception) -> str:
+    """The sentence for a run that ran out of accelerator memory: what to change, most effective first."""
+    advice = [f"lower per_device_train_batch_size (now {config.per_device_train_batch_size}; raise "
+              f"gradient_accumulation_steps to keep the batch)"]
+    if not config.gradient_checkpointing:
+        advice.append("set gradient_checkpointing: true")
+    if not config.offload_outer_state:
+        advice.append("set offload_outer_state: true (θ_global and the outer optimizer in CPU memory)")
+    advice.append("shard the model inside each replica (replica_group_size with fsdp: true)")
+    return (f"out of memory ({first_line(error)}): {'; or '.join(advice)}. `--dry-run` prints the memory each "
+            f"process needs for its parameters and optimizer states.")
 
 
 def print_plan(plan: dict[str, str]) -> None:

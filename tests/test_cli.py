@@ -47,6 +47,28 @@ def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     assert_one_sentence_error(result, *words)
 
 
+def test_a_run_out_of_memory_says_what_to_change_in_one_sentence(tmp_path, monkeypatch):
+    """torch's out-of-memory error (as a GPU raises it; a CPU machine's kernel kills the process instead) ends
+    `hf-diloco train` with exit 1 and one sentence naming the settings that lower the memory a process needs, the
+    batch size as it was set first, and the dry run that measures it."""
+    import torch
+
+    from hf_diloco import train as training
+
+    def out_of_memory(run, config):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total)\n"
+                                     "See documentation for Memory Management")
+
+    monkeypatch.setattr(training, "train", out_of_memory)
+    result = cli("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size",
+                 "6", "--offload_outer_state", "false")
+    assert result.returncode == 1
+    assert_one_sentence_error(result, "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB",
+                              "lower per_device_train_batch_size (now 6;", "gradient_checkpointing: true",
+                              "offload_outer_state: true", "fsdp: true", "--dry-run")
+    assert "See documentation" not in result.stderr
+
+
 @pytest.mark.process
 def test_a_refusal_from_a_real_process_is_exit_2_and_one_sentence(tmp_path):
     """The tests around this one call the command's code inside pytest; this one starts `python -m hf_diloco.cli`
