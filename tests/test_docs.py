@@ -107,3 +107,48 @@ def test_the_site_builds_strictly_with_the_pages_generated_from_the_code(tmp_pat
     refused = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict"], cwd=broken, capture_output=True,
                              text=True, timeout=120, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert refused.returncode != 0 and "no-such-heading" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_the_troubleshooting_page_quotes_the_lines_the_code_prints():
+    """Each line the troubleshooting page quotes (its `text` blocks, `<...>` standing for what varies) is one the
+    code prints: rendered for real where that takes no process (the out-of-memory sentence), else every stretch of
+    three or more words between the variable parts is in the source of hf_diloco/ and app/ (adjacent string
+    literals joined; the words next to a variable part are left out, since the source spells them with it)."""
+    from hf_diloco import DiLoCoConfig
+    from hf_diloco.cli import out_of_memory
+
+    page = (REPO / "docs" / "guides" / "troubleshooting.md").read_text()
+    lines = [line for block in re.findall(r"```text\n(.*?)```", page, re.S) for line in block.splitlines()
+             if line.strip()]
+    assert len(lines) >= 10, lines
+    source = "\n".join(path.read_text() for folder in ("hf_diloco", "app") for path in (REPO / folder).glob("*.py"))
+    source = " ".join(re.sub(r"[\"']\s*\n\s*(?:rf|fr|f|r)?[\"']", "", source).split())
+    rendered = [out_of_memory(DiLoCoConfig(output_dir="out", use_cpu=True), RuntimeError("CUDA out of memory."))]
+    for line in lines:
+        text = line.removeprefix("hf-diloco: error: ")
+        segments = re.split(r"<[^>]+>", text)
+        if any(re.fullmatch(".+".join(map(re.escape, segments)), r) for r in rendered):
+            continue
+        stretches = []
+        for index, segment in enumerate(segments):
+            words = segment.split()[1 if index > 0 else 0:]
+            words = words[:-1] if index < len(segments) - 1 else words
+            if len(words) >= 3:
+                stretches.append(" ".join(words))
+        assert stretches, line
+        missing = [stretch for stretch in stretches if stretch not in source]
+        assert not missing, (line, missing)
+
+
+def test_every_extra_the_docs_install_is_one_the_package_declares():
+    """`pip install -e '.[x,y]'` in the README and the docs names only extras pyproject.toml declares, and the
+    README's install section names each extra a user installs (trl, ft, app)."""
+    import tomllib
+
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    pages = [README, *(REPO / "docs").rglob("*.md")]
+    installs = [(page.name, group) for page in pages for group in re.findall(r"pip install -e '\.\[([^\]]+)\]'",
+                                                                               page.read_text())]
+    named = {(page, extra.strip()) for page, group in installs for extra in group.split(",")}
+    assert named and not {extra for _, extra in named} - declared, named
+    assert {"trl", "ft", "app"} <= {extra for page, extra in named if page == "README.md"}

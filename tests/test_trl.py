@@ -19,7 +19,7 @@ pytestmark = pytest.mark.process  # every test here starts processes
 SCRIPT = str(REPO / "tests" / "scripts" / "trl_run.py")
 
 
-TRL_RUNS = {"sft": ("sft", False), "dpo-lora": ("dpo", True)}
+TRL_RUNS = {"sft": ("sft", False), "dpo-lora": ("dpo", True), "sft-peft-config": ("sft", "peft_config")}
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,27 @@ def trl_runs(tmp_path_factory):
     """name → folder of each TRL_RUNS run, both trained in turn by one launch of two processes."""
     folder = tmp_path_factory.mktemp("trl")
     runs = [{"out": str(folder / name), "trainer": trainer, "lora": lora} for name, (trainer, lora) in TRL_RUNS.items()]
+    runs.append({"out": str(folder / "guide"), "guide_block": True})
     for run in runs:
         (folder / run["out"]).mkdir()
     result = accelerate_launch([SCRIPT, json.dumps(runs)], timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {name: folder / name for name in TRL_RUNS}
+    return {name: folder / name for name in [*TRL_RUNS, "guide"]}
+
+
+def test_the_guides_sft_block_trains_two_replicas_as_written(trl_runs):
+    """docs/guides/your-model.md's SFTTrainer block, launched as the page says (two processes): it trains two
+    replicas for its 20 steps, both taking part in the syncs at 10 and 20, and checkpoints the model at the end."""
+    import math
+
+    from safetensors.torch import load_file
+
+    out = trl_runs["guide"] / "run"
+    records = read_syncs(out)
+    assert [r["step"] for r in records] == [10, 20], records
+    assert all([m["participated"] for m in r["replicas"]] == [True, True] and math.isfinite(r["loss"])
+               for r in records), records
+    assert load_file(out / "checkpoint-20" / "model.safetensors")
 
 
 @pytest.mark.parametrize("name", list(TRL_RUNS))
@@ -55,6 +71,11 @@ def test_trl_trainers_run_as_replicas_with_nothing_crossing_between_syncs(trl_ru
     if lora:
         with safe_open(str(saved / "adapter_model.safetensors"), "pt") as f:
             assert f.keys() and all("lora_" in name for name in f.keys())
+        # Only the adapter trains, and exactly what trains is synced (with peft_config too, where TRL wraps the
+        # model inside the trainer, after DiLoCo's mixin was given it).
+        for rank in ranks:
+            assert rank["trainable"] and all("lora_" in n for n in rank["trainable"]), rank["trainable"][:5]
+            assert rank["synced"] == rank["trainable_values"] > 0
     else:
         assert (saved / "model.safetensors").exists() and "<|assistant|>" in (saved / "chat_template.jinja").read_text()
 
