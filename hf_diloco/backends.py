@@ -56,6 +56,27 @@ import torch
 from .comm import ReplicaComm
 from .schedule import Boundaries, Schedule
 
+# No replica's merge weight is more than this many times the median one's (bounded_shares): replicas of unequal
+# speed fit well inside it, one that claims a trillion tokens does not.
+WEIGHT_LIMIT = 8
+
+
+def bounded_shares(claimed: list[float]) -> list[float]:
+    """The replicas' merge weights (tokens, or tokens over staleness) as they claimed them, bounded so that one
+    replica that lies about its progress cannot outweigh the rest: a negative or NaN claim counts 0, and none
+    counts more than WEIGHT_LIMIT times the median positive one (the lower median: with two replicas, the
+    smaller). Every replica computes this from the same table, so all agree.
+
+    >>> bounded_shares([4096.0, 2048.0, 1e12, -5.0, 5.0, float("nan")])
+    [4096.0, 2048.0, 16384.0, 0.0, 5.0, 0.0]
+    """
+    import statistics
+
+    claimed = [w if w >= 0 else 0.0 for w in claimed]  # (NaN fails the comparison)
+    positive = [w for w in claimed if w > 0]
+    limit = WEIGHT_LIMIT * statistics.median_low(positive) if positive else 0.0
+    return [min(w, limit) for w in claimed]
+
 
 @dataclass(frozen=True)
 class SyncStart:
@@ -223,12 +244,13 @@ class FixedGroup(Backend):
         table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(stop)])
         before, self.called_off = self.called_off, None
         last = bool(table[:, 2].any()) or (before is not None and before.last)
-        now, most = int(table[:, 1].max()), float(table[:, 0].max())
+        shares = bounded_shares(table[:, 0].tolist())  # each replica's tokens since its last sync
+        now, most = int(table[:, 1].max()), max(shares)
         window = (self.previous_step, now, self.syncs + 1)
         wanted = last or before is not None or bool(table[:, 3].any()) or \
             (self.boundaries is not None and self.boundaries.wanted(*window))
         agreed = Agreement(step=now, launched_at=step, last=last,
-                           weight=self.relative_weight(float(table[self.replica, 0]), most, when_nobody=1.0),
+                           weight=self.relative_weight(shares[self.replica], most, when_nobody=1.0),
                            fragments=self.schedule.fragments_of_sync(self.syncs + 1, None, last),
                            bytes_sent=sent + (before.bytes_sent if before is not None else 0),
                            window=window if wanted else None, called_off=wanted and self.overlap and before is None)

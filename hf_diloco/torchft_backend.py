@@ -35,7 +35,6 @@ import logging
 import os
 import pickle
 import socket
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from datetime import timedelta
 import torch
 
 from . import compat
-from .backends import Backend, SyncStart, Verdict
+from .backends import Backend, SyncStart, Verdict, bounded_shares
 from .checks import NO_LIGHTHOUSE, require_torchft
 from .comm import ReplicaComm, Topology, Unwatched, copy_flat, gather_into, ring_all_reduce_bytes, tensor_digest
 from .contributions import CHECK_FIELDS
@@ -59,9 +58,6 @@ logger = logging.getLogger(__name__)
 # every participant of the sync stops after it, whichever of them saw the request first.
 MEMBER_FIELDS = ("replica", "steps", "tokens", "weight", "healed", "staleness", "loss_sum", "compute_seconds",
                  "quorum_seconds", "stop_requested", "non_finite", "at_step", "digest", *CHECK_FIELDS)
-# No participant's merge weight is more than this many times the median one's (merge_weights): replicas of unequal
-# speed fit well inside it, one that claims a trillion tokens does not.
-WEIGHT_LIMIT = 8
 # How long a lingering replica waits between quorums that brought no late replica (two that both finished would
 # otherwise form thousands of empty quorums a second between themselves).
 LINGER_PAUSE_SECONDS = 0.25
@@ -79,20 +75,14 @@ def staleness_weight(tokens: int, staleness: int) -> float:
 
 
 def merge_weights(rows: list[list[float]]) -> list[float]:
-    """The participants' merge weights from their rows of (tokens, staleness, weight), each bounded by what a
-    replica may claim, so that one that lies about its progress cannot outweigh the rest: never negative (or NaN),
-    never more than its own tokens and staleness give (staleness_weight), and never more than WEIGHT_LIMIT times
-    the median positive weight (the lower median: with two replicas, the smaller). Every participant computes this
-    from the same table, so all agree.
+    """The participants' merge weights from their rows of (tokens, staleness, weight), each never more than its own
+    tokens and staleness give (staleness_weight), then bounded as on every backend (backends.bounded_shares: never
+    negative, never more than WEIGHT_LIMIT times the median one).
 
-    >>> merge_weights([[4096, 0, 4096.0], [4096, 1, 2048.0], [1e12, 0, 1e12], [100, 0, -5.0], [5, 0, 9.0]])
+    >>> merge_weights([[4096, 0, 4096.0], [4096, 1, 4096.0], [1e12, 0, 1e12], [100, -3, 50.0], [5, 0, 9.0]])
     [4096.0, 2048.0, 16384.0, 0.0, 5.0]
     """
-    claimed = [0.0 if not w >= 0 else min(w, staleness_weight(max(0.0, t), s) if t >= 0 and s >= 0 else 0.0)
-               for t, s, w in rows]
-    positive = [w for w in claimed if w > 0]
-    limit = WEIGHT_LIMIT * statistics.median_low(positive) if positive else 0.0
-    return [min(w, limit) for w in claimed]
+    return bounded_shares([min(w, staleness_weight(t, s)) if t >= 0 and s >= 0 else 0.0 for t, s, w in rows])
 
 
 def safe_checkpoint_transport(host: str, timeout: timedelta):

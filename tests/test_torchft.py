@@ -153,21 +153,32 @@ def test_a_replica_that_lies_in_a_sync_costs_that_sync_only(tmp_path, backend, t
 
 
 @pytest.mark.process
-def test_a_torchft_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_limit(tmp_path):
-    """Replica 1 reports 10^12 tokens in the second of three syncs (its weight computed from them, as an honest
-    replica's is): every participant bounds it to WEIGHT_LIMIT times the median weight (the lower median: replica
-    0's), so the sync merges with weights 1 : 8 rather than 1 : 10^8 (the record's weights are relative to the
-    largest), and both replicas record those weights and end identical and finite."""
-    from hf_diloco.torchft_backend import WEIGHT_LIMIT
+@pytest.mark.parametrize("backend", ["torch", "torchft"])
+def test_a_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_limit(tmp_path, backend):
+    """Replica 1 reports 10^12 tokens in its second sync (torchft: in its membership row, its weight computed from
+    them, as an honest replica's is; torch: in a time-budget sync's agreement, where the tokens are the weights):
+    every replica bounds it to WEIGHT_LIMIT times the median weight (the lower median: replica 0's), so the sync
+    merges with weights 1 : 8 rather than 1 : 10^8 (the record's weights are relative to the largest), both
+    replicas record those weights, and they end identical and finite."""
+    from hf_diloco.backends import WEIGHT_LIMIT
 
-    final = run_torchft(tmp_path / "run", {}, claim_tokens=[1, 2, 10**12])
-    for replica in range(2):
-        records = read_syncs(tmp_path / "run" / f"replica-{replica}")
-        assert [r["step"] for r in records] == [4, 8, 12] and all(r["committed"] for r in records), records
-        weights = [{m["replica"]: (m["tokens"], m["weight"]) for m in r["replicas"]} for r in records]
-        tokens = weights[0][0][0]  # what one replica trains in a round
-        assert weights[1] == {0: (tokens, 1 / WEIGHT_LIMIT), 1: (10**12, 1.0)}, records[1]
-        assert weights[0] == weights[2] == {0: (tokens, 1.0), 1: (tokens, 1.0)}, records
+    if backend == "torch":  # (tokens weigh a sync only under time budgets there: rounds of H weigh alike)
+        final = run_torch_backend(tmp_path / "run", {"round_seconds": 0.3}, max_steps=24, step_sleep=0.02,
+                                  claim_tokens=[1, 2, 10**12])
+        folders = [tmp_path / "run" / "run"]
+    else:
+        final = run_torchft(tmp_path / "run", {}, claim_tokens=[1, 2, 10**12])
+        folders = [tmp_path / "run" / f"replica-{r}" for r in range(2)]
+    for folder in folders:
+        records = read_syncs(folder)
+        assert len(records) >= 3 and not any(r.get("refused") for r in records), records
+        assert backend == "torch" or all(r["committed"] for r in records), records  # (torch backend syncs: no vote)
+        weights = [{m["replica"]: m["weight"] for m in r["replicas"]} for r in records]
+        assert weights[1] == {0: 1 / WEIGHT_LIMIT, 1: 1.0}, records[1]
+        if backend == "torchft":
+            tokens = [{m["replica"]: m["tokens"] for m in r["replicas"]} for r in records]
+            assert tokens[1][1] == 10**12 and tokens[0][0] == tokens[1][0] == tokens[0][1], tokens
+            assert weights[0] == weights[2] == {0: 1.0, 1: 1.0}, records
     assert max_difference(final[0], final[1]) == 0.0 and all(bool(torch.isfinite(p).all()) for p in final[0])
 
 

@@ -27,8 +27,9 @@ state, but not the θ_global the replica holds); later ones are sound. "weights"
 trains the model's weights in bfloat16 with bf16 autocast (no use_cpu given: a GPU's settings on a machine without
 one); the replica then also writes the dtypes of its outer state to `outer<r>.json`. "lie": [r, n, "nan" | weight]
 makes replica r lie in its n-th sync: it reports finite values and sends a NaN, or reports that merge weight.
-"claim_tokens": [r, n, tokens] makes replica r (torchft) report that many tokens in its n-th sync's membership row,
-its weight computed from them. "nan_global_at_step": s fills one value of θ_global with NaN after step s.
+"claim_tokens": [r, n, tokens] makes replica r report that many tokens in its n-th sync's membership row
+(torchft; its weight computed from them) or agreement (torch, time budgets). "nan_global_at_step": s fills one
+value of θ_global with NaN after step s.
 "globals": true writes θ_global after every step that ends a round of H (`global<p>-<step>.pt`, p the process on
 torch, the replica on torchft).
 
@@ -121,6 +122,9 @@ def faults(settings: dict):
         patched.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
+    torch_backend = settings.get("backend") == "torch"
+    # this process's replica: on torch, its rank's (replica_group_size consecutive ranks form one)
+    me = int(os.environ.get("RANK", 0)) // settings.get("group", 1) if torch_backend else settings.get("replica", 0)
     if settings.get("die_in_all_gather"):
         import signal
 
@@ -206,8 +210,6 @@ def faults(settings: dict):
         from hf_diloco import outer
 
         liar, at_sync, told = settings["lie"]
-        me = int(os.environ.get("RANK", 0)) // settings.get("group", 1) if settings.get("backend") == "torch" \
-            else settings.get("replica", 0)
         honest_average, syncs = outer._average_bucket, {"count": 0}
 
         def lying_average(comm, index, delta_i, result, weight, codec, feedback, riding, decoded=False):
@@ -224,19 +226,31 @@ def faults(settings: dict):
 
         if me == liar:
             patch(outer, "_average_bucket", lying_average)
-    if settings.get("claim_tokens") and settings["claim_tokens"][0] == settings.get("replica", 0):
-        from hf_diloco.torchft_backend import TorchftQuorum
-
+    if settings.get("claim_tokens") and settings["claim_tokens"][0] == me:
         _, at_sync, claimed = settings["claim_tokens"]
-        honest_start, starts = TorchftQuorum.start, {"count": 0}
+        starts = {"count": 0}
+        if torch_backend:  # the tokens a replica reports in a time-budget sync's agreement
+            from hf_diloco.backends import FixedGroup
 
-        def boasting_start(self, step, max_steps, local, *args, **kwargs):
-            starts["count"] += not kwargs.get("joining", False)  # (the joining start before step 1 is no sync)
-            if starts["count"] == at_sync:
-                local = {**local, "tokens": int(claimed)}
-            return honest_start(self, step, max_steps, local, *args, **kwargs)
+            honest_agree = FixedGroup._agree
 
-        patch(TorchftQuorum, "start", boasting_start)
+            def boasting_agree(self, step, tokens, at_end, stop):
+                starts["count"] += 1
+                return honest_agree(self, step, float(claimed) if starts["count"] == at_sync else tokens, at_end, stop)
+
+            patch(FixedGroup, "_agree", boasting_agree)
+        else:
+            from hf_diloco.torchft_backend import TorchftQuorum
+
+            honest_start = TorchftQuorum.start
+
+            def boasting_start(self, step, max_steps, local, *args, **kwargs):
+                starts["count"] += not kwargs.get("joining", False)  # (the joining start before step 1 is no sync)
+                if starts["count"] == at_sync:
+                    local = {**local, "tokens": int(claimed)}
+                return honest_start(self, step, max_steps, local, *args, **kwargs)
+
+            patch(TorchftQuorum, "start", boasting_start)
     try:
         yield
     finally:
