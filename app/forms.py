@@ -226,17 +226,15 @@ def check_recipe_values(values: dict, readable: tuple[Path, ...]) -> dict:
     return values
 
 
-def check_rounds(knobs: Knobs, recipe_values: dict) -> None:
-    """Refuse an H above max steps (knob, else recipe): no replica would sync before the run ends."""
-    if recipe_values.get("trainer") == "ddp" or (recipe_values.get("round_seconds") or 0) > 0:
-        return  # the baseline never syncs; a timed round ends by the clock, not after H steps
+def rounds_note(knobs: Knobs, recipe_values: dict) -> str | None:
+    """The warning for an H above max steps (knob, else recipe), the run's own words (hf_diloco.checks): such a run
+    syncs once, at its last step. None otherwise."""
     inner = str(knobs.inner_steps).strip() or str(recipe_values.get("inner_steps", ""))
     steps = str(knobs.max_steps).strip() or str(recipe_values.get("max_steps", ""))
-    if inner.isdigit() and steps.lstrip("-").isdigit():  # the same rule and sentence as the CLI's (hf_diloco.checks)
-        try:
-            checks.check_rounds(int(inner), int(steps))
-        except ConfigError as error:
-            raise FormError(str(error)) from None
+    if not (inner.isdigit() and steps.lstrip("-").isdigit()):
+        return None
+    return checks.rounds_note(int(inner), int(steps), str(recipe_values.get("trainer", "diloco")),
+                              float(recipe_values.get("round_seconds") or 0))
 
 
 def torchft_replicas(knobs: Knobs, recipe_values: dict) -> int | None:
@@ -415,11 +413,11 @@ def allowed(path: str | Path, roots: list[Path], what: str) -> Path:
 
 
 def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: Path,
-                   readable: tuple[Path, ...]) -> None:
+                   readable: tuple[Path, ...]) -> str | None:
     """The instant check, run as the form is typed in: every refusal of Preview that the form's own values decide
-    (the knobs, a local model or dataset path, the recipe's keys as typed, H against max steps), without writing a
-    draft or asking the Hub. It refuses what Preview refuses for these, so whichever of the two answers last, the
-    sentence shown is the same."""
+    (the knobs, a local model or dataset path, the recipe's keys as typed), without writing a draft or asking the
+    Hub. It refuses what Preview refuses for these, so whichever of the two answers last, the sentence shown is the
+    same. Returns the form's warning, if it has one (H above max steps: rounds_note), as Preview shows it."""
     check_knobs(knobs)
     for value, what in ((knobs.model_name_or_path, "model"), (knobs.dataset_name, "dataset")):
         check_local_source(str(value), what, readable)
@@ -428,10 +426,11 @@ def check_as_typed(knobs: Knobs, recipe_name: str, edited_yaml: str, runs_dir: P
                          [RECIPES, runs_dir], "recipe")
         values = yaml.safe_load(edited_yaml if edited_yaml.strip() else chosen.read_text())
     except (FormError, OSError, yaml.YAMLError):
-        return  # the recipe itself: Preview names what is wrong with it
-    if isinstance(values, dict):
-        check_recipe_values(values, readable)
-        check_rounds(knobs, values)
+        return None  # the recipe itself: Preview names what is wrong with it
+    if not isinstance(values, dict):
+        return None
+    check_recipe_values(values, readable)
+    return rounds_note(knobs, values)
 
 
 def recipe_path(name: str, edited_yaml: str, runs_dir: Path) -> Path:

@@ -102,12 +102,13 @@ class App:
 
     # --- launch ---------------------------------------------------------------------------------------------
 
-    def _plan(self, name, recipe_name, yaml_text, config_name, *knob_values) -> runs.Run:
+    def _plan(self, name, recipe_name, yaml_text, config_name, *knob_values) -> tuple[runs.Run, str | None]:
+        """The run the form describes, checked as Start would check it, and the form's warning if it has one."""
         # Typed paths are accepted by the dropdowns; forms.allowed keeps them inside the project's folders.
         knobs = forms.Knobs(*[str(v if v is not None else "") for v in knob_values])
         recipe = forms.recipe_path(recipe_name, yaml_text or "", self.runs_dir)
         recipe_values = forms.check_recipe_keys(recipe, self.readable)
-        forms.check_rounds(knobs, recipe_values)
+        note = forms.rounds_note(knobs, recipe_values)
         overrides, launch = forms.flags(knobs, self.readable, forms.group_size(recipe_values))
         replicas = forms.torchft_replicas(knobs, recipe_values)
         config = forms.config_path(config_name)
@@ -131,7 +132,7 @@ class App:
         plan.form = {key: value.strip() for key, value in asdict(knobs).items() if value.strip()}
         forms.validate(recipe, config, [*overrides, "--output_dir", plan.output_dir], replicas,
                        launch=[] if replicas is not None else launch, port=port, command=plan.command)
-        return plan
+        return plan, note
 
     def default_name(self, recipe_name, *knob_values):
         """The run-name box's placeholder: the name a Start with a blank name gives, for the form as it is now."""
@@ -141,21 +142,21 @@ class App:
     def check(self, recipe_name, yaml_text, *knob_values):
         """The instant check of the form, run as the knobs are typed (forms.check_as_typed)."""
         try:
-            forms.check_as_typed(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]),
-                                 recipe_name or "", yaml_text or "", self.runs_dir, self.readable)
+            note = forms.check_as_typed(forms.Knobs(*[str(v if v is not None else "") for v in knob_values]),
+                                        recipe_name or "", yaml_text or "", self.runs_dir, self.readable)
         except forms.FormError as error:
             return f"**Cannot start:** {error}"
-        return ""
+        return f"**Note:** {note}" if note else ""
 
     def preview(self, name, recipe_name, yaml_text, config_name, *knob_values):
         """Show the exact command Start will run, or why the form is wrong."""
         try:
-            plan = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
+            plan, note = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
         except (forms.FormError, ConfigError) as error:
             return "", f"**Cannot start:** {error}", None
         signature = [name, recipe_name, yaml_text, config_name, *knob_values]
         return command_text(plan.command), f"Form is valid. **Start** runs exactly this command as run " \
-            f"**{plan.id}**.", {"plan": asdict(plan), "form": signature}
+            f"**{plan.id}**." + (f" **Note:** {note}" if note else ""), {"plan": asdict(plan), "form": signature}
 
     def predict(self, recipe_name, yaml_text, config_name, link, latency_ms, speed, *knob_values):
         """What `hf-diloco plan` predicts for the form's recipe over the link typed in (blank link: nothing)."""
@@ -178,7 +179,7 @@ class App:
             if planned and planned.get("form") == signature and not (self.runs_dir / planned["plan"]["id"]).exists():
                 plan = runs.Run(**planned["plan"])
             else:
-                plan = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
+                plan, _ = self._plan(name, recipe_name, yaml_text, config_name, *knob_values)
         except (forms.FormError, ConfigError) as error:
             return f"**Cannot start:** {error}", gr.update(), "", None
         run = runs.start_planned(plan)

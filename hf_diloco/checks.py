@@ -5,7 +5,7 @@ app's form all ask here, so a value is refused by each of them or by none, in th
     check(config, names)    raise ConfigError with the first refusal among `names`, read from `config`
     from_text(name, text)   a value typed into a form, as the field's type (refused in the field's own sentence)
     check_torchft(config)   the torchft fields (ranges, replica_id below num_replicas)
-    check_rounds(...)       H against max_steps: a replica must sync before the run ends
+    rounds_note(...)        H against max_steps: the warning for a run that syncs only at its end
     require_torchft()       torchft is installed (asked of importlib, without importing it)
 
 Design choices:
@@ -177,22 +177,24 @@ def check_torchft(config: Any) -> None:
     check(config, TORCHFT_FIELDS[1:])
 
 
-def check_rounds(inner_steps: int | str, max_steps: int, trainer: str = "diloco", round_seconds: float = 0.0) -> None:
-    """Refuse an H (`inner_steps`) above `max_steps`: no replica would sync before the run ends. Nothing to refuse
-    for the `ddp` baseline (it has no rounds), rounds of `round_seconds` (they end by the clock), H `auto` (chosen
-    as the run goes) or a run sized in epochs (`max_steps` 0 or less).
+def rounds_note(inner_steps: int | str, max_steps: int, trainer: str = "diloco", round_seconds: float = 0.0
+                ) -> str | None:
+    """The warning for an H (`inner_steps`) above `max_steps`, or None: such a run is allowed, and syncs once, at
+    its last step (the end always syncs), which is DiLoCo with one round. Nothing to say for the `ddp` baseline (it
+    has no rounds), rounds of `round_seconds` (they end by the clock), H `auto` (chosen as the run goes) or a run
+    sized in epochs (`max_steps` 0 or less: Trainer's count is known once training begins).
 
-    >>> check_rounds(50, 400), check_rounds(500, 400, trainer="ddp"), check_rounds("auto", 10)
+    >>> rounds_note(50, 400), rounds_note(500, 400, trainer="ddp"), rounds_note("auto", 10)
     (None, None, None)
-    >>> check_rounds(500, 400)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    hf_diloco.errors.ConfigError: H = 500 inner steps is above max steps = 400, so ...; choose H at most 400.
+    >>> for part in rounds_note(500, 400).split(": "):
+    ...     print(part)
+    H = 500 inner steps is above max steps = 400
+    the replicas sync once, at the last step; choose H at most 400 to sync along the way.
     """
     if trainer == "ddp" or round_seconds > 0 or inner_steps == AUTO or max_steps <= 0 or inner_steps <= max_steps:
-        return
-    raise ConfigError(f"H = {inner_steps} inner steps is above max steps = {max_steps}, so the replicas would never "
-                      f"sync before the run ends; choose H at most {max_steps}.")
+        return None
+    return (f"H = {inner_steps} inner steps is above max steps = {max_steps}: the replicas sync once, at the last "
+            f"step; choose H at most {max_steps} to sync along the way.")
 
 
 def torchft_installed() -> bool:

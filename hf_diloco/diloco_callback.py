@@ -11,6 +11,7 @@ import logging
 import torch
 from transformers import TrainerCallback
 
+from .checks import AUTO, rounds_note
 from .compat import dispatch_log
 from .config import ConfigError
 from .engine import SyncEngine, SyncOutcome
@@ -89,6 +90,10 @@ class DiLoCoCallback(TrainerCallback):
                      held_out_loss=HeldOutLoss(self.trainer) if args.contribution_loss_check else None,
                      boundaries=self.boundaries if self.agreed_windows else None)
         if self.trainer.is_world_process_zero():
+            note = rounds_note(AUTO if args.auto_inner_steps else args.inner_steps, state.max_steps,
+                               round_seconds=args.round_seconds)
+            if note:  # (the same words as the dry run's and the app's, from Python and the CLI alike)
+                logger.warning("DiLoCo: %s", note)
             self.records.open(args.output_dir, state.global_step, continues_record=engine.backend.continues_record,
                               resumed_from=self.resumed_from if outer_state is not None else None,
                               reached_before_resume=self.reached_before_resume, report=self._report)

@@ -51,8 +51,6 @@ def check_arguments(run: RunArguments, config: DiLoCoConfig) -> None:
             "data_sharding=non_iid needs the dataset's length to give each replica a contiguous slice, which a "
             "streamed dataset does not have; set streaming: false or data_sharding: iid."
         )
-    checks.check_rounds(AUTO if config.auto_inner_steps else config.inner_steps, config.max_steps, run.trainer,
-                        config.round_seconds)
     if run.lora_r > 0 and config.tensor_parallel:
         raise ConfigError("LoRA adapters cannot be split by tensor parallel inside a replica (its plan names the "
                           "model's own layers, which PEFT wraps); split a LoRA replica with FSDP2 (fsdp: true) "
@@ -326,6 +324,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
     per_round = by_codec[config.compression]
     optim = getattr(config.optim, "value", config.optim)
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+    note = checks.rounds_note(AUTO if config.auto_inner_steps else config.inner_steps, config.max_steps, run.trainer,
+                              config.round_seconds)
     plan = {
         "trainer": run.trainer,
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
@@ -341,9 +341,11 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
            f", each split over its {tp} processes by tensor parallel" if tp > 1 else
            ", DDP inside each" if group > 1 else ""),
         "memory per process": memory_per_process(model, config, group // tp if sharded else 1, share),
+
         "inner_steps (H)": f"auto: {config.inner_steps} for the first rounds, then chosen so that waiting for syncs "
         f"stays under {100 * config.max_sync_overhead:g}% of compute" if config.auto_inner_steps
         else str(config.inner_steps),
+        **({"note": note} if note else {}),
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
         + (" Nesterov" if config.outer_nesterov else "")
         + (f", its momentum moved every {config.outer_momentum_delay} syncs (pseudo-gradients × "

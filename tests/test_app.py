@@ -417,8 +417,6 @@ BAD_DRAFTS = {
     "resume from anywhere": (TINY + "resume_from_checkpoint: /tmp/other/checkpoint-5\n", {},
                              "resume_from_checkpoint may only be 'auto' or 'latest'"),
     "a misspelt key": (TINY + "inner_stepz: 5\n", {}, "unknown key 'inner_stepz' (did you mean 'inner_steps'?)"),
-    "H above max steps": (TINY, {"inner_steps": 10**9, "max_steps": 150},
-                          "H = 1000000000 inner steps is above max steps = 150"),
     "a dataset folder with no data file": (TINY, {"dataset_name": str(REPO / "accelerate_configs")},
                                            "holds no data file"),
     "a torchft replica's own Lighthouse": (TINY + "outer_backend: torchft\nlighthouse: http://10.0.0.9:29510\n", {},
@@ -505,24 +503,31 @@ def test_the_checker_is_one_process_for_every_check_and_is_started_again_when_it
 
 @pytest.mark.process
 def test_the_instant_check_refuses_what_preview_refuses_for_the_forms_own_values(tmp_path):
-    """The check that runs as knobs are typed and Preview answer in either order, so they must agree: H above max
-    steps (knobs or the recipe as typed), a local dataset folder without data, a recipe as typed that names a
-    dataset outside the folders the app reads data from, and an unknown key in the recipe as edited are refused by
-    both, in the same sentence; a valid form passes both; the check writes no draft."""
+    """The check that runs as knobs are typed and Preview answer in either order, so they must agree: a local
+    dataset folder without data, a recipe as typed that names a dataset outside the folders the app reads data
+    from, and an unknown key in the recipe as edited are refused by both, in the same sentence; H above max steps
+    (knobs or the recipe as typed) is allowed by both with the same note, the run's own words (the replicas sync
+    once, at the last step); a valid form passes both; the check writes no draft."""
     from app.server import App
 
     app = App(tmp_path / "runs", [tmp_path])
     empty = tmp_path / "my-data"
     empty.mkdir()
-    cases = [(knobs(inner_steps=1000, max_steps=150), ""),
-             (knobs(dataset_name=str(empty)), ""),
+    cases = [(knobs(dataset_name=str(empty)), ""),
              (knobs(), TINY_YAML.replace("dataset_name: builtin", "dataset_name: /etc/hostname")),
-             (knobs(), TINY_YAML + "inner_stepz: 5\n"),
-             (knobs(), TINY_YAML.replace("max_steps: 400", "max_steps: 3"))]
+             (knobs(), TINY_YAML + "inner_stepz: 5\n")]
     for values, edited in cases:
         preview = app.preview("", "tiny-pretrain.yaml", edited, "cpu-2proc.yaml", *values)[1]
         assert preview.startswith("**Cannot start:**"), (values, edited, preview)
         assert app.check("tiny-pretrain.yaml", edited, *values) == preview
+    from hf_diloco.checks import rounds_note
+
+    for values, edited, (inner, steps) in ((knobs(inner_steps=1000, max_steps=150), "", (1000, 150)),
+                                           (knobs(), TINY_YAML.replace("max_steps: 400", "max_steps: 3"), (50, 3))):
+        note = f"**Note:** {rounds_note(inner, steps)}"
+        preview = app.preview("", "tiny-pretrain.yaml", edited, "cpu-2proc.yaml", *values)[1]
+        assert preview.startswith("Form is valid") and preview.endswith(note), preview
+        assert app.check("tiny-pretrain.yaml", edited, *values) == note
     assert app.check("tiny-pretrain.yaml", "", *knobs(inner_steps=5, max_steps=150)) == ""
     assert "Form is valid" in app.preview("", "tiny-pretrain.yaml", "", "cpu-2proc.yaml",
                                           *knobs(inner_steps=5, max_steps=150))[1]

@@ -47,6 +47,18 @@ def test_bad_input_is_one_sentence_and_nonzero_exit(bad_inputs, case):
     assert_one_sentence_error(result, *words)
 
 
+def test_an_h_above_max_steps_is_a_note_of_the_dry_run_not_a_refusal(tmp_path):
+    """The dry run (and so `launch`, which checks what it checks) takes H = 50 over 40 steps and says what happens,
+    in the words the run warns with."""
+    from hf_diloco.checks import rounds_note
+
+    result = cli("train", "--config", RECIPE, "--output_dir", str(tmp_path / "out"), "--max_steps", "40",
+                 "--inner_steps", "50", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    notes = [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.strip().startswith("note ")]
+    assert notes == [rounds_note(50, 40)], result.stdout
+
+
 def test_a_run_out_of_memory_says_what_to_change_in_one_sentence(tmp_path, monkeypatch):
     """torch's out-of-memory error (as a GPU raises it; a CPU machine's kernel kills the process instead) ends
     `hf-diloco train` with exit 1 and one sentence naming the settings that lower the memory a process needs, the

@@ -50,13 +50,11 @@ def bad_inputs(tmp_path):
                                ["--model_name_or_path", "tiny-llama", "--lora_target_modules", "q_proj,nope_proj"],
                                ["cannot add LoRA adapters", "nope_proj"]),
         "unloadable model": (None, ["--model_name_or_path", str(not_a_model)], ["could not load model"]),
-        "H above max_steps": (None, ["--max_steps", "40", "--inner_steps", "50"],
-                              ["H = 50 inner steps is above max steps = 40"]),
     }
 
 
 CASES = [("torch", case) for case in ("missing dataset file", "no text column", "LoRA target absent",
-                                      "unloadable model", "H above max_steps")] \
+                                      "unloadable model")] \
     + [("torchft --replicas 2", "missing dataset file")]
 
 

@@ -87,6 +87,21 @@ def test_syncs_written_for_single_replica(tmp_path):
     assert torch.isfinite(torch.tensor([r["pseudo_grad_norm"] for r in rounds])).all()
 
 
+def test_an_h_above_max_steps_trains_warns_once_and_syncs_at_the_end(tmp_path, caplog):
+    """H = 30 over 20 steps, from Python as from the CLI: the run is allowed, says in one warning that the replicas
+    sync once, at the last step (the words of the dry run and the app), and its only sync is the last step's."""
+    import logging
+
+    from hf_diloco.checks import rounds_note
+    from hf_diloco.metrics import read_syncs
+
+    with caplog.at_level(logging.WARNING, logger="hf_diloco"):
+        train(DiLoCoTrainer, DiLoCoConfig(output_dir=str(tmp_path), inner_steps=30, **COMMON))
+    said = [r.getMessage() for r in caplog.records if "inner steps is above max steps" in r.getMessage()]
+    assert said == [f"DiLoCo: {rounds_note(30, 20)}"], said
+    assert [r["step"] for r in read_syncs(tmp_path)] == [20]
+
+
 def test_gradient_accumulation_counts_as_one_inner_step(tmp_path):
     """With 2 micro-batches per optimizer step, H = 3 means 3 optimizer steps, not 3 micro-batches."""
     settings = {**COMMON, "max_steps": 6, "gradient_accumulation_steps": 2}
