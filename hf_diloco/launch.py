@@ -92,6 +92,8 @@ def check_launch(run, config, accelerate_config: str, processes: int | None = No
 
     values = training.check_accelerate_config(accelerate_config, config, processes=processes, machines=machines,
                                               rank=rank)
+    if values["hf_diloco_layout"]["note"]:
+        print(f"hf-diloco: warning: {values['hf_diloco_layout']['note']}", file=sys.stderr, flush=True)
     model = training.check_inputs(run, config)
     if values["hf_diloco_layout"]["sharded"]:
         from .parallel import check_shardable

@@ -189,7 +189,10 @@ def check_job(run, config, accelerate_config: str, nodes: int, replicas: int, fi
                           f"{group} process(es), but {accelerate_config!r} starts {per_node}; "
                           f"use accelerate_configs/torchft-replica.yaml (one process) or torchft-replica-2proc.yaml.")
     if not torchft:
-        training.check_accelerate_config(accelerate_config, config, processes=nodes * per_node, machines=nodes, rank=0)
+        layout = training.check_accelerate_config(accelerate_config, config, processes=nodes * per_node,
+                                                  machines=nodes, rank=0)["hf_diloco_layout"]
+        if layout["note"]:
+            print(f"hf-diloco: warning: {layout['note']}", file=sys.stderr, flush=True)
     training.check_arguments(run, config)
     training.check_output_dir(config)
     return per_node

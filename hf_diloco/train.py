@@ -190,7 +190,23 @@ def check_accelerate_config(path: str, config: DiLoCoConfig, processes: int | No
     if rank >= machines:
         raise ConfigError(f"{source} gives this machine rank {rank}, but there are only {machines} machine(s); ranks "
                           f"count from 0.")
+    values["hf_diloco_layout"]["note"] = spanning_note(processes // machines, group)
     return values
+
+
+def spanning_note(per_machine: int, group: int) -> str | None:
+    """The warning for replicas that span machines (a group larger than one machine's processes, or one that does
+    not divide them), or None: DDP, FSDP2 or tensor parallel inside such a replica talk across the link between
+    its machines at every step, which is what DiLoCo is there to avoid unless those machines share a fast fabric.
+
+    >>> spanning_note(8, 8), spanning_note(8, 4), spanning_note(4, 8)[:60]
+    (None, None, 'replica_group_size=8 puts each replica on more than one machi')
+    """
+    if group <= 1 or (group <= per_machine and per_machine % group == 0):
+        return None
+    return (f"replica_group_size={group} puts each replica on more than one machine ({per_machine} processes each), "
+            f"so its DDP, FSDP2 or tensor parallel traffic crosses the link between them at every step; that "
+            f"suits machines on one fast fabric only; across sites, make it divide {per_machine}.")
 
 
 # --- the model -------------------------------------------------------------------------------------------------------

@@ -118,6 +118,22 @@ def test_launch_dry_run_prints_the_accelerate_command(tmp_path):
     assert not (tmp_path / "x").exists(), "a dry run starts nothing"
 
 
+def test_a_replica_that_spans_machines_is_warned_of_in_one_line(tmp_path):
+    """Two machines: replica_group_size 16 of 8 processes each (one replica over both) and 4 of 6 each (a replica
+    straddles the machines) put a replica's every-step traffic across the machines' link, and the launch says so
+    once, then goes on; 8 and 4 of 8 each do not."""
+    config = str(REPO / "accelerate_configs" / "multi-node.yaml")
+    for processes, group, warned in ((16, 16, True), (12, 4, True), (16, 8, False), (16, 4, False)):
+        result = cli("launch", RECIPE, "--accelerate-config", config, "--num_processes", str(processes), "--dry-run",
+                     "--", "--output_dir", str(tmp_path / "x"), "--replica_group_size", str(group))
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("hf-diloco: warning:")]
+        assert result.returncode == 0, (group, result.stderr[-2000:])
+        assert len(warnings) == warned, (processes, group, warnings)
+        if warned:
+            assert (f"replica_group_size={group} puts each replica on more than one machine ({processes // 2} "
+                    f"processes each)") in warnings[0]
+
+
 def test_launch_checks_accelerate_launch_flags_with_the_config_and_passes_them_on(tmp_path):
     """accelerate's own flags beside the config are checked as the layout they make with it (rank below the
     machines, processes spread evenly, groups that divide them), then handed to accelerate in its spelling."""
