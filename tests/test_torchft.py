@@ -310,6 +310,26 @@ def test_replicas_built_from_different_seeds_start_from_the_first_ones_parameter
 
 
 @pytest.mark.process
+def test_replicas_built_apart_stop_in_one_sentence_when_a_peer_spoils_the_first_ones_parameters(tmp_path):
+    """Replicas built from different seeds take the first participant's parameters in one all-reduce where the
+    others send zeros; replica 1 sends its own instead. What arrives does not match the digest the first reported,
+    so every replica stops before its first sync with one sentence saying so, instead of training from a sum of
+    two models."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with lighthouse(min_replicas=2, grace=5) as address:
+        logs = [out / f"replica{r}.log" for r in range(2)]
+        replicas = [start_replica({"out": str(out), "replica": r, "replicas": 2, "lighthouse": address,
+                                   "min_replicas": 2, "seed_by_replica": True, "noisy_start": True}, logs[r])
+                    for r in range(2)]
+        codes = [p.wait(timeout=240) for p in replicas]
+    sentence = "those the first participant sent are not the ones its digest names"
+    for code, log in zip(codes, logs, strict=True):
+        assert code != 0 and sentence in log.read_text(), log.read_text()[-3000:]
+    assert not any(read_syncs(out / f"replica-{r}") for r in range(2))
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_codecs_streaming_and_muon_on_torchft_match_the_torch_backend(pair, torch_backend, codec):
     """The round is one code path: the codecs with error feedback (sparse; int4 with F = 2 fragments whose exchange

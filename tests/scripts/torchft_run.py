@@ -30,8 +30,9 @@ makes replica r lie in its n-th sync: it reports finite values and sends a NaN, 
 "claim_tokens": [r, n, tokens] makes replica r report that many tokens in its n-th sync's membership row
 (torchft; its weight computed from them) or agreement (torch, time budgets). "nan_global_at_step": s fills one
 value of θ_global with NaN after step s.
-"globals": true writes θ_global after every step that ends a round of H (`global<p>-<step>.pt`, p the process on
-torch, the replica on torchft).
+"noisy_start": true makes replica 1 send its own parameters instead of zeros when replicas built apart take the
+first participant's. "globals": true writes θ_global after every step that ends a round of H
+(`global<p>-<step>.pt`, p the process on torch, the replica on torchft).
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -226,6 +227,20 @@ def faults(settings: dict):
 
         if me == liar:
             patch(outer, "_average_bucket", lying_average)
+    if settings.get("noisy_start") and me == 1:  # sends its own parameters where the first participant's go round
+        from hf_diloco.torchft_backend import TorchftQuorum
+
+        honest_start_identical = TorchftQuorum._start_identical
+
+        def noisy_start_identical(self, digests):
+            rank = self.manager.participating_rank
+            self.manager.participating_rank = lambda: 0  # (so it does not send zeros)
+            try:
+                return honest_start_identical(self, digests)
+            finally:
+                self.manager.participating_rank = rank
+
+        patch(TorchftQuorum, "_start_identical", noisy_start_identical)
     if settings.get("claim_tokens") and settings["claim_tokens"][0] == me:
         _, at_sync, claimed = settings["claim_tokens"]
         starts = {"count": 0}
