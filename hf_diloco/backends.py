@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import ReplicaComm
+from .errors import RunError
 from .schedule import Boundaries, Schedule
 
 # No replica's merge weight is more than this many times the median one's (bounded_shares): replicas of unequal
@@ -275,7 +276,14 @@ class FixedGroup(Backend):
             if self.agreed is None:
                 return SyncStart(fragments=expected)
             return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
-        if self.resumed:  # every replica loaded the same checkpoint
+        lowest, highest = self.comm.start_steps(step)
+        if lowest != highest:
+            raise RunError(
+                f"the processes of this launch start at different steps ({lowest} and {highest}): they resumed from "
+                f"different checkpoints, or some from none, as when each machine has its own output_dir folder; put "
+                f"output_dir on a filesystem every machine shares, or set save_on_each_node: true so that each "
+                f"machine keeps every checkpoint itself.")
+        if self.resumed:  # every replica loaded the same checkpoint (the same step, just agreed)
             return SyncStart(empty=True, joining=True)
         # The replicas must start from identical parameters: checked by digest before the first inner step, and
         # rank 0's sent only where they differ (comm.ReplicaComm.start_identical); θ_global is then taken again.

@@ -572,6 +572,16 @@ class ReplicaComm:
         """What this member syncs of each bucket (see the class attributes), told once the outer state is cut."""
         self.bucket_shapes, self.repeated_spans = bucket_shapes, repeated_spans
 
+    def start_steps(self, step: int) -> tuple[int, int]:
+        """The lowest and the highest step any process of the launch starts training at (one all-reduce of two
+        numbers; `step` alone without a process group): they differ when the processes resumed from different
+        checkpoints, or some from none."""
+        if not self.distributed or self.num_replicas * self.group_size == 1:
+            return step, step
+        both = torch.tensor([step, -step], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return -int(both[1]), int(both[0])
+
     def start_identical(self, tensors: list[torch.Tensor]) -> SyncCost:
         """Make every process start from global rank 0's parameters, sending them only if they differ.
 

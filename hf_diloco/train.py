@@ -200,7 +200,7 @@ def spanning_note(per_machine: int, group: int) -> str | None:
     its machines at every step, which is what DiLoCo is there to avoid unless those machines share a fast fabric.
 
     >>> spanning_note(8, 8), spanning_note(8, 4), spanning_note(4, 8)[:60]
-    (None, None, 'replica_group_size=8 puts each replica on more than one machi')
+    (None, None, 'replica_group_size=8 puts each replica on more than one mach')
     """
     if group <= 1 or (group <= per_machine and per_machine % group == 0):
         return None

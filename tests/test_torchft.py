@@ -183,6 +183,25 @@ def test_a_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_
 
 
 @pytest.mark.process
+def test_processes_that_resume_from_different_checkpoints_stop_in_one_sentence(tmp_path):
+    """Machines that do not share output_dir resume from what each one holds: here rank 0 resumes from a round
+    checkpoint and rank 1 from none. Before the first step every process learns that the launch starts at steps 0
+    and 4, and the launch ends in one sentence naming the shared filesystem or save_on_each_node, instead of
+    training replicas that are rounds apart (or waiting forever in a collective only one side makes)."""
+    run_torch_backend(tmp_path / "first", {"save_every_rounds": 1}, max_steps=8)
+    checkpoint = tmp_path / "first" / "run" / "checkpoint-4"
+    assert checkpoint.is_dir()
+    out = tmp_path / "second"
+    out.mkdir()
+    result = accelerate_launch([TORCHFT_RUN, json.dumps({"out": str(out), "backend": "torch", "max_steps": 8,
+                                                         "resume_by_rank": {"0": str(checkpoint)}})],
+                               config=ACCELERATE_CPU_2PROC, timeout=240)
+    assert result.returncode != 0
+    assert "the processes of this launch start at different steps (0 and 4)" in result.stderr, result.stderr[-3000:]
+    assert "save_on_each_node: true" in result.stderr and not read_syncs(out / "run")
+
+
+@pytest.mark.process
 def test_no_checkpoint_is_saved_from_a_global_model_that_is_not_finite(tmp_path):
     """Two replicas (torch backend), a checkpoint every round (H = 4, 12 steps, save_total_limit 1). θ_global is
     spoiled with a NaN after step 5 (no sync can do that now: a non-finite average is refused, but an outer step is

@@ -29,10 +29,10 @@ one); the replica then also writes the dtypes of its outer state to `outer<r>.js
 makes replica r lie in its n-th sync: it reports finite values and sends a NaN, or reports that merge weight.
 "claim_tokens": [r, n, tokens] makes replica r report that many tokens in its n-th sync's membership row
 (torchft; its weight computed from them) or agreement (torch, time budgets). "nan_global_at_step": s fills one
-value of θ_global with NaN after step s.
-"noisy_start": true makes replica 1 send its own parameters instead of zeros when replicas built apart take the
-first participant's. "globals": true writes θ_global after every step that ends a round of H
-(`global<p>-<step>.pt`, p the process on torch, the replica on torchft).
+value of θ_global with NaN after step s. "resume_by_rank": {rank: checkpoint} makes each process of a torch launch
+resume from its own checkpoint, or from none. "noisy_start": true makes replica 1 send its own parameters instead
+of zeros when replicas built apart take the first participant's. "globals": true writes θ_global after every step
+that ends a round of H (`global<p>-<step>.pt`, p the process on torch, the replica on torchft).
 
 The argument may also be a list of such objects: the process trains each in turn (a new model, Trainer and, on
 torchft, Manager each time), so that one start-up serves several runs; "log": path then sends the run's output (this
@@ -326,7 +326,9 @@ def run(settings: dict) -> None:
         trainer.add_callback(SpoilGlobal(trainer, settings["nan_global_at_step"]))
     if settings.get("globals"):
         trainer.add_callback(GlobalsAfterSyncs(trainer, out, config.process_index if backend == "torch" else replica))
-    trainer.train()
+    # "resume_by_rank": {rank: checkpoint}: each process resumes from its own (or none), as machines that do not
+    # share output_dir would.
+    trainer.train(resume_from_checkpoint=settings.get("resume_by_rank", {}).get(os.environ.get("RANK", "0")))
     # Every process of the torch launch writes its own; on torchft, member 0 writes its replica's.
     if backend == "torch" or trainer.args.process_index == 0:
         rank = trainer.args.process_index if backend == "torch" else replica
