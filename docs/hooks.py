@@ -46,17 +46,32 @@ def cli_help() -> str:
 
 
 def fields_table(name: str) -> str:
+    """The table of the fields `name` adds: each with its type, its default as Python writes it (a string quoted,
+    so an empty one shows) and its help, whose prose is escaped so that Markdown shows it as written (`*` of a
+    formula, `<output_dir>` of a path); the parts in backticks stay code."""
     from hf_diloco import config
 
-    rows = ["| field | default | meaning |", "|---|---|---|"]
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(getattr(config, name)):
         if not field.init or field.name in _inherited(name):
             continue
         default = field.default if field.default is not dataclasses.MISSING else (
-            field.default_factory() if field.default_factory is not dataclasses.MISSING else "")
-        meaning = (field.metadata.get("help") or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{field.name}` | `{default}` | {meaning} |")
+            field.default_factory() if field.default_factory is not dataclasses.MISSING else None)
+        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        meaning = _as_written(" ".join((field.metadata.get("help") or "").split()))
+        rows.append(f"| `{field.name}` | `{kind}` | `{default!r}` | {meaning} |")  # (a | in code splits no cell)
     return "\n".join(rows)
+
+
+def _as_written(text: str) -> str:
+    """Markdown that shows `text` as written in a table cell: outside its backtick spans, HTML's, emphasis's and the
+    table's characters are escaped (inside code spans none needs to be)."""
+    import html
+
+    pieces = text.split("`")
+    for i in range(0, len(pieces), 2):  # the even pieces lie outside code spans
+        pieces[i] = html.escape(pieces[i], quote=False).replace("*", "\\*").replace("_", "\\_").replace("|", "\\|")
+    return "`".join(pieces)
 
 
 def _inherited(name: str) -> set[str]:
