@@ -697,9 +697,10 @@ class RunArguments:
     )
     model_name_or_path: str = field(
         default="tiny-llama",
-        metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M; tiny-t5 for "
-                          "seq2seq, tiny-bert for masked-lm and sequence-classification, tiny-vit for "
-                          "image-classification), a local model directory, or a Hub model id."},
+        metadata={"help": "A preset built from a config (tiny-llama ≈ 1M params, llama-20m ≈ 20M, llama-150m ≈ 155M "
+                          "(the paper's smallest), llama-7b ≈ 6.5B (Llama-2-7B's layers); tiny-t5 for seq2seq, "
+                          "tiny-bert for masked-lm and sequence-classification, tiny-vit for image-classification), a "
+                          "local model directory, or a Hub model id."},
     )
     torch_dtype: str = field(
         default="auto",

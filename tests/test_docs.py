@@ -97,6 +97,8 @@ def test_the_site_builds_strictly_with_the_pages_generated_from_the_code(tmp_pat
     shown = " ".join(html.unescape(api).split())  # the page's text as a reader sees it
     assert "theta_local <- alpha*theta_local + (1-alpha)*theta_global" in shown  # no italics, no lost arrow
     assert "to <output_dir>/merged" in shown and "str | None" in shown  # a path in brackets, a union type
+    reference = (site / "reference" / "cli" / "index.html").read_text()  # the same generated tables
+    assert all(f"<code>{name}</code>" in reference for name in added), [n for n in added if n not in reference]
     cli_page = (site / "reference" / "cli-help" / "index.html").read_text()
     assert all(f"hf-diloco {command}" in cli_page for command in ("train", "launch", "demo", "app", "push", "slurm"))
     assert 'src="../img/concepts.svg"' in (site / "concepts" / "index.html").read_text()
