@@ -92,6 +92,10 @@ def test_the_site_builds_strictly_with_the_pages_generated_from_the_code(tmp_pat
     added = [f.name for f in fields(DiLoCoConfig) if f.init and f.name not in inherited]
     assert len(added) > 30 and all(name in api for name in added), [n for n in added if n not in api]
     assert "Streaming DiLoCo: sync the model in F fragments" in api
+    called = ("load_model_and_tokenizer", "build_datasets", "build_task_datasets", "task_collator", "task_metrics",
+              "DiLoCoSeq2SeqTrainer", "DiLoCoSeq2SeqConfig", "give_chat_template", "predict")
+    assert all(f"{name} " in api for name in called), [n for n in called if f"{name} " not in api]
+    assert "get_tp_size" not in api and "continue_at_step" not in api  # Trainer's hooks and internals stay out
     import html
 
     shown = " ".join(html.unescape(api).split())  # the page's text as a reader sees it
