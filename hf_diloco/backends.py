@@ -58,8 +58,10 @@ from .errors import RunError
 from .schedule import Boundaries, Schedule
 
 # No replica's merge weight is more than this many times the median one's (bounded_shares): replicas of unequal
-# speed fit well inside it, one that claims a trillion tokens does not.
-WEIGHT_LIMIT = 8
+# speed fit inside it (under time budgets one round of a CPU-quota'd replica has held a tenth of a fast one's
+# steps, and a GPU generation apart is about 10x), one that claims a trillion tokens does not. The bound trades
+# the two: at 64, a liar among two replicas still takes 64/65 of one merge, among eight 64/71.
+WEIGHT_LIMIT = 64
 
 
 def bounded_shares(claimed: list[float]) -> list[float]:
@@ -69,7 +71,7 @@ def bounded_shares(claimed: list[float]) -> list[float]:
     smaller). Every replica computes this from the same table, so all agree.
 
     >>> bounded_shares([4096.0, 2048.0, 1e12, -5.0, 5.0, float("nan")])
-    [4096.0, 2048.0, 16384.0, 0.0, 5.0, 0.0]
+    [4096.0, 2048.0, 131072.0, 0.0, 5.0, 0.0]
     """
     import statistics
 
@@ -276,18 +278,19 @@ class FixedGroup(Backend):
             if self.agreed is None:
                 return SyncStart(fragments=expected)
             return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
-        lowest, highest = self.comm.start_steps(step)
+        # The replicas must start from identical parameters: checked by digest before the first inner step, and
+        # rank 0's sent only where they differ (comm.ReplicaComm.start_identical), in the same all-reduce as the
+        # step each process starts at; θ_global is then taken again.
+        cost, (lowest, highest) = self.comm.start_identical(self.outer.params, step, resumed=self.resumed)
         if lowest != highest:
             raise RunError(
                 f"the processes of this launch start at different steps ({lowest} and {highest}): they resumed from "
                 f"different checkpoints, or some from none, as when each machine has its own output_dir folder; put "
                 f"output_dir on a filesystem every machine shares, or set save_on_each_node: true so that each "
                 f"machine keeps every checkpoint itself.")
-        if self.resumed:  # every replica loaded the same checkpoint (the same step, just agreed)
-            return SyncStart(empty=True, joining=True)
-        # The replicas must start from identical parameters: checked by digest before the first inner step, and
-        # rank 0's sent only where they differ (comm.ReplicaComm.start_identical); θ_global is then taken again.
-        cost = self.comm.start_identical(self.outer.params)
+        if self.resumed:  # every replica loaded the same checkpoint (the same step, just agreed) and keeps it
+            return SyncStart(empty=True, joining=True)  # (startup_bytes would make it take θ_global: the check's
+            # 144 bytes go unrecorded here)
         self.outer.take_replica()
         return SyncStart(empty=True, joining=True, startup_bytes=cost.bytes_sent)
 

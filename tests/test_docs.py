@@ -94,7 +94,7 @@ def test_the_site_builds_strictly_with_the_pages_generated_from_the_code(tmp_pat
     assert "Streaming DiLoCo: sync the model in F fragments" in api
     called = ("load_model_and_tokenizer", "build_datasets", "build_task_datasets", "task_collator", "task_metrics",
               "DiLoCoSeq2SeqTrainer", "DiLoCoSeq2SeqConfig", "give_chat_template", "predict")
-    assert all(f"{name} " in api for name in called), [n for n in called if f"{name} " not in api]
+    assert all(f"{name} " in api for name in called), [n for n in called if f"{n} " not in api]
     assert "get_tp_size" not in api and "continue_at_step" not in api  # Trainer's hooks and internals stay out
     import html
 

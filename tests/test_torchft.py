@@ -158,7 +158,7 @@ def test_a_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_
     """Replica 1 reports 10^12 tokens in its second sync (torchft: in its membership row, its weight computed from
     them, as an honest replica's is; torch: in a time-budget sync's agreement, where the tokens are the weights):
     every replica bounds it to WEIGHT_LIMIT times the median weight (the lower median: replica 0's), so the sync
-    merges with weights 1 : 8 rather than 1 : 10^8 (the record's weights are relative to the largest), both
+    merges with weights 1 : WEIGHT_LIMIT rather than 1 : 10^8 (the record's weights are relative to the largest), both
     replicas record those weights, and they end identical and finite."""
     from hf_diloco.backends import WEIGHT_LIMIT
 
