@@ -49,6 +49,7 @@ them on.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -73,8 +74,6 @@ def bounded_shares(claimed: list[float]) -> list[float]:
     >>> bounded_shares([4096.0, 2048.0, 1e12, -5.0, 5.0, float("nan")])
     [4096.0, 2048.0, 131072.0, 0.0, 5.0, 0.0]
     """
-    import statistics
-
     claimed = [w if w >= 0 else 0.0 for w in claimed]  # (NaN fails the comparison)
     positive = [w for w in claimed if w > 0]
     limit = WEIGHT_LIMIT * statistics.median_low(positive) if positive else 0.0

@@ -52,7 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan(training.dry_run_plan(run, config))
         return 0
     require_lighthouse(config)
-    import torch
+    import torch  # (here, not at the top: a refusal or a dry run answers without the seconds torch takes to load)
 
     try:
         trainer = training.train(run, config)
