@@ -268,8 +268,13 @@ def kill_replica_1(process: subprocess.Popen, out: Path, log: Path) -> dict:
 # --- digests ------------------------------------------------------------------------------------------------------
 
 
+# Keys a comparison leaves out beside the timing ones (--exclude-keys): a record field whose value a change between
+# the two trees moved on purpose (say so beside the table), so that everything else is still compared bit for bit.
+LEFT_OUT: set[str] = set()
+
+
 def is_timing(key: str) -> bool:
-    return key in TIMING_KEYS or key.endswith("seconds")
+    return key in TIMING_KEYS or key in LEFT_OUT or key.endswith("seconds")
 
 
 def deterministic_view(value, path: str = "", hashed: set | None = None, excluded: set | None = None):
@@ -420,7 +425,10 @@ def main() -> int:
     parser.add_argument("--keep", help="keep the run folders and logs in this folder (default: a temp folder, removed)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print the comparison table")
     parser.add_argument("--repeat", help="with --compare: the baseline's repeat, to mark digests that vary run to run")
+    parser.add_argument("--exclude-keys", default="", help="comma-separated record keys left out of the records "
+                        "digest beside the timing ones (a field the trees compared changed on purpose)")
     args = parser.parse_args()
+    LEFT_OUT.update(k.strip() for k in args.exclude_keys.split(",") if k.strip())
     if args.compare:
         return compare(*args.compare, args.repeat)
     if not args.out:
@@ -439,6 +447,7 @@ def main() -> int:
               "hf_diloco_file": probe.stdout.strip() or probe.stderr.strip()[-500:],
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "timing_keys": sorted(TIMING_KEYS), "timing_rule": "keys in timing_keys or ending in 'seconds'",
+              "left_out_keys": sorted(LEFT_OUT),
               "cases": {}}
     print(f"hf_diloco from {result['hf_diloco_file']}", flush=True)
     out_file = Path(args.out)

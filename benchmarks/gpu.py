@@ -175,6 +175,7 @@ def sync_and_codecs(args: argparse.Namespace) -> dict:
     import torch
 
     from hf_diloco.codecs import ErrorFeedback, make_codec
+    from hf_diloco.fragments import fragments_of
     from hf_diloco.models import load_model_and_tokenizer
     from hf_diloco.outer import OuterState
 
@@ -192,10 +193,11 @@ def sync_and_codecs(args: argparse.Namespace) -> dict:
             with torch.no_grad():  # the inner steps' doing, between syncs
                 for p in params:
                     p.add_(torch.randn(p.shape, generator=generator, device=device, dtype=p.dtype), alpha=1e-3)
-            for bucket in outer.buckets:
-                delta = outer.pseudo_gradient(bucket, device)
-                outer.step(bucket, delta)
-                outer.copy_to_replica(bucket)
+            for fragment in fragments_of(outer):
+                for bucket in fragment.buckets:
+                    delta = fragment.pseudo_gradient(bucket, device)
+                    fragment.outer_step(bucket, delta)
+                    fragment.copy_back(bucket)
 
         result["sync_seconds"][where] = timed(one_sync)
         del outer

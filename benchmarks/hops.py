@@ -1,5 +1,5 @@
 """How far one blocking sync travels through the code: from the DiLoCo callback's `on_step_end` to the copy back
-(`OuterState.copy_to_replica`), on one replica in this process (torch backend, tiny model, H = 2, one sync).
+(`Fragment.copy_back`), on one replica in this process (torch backend, tiny model, H = 2, one sync).
 
 Prints the call chain at the copy back (each hf_diloco frame from on_step_end down: the "hops"), the modules it
 crosses, and how many distinct hf_diloco functions, over how many modules, the step that syncs calls. A measure
@@ -52,7 +52,7 @@ def main() -> int:
         if not state["inside"]:
             return
         called.add(name(frame))
-        if frame.f_code.co_name == "copy_to_replica" and not chain:
+        if frame.f_code.co_name == "copy_back" and not chain:
             stack, walk = [], frame
             while walk is not None:
                 if walk.f_code.co_filename.startswith(package):

@@ -1,8 +1,8 @@
 """Who takes part in a sync: the backends.
 
-A sync (hf_diloco.engine: launch, then land; hf_diloco.outer: pseudo-gradient, codec with error feedback, outer
-step) is the same code whatever the backend. A backend answers who takes part, and supplies the collectives under
-the sync (its `comm`):
+A sync (hf_diloco.engine: launch, then land; hf_diloco.fragments: pseudo-gradient, codec with error feedback,
+outer step, copy back) is the same code whatever the backend. A backend answers who takes part, and supplies the
+collectives under the sync (its `comm`):
 
     torch     `FixedGroup`: the processes of one launch, a fixed set; every replica takes part in every sync,
               and a sync is a barrier (a replica that never arrives ends the run after sync_timeout). With H steps

@@ -635,7 +635,7 @@ class ReplicaComm:
         """Σ_i Δ_i over the replicas for one bucket of the flat fp32 pseudo-gradient; `delta` is left untouched.
 
         The caller divides by the total weight of the replicas that took part (the weighted mean of
-        hf_diloco.outer, whose weights ride along with the first bucket).
+        hf_diloco.fragments, whose weights ride along with the first bucket).
 
         Called by every process, once per bucket, in the same bucket order everywhere, with buckets of identical
         sizes (the trainer syncs the same buckets at the same steps on every process). With g > 1 each member

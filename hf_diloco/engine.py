@@ -1,11 +1,12 @@
 """The sync engine: every sync of every backend is `launch`, then `land`.
 
     launch(step)   the backend says who takes part (torch: every replica; torchft: the quorum, its weights, a heal);
-                   an overlapped sync's Δ_i are taken and sent in the background (hf_diloco.outer.exchange)
-    land(flight)   a blocking sync runs Algorithm 1 over its fragments' buckets, Δ_i, the average (the network) and
-                   the outer step and copy back one bucket at a time (hf_diloco.outer.outer_round); an overlapped one
-                   waits for its exchange, then steps and copies back (hf_diloco.outer.land), or nothing when the
-                   backend's vote rolled the sync back; then the sync's numbers go to the records
+                   an overlapped sync's fragments take their Δ_i, sent in the background (hf_diloco.fragments.exchange)
+    land(flight)   a blocking sync runs Algorithm 1 through its fragments' verbs, Δ_i, the average (the network),
+                   the outer step and the copy back one bucket at a time (hf_diloco.fragments.outer_round); an
+                   overlapped one waits for its exchange, then its fragments step and copy back
+                   (hf_diloco.fragments.land), or nothing when the backend's vote rolled the sync back; then the
+                   sync's numbers go to the records
 
 A blocking sync lands at the step it was launched. An overlapped sync (sync_delay τ > 0) takes its Δ_i at launch,
 runs the backend's start and the exchange in a background thread while the replica trains on, and lands τ steps
@@ -15,13 +16,15 @@ each replica runs a joining sync: the backend makes the replicas start from iden
 check and a broadcast where they differ; torchft: the quorum, where a late replica heals).
 
 Who decides what (the engine only sequences them):
-    fragments  each fragment's base θ, residual, sync in flight, last sync, what its Δ_i covers
-                                                                                     hf_diloco.fragments.Fragment
+    fragments  each fragment's θ_global and θ_i, residuals, sync in flight, last sync, what its Δ_i covers, and
+               the verbs of a sync (Δ_i, outer step, copy back)                      hf_diloco.fragments.Fragment
     schedule   which fragment is due at which step, with what τ                      hf_diloco.schedule.Schedule
     tuner      auto H, auto τ, where the staggered end falls                         hf_diloco.tuner.Tuner
     backend    who takes part, with what weight, the vote, healing                   hf_diloco.backends
     gate       contribution checks between launch and land: who is left out         hf_diloco.gate.Gate
-    outer      the arithmetic of Algorithm 1, one bucket at a time (outer_round; exchange and land)
+    sync       Algorithm 1 over the fragments a sync carries (outer_round; exchange and land)
+                                                                                     hf_diloco.fragments
+    outer      θ_global, the outer optimizer and its checkpoint                      hf_diloco.outer.OuterState
     health     a replica that is not finite restarts from θ_global; a run of them ends  hf_diloco.health.Health
     records    the sync's record, trackers and the summary                           hf_diloco.records.Records
 The engine is handed the replica's parameters, its inner optimizer, its communicator and (contribution_loss_check)
@@ -45,23 +48,23 @@ from .backends import FixedGroup, SyncStart, Verdict
 from .codecs import Codec, ErrorFeedback, make_codec
 from .config import ConfigError, DiLoCoConfig
 from .errors import first_line
-from .fragments import Fragment, outer_state_and_fragments, since_base
-from .gate import Gate
-from .health import Health
-from .outer import (
+from .fragments import (
     Exchange,
-    OuterState,
+    Fragment,
     StatsFn,
     SyncResult,
     exchange,
-    is_finite,
     land,
+    load_residuals,
     outer_round,
-    pseudo_gradients,
-    replica_copies,
-    snapshot,
+    outer_state_and_fragments,
+    residuals_state,
+    since_base,
     sync_device,
 )
+from .gate import Gate
+from .health import Health
+from .outer import OuterState, is_finite
 from .records import Records, ReplicaStats, SyncStats, arrival_clock, quorum_record, sync_record
 from .schedule import Boundaries, Schedule, TimeBudget
 from .torchft_backend import TorchftQuorum
@@ -221,7 +224,6 @@ class SyncEngine:
         self.codec: Codec | None = None if args.compression == "none" else make_codec(
             args.compression, chunk=args.compression_chunk, sparse_k=args.sparse_k, sparse_chunk=args.sparse_chunk,
             sparse_bits=args.sparse_bits)
-        self.feedback: ErrorFeedback | None = None
         self.outer: OuterState | None = None
         self.fragments: list[Fragment] = []
         self.backend = None
@@ -259,16 +261,15 @@ class SyncEngine:
         self.max_steps = max_steps
         self.inner_optimizer = inner_optimizer
         self.gate.attach(inner_optimizer, held_out_loss)
-        if args.error_feedback:
-            self.feedback = ErrorFeedback(args.error_feedback_decay, "cpu" if args.offload_outer_state
-                                          else comm.device)
+        residuals = "cpu" if args.offload_outer_state else comm.device
+        feedback = (lambda: ErrorFeedback(args.error_feedback_decay, residuals)) if args.error_feedback else None
         try:
             self.outer, self.fragments = outer_state_and_fragments(named, args.num_fragments, args.fragment_pattern,
-                                                                   self.feedback, **outer_settings(args))
+                                                                   feedback, **outer_settings(args))
         except ValueError as error:  # a fragment that would sync nothing, named
             raise ConfigError(str(error)) from None
         if args.outer_backend == "torchft":
-            self.backend = TorchftQuorum(args, comm, self.outer, self.feedback, self.schedule, max_steps,
+            self.backend = TorchftQuorum(args, comm, self.outer, self.fragments, self.schedule, max_steps,
                                          resumed=outer_state is not None)
         else:
             self.backend = FixedGroup(comm, self.outer, self.schedule, outer_state is not None, max_steps=max_steps,
@@ -284,7 +285,7 @@ class SyncEngine:
             except ValueError as error:  # the checkpoint's outer state, named: another model's, or damaged
                 raise ConfigError(f"{first_line(error)}; resume from a checkpoint of this run, or start afresh in "
                                   f"another output_dir.") from None
-            self.outer.copy_global_to_replica()
+            self.take_global()
             self.load_state_dict(replica_state)
         self._place_end(step, max_steps, warn=True)
 
@@ -302,6 +303,12 @@ class SyncEngine:
         return SyncOutcome(synced=True, continue_at=self.continue_at, run_over=self.backend.run_over(),
                            syncs_landed=self.tuner.syncs_landed)
 
+    def take_global(self) -> None:
+        """θ_i ← θ_global, every fragment (Fragment.take_global): a resumed replica, one that starts again, the
+        run's final model."""
+        for fragment in self.fragments:
+            fragment.take_global()
+
     def _step(self, step: int) -> int:
         """This replica's step, as this step's syncs moved it."""
         return step if self.continue_at is None else max(step, self.continue_at)
@@ -315,7 +322,7 @@ class SyncEngine:
         replica holds the final model, θ_global)."""
         self.continue_at = None
         if self.backend.run_over():  # torchft: healed from a replica that finished the run
-            self.outer.copy_global_to_replica()
+            self.take_global()
             return SyncOutcome(run_over=True, syncs_landed=self.tuner.syncs_landed)
         landing = self.lands_now(step, max_steps)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
@@ -335,7 +342,7 @@ class SyncEngine:
                 stop |= self.land(flight, step, max_steps)
         if self.backend.run_over() or (step >= max_steps and self.schedule.end is not None):
             # The run's last sync landed (the staggered end: every fragment's last): the final model is θ_global.
-            self.outer.copy_global_to_replica()
+            self.take_global()
         at_boundary = self.in_flight is None  # (an agreed window is handed over at a boundary only)
         return SyncOutcome(synced=True, stop=stop, at_boundary=at_boundary, continue_at=self.continue_at,
                            window=self.backend.take_window() if at_boundary else None,
@@ -387,9 +394,11 @@ class SyncEngine:
         for fragment in self.fragments:
             fragment.launched(step, self.progress, carried=fragment.index in carried)
         if self.args.sync_delay > 0 and step < max_steps and not joining and self.backend.may_overlap():
-            buckets = self._buckets(carried)
-            deltas = snapshot(self.outer, self.comm, buckets, sync_device(self.outer, self.comm, self.codec))
-            flight.launched = replica_copies(self.outer, buckets) if self.args.overlap_landing == "eager" else None
+            fragments, buckets = self._carried(carried), self._buckets(carried)
+            device = sync_device(self.outer, self.comm, self.codec)
+            deltas = [delta for fragment in fragments for delta in fragment.pseudo_gradients(device)]
+            flight.launched = {b: held for fragment in fragments for b, held in fragment.replica_copies().items()} \
+                if self.args.overlap_landing == "eager" else None
             if checking:
                 local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, carried))
             if self.executor is None:
@@ -401,9 +410,9 @@ class SyncEngine:
             self.in_flight = flight
             flight.progress, self.progress = self.progress, Progress()
             return flight
-        if checking:
-            buckets = self._buckets(carried)
-            local["checks"] = self.gate.row(self.comm, buckets, pseudo_gradients(self.outer, self.comm, buckets),
+        if checking:  # (each bucket's Δ_i formed as its norm is taken)
+            deltas = (f.pseudo_gradient(b, self.comm.device) for f in self._carried(carried) for b in f.buckets)
+            local["checks"] = self.gate.row(self.comm, self._buckets(carried), deltas,
                                             since_base(self.fragments, carried), with_loss=True)
         flight.start = self.backend.start(step, max_steps, local, carried, joining=joining)
         with self.comm.rendezvous.naming_the_absent(step):
@@ -411,9 +420,13 @@ class SyncEngine:
         flight.exchange_began = time.perf_counter()
         return flight
 
-    def _buckets(self, fragments: list[int]) -> list[int]:
-        """The buckets of the `fragments` a sync carries, in their order."""
-        return [b for f in fragments for b in self.fragments[f].buckets]
+    def _carried(self, indices: list[int]) -> list[Fragment]:
+        """The fragments of these indices (those a sync carries), in their order."""
+        return [self.fragments[f] for f in indices]
+
+    def _buckets(self, indices: list[int]) -> list[int]:
+        """The buckets of the fragments a sync carries, in their order."""
+        return [b for f in self._carried(indices) for b in f.buckets]
 
     def _judge(self, start: SyncStart, local: dict) -> SyncStart:
         """`start` with the gate's verdict on this sync's contributions (hf_diloco.gate)."""
@@ -426,14 +439,12 @@ class SyncEngine:
 
     def _blocking(self, flight: Flight, alpha: float) -> SyncResult:
         """A blocking sync, once the backend started it: Algorithm 1 over the buckets of the fragments it carries
-        (hf_diloco.outer.outer_round). A replica healed in this sync sends its Δ_i against the base it left."""
+        (hf_diloco.fragments.outer_round). A replica healed in this sync sends its Δ_i against the base it left."""
         start = flight.start
-        buckets = self._buckets(start.fragments)
-        return outer_round(self.outer, self.comm, buckets, codec=self.codec, feedback=self.feedback,
-                           stats=flight.stats, weight=start.weight, alpha=alpha, decoded=flight.checking,
-                           finite=flight.finite,
-                           deltas=None if start.stash is None else [start.stash[b] for b in buckets],
-                           device=sync_device(self.outer, self.comm, self.codec))
+        stash = None if start.stash is None else [start.stash[b] for b in self._buckets(start.fragments)]
+        return outer_round(self._carried(start.fragments), self.comm, codec=self.codec, stats=flight.stats,
+                           weight=start.weight, alpha=alpha, decoded=flight.checking, finite=flight.finite,
+                           deltas=stash, device=sync_device(self.outer, self.comm, self.codec))
 
     def _in_background(self, step: int, max_steps: int, local: dict, carried: list[int],
                        deltas: list[torch.Tensor], stats: StatsFn,
@@ -451,22 +462,21 @@ class SyncEngine:
         sitting_out = start.weight == 0
         start = self._judge(start, local)
         began = time.perf_counter()
-        buckets = self._buckets(start.fragments)
+        fragments = self._carried(start.fragments)
         weight = start.weight
         if start.fragments != carried or sitting_out:
-            deltas = [torch.zeros(self.outer.bucket_numel(self.outer.buckets[b]), device=self.comm.device)
-                      for b in buckets]
+            deltas = [torch.zeros(f.numel(b), device=self.comm.device) for f in fragments for b in f.buckets]
             weight = 0.0
         if start.empty:
-            sent = Exchange([], [], self._vote_only(start), weight=0.0)
+            sent = Exchange([], self._vote_only(start), weight=0.0)
         else:
-            sent = exchange(self.comm, buckets, deltas, codec=self.codec, feedback=self.feedback, stats=stats,
-                            weight=weight, finite=finite, decoded="checks" in local)
+            sent = exchange(self.comm, fragments, deltas, codec=self.codec, stats=stats, weight=weight,
+                            finite=finite, decoded="checks" in local)
         return start, sent, began, time.perf_counter()
 
     def land(self, flight: Flight, step: int, max_steps: int) -> bool:
-        """Finish `flight` at `step`, whatever its kind: run a blocking sync (outer.outer_round), or wait for a
-        background exchange (blocked time) and apply it if it committed (outer.land); α and the weight it was sent
+        """Finish `flight` at `step`, whatever its kind: run a blocking sync (fragments.outer_round), or wait for a
+        background exchange (blocked time) and apply it if it committed (fragments.land); α and the weight it was sent
         with are the same arithmetic for every kind. Then its record is handed on. Returns whether a participant
         asked to stop."""
         overlapped = flight.future is not None
@@ -485,7 +495,7 @@ class SyncEngine:
         alpha, launched = (0.0, None) if step >= max_steps else (self.args.fragment_alpha, flight.launched)
         with self.comm.rendezvous.naming_the_absent(flight.launched_at):
             if overlapped:
-                result = flight.exchange.result if start.empty else land(self.outer, flight.exchange, alpha, launched)
+                result = flight.exchange.result if start.empty else land(flight.exchange, alpha, launched)
             else:
                 result = self._vote_only(start) if start.empty else self._blocking(flight, alpha)
         if start.empty:
@@ -563,7 +573,7 @@ class SyncEngine:
             inner_lr=self.inner_optimizer.param_groups[0]["lr"], num_replicas=self.comm.num_replicas,
             group_size=self.comm.group_size, sharded=self.comm.sharded,
             ddp_payload=sum(n * p.itemsize for n, p in zip(self.outer.full_numels, self.outer.params, strict=True)),
-            compression=self.args.compression + ("+ef" if self.feedback is not None else ""),
+            compression=self.args.compression + ("+ef" if self.args.error_feedback else ""),
             synced_parameters=sum(self.fragments[f].size for f in start.fragments))
         if flight.launched_at != step:  # (a mix landing keeps α of the steps taken in flight, eager all of them)
             record.update(launch_step=flight.launched_at, in_flight_steps=flight.in_flight_steps)
@@ -592,7 +602,7 @@ class SyncEngine:
             fragment.decided(step, result.committed and fragment.index in start.fragments, self.args.fragment_alpha,
                           fresh)
         if restart:
-            self.outer.copy_global_to_replica()
+            self.take_global()
         if rebase:
             self.gate.rebase()
         lines = self.gate.record(start.excluded, record) if record and not start.empty else []
@@ -641,8 +651,9 @@ class SyncEngine:
         state = self.schedule.state_dict()
         if self.backend is not None and self.backend.state_dict():
             state["backend"] = self.backend.state_dict()
-        if self.feedback is not None:
-            state["error_feedback"] = self.feedback.state_dict()
+        residuals = residuals_state(self.fragments)
+        if residuals is not None:
+            state["error_feedback"] = residuals
         args = self.args
         if self.outer is not None and (args.num_fragments > 1 or args.fragment_alpha > 0
                                        or args.overlap_landing == "eager"):
@@ -654,7 +665,7 @@ class SyncEngine:
         """Put back what `state_dict` kept (a resumed replica, once θ_global and the backend exist)."""
         self.schedule.load_state_dict(state, staggered=self.args.staggered_end)
         self.backend.load_state_dict(state.get("backend", {}))
-        if self.feedback is not None and "error_feedback" in state:
-            self.feedback.load_state_dict(state["error_feedback"])
+        if "error_feedback" in state and self.args.error_feedback:
+            load_residuals(self.fragments, state["error_feedback"])
         for param, saved in zip(self.outer.params, state.get("params", []), strict=False):
             param.copy_(saved)

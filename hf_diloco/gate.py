@@ -19,8 +19,8 @@ from dataclasses import replace
 from .backends import SyncStart
 from .config import DiLoCoConfig
 from .contributions import CHECK_FIELDS, ContributionChecks, Limits, judge, leave_one_out
+from .fragments import SyncResult, norm
 from .inner import unwrapped
-from .outer import SyncResult, norm
 
 
 class Gate:

@@ -1,8 +1,8 @@
 """What a sync does about values that are not finite: a replica whose pseudo-gradient holds a NaN or an infinity sits
-the sync out (weight 0: hf_diloco.outer) and restarts from θ_global (the engine copies it) with its inner optimizer
+the sync out (weight 0: hf_diloco.fragments) and restarts from θ_global (the engine copies it) with its inner optimizer
 state started afresh where that state is not finite either; a run in which no replica brings a finite
 pseudo-gradient for `max_bad_rounds` rounds in a row, or whose syncs are refused that long (what arrived broke a bound:
-hf_diloco.outer.SyncResult.refuse), stops with one sentence instead of training on garbage."""
+hf_diloco.fragments.SyncResult.refuse), stops with one sentence instead of training on garbage."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import logging
 import torch
 
 from .errors import RunError
-from .outer import SyncResult, is_finite
+from .fragments import SyncResult
+from .outer import is_finite
 
 logger = logging.getLogger(__name__)
 

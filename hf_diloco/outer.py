@@ -1,4 +1,5 @@
-"""The DiLoCo outer step (Douillard et al., arXiv 2311.08105, Algorithm 1), one bucket at a time.
+"""θ_global and the outer optimizer of DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1), and how the
+replica's parameters are cut into buckets and streaming fragments.
 
     θ_global  parameters every replica agreed on at the start of the round (fp32)
     for each round:
@@ -8,33 +9,19 @@
         all replicas:    θ_global ← OuterOpt(θ_global, Δ)   (SGD, lr 0.7, momentum 0.9, Nesterov by default)
         each replica i:  θ_i ← θ_global                     (inner optimizer state is kept)
 
-A blocking sync is that loop body as written, one bucket at a time: `outer_round`, the production path of every sync
-that does not overlap inner steps (Δ_i, its codec and the average run there, in the open, then the outer step and
-the copy back). A sync that overlaps inner steps, or waits for a vote, runs it in two halves: `exchange` (the first
-three lines, every bucket's average held) and later `land` (the last two).
-Streaming DiLoCo (arXiv 2501.18512) syncs one fragment of the model at a time, and with an overlap of τ
-inner steps lands it τ steps after the exchange started (which then runs in the background), where the copy back
-mixes θ_i ← α·θ_i + (1 − α)·θ_global. hf_diloco.engine decides when each half runs; these lines are the same for
-every sync of every backend.
-
-Backends (hf_diloco.backends) change who takes part, not these lines: the mean is a weighted one,
-Δ = Σ_i w_i Δ_i / Σ_i w_i, with w_i = 1 on a fixed group (the plain mean, bit for bit) and torchft's token and
-staleness weights on a quorum; a replica whose parameters are not finite takes part with w_i = 0. A backend that
-votes on each sync (torchft) applies a sync only if it commits.
+`OuterState` holds θ_global, the one outer optimizer over it, the buckets and fragments it is cut into, and its
+checkpoint (with the checks a saved or received state passes). The round's loop body is the fragments':
+hf_diloco.fragments (each fragment's verbs, and `outer_round`, the blocking sync that reads as the loop above).
 
 Design choices:
 - θ_global and the outer optimizer state are fp32 whatever the model's dtype, on CPU by default (`offload`; pinned
   host memory under a CUDA model), so the outer loop costs no accelerator memory.
 - Bounded memory: the parameters are cut into buckets of at most `bucket_numel` values, and a blocking sync forms,
-  sends, receives and applies one bucket before it starts the next. The extra memory of a sync is the bucket's
-  Δ_i, its average Δ and the codec's payloads, whatever the model's size. (A sync that waits for a vote, or runs
-  in the background, holds every bucket's average until it is applied.)
+  sends, receives and applies one bucket before it starts the next. Buckets never straddle fragments.
 - The outer optimizer is one stock torch optimizer over θ_global; a bucket's step sets the gradients of its
   parameters only, and torch optimizers skip parameters without a gradient, so stepping bucket by bucket is the
   same arithmetic as one step over all of them. torch's Nesterov SGD computes v ← μ v + Δ; θ ← θ − lr (Δ + μ v),
   the formulation DiLoCo uses.
-- Every replica runs the identical outer step on the identical averaged Δ, so after `land` (with α = 0) all
-  replicas hold bit-identical parameters in the synced buckets without a broadcast.
 - Only the parameters handed in are synced: for a PEFT model these are the trainable adapter weights.
 """
 
@@ -42,14 +29,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 import torch
 from torch import nn
-
-from .codecs import Codec, ErrorFeedback
-from .comm import ReplicaComm, SyncCost
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -203,20 +186,16 @@ def assign_fragments(names: list[str], num_fragments: int, pattern: str = "strid
 
 
 class OuterState:
-    """θ_global and the outer optimizer (the outer state), cut into buckets; the per-bucket steps of a sync.
+    """θ_global and the outer optimizer (the outer state) over the replica's trainable parameters, cut into buckets
+    (`buckets`: parameter indices; `fragment_buckets`: each streaming fragment's buckets), and its checkpoint. The
+    verbs of a sync are each fragment's (hf_diloco.fragments.Fragment): it steps this optimizer on its own buckets.
 
-    >>> replica = [nn.Parameter(torch.tensor([1.0, 2.0]))]
-    >>> outer = OuterState(replica, lr=1.0, momentum=0.0, nesterov=False)
-    >>> with torch.no_grad():
-    ...     _ = replica[0].sub_(torch.tensor([0.5, 0.5]))     # pretend the inner steps moved θ_i
-    >>> bucket = outer.buckets[0]
-    >>> delta = outer.pseudo_gradient(bucket)               # Δ_i = θ_global − θ_i
-    >>> delta.tolist()
-    [0.5, 0.5]
-    >>> outer.step(bucket, delta)                            # lr 1, no momentum: θ_global ← θ_i
-    >>> outer.copy_to_replica(bucket)
-    >>> replica[0].tolist()
-    [0.5, 1.5]
+    >>> outer = OuterState([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(5))], lr=0.7, momentum=0.9,
+    ...                    nesterov=True, bucket_numel=4, fragments=[[0], [1]])
+    >>> outer.buckets, outer.fragment_buckets                  # the 5 values of parameter 1 are a bucket alone
+    ([[0], [1]], [[0], [1]])
+    >>> outer.global_params[1].dtype, outer.numel
+    (torch.float32, 8)
     """
 
     def __init__(
@@ -304,59 +283,6 @@ class OuterState:
         """Number of values this process syncs (its shards, or every parameter)."""
         return sum(p.numel() for p in self.params)
 
-    def bucket_numel(self, bucket: list[int]) -> int:
-        return sum(self.params[i].numel() for i in bucket)
-
-    @torch.no_grad()
-    def pseudo_gradient(self, bucket: list[int], device: torch.device | None = None) -> torch.Tensor:
-        """Δ_i = θ_global − θ_i for one bucket, flat fp32 on `device` (the communication device)."""
-        device = device or torch.device("cpu")
-        out = torch.empty(self.bucket_numel(bucket), dtype=torch.float32, device=device)
-        offset = 0
-        for i in bucket:  # written in place: no per-parameter temporaries beside the bucket
-            n = self.params[i].numel()
-            global_param = self.global_params[i].reshape(-1).to(device)
-            torch.sub(global_param, self.params[i].reshape(-1).to(device, torch.float32), out=out[offset : offset + n])
-            offset += n
-        return out
-
-    @torch.no_grad()
-    def step(self, bucket: list[int], delta: torch.Tensor) -> None:
-        """θ_global ← OuterOpt(θ_global, Δ) for the bucket's parameters only."""
-        offset = 0
-        for i in bucket:
-            target = self.global_params[i]
-            n = target.numel()
-            target.grad = delta[offset : offset + n].view_as(target).to(target.device)
-            offset += n
-        assert offset == delta.numel(), "pseudo-gradient bucket size does not match its parameters"
-        self.optimizer.step()
-        for i in bucket:
-            self.global_params[i].grad = None
-
-    @torch.no_grad()
-    def copy_to_replica(self, bucket: list[int], alpha: float = 0.0, since: list[torch.Tensor] | None = None) -> None:
-        """θ_i ← α·θ_i + (1 − α)·θ_global for the bucket (α = 0: a plain copy, bit for bit); with `since` (the
-        bucket's θ_i at an earlier step, `replica_copy`), θ_i ← θ_global + (θ_i − since): the replica's steps since
-        then kept on top of θ_global."""
-        for k, i in enumerate(bucket):
-            param, global_param = self.params[i], self.global_params[i]
-            if since is not None:
-                param.copy_(global_param + (param.to(global_param.device, torch.float32) - since[k]))
-            elif alpha == 0:
-                param.copy_(global_param)
-            else:
-                param.copy_(alpha * param.to(global_param.device, torch.float32) + (1 - alpha) * global_param)
-
-    @torch.no_grad()
-    def replica_copy(self, bucket: list[int]) -> list[torch.Tensor]:
-        """θ_i of the bucket's parameters now: fp32 copies beside θ_global (on its device)."""
-        return [self.params[i].detach().to(self.global_params[i].device, torch.float32, copy=True) for i in bucket]
-
-    def copy_global_to_replica(self) -> None:
-        for bucket in self.buckets:
-            self.copy_to_replica(bucket)
-
     @torch.no_grad()
     def take_replica(self) -> None:
         """θ_global ← θ_i (fp32), as at construction: after the replicas' start was made identical."""
@@ -429,108 +355,6 @@ class OuterState:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-# --- one sync ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SyncResult:
-    """What a sync measured beside the math: who took part and with what weight, norms, agreement, statistics,
-    cost, and whether the sync landed."""
-
-    weights: list[float] | None = None  # per replica: its weight in the average (0: it sat the sync out)
-    local_norm_sq: float = 0.0  # ‖Δ_i‖² of this replica's pseudo-gradient over the sync's buckets
-    average_norm_sq: float = 0.0  # ‖Δ‖²
-    dot: float = 0.0  # Δ_i · Δ, for the agreement cos(Δ_i, Δ)
-    unsent_norm_sq: float = 0.0  # a replica of weight 0: ‖Δ_i‖² and Δ_i · Δ of what it did not send (its checks)
-    unsent_dot: float = 0.0
-    # With a codec and `exchange(decoded=True)`: ‖D_i‖² and D_i · Δ of what the others decoded of this replica's
-    # contribution D_i (weighted, as sent); None without (fp32 sends Δ_i exactly)
-    decoded_norm_sq: float | None = None
-    decoded_dot: float | None = None
-    stats: torch.Tensor | None = None  # [g, M, k] statistics of every process
-    cost: SyncCost = field(default_factory=lambda: SyncCost(0, 0, 0, 0))
-    fp32_bytes_sent: int = 0  # what an fp32 all-reduce of the same values would have sent
-    committed: bool = True  # False: a backend that votes (torchft) rolled the sync back, or the sync was refused
-    # Why the sync was refused, if it was (`refuse`): what arrived breaks a bound no honest replica breaks
-    refused: list[str] = field(default_factory=list)
-
-    def refuse(self, reason: str) -> None:
-        """What arrived cannot be applied (a merge weight out of bounds, an average that is not finite): the outer
-        step is skipped from this bucket on and the replicas keep their own parameters, as for a sync rolled back."""
-        self.refused.append(reason)
-        self.committed = False
-
-    @property
-    def healthy(self) -> list[bool] | None:
-        return None if self.weights is None else [w > 0 for w in self.weights]
-
-    @property
-    def participants(self) -> int:
-        return sum(w > 0 for w in self.weights) if self.weights is not None else 0
-
-    @property
-    def total_weight(self) -> float:
-        return sum(self.weights) if self.weights is not None else 0.0
-
-    def own_terms(self, weight: float, decoded: bool = False) -> tuple[float, float]:
-        """(‖Δ_i‖², Δ_i · Δ) of this replica's own, unweighted pseudo-gradient, whatever weight it sent with; with
-        `decoded` and a codec, of what the others decoded of it instead (D_i / w_i), which is what the average
-        holds of it."""
-        if weight > 0 and decoded and self.decoded_norm_sq is not None:
-            return self.decoded_norm_sq / weight**2, self.decoded_dot / weight
-        if weight > 0:
-            return self.local_norm_sq / weight**2, self.dot / weight
-        return self.unsent_norm_sq, self.unsent_dot
-
-    def agreement(self, replica_index: int) -> float:
-        """cos(Δ_i, Δ) of this replica's own Δ_i, whatever weight it sent with (a replica left out has one too)."""
-        own_norm_sq, own_dot = self.own_terms(self.weights[replica_index]) if self.weights is not None else \
-            (self.local_norm_sq, self.dot)
-        scale = math.sqrt(own_norm_sq * self.average_norm_sq)
-        return own_dot / scale if scale > 0 else float("nan")
-
-    def sum_over_members(self, comm: ReplicaComm) -> None:
-        """A replica of several processes: its norms and dot products as sums over its members' parts (sharded:
-        every term is a shard's; otherwise only the decoded terms are per member: each member decodes its own
-        slice). One all-reduce of a few numbers inside the replica."""
-        names = ["local_norm_sq", "average_norm_sq", "dot", "unsent_norm_sq", "unsent_dot"] if comm.sharded else []
-        if self.decoded_norm_sq is not None and comm.group_size > 1:
-            names += ["decoded_norm_sq", "decoded_dot"]
-        if names:
-            for name, value in zip(names, comm.control.members_total([getattr(self, n) for n in names]), strict=True):
-                setattr(self, name, value)
-
-    def count_extra(self, sent: int) -> None:
-        """Bytes the sync sent beside its exchange (membership, check tables); an fp32 sync sends the same tables,
-        so they count in both and a codec's ratio stays its own."""
-        self.cost.bytes_sent += sent
-        self.fp32_bytes_sent += sent
-
-    def add_cost(self, cost: SyncCost, fp32_bytes: int) -> None:
-        self.cost.payload_bytes += cost.payload_bytes
-        self.cost.bytes_sent += cost.bytes_sent
-        self.cost.intra_replica_bytes += cost.intra_replica_bytes
-        self.cost.collectives += cost.collectives
-        self.fp32_bytes_sent += fp32_bytes
-
-
-@dataclass
-class Exchange:
-    """The first half of a sync: every bucket's averaged Δ, waiting to be applied (`land`). `weight` is the weight
-    this replica sent with (0: it sat the sync out, and takes θ_global as it is)."""
-
-    buckets: list[int]
-    averaged: list[tuple[int, torch.Tensor]]
-    result: SyncResult
-    weight: float = 1.0
-
-
-# Statistics that ride along with a sync's last collective, made once ‖Δ_i‖² of the whole sync is known. Slot 0
-# is reserved for this replica's weight, which the sync fills in; the first bucket carries the weight alone when
-# the sync has several, so every process knows every weight before it divides the first sum.
-StatsFn = Callable[[float], torch.Tensor]
-
-
 def is_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True when no value is NaN or infinite: one boolean reduction per tensor, no copy of it, and one read of the
     answers per device (an accelerator is waited for once, not once per tensor)."""
@@ -538,215 +362,3 @@ def is_finite(tensors: Iterable[torch.Tensor]) -> bool:
     for t in tensors:
         flags.setdefault(t.device, []).append(torch.isfinite(t).all())
     return all(bool(torch.stack(found).all()) for found in flags.values())
-
-
-def sync_device(outer: OuterState, comm: ReplicaComm, codec: Codec | None) -> torch.device:
-    """Where a sync forms and averages Δ_i: the communication device (the accelerator for NCCL, the host for gloo),
-    except for a replica with nobody to reduce with and no codec, which keeps the whole sync on its model's device:
-    a lone GPU replica sends nothing through the host but what its offloaded outer step needs."""
-    if comm.active or comm.group_size > 1 or (codec is not None and codec.name != "none"):
-        return comm.device
-    return outer.params[0].device
-
-
-def _riding(position: int, count: int, weight: float, stats: StatsFn | None) -> StatsFn | None:
-    if position == count - 1 and stats is not None:
-        def full(norm_sq: float) -> torch.Tensor:
-            values = stats(norm_sq).clone()
-            values[0] = weight
-            return values
-
-        return full
-    if position == 0:
-        return lambda _norm_sq: torch.tensor([weight], dtype=torch.float64)
-    return None
-
-
-def _counted_dot(comm: ReplicaComm, index: int, a: torch.Tensor, b: torch.Tensor) -> float:
-    """a · b over what this process counts of bucket `index`: everything, except that with tensor parallel the
-    values several processes of the replica hold alike count on one of them only (comm.repeated_spans), so that the
-    replica's sum over its members (Control.shards_total) counts them once."""
-    def dot(x: torch.Tensor, y: torch.Tensor) -> float:
-        return float(torch.linalg.vector_norm(x)) ** 2 if x is y else float(torch.dot(x, y))
-
-    total = dot(a, b)
-    if comm.sharded and comm.repeated_spans:
-        for at, n in comm.repeated_spans.get(str(index), ()):
-            piece = a[at : at + n]
-            total -= dot(piece, piece if b is a else b[at : at + n])
-    return total
-
-
-def _average_bucket(comm: ReplicaComm, index: int, delta_i: torch.Tensor, result: SyncResult, weight: float,
-                    codec: Codec | None, feedback: ErrorFeedback | None, riding: StatsFn | None,
-                    decoded: bool = False) -> torch.Tensor:
-    """Δ for one bucket: Σ_i w_i Δ_i / Σ_i w_i over the replicas, with this bucket's norms, agreement terms and
-    cost added to `result`. A replica of weight 0 sends zeros and leaves its residual alone; a weight of exactly 1
-    sends Δ_i untouched, so equal weights give the plain mean bit for bit. `decoded`: with a codec, also the terms
-    of what the others decode of this replica's contribution."""
-    if weight == 1:
-        sent = delta_i
-    elif weight > 0:
-        sent = delta_i.mul(weight)
-    else:
-        sent = torch.zeros_like(delta_i)
-    # Reductions straight over the bucket (no temporary copies of it): the metrics cost no memory.
-    result.local_norm_sq += _counted_dot(comm, index, sent, sent)
-    values = None if riding is None else riding(result.local_norm_sq)
-    carried: list[torch.Tensor] | None = [] if decoded and weight > 0 and codec is not None else None
-    total, rows, cost = comm.sum_replicas(sent, codec=codec, feedback=feedback if weight > 0 else None,
-                                          key=str(index), stats=values, decoded=carried)
-    if rows is not None:
-        if result.weights is None:
-            result.weights = bounded_weights(rows[0, :, 0].tolist(), result)
-        if rows.shape[-1] > 1:
-            result.stats = rows
-    total_weight = result.total_weight
-    delta = total.div_(total_weight) if total_weight > 0 else total.zero_()
-    average_norm_sq = _counted_dot(comm, index, delta, delta)  # (NaN or infinite exactly when the average is not)
-    result.average_norm_sq += average_norm_sq
-    result.dot += _counted_dot(comm, index, sent, delta)
-    # Every replica sees the same sum, so all refuse alike; a sharded replica's members agree on their shards.
-    if result.committed and not comm.control.members_all(math.isfinite(average_norm_sq)):
-        result.refuse(f"the average of bucket {index} is not finite, though every replica reported finite values: "
-                      f"a replica sent what its report did not show")
-    if carried:
-        result.decoded_norm_sq = (result.decoded_norm_sq or 0.0) + _counted_dot(comm, index, carried[0], carried[0])
-        result.decoded_dot = (result.decoded_dot or 0.0) + _counted_dot(comm, index, carried[0], delta)
-        del carried
-    if weight <= 0:
-        result.unsent_norm_sq += _counted_dot(comm, index, delta_i, delta_i)
-        result.unsent_dot += _counted_dot(comm, index, delta_i, delta)
-    result.add_cost(cost, comm.fp32_bytes_sent(delta_i.numel(), with_stats=0 if values is None else values.numel()))
-    return delta
-
-
-def bounded_weights(reported: list[float], result: SyncResult) -> list[float]:
-    """Each replica's merge weight as it reported it, if every one is what an honest replica sends (from 0 to 1: a
-    weight is relative to the largest); otherwise the sync is refused, naming who sent what, since the sum the
-    weights divide already holds their contributions (a weight of 1e9, or a negative one leaving a tiny total,
-    would make Δ anything). Weights out of bounds count as 0."""
-    honest = [0.0 <= w <= 1.0 + 1e-6 for w in reported]  # (NaN fails both comparisons)
-    if not all(honest):
-        result.refuse("merge weight out of bounds (0 to 1) from " + ", ".join(
-            f"replica {r} ({w:g})" for r, (w, ok) in enumerate(zip(reported, honest, strict=True)) if not ok))
-    return [w if ok else 0.0 for w, ok in zip(reported, honest, strict=True)]
-
-
-def outer_round(outer: OuterState, comm: ReplicaComm, buckets: list[int], *, codec: Codec | None = None,
-                feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
-                alpha: float = 0.0, decoded: bool = False, finite: bool | None = None,
-                deltas: list[torch.Tensor] | None = None, device: torch.device | None = None) -> SyncResult:
-    """One blocking sync over `buckets` (all of them: the paper's outer round; or the due fragments'), the loop
-    body of Algorithm 1 one bucket at a time: the path of every sync that does not overlap inner steps.
-
-    `weight` is this replica's share in the average (1 on the torch backend; torchft's token and staleness
-    weights, relative to the largest). A replica whose parameters hold a NaN or an infinity (`finite` False, or
-    found so here) sits the sync out (weight 0: it sends zeros, the others divide by the weight that took part) and
-    takes θ_global; with no weight at all θ_global does not move. Each bucket's Δ_i is formed, averaged (the
-    network), stepped and copied back before the next is formed (bounded memory: one bucket's Δ_i and Δ held). On a
-    backend that votes on each sync (`comm.votes`: torchft) every averaged bucket is held until the vote and applied
-    only if the sync commits (`exchange`, then `land`), as is a healed replica's `deltas` (its Δ_i taken against
-    the base it left). Δ_i is formed on `device` (the communication device by default: `sync_device`). Every
-    process must call this with the same buckets.
-    """
-    if finite is None and deltas is None:
-        finite = comm.control.members_all(is_finite(outer.params[i] for b in buckets for i in outer.buckets[b]))
-    if deltas is not None or comm.votes:
-        formed = deltas if deltas is not None else pseudo_gradients(outer, comm, buckets, device)
-        return land(outer, exchange(comm, buckets, formed, codec=codec, feedback=feedback, stats=stats,
-                                    weight=weight, finite=finite, decoded=decoded), alpha)
-    weight = weight if finite else 0.0
-    keep = alpha if weight > 0 else 0.0  # a replica that sat the sync out takes θ_global as it is
-    result = SyncResult()
-    for position, index in enumerate(buckets):
-        bucket = outer.buckets[index]
-        delta_i = outer.pseudo_gradient(bucket, device or comm.device)               # Δ_i ← θ_global − θ_i
-        riding = _riding(position, len(buckets), weight, stats)
-        delta = _average_bucket(comm, index, delta_i, result, weight, codec, feedback, riding, decoded)  # Δ (network)
-        del delta_i
-        if result.committed:  # (refused: this bucket and those after it keep θ_global and θ_i as they are)
-            if result.participants:
-                outer.step(bucket, delta)                                             # θ_global ← OuterOpt(θ_global, Δ)
-            outer.copy_to_replica(bucket, keep)                                       # θ_i ← α·θ_i + (1 − α)·θ_global
-        del delta  # freed before the next bucket's Δ_i is formed
-    return result
-
-
-def norm(comm: ReplicaComm, buckets: list[int], deltas: list[torch.Tensor] | Iterator[torch.Tensor]) -> float:
-    """‖Δ_i‖ of this replica over `buckets` (a sharded replica's members add their shards' squares)."""
-    total = sum(_counted_dot(comm, index, delta, delta) for index, delta in zip(buckets, deltas, strict=True))
-    if comm.sharded:
-        total = comm.control.shards_total([total])[0]
-    return math.sqrt(total) if total >= 0 else float("nan")
-
-
-def snapshot(outer: OuterState, comm: ReplicaComm, buckets: list[int],
-             device: torch.device | None = None) -> list[torch.Tensor]:
-    """Δ_i of `buckets` on `device` (the communication device by default), taken now (before the replica trains on
-    while they are sent)."""
-    return [outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets]
-
-
-def replica_copies(outer: OuterState, buckets: list[int]) -> dict[int, list[torch.Tensor]]:
-    """θ_i of `buckets` now, by bucket (OuterState.replica_copy): what an eager landing keeps the steps since."""
-    return {index: outer.replica_copy(outer.buckets[index]) for index in buckets}
-
-
-def pseudo_gradients(outer: OuterState, comm: ReplicaComm, buckets: list[int],
-                     device: torch.device | None = None) -> Iterator[torch.Tensor]:
-    """Δ_i of `buckets` on `device` (the communication device by default), each formed when the exchange reaches it
-    (a blocking sync holds one bucket's at a time)."""
-    return (outer.pseudo_gradient(outer.buckets[index], device or comm.device) for index in buckets)
-
-
-def exchange(comm: ReplicaComm, buckets: list[int], deltas: Iterable[torch.Tensor], *, codec: Codec | None = None,
-             feedback: ErrorFeedback | None = None, stats: StatsFn | None = None, weight: float = 1.0,
-             finite: bool | None = None, decoded: bool = False) -> Exchange:
-    """The communication half of a sync that overlaps inner steps or waits for a vote: Δ = Σ_i w_i Δ_i / Σ_i w_i for
-    each of `buckets`, every one held until `land` applies it, then (torchft) the vote.
-
-    `deltas`: each bucket's Δ_i, taken at launch (an overlapped sync: the replica trains on while they are sent, in a
-    background thread), or formed as the exchange reaches each (`pseudo_gradients`: a voted blocking sync).
-    `finite` says whether this replica's values are finite; without it the deltas are checked here. `decoded`: with
-    a codec, also measure what the others decode of this replica's contribution (SyncResult.decoded_*). On a backend
-    that votes, the result says whether the sync committed; a sync that did not is never applied, whatever part of
-    it arrived. Touches neither θ_global nor the replica's parameters.
-    """
-    result = SyncResult()
-    if finite is None:
-        deltas = list(deltas)
-        finite = comm.control.members_all(is_finite(deltas))
-    if not finite:
-        weight = 0.0
-    # A sync that may be rolled back must not leave its trace in the residuals: the replica sends the same
-    # progress again in its next sync.
-    kept = feedback.copy([str(i) for i in buckets]) if feedback is not None and comm.votes else None
-    averaged = [(index, _average_bucket(comm, index, delta_i, result, weight, codec, feedback,
-                                        _riding(position, len(buckets), weight, stats), decoded))
-                for position, (index, delta_i) in enumerate(zip(buckets, deltas, strict=True))]
-    if comm.votes:
-        result.committed = comm.vote() and not result.refused
-        if not result.committed and kept is not None:
-            feedback.restore(kept)
-    return Exchange(buckets, averaged, result, weight)
-
-
-def land(outer: OuterState, landed: Exchange, alpha: float = 0.0,
-         launched: dict[int, list[torch.Tensor]] | None = None) -> SyncResult:
-    """The second half of a sync, if it committed: for each bucket, θ_global ← OuterOpt(θ_global, Δ), then
-    θ_i ← α·θ_i + (1 − α)·θ_global, or with `launched` (an eager landing: each bucket's θ_i at the sync's launch)
-    θ_i ← θ_global + (θ_i − θ_i at launch), the steps taken while it was in flight kept (a replica that sat the sync
-    out, weight 0, takes θ_global as it is): the same two lines as `outer_round`'s, for an overlapped sync (τ steps
-    after its launch) and a voted one (torchft). A sync that did not commit leaves θ_global and θ_i as they are: the
-    replica keeps its progress for the next sync."""
-    result = landed.result
-    if not result.committed:
-        return result
-    keep, launched = (alpha, launched or {}) if landed.weight > 0 else (0.0, {})
-    for index, delta in landed.averaged:
-        bucket = outer.buckets[index]
-        if result.participants:
-            outer.step(bucket, delta)                                         # θ_global ← OuterOpt(θ_global, Δ)
-        outer.copy_to_replica(bucket, keep, launched.get(index))              # θ_i ← α·θ_i + (1 − α)·θ_global
-    return result

@@ -130,7 +130,7 @@ def sync_record(*, stats: SyncStats, result, step: int, sync_number: int, round_
         record["participants"] = result.participants
         if not result.participants:
             record["outer_step_skipped"] = True
-    if result.refused:  # what arrived broke a bound (hf_diloco.outer.SyncResult.refuse): nothing was applied
+    if result.refused:  # what arrived broke a bound (hf_diloco.fragments.SyncResult.refuse): nothing was applied
         record.update(refused=result.refused, outer_step_skipped=True)
     previous = stats.previous_agreement[0].tolist()
     if all(math.isfinite(x) for x in previous):

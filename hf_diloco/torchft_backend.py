@@ -277,10 +277,11 @@ class PeerHeal:
     the sync's collectives. A state that does not fit is refused (`refused` says why): nothing is taken, and the
     replica sits the sync out and heals again at the next one, from whichever peer that quorum names.
 
-    `outer` is read here, never written; `agreed` gives the quorum's step (torchft's count of commits)."""
+    `outer` and the replica's `fragments` are read here, never written; `agreed` gives the quorum's step (torchft's
+    count of commits)."""
 
-    def __init__(self, outer, max_steps: int, agreed: Callable[[], int]):
-        self.outer, self.max_steps, self.agreed = outer, max_steps, agreed
+    def __init__(self, outer, fragments, max_steps: int, agreed: Callable[[], int]):
+        self.outer, self.fragments, self.max_steps, self.agreed = outer, fragments, max_steps, agreed
         self.stash: list[torch.Tensor] | None = None  # Δ_i against the base this replica had before it healed
         self.refused: str | None = None
         self.taken: dict | None = None
@@ -331,7 +332,7 @@ class PeerHeal:
             # (Not in an overlapped sync's background start: the replica is training meanwhile; that sync's
             # snapshot is against the old base, so it takes part with weight 0 and the replica restarts from the
             # healed θ_global.)
-            self.stash = [self.outer.pseudo_gradient(bucket) for bucket in self.outer.buckets]
+            self.stash = [f.pseudo_gradient(bucket) for f in self.fragments for bucket in f.buckets]
         self.taken = state
 
     def take(self) -> dict | None:
@@ -370,19 +371,19 @@ def replica_group(sync_timeout: float, group_timeout: float):
 class TorchftQuorum(Backend):
     """One replica's side of the torchft syncs: its Manager and process group, and who takes part in each sync
     with what weight. The sync itself (codec, fragments, overlap, outer step) is hf_diloco.engine's and
-    hf_diloco.outer's, as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
+    hf_diloco.fragments', as on the `torch` backend; this class answers `start` (quorum, heal, weights, which
     fragments) and `finish` (commit bookkeeping, membership for the record). See hf_diloco.backends. It holds the
-    outer state `outer` (which a heal replaces and a peer is sent), the residuals `feedback` (cleared by a heal) and
-    the run's `schedule`; a late replica's new step is an answer (`SyncStart.continue_at`), not a call."""
+    outer state `outer` (which a heal replaces and a peer is sent), the `fragments` (a heal clears their residuals)
+    and the run's `schedule`; a late replica's new step is an answer (`SyncStart.continue_at`), not a call."""
 
-    def __init__(self, args, replica: ReplicaComm, outer, feedback, schedule: Schedule, max_steps: int, *,
+    def __init__(self, args, replica: ReplicaComm, outer, fragments, schedule: Schedule, max_steps: int, *,
                  resumed: bool):
         require_torchft()
         super().__init__(replica, outer, schedule, max_steps)
         self.args = args
-        self.feedback = feedback
+        self.fragments = fragments
         self.agreed_step = 0  # the step every participant continued at after the last commit (healed with the rest)
-        self.heal = PeerHeal(outer, max_steps, agreed=lambda: self.manager.current_step())
+        self.heal = PeerHeal(outer, fragments, max_steps, agreed=lambda: self.manager.current_step())
         self.carried_tokens = 0  # tokens of local progress that a rolled-back sync did not merge yet
         self.known: set[int] = set()  # replica ids seen in any quorum, to list the absent ones
         self.last_participants: set[int] = set()  # the participants of the last sync that moved θ_global
@@ -448,8 +449,9 @@ class TorchftQuorum(Backend):
         self.outer.load_state_dict(state["outer"])
         self.syncs = int(state["global_sync"])
         self.agreed_step = int(state["agreed_step"])
-        if self.feedback is not None:
-            self.feedback.clear()
+        for fragment in self.fragments:
+            if fragment.feedback is not None:
+                fragment.feedback.clear()
         step = int(state["global_step"])
         if self.sync_local_steps == 0 and self.sync_step == 0 and step > 0:
             self.healed_to_step = self.continued_at = self.sync_step = step

@@ -237,9 +237,12 @@ def test_a_fragment_counts_the_examples_since_its_base_across_a_missed_sync_and_
     the fragment (or rolled back) left; α of them stay after a sync that carried it."""
     from types import SimpleNamespace
 
-    from hf_diloco.fragments import Fragment, since_base
+    import torch.nn as nn
 
-    fragment = Fragment(0, [0], 1, outer=None)
+    from hf_diloco.fragments import Fragment, since_base
+    from hf_diloco.outer import OuterState
+
+    fragment = Fragment(0, [0], OuterState([nn.Parameter(torch.zeros(1))], lr=0.7, momentum=0.9, nesterov=True))
     fragment.launched(10, SimpleNamespace(steps=10, lr_sum=0.01, examples=40), carried=True)
     fragment.decided(10, synced=False, alpha=0.0)  # rolled back: those steps stay in its Δ_i
     fragment.launched(20, SimpleNamespace(steps=10, lr_sum=0.02, examples=37), carried=True)
@@ -255,19 +258,20 @@ def test_a_sync_whose_every_contribution_is_left_out_does_not_move_theta_global(
     import torch.nn as nn
 
     from hf_diloco.comm import ReplicaComm
-    from hf_diloco.outer import OuterState, outer_round
+    from hf_diloco.fragments import fragments_of, outer_round
+    from hf_diloco.outer import OuterState
 
     replica = [nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))]
     outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True)
     comm = ReplicaComm()
     with torch.no_grad():
         replica[0].sub_(0.5)
-    outer_round(outer, comm, [0])  # a first sync that counts: momentum now holds its Δ
+    outer_round(fragments_of(outer), comm)  # a first sync that counts: momentum now holds its Δ
     before = [t.clone() for t in outer.global_params]
     momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"].clone()
     with torch.no_grad():
         replica[0].add_(10.0)  # a contribution that will be left out
-    result = outer_round(outer, comm, [0], weight=0.0)
+    result = outer_round(fragments_of(outer), comm, weight=0.0)
     assert result.participants == 0
     assert torch.equal(outer.global_params[0], before[0])
     assert torch.equal(outer.optimizer.state[outer.global_params[0]]["momentum_buffer"], momentum)

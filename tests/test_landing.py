@@ -1,6 +1,6 @@
 """Every sync kind lands with the same arithmetic: α, the weight sent and the outer step are the same whether the sync
-blocks (τ = 0: outer.outer_round, Algorithm 1 one bucket at a time) or overlaps τ inner steps (outer.exchange, then
-outer.land), for one fragment or several.
+blocks (τ = 0: fragments.outer_round, Algorithm 1 one bucket at a time) or overlaps τ inner steps
+(fragments.exchange, then fragments.land), for one fragment or several.
 
 The model has known gradients: its loss is Σ g·w with a fixed g per weight, so inner SGD moves each weight by −η·g
 every step whatever the weights are, and the whole trajectory is arithmetic. The reference below replays the syncs
@@ -26,7 +26,8 @@ from transformers import TrainerCallback, default_data_collator
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer, engine
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
-from hf_diloco.outer import OuterState, exchange, land, outer_round, pseudo_gradients
+from hf_diloco.fragments import Fragment, exchange, fragments_of, land, outer_round
+from hf_diloco.outer import OuterState
 
 ETA, LAMBDA, H, STEPS = 0.1, 0.7, 4, 12
 GRADIENTS = {"head.w": [0.5, -1.0, 0.25], "layers.0.w": [1.0, -0.5], "layers.1.w": [-0.75, 2.0]}
@@ -73,8 +74,8 @@ def run(tmp_path, fragments: int, delay: int, alpha: float, landings: list | Non
     trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     trajectory = Trajectory(model)
     trainer.add_callback(trajectory)
-    with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer_round or outer.land: count them
-        patch.setattr(engine, "land", lambda *a: landings.append((a[2], a[3] is not None)) or land(*a))
+    with pytest.MonkeyPatch.context() as patch:  # every landing goes through outer_round or land: count them
+        patch.setattr(engine, "land", lambda *a: landings.append((a[1], a[2] is not None)) or land(*a))
         patch.setattr(engine, "outer_round",
                       lambda *a, **k: landings.append((k["alpha"], False)) or outer_round(*a, **k))
         trainer.train()
@@ -139,7 +140,7 @@ def test_the_trajectory_is_the_arithmetic_for_every_sync_kind(tmp_path, fragment
     overlapped = [r.get("launch_step", r["step"]) != r["step"] for r in records]
     assert landings == [(alpha if r["step"] < STEPS else 0.0, eager and o and r["step"] < STEPS)
                         for r, o in zip(records, overlapped, strict=True)], \
-        "every sync, blocking or overlapped, lands through outer_round or outer.land with α (0 at the last step)"
+        "every sync, blocking or overlapped, lands through outer_round or land with α (0 at the last step)"
     assert any(overlapped) == (delay > 0)
     assert all(r["in_flight_steps"] == r["step"] - r["launch_step"] == delay
                for r, o in zip(records, overlapped, strict=True) if o), "the steps each overlapped sync was in flight"
@@ -210,13 +211,13 @@ def test_each_fragment_owns_its_base_residual_sync_in_flight_and_last_sync(tmp_p
     assert states.steps == expected
     engine = states.engine
     outer = engine.outer
-    for fragment in engine.fragments:
-        held = [outer.global_params[i] for b in fragment.buckets for i in outer.buckets[b]]
-        assert len(fragment.base) == len(held) and all(a is b for a, b in zip(fragment.base, held, strict=True))
-        assert sorted(fragment.residual) == sorted(str(b) for b in fragment.buckets)
-        assert all(t is engine.feedback.residuals[k] for k, t in fragment.residual.items())
+    for fragment in engine.fragments:  # its θ_global is the outer optimizer's own tensors; its residuals its own
+        for b in fragment.buckets:
+            held = [outer.global_params[i] for i in outer.buckets[b]]
+            assert all(a is b for a, b in zip(fragment.theta_global[b], held, strict=True))
+        assert sorted(fragment.feedback.residuals) == sorted(str(b) for b in fragment.buckets)
     final = torch.cat([p.detach().flatten() for p in model.parameters()])
-    bases = torch.cat([t.detach().flatten() for f in engine.fragments for t in f.base])
+    bases = torch.cat([t.detach().flatten() for f in engine.fragments for b in f.buckets for t in f.theta_global[b]])
     assert torch.equal(final.sort().values, bases.sort().values), "the final model is every fragment's base"
 
 
@@ -260,7 +261,7 @@ class Voting(ReplicaComm):
 
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "rolled back"])
 def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
-    """A sync that votes averages every bucket before the vote, then lands through outer.land as any other:
+    """A sync that votes averages every bucket before the vote, then lands through land as any other:
     committed, with the outer step and α; rolled back, touching neither θ_global, θ_i nor the error-feedback residual
     (the replica sends the same progress again). One replica: Δ = Δ_1, exact arithmetic (outer SGD lr 0.5, α 0.25)
     with int8 + error feedback, whose decoded Δ is compared to the outer step it made."""
@@ -271,15 +272,15 @@ def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
     before_global, before_local = outer.global_params[0].detach().clone(), theta.detach().clone()
     feedback = ErrorFeedback(0.9, "cpu")
     comm = Voting(commit)
-    landed = exchange(comm, [0], pseudo_gradients(outer, comm, [0]), codec=make_codec("int8"), feedback=feedback,
-                      finite=True)
+    fragment = Fragment(0, [0], outer, feedback)
+    landed = exchange(comm, [fragment], [fragment.pseudo_gradient(0)], codec=make_codec("int8"), finite=True)
     assert isinstance(landed.averaged, list)
     # committed: the residual holds what int8 did not send; rolled back: as before the sync (none yet)
     assert ("0" in feedback.residuals) is commit
-    result = land(outer, landed, alpha=0.25)
+    result = land(landed, alpha=0.25)
     assert result.committed is commit
     if commit:
-        delta = landed.averaged[0][1]  # what the others decoded: the codec's Δ, not the exact one
+        delta = landed.averaged[0][2]  # what the others decoded: the codec's Δ, not the exact one
         expected_global = before_global - 0.5 * delta
         assert torch.allclose(outer.global_params[0].detach(), expected_global, atol=1e-6)
         assert torch.allclose(theta.detach(), 0.25 * before_local + 0.75 * expected_global, atol=1e-6)
@@ -354,13 +355,42 @@ def test_a_blocking_sync_is_algorithm_1_one_bucket_at_a_time_over_the_fragments_
     with torch.no_grad():
         first.sub_(torch.tensor([0.5, 0.5]))
         second.sub_(torch.tensor([1.0]))  # θ_i = 3: Δ = 4 − 3 = 1
-    result = outer_round(outer, ReplicaComm(), outer.fragment_buckets[1], alpha=0.25)
+    fragments = fragments_of(outer)
+    result = outer_round([fragments[1]], ReplicaComm(), alpha=0.25)
     # v = 1; θ_global = 4 − 0.5·(1 + 0.5·1) = 3.25; θ_i = 0.25·3 + 0.75·3.25 = 3.1875
     assert result.participants == 1 and result.local_norm_sq == pytest.approx(1.0)
     assert outer.global_params[1].item() == pytest.approx(3.25) and second.item() == pytest.approx(3.1875)
     assert outer.global_params[0].tolist() == [1.0, 2.0] and first.tolist() == [0.5, 1.5], "fragment 0 untouched"
     with torch.no_grad():
         second.sub_(torch.tensor([0.1875]))  # θ_i = 3: Δ = 0.25
-    outer_round(outer, ReplicaComm(), outer.fragment_buckets[1], alpha=0.0)
+    outer_round([fragments[1]], ReplicaComm(), alpha=0.0)
     # v = 0.5·1 + 0.25 = 0.75; θ_global = 3.25 − 0.5·(0.25 + 0.375) = 2.9375; α 0: θ_i = θ_global
     assert outer.global_params[1].item() == pytest.approx(2.9375) and second.item() == pytest.approx(2.9375)
+
+
+def test_a_blocking_sync_runs_each_buckets_verbs_before_it_forms_the_next_ones_delta():
+    """outer_round through the fragments' own verbs, in Algorithm 1's order and one bucket at a time (bounded memory:
+    a bucket's Δ_i is formed only after the one before was stepped and copied back): three parameters cut into
+    three buckets over two fragments, a sync carrying both, each verb recorded as the fragment runs it. The result
+    is checked against the rule by hand: one replica, outer SGD lr 1 without momentum, so θ_global ← θ_i and
+    θ_i stays."""
+    params = [nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0])),
+              nn.Parameter(torch.tensor([4.0, 5.0]))]
+    outer = OuterState(params, lr=1.0, momentum=0.0, nesterov=False, bucket_numel=2, fragments=[[0, 1], [2]])
+    fragments = fragments_of(outer)
+    assert [f.buckets for f in fragments] == [[0, 1], [2]]
+    calls = []
+    for fragment in fragments:
+        for verb in ("pseudo_gradient", "outer_step", "copy_back"):
+            original = getattr(fragment, verb)
+            setattr(fragment, verb, lambda b, *a, _v=verb, _o=original, _f=fragment.index, **k:
+                    calls.append((_f, b, _v)) or _o(b, *a, **k))
+    with torch.no_grad():
+        for p in params:
+            p.sub_(0.25)
+    moved = [p.detach().clone() for p in params]
+    outer_round(fragments, ReplicaComm())
+    assert calls == [(f, b, verb) for f, b in ((0, 0), (0, 1), (1, 2))
+                     for verb in ("pseudo_gradient", "outer_step", "copy_back")]
+    for p, g, m in zip(params, outer.global_params, moved, strict=True):
+        assert torch.equal(g.detach(), m) and torch.equal(p.detach(), m)

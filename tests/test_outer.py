@@ -8,12 +8,13 @@ from helpers import ACCELERATE_CPU_2PROC, ACCELERATE_CPU_4PROC, REPO, accelerate
 from torch import nn
 
 from hf_diloco.comm import ReplicaComm, ring_all_gather_bytes, ring_all_reduce_bytes
-from hf_diloco.outer import OuterState, is_finite, outer_round, partition_into_buckets
+from hf_diloco.fragments import fragments_of, outer_round
+from hf_diloco.outer import OuterState, is_finite, partition_into_buckets
 
 
 def sync_alone(outer: OuterState) -> None:
     """One blocking outer round of a single replica (Δ = Δ_i)."""
-    outer_round(outer, ReplicaComm(), list(range(len(outer.buckets))))
+    outer_round(fragments_of(outer), ReplicaComm())
 
 
 def move_replica(param: nn.Parameter, to: list[float]) -> None:
@@ -33,7 +34,7 @@ def test_nesterov_outer_steps_match_hand_computation():
     outer = OuterState([replica], lr=0.5, momentum=0.9, nesterov=True)
 
     move_replica(replica, [0.8, 2.4])
-    assert outer.pseudo_gradient(outer.buckets[0]).tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
+    assert fragments_of(outer)[0].pseudo_gradient(0).tolist() == pytest.approx([0.2, -0.4], abs=1e-6)
     sync_alone(outer)
     assert replica.tolist() == pytest.approx([0.81, 2.38], abs=1e-6)
 
@@ -55,14 +56,16 @@ def test_delayed_nesterov_matches_a_hand_loop_and_is_nesterov_sgd_at_delay_1():
         replica = [nn.Parameter(torch.tensor([1.0, 2.0, 3.0])), nn.Parameter(torch.tensor([4.0, 5.0]))]
         outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
         assert outer.buckets == [[0], [1]]
+        (fragment,) = fragments_of(outer)
         for s, delta in enumerate(deltas):
             for b, part in ((0, delta[:3]), (1, delta[3:])):
                 if synced[s][b]:
-                    outer.step(outer.buckets[b], part.clone())
+                    fragment.outer_step(b, part.clone())
             if s == 3:  # a checkpoint in the middle: a new state from the saved one continues alike
                 saved = outer.state_dict()
                 outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
                 outer.load_state_dict(saved)
+                (fragment,) = fragments_of(outer)
         return torch.cat([p.detach().reshape(-1) for p in outer.global_params]).tolist()
 
     # the rule, value by value: θ −= η·c·g every sync; every N-th sync of a value, m = β·m + mean(g), θ −= η·β·m
@@ -221,7 +224,7 @@ def test_bucketed_pseudo_gradient_equals_unbucketed():
     with torch.no_grad():
         for p in params:
             p.mul_(0.5)
-    flat = torch.cat([small.pseudo_gradient(bucket) for bucket in small.buckets])
+    flat = torch.cat(fragments_of(small)[0].pseudo_gradients())
     expected = torch.cat([(g - p).reshape(-1) for g, p in zip(small.global_params, params, strict=True)])
     assert torch.equal(flat, expected)
 

@@ -13,7 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
-from hf_diloco.outer import OuterState, outer_round
+from hf_diloco.fragments import fragments_of, outer_round
+from hf_diloco.outer import OuterState
 
 BUCKET = 2**18  # values per bucket: 1 MiB of fp32
 BUCKET_BYTES = 4 * BUCKET
@@ -41,12 +42,12 @@ def test_a_round_holds_a_few_buckets_not_copies_of_the_model(codec_name, buckets
     outer = OuterState(params, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=BUCKET)
     assert len(outer.buckets) == 16
     codec = None if codec_name == "none" else make_codec(codec_name)
-    feedback = None if codec is None else ErrorFeedback(0.95)
+    fragments = fragments_of(outer, None if codec is None else lambda: ErrorFeedback(0.95))
     for _ in range(2):  # the first round creates the momentum buffers and the residuals
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn_like(p) * 1e-3)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            outer_round(outer, ReplicaComm(), list(range(16)), codec=codec, feedback=feedback, decoded=decoded)
+            outer_round(fragments, ReplicaComm(), codec=codec, decoded=decoded)
     peak = peak_extra_bytes(prof)
     assert BUCKET_BYTES <= peak <= buckets_allowed * BUCKET_BYTES + 64 * 1024, f"peak {peak / 2**20:.2f} MiB"

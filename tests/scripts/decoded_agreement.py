@@ -23,7 +23,8 @@ from hf_diloco import launch
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
 from hf_diloco.contributions import leave_one_out
-from hf_diloco.outer import exchange
+from hf_diloco.fragments import Fragment, exchange
+from hf_diloco.outer import OuterState
 
 NUMEL = 5003  # not a multiple of the replicas, the members or the codecs' chunks: every padding path runs
 SYNCS = 4
@@ -45,6 +46,9 @@ def whole(comm: ReplicaComm, piece: torch.Tensor) -> torch.Tensor:
 def run(comm: ReplicaComm, codec_name: str) -> list[dict]:
     codec = make_codec(codec_name, chunk=256, sparse_k=32, sparse_chunk=512)
     feedback = ErrorFeedback(decay=0.9)
+    # One bucket of NUMEL values (Δ_i below is handed in, not formed from these parameters)
+    bucket = Fragment(0, [0], OuterState([torch.nn.Parameter(torch.zeros(NUMEL))], lr=1.0, momentum=0.0,
+                                         nesterov=False), feedback)
     weight = 1.0 / (1 + comm.replica_index)  # unequal weights: 1, 1/2, 1/3, 1/4
     out = []
     for sync in range(SYNCS):
@@ -53,9 +57,9 @@ def run(comm: ReplicaComm, codec_name: str) -> list[dict]:
         delta_i = shared + 0.8 * own
         before = feedback.residuals.get("0")
         before = torch.zeros(0) if before is None else before.clone()
-        landed = exchange(comm, [0], [delta_i.clone()], codec=codec, feedback=feedback,
+        landed = exchange(comm, [bucket], [delta_i.clone()], codec=codec,
                           stats=lambda _norm_sq: torch.zeros(1, dtype=torch.float64), weight=weight, decoded=True)
-        (_, average), = landed.averaged
+        (_, _, average), = landed.averaged
         result = landed.result
         result.sum_over_members(comm)
         norm_sq, dot = result.own_terms(weight, decoded=True)

@@ -208,10 +208,10 @@ def faults(settings: dict):
 
         patch(TorchftQuorum, "_state_for_peer", spoiled_state)
     if settings.get("lie"):
-        from hf_diloco import outer
+        from hf_diloco import fragments
 
         liar, at_sync, told = settings["lie"]
-        honest_average, syncs = outer._average_bucket, {"count": 0}
+        honest_average, syncs = fragments._average_bucket, {"count": 0}
 
         def lying_average(comm, index, delta_i, result, weight, codec, feedback, riding, decoded=False):
             syncs["count"] += result.weights is None  # the first bucket of a sync
@@ -226,7 +226,7 @@ def faults(settings: dict):
             return honest_average(comm, index, delta_i, result, weight, codec, feedback, riding, decoded)
 
         if me == liar:
-            patch(outer, "_average_bucket", lying_average)
+            patch(fragments, "_average_bucket", lying_average)
     if settings.get("noisy_start") and me == 1:  # sends its own parameters where the first participant's go round
         from hf_diloco.torchft_backend import TorchftQuorum
 

@@ -35,16 +35,15 @@ def _hook(module) -> None:
                 self.learning_rate *= float(_setting("CONTRIBUTION_HOOK_LR"))
 
         module.DiLoCoConfig.__post_init__ = scaled
-    if module.__name__ == "hf_diloco.outer":
-        original = module.OuterState.pseudo_gradient
+    if module.__name__ == "hf_diloco.fragments":
+        original = module.Fragment.pseudo_gradient
 
         def pseudo_gradient(self, *args, **kwargs):
             delta = original(self, *args, **kwargs)
             return delta.mul_(float(_setting("CONTRIBUTION_HOOK_SCALE"))) if _setting("CONTRIBUTION_HOOK_SCALE") \
                 else delta
 
-        module.OuterState.pseudo_gradient = pseudo_gradient
-    if module.__name__ == "hf_diloco.fragments":
+        module.Fragment.pseudo_gradient = pseudo_gradient
         since_base = module.since_base
 
         def miscounted(*args, **kwargs):
@@ -83,11 +82,10 @@ if "RANK" in os.environ or "CONTRIBUTION_HOOK_HOLD" in os.environ:  # a process 
     import sys
 
     class _Finder(importlib.abc.MetaPathFinder):
-        """Hooks hf_diloco.config, .outer, .fragments, .engine and .gate right after they are first imported."""
+        """Hooks hf_diloco.config, .fragments, .engine and .gate right after they are first imported."""
 
         def find_spec(self, name, path, target=None):
-            if name not in ("hf_diloco.outer", "hf_diloco.gate", "hf_diloco.config", "hf_diloco.fragments",
-                            "hf_diloco.engine"):
+            if name not in ("hf_diloco.gate", "hf_diloco.config", "hf_diloco.fragments", "hf_diloco.engine"):
                 return None
             sys.meta_path.remove(self)
             try:
