@@ -13,7 +13,11 @@ collectives under the sync (its `comm`):
               at (the furthest one's), so that saves, evaluations and the end fall at the same step everywhere.
               With sync_delay > 0 that agreement runs in the overlapped sync's background thread, before its
               exchange, so a replica that spent its budget trains on while the others arrive, and each lands it at
-              τ or once its exchange is done; where it finds a save, an evaluation, a stop or the end, the sync is
+              τ or once its exchange is done. Where it finds a save or an evaluation, the sync overlaps all the
+              same and every replica lands it after exactly its τ of its own steps (`SyncStart.lands_together`),
+              all continue at the furthest one's step plus the longest τ, and the save falls there, with nothing
+              in flight;
+              where it finds a stop or the end (or a window so near max_steps that τ would pass it), the sync is
               called off before anything is exchanged and every replica agrees again, blocking, where it would
               have landed (the steps it took stay in its Δ_i), so that these fall at one step everywhere.
     torchft   `hf_diloco.torchft_backend.TorchftQuorum`: a Lighthouse quorum per round, participants only, token and
@@ -99,8 +103,11 @@ class SyncStart:
     error: str | None = None  # why the quorum failed, when it did
     startup_bytes: int | None = None  # a joining sync: bytes sent to make every replica's parameters identical
     excluded: dict[int, str] = field(default_factory=dict)  # replicas a contribution check found out, and why
-    called_off: bool = False  # the fixed group's agreement found a save, an evaluation, a stop or the end: this
-    # overlapped sync exchanges nothing, and every replica launches a blocking one where it would have landed
+    called_off: bool = False  # the fixed group's agreement found a stop or the end: this overlapped sync exchanges
+    # nothing, and every replica launches a blocking one where it would have landed
+    lands_together: bool = False  # the fixed group's agreement found a save or an evaluation in this overlapped
+    # sync: every replica lands it after exactly its τ of its own steps (waiting for the exchange if it is not done),
+    # all continue at one step, and none launches more at that step: the save finds nothing in flight
     continue_at: int | None = None  # a late replica healed from a peer: it continues at the peer's step
 
 
@@ -127,8 +134,10 @@ class Agreement:
     fragments: list[int]
     bytes_sent: int  # what the agreement's all-reduce cost this process
     window: tuple[int, int, int] | None = None  # (previous agreed step, this one, sync number) where a save or an
-    # evaluation falls: this sync is blocking everywhere, so every replica lands it at the same step
-    called_off: bool = False  # an overlapped sync's agreement found a window, a stop or the end: nothing is exchanged
+    # evaluation falls: every replica lands this sync at the same step (blocking, or overlapped and landed together)
+    called_off: bool = False  # an overlapped sync's agreement found a stop or the end: nothing is exchanged
+    lands_together: bool = False  # an overlapped sync with a window: each replica lands it after exactly its τ
+    landing: int = 0  # then the longest τ: every replica continues at `step` + this
 
 
 class Backend:
@@ -142,6 +151,7 @@ class Backend:
         self.outer = outer
         self.schedule = schedule
         self.max_steps = max_steps
+        self.agrees_windows = False  # whether an overlapped sync's start may say it lands together (FixedGroup)
         # The run's count of syncs that moved θ_global, where the backend numbers its syncs (torch with time budgets:
         # checkpointed; torchft: healed from a live peer with θ_global). With rounds of H steps on the torch backend
         # a sync's number is its step's (Schedule.sync_at).
@@ -199,6 +209,7 @@ class FixedGroup(Backend):
         # Where saves and evaluations fall (time-budget rounds: such a sync lands at one step everywhere);
         # `previous_step`: the last sync's agreed step
         self.boundaries = boundaries
+        self.agrees_windows = boundaries is not None  # its overlapped syncs may land together (SyncStart)
         self.previous_step = step
         self.window: tuple[int, int, int] | None = None  # the window of the sync that landed last, if it had one
         self.over = False  # a time-budget run's last sync landed
@@ -240,22 +251,35 @@ class FixedGroup(Backend):
 
     def _agree(self, step: int, tokens: float, at_end: bool, stop: bool) -> Agreement:
         """The agreement's all-reduce: every replica's tokens, step, whether it reached max_steps and whether it
-        asks to stop. With sync_delay > 0 an agreement that finds a window, a stop or the end calls its sync off (and
-        is kept: the next agreement honours it), unless it follows one that did: the replicas land overlapped syncs
-        at steps of their own, and a stop saves at one step everywhere."""
-        table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(stop)])
+        asks to stop, and the τ it would land an overlapped sync after. With sync_delay > 0 an agreement that finds a
+        save or an evaluation keeps its sync overlapped and has every replica land it after exactly its τ of its own
+        steps (`lands_together`: all then continue at the furthest one's step plus the longest τ, where the save
+        falls), if that is before max_steps; one that finds a stop or the
+        end (or a window too near max_steps) calls its sync off (and is kept: the next agreement honours it), unless
+        it follows one that did: a stop and the end fall at one step everywhere."""
+        # τ this replica lands an overlapped sync after (its own, from its own step time with sync_delay auto)
+        tau = self.schedule.launch_delay(step, self.schedule.fragments_of_sync(self.syncs + 1, None, False)) \
+            if self.overlap else 0
+        table, sent = self.comm.control.replica_table(tokens, [float(step), float(at_end), float(stop), float(tau)])
         before, self.called_off = self.called_off, None
         last = bool(table[:, 2].any()) or (before is not None and before.last)
+        stopping = bool(table[:, 3].any())
         shares = bounded_shares(table[:, 0].tolist())  # each replica's tokens since its last sync
         now, most = int(table[:, 1].max()), max(shares)
         window = (self.previous_step, now, self.syncs + 1)
-        wanted = last or before is not None or bool(table[:, 3].any()) or \
-            (self.boundaries is not None and self.boundaries.wanted(*window))
+        boundary = self.boundaries is not None and self.boundaries.wanted(*window)
+        fragments = self.schedule.fragments_of_sync(self.syncs + 1, None, last)
+        overlapped = self.overlap and before is None  # an overlapped launch's agreement, or the end's first
+        # Landed together, every replica continues at the furthest one's step plus the longest τ (each lands after
+        # its own τ, so none waits for another's)
+        landing = int(table[:, 4].max())
+        together = overlapped and boundary and not (last or stopping) and now + landing < self.max_steps
+        wanted = last or before is not None or stopping or boundary
         agreed = Agreement(step=now, launched_at=step, last=last,
                            weight=self.relative_weight(shares[self.replica], most, when_nobody=1.0),
-                           fragments=self.schedule.fragments_of_sync(self.syncs + 1, None, last),
-                           bytes_sent=sent + (before.bytes_sent if before is not None else 0),
-                           window=window if wanted else None, called_off=wanted and self.overlap and before is None)
+                           fragments=fragments, bytes_sent=sent + (before.bytes_sent if before is not None else 0),
+                           window=window if wanted else None, called_off=wanted and overlapped and not together,
+                           lands_together=together, landing=landing if together else 0)
         if agreed.called_off:
             self.called_off = agreed
         else:
@@ -276,7 +300,8 @@ class FixedGroup(Backend):
                     return SyncStart(called_off=True)
             if self.agreed is None:
                 return SyncStart(fragments=expected)
-            return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent)
+            return SyncStart(fragments=expected, weight=self.agreed.weight, extra_bytes=self.agreed.bytes_sent,
+                             lands_together=self.agreed.lands_together)
         # The replicas must start from identical parameters: checked by digest before the first inner step, and
         # rank 0's sent only where they differ (comm.ReplicaComm.start_identical), in the same all-reduce as the
         # step each process starts at; θ_global is then taken again.
@@ -297,14 +322,16 @@ class FixedGroup(Backend):
         """A time-budget sync: every replica continues at the furthest one's step, plus the steps it took while an
         overlapped sync was in flight (it lands at τ, or once its exchange is done: SyncEngine.lands_now), as on
         torchft (`continued_step`); its record is placed at that step, under the sync's number. Saves and
-        evaluations fall only at blocking syncs, which every replica lands at one step."""
+        evaluations fall only at syncs every replica lands at one step: blocking ones, and overlapped ones landed
+        together."""
         agreed, self.agreed = self.agreed, None
         if agreed is None:
             return Verdict()
         self.syncs += 1
         self.over = agreed.last
         self.window = agreed.window
-        moved = self.continued_step(agreed.step, agreed.launched_at, step)
+        moved = max(step, agreed.step + agreed.landing) if agreed.lands_together else \
+            self.continued_step(agreed.step, agreed.launched_at, step)
         return Verdict(continue_at=moved if moved > step else None, sync=self.syncs, step=moved,
                        launch_step=agreed.step if moved != agreed.step else None)
 

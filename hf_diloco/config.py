@@ -209,12 +209,16 @@ class DiLoCoConfig(TrainingArguments):
                           "the paper's better choice) or 'sequential' (contiguous runs of layers).",
                   "choices": list(FRAGMENT_PATTERNS)},
     )
-    sync_delay: int = field(
-        default=0,
+    sync_delay: int | None = field(
+        default=None,
         metadata={"help": "tau: inner steps a sync runs in the background before its outer step is applied (0: "
                           "blocking). Must be below inner_steps/num_fragments; the paper finds tau < 5 robust. "
                           f"'auto' (in a recipe, a flag or from Python): start at tau = {AUTO_DELAY_START} and choose "
-                          "each fragment's tau from its measured exchanges (auto_sync_delay)."},
+                          "each fragment's tau from its measured exchanges (auto_sync_delay). Unset: auto with "
+                          "round_seconds (a replica that spent its budget trains on while the others arrive and the "
+                          "exchange runs; costs a copy of the synced parameters' pseudo-gradient while in flight), "
+                          "0 with rounds of H steps and with contribution_loss_check (which scores a blocking "
+                          "round)."},
     )
     auto_sync_delay: bool = field(
         default=False,
@@ -255,8 +259,7 @@ class DiLoCoConfig(TrainingArguments):
                           "(the local stand-in of eager updates, arXiv 2502.12996; theta_global stays identical on "
                           "every replica). Each sync in flight then holds a copy of its fragments' parameters as "
                           "they were at launch (fp32, beside theta_global). Needs sync_delay >= 1 or auto and "
-                          "fragment_alpha 0; a sync that does not overlap (the last, or one where a save or an "
-                          "evaluation falls under round_seconds) lands as 'mix'.",
+                          "fragment_alpha 0; a sync that does not overlap (the last) lands as 'mix'.",
                   "choices": list(OVERLAP_LANDINGS)},
     )
 
@@ -380,10 +383,10 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "End each round after this many seconds of inner steps instead of after H steps, so a "
                           "slower replica takes fewer steps instead of making the others wait (0: off). The run still "
                           "ends at max_steps, counted by the furthest replica: after each sync every replica "
-                          "continues at its step, and the merge weights each replica by the tokens it trained. With "
-                          "sync_delay each replica overlaps a sync with its own steps (auto: as many as cover the "
-                          "exchange at its own speed, and a budget too short for the exchange stretches until the "
-                          "exchanges fit again)."},
+                          "continues at its step, and the merge weights each replica by the tokens it trained. Each "
+                          "replica overlaps a sync with its own steps (sync_delay, auto unless set: as many as cover "
+                          "the exchange at its own speed, and a budget too short for the exchange stretches until "
+                          "the exchanges fit again; sync_delay 0 blocks)."},
     )
     replica_address: str = field(
         default="",
@@ -438,6 +441,14 @@ class DiLoCoConfig(TrainingArguments):
         checkpoint, so a run's folder holds no Hub token however it was given."""
         return {name: None if name.endswith("_token") else value for name, value in self.__dict__.items()}
 
+    def _budgets_overlap(self) -> bool:
+        """Whether an unset sync_delay is auto: time-budget rounds whose H/F leaves room for τ, without
+        contribution_loss_check (whose score needs a blocking round). Values of the wrong kind are refused later."""
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool)
+                      for v in (self.round_seconds, self.inner_steps, self.num_fragments))
+        return numbers and self.round_seconds > 0 and self.num_fragments > 0 and not self.contribution_loss_check \
+            and self.inner_steps // self.num_fragments > AUTO_DELAY_START
+
     def _validate_backend(self) -> None:
         if self.outer_backend not in OUTER_BACKENDS:
             raise ConfigError(f"outer_backend must be torch or torchft, got {self.outer_backend!r}.")
@@ -448,6 +459,8 @@ class DiLoCoConfig(TrainingArguments):
     def _validate_diloco_fields(self) -> None:
         if self.inner_steps == "auto":
             self.inner_steps, self.auto_inner_steps = AUTO_START, True
+        if self.sync_delay is None:  # unset: time budgets overlap, rounds of H steps block
+            self.sync_delay = "auto" if self._budgets_overlap() else 0
         checks.check(self, ["inner_steps", *(["max_sync_overhead"] if self.auto_inner_steps else [])])
         if self.auto_inner_steps and self.outer_backend == "torchft":
             raise ConfigError("outer_backend torchft sizes its rounds with round_seconds, not auto_inner_steps; set "

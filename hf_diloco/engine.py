@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -187,6 +188,17 @@ class Flight:
     launched: dict[int, list[torch.Tensor]] | None = None  # overlap_landing eager: θ_i of its buckets at launch
     progress: Progress | None = None  # an overlapped sync: the replica's progress it was launched with
     in_flight_steps: int = 0  # an overlapped sync: the inner steps this replica took while it was in flight
+    # An overlapped sync: set once the backend's start is known in the background thread (`started`), before the
+    # exchange, so that the landing step can read whether every replica lands it together
+    agreed: threading.Event = field(default_factory=threading.Event)
+    started: SyncStart | None = None
+
+    def lands_together(self, timeout: float) -> bool:
+        """Whether the backend's start says every replica lands this overlapped sync after exactly τ steps (a
+        save or an evaluation falls at it: hf_diloco.backends.FixedGroup), waiting for that start (the last
+        replica's arrival) up to `timeout` s; False where the start failed (its error comes with the landing)."""
+        self.agreed.wait(timeout)
+        return self.started is not None and self.started.lands_together
 
 
 def outer_settings(args: DiLoCoConfig) -> dict:
@@ -325,9 +337,13 @@ class SyncEngine:
             self.take_global()
             return SyncOutcome(run_over=True, syncs_landed=self.tuner.syncs_landed)
         landing = self.lands_now(step, max_steps)
+        together = landing and self.lands_together(step, max_steps)
         stop = bool(landing) and self.land(self.in_flight, step, max_steps)
         step = self._step(step)  # (a time-budget sync moves it: decide there)
-        due = self.backend.due(step, max_steps, self.progress) and not self.exchanging(step, max_steps)
+        # Landed together (a save or an evaluation falls here): nothing is launched at this step, so nothing is in
+        # flight when Trainer saves or evaluates; the next budget's sync launches at the next step.
+        due = self.backend.due(step, max_steps, self.progress) and not self.exchanging(step, max_steps) and \
+            not (together and step < max_steps)
         if due and self.in_flight is not None:  # a time-budget sync came due first: the one in flight (done) lands
             landing = True
             stop |= self.land(self.in_flight, step, max_steps)
@@ -356,7 +372,15 @@ class SyncEngine:
         of a replica land at the same step."""
         if self.in_flight is None or step < min(self.in_flight.lands_at, max_steps):
             return False
-        return not self.exchanging(step, max_steps)
+        return self.lands_together(step, max_steps) or not self.exchanging(step, max_steps)
+
+    def lands_together(self, step: int, max_steps: int) -> bool:
+        """Whether the overlapped sync in flight lands now whether or not its exchange is done: one whose start
+        found a save or an evaluation (SyncStart.lands_together), at τ of this replica's own steps after its launch,
+        so that every replica continues at one step."""
+        flight = self.in_flight
+        return self.backend.agrees_windows and flight is not None and flight.future is not None and \
+            flight.lands_at <= step < max_steps and flight.lands_together(self.args.sync_timeout)
 
     def exchanging(self, step: int, max_steps: int) -> bool:
         """Under time budgets, whether the overlapped sync in flight is still exchanging before the last step: it
@@ -367,7 +391,9 @@ class SyncEngine:
         flight = self.in_flight
         if flight is None or step >= max_steps or not (self.args.round_seconds > 0 and flight.future is not None):
             return False
-        return self.backend.comm.control.members_any(not flight.future.done())
+        # One landed together lands at τ, not earlier (until its start is known, its exchange is running too).
+        early = step < flight.lands_at and flight.agreed.is_set() and flight.lands_together(0.0)
+        return self.backend.comm.control.members_any(early or not flight.future.done())
 
     def launch(self, step: int, max_steps: int, joining: bool = False) -> Flight:
         """Start the sync due at `step`: blocking (the backend's start and the contribution checks' verdict; its
@@ -403,7 +429,7 @@ class SyncEngine:
                 local["checks"] = self.gate.row(self.comm, buckets, deltas, since_base(self.fragments, carried))
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-            flight.future = self.executor.submit(self._in_background, step, max_steps, local, carried, deltas,
+            flight.future = self.executor.submit(self._in_background, flight, max_steps, local, carried, deltas,
                                                  stats, finite)
             flight.lands_at = step + self.schedule.launch_delay(step, carried)
             flight.launch_seconds = time.perf_counter() - began
@@ -446,7 +472,7 @@ class SyncEngine:
                            weight=start.weight, alpha=alpha, decoded=flight.checking, finite=flight.finite,
                            deltas=stash, device=sync_device(self.outer, self.comm, self.codec))
 
-    def _in_background(self, step: int, max_steps: int, local: dict, carried: list[int],
+    def _in_background(self, flight: Flight, max_steps: int, local: dict, carried: list[int],
                        deltas: list[torch.Tensor], stats: StatsFn,
                        finite: bool) -> tuple[SyncStart, Exchange | None, float, float]:
         """An overlapped sync, in the background thread: the backend's start, then the exchange of the Δ_i taken
@@ -455,8 +481,12 @@ class SyncEngine:
         zeros of the agreed sizes. One left out by the checks keeps its Δ_i, unsent: its agreement with the others
         is measured still, and decides when it is taken back. Returns (start, exchange, when the exchange began,
         which is when the participants and the verdict on their contributions were known, when it finished), in
-        perf_counter times."""
-        start = self.backend.start(step, max_steps, local, carried, overlapped=True)
+        perf_counter times. The start is handed to `flight` as soon as it is known (Flight.lands_together)."""
+        try:
+            start = flight.started = self.backend.start(flight.launched_at, max_steps, local, carried,
+                                                        overlapped=True)
+        finally:
+            flight.agreed.set()
         if start.called_off:  # the fixed group's agreement found a save, an evaluation, a stop or the end
             return start, None, time.perf_counter(), time.perf_counter()
         sitting_out = start.weight == 0

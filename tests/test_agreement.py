@@ -35,12 +35,14 @@ class Network:
         return table, 64
 
 
-def fixed_group(network: Network, replica: int, moved: list[int], wanted=lambda before, now, sync: False):
-    """Replica `replica`'s fixed group; the steps its verdicts move it to go to `moved` (`finish`), and `wanted` stands
-    in for the Boundaries rule of where saves and evaluations fall."""
+def fixed_group(network: Network, replica: int, moved: list[int], wanted=lambda before, now, sync: False,
+                tau: int = 2):
+    """Replica `replica`'s fixed group, landing an overlapped sync `tau` of its steps after its launch; the steps its
+    verdicts move it to go to `moved` (`finish`), and `wanted` stands in for the Boundaries rule of where saves and
+    evaluations fall."""
     control = SimpleNamespace(replica_table=lambda tokens, row: network.replica_table(replica, tokens, row))
     comm = SimpleNamespace(control=control, replica_index=replica, num_replicas=2)
-    schedule = Schedule(10, 1, sync_delay=2, budget=TimeBudget(1.0))
+    schedule = Schedule(10, 1, sync_delay=tau, budget=TimeBudget(1.0))
     group = FixedGroup(comm, None, schedule, resumed=False, max_steps=MAX_STEPS, overlap=True,
                        boundaries=SimpleNamespace(wanted=wanted))
     group.moves = moved
@@ -98,12 +100,12 @@ def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent
     assert moved == [[], [15]]
 
 
-def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_where_each_replica_lands():
-    """The callback wants a save in the window of sync 1 (steps (0, 12]). Both replicas' background agreements call
-    the sync off (nothing is exchanged); each then launches again where it would have landed (replica 0 at 14,
-    replica 1 at 12), agreeing in the foreground: a blocking sync that carries the window, so both continue at the
-    furthest of those steps, 14, where the save falls on every replica; the called-off agreement's bytes go with
-    it."""
+def test_a_sync_where_a_save_falls_overlaps_and_every_replica_continues_at_one_step_after_its_own_tau():
+    """The callback wants a save in the window of sync 1 (steps (0, 12]). Both replicas' background agreements keep
+    the sync overlapped (nothing called off) and say it lands together: replica 0 (τ 3, chosen from its own step
+    time as sync_delay auto does) lands it at 15, 3 of its steps after its launch at 12; replica 1 (τ 2) at 11, 2
+    after its launch at 9; both then continue at the furthest launch step plus the longest τ, 15, where the window
+    is handed over on both, so the save falls at one step everywhere with nothing in flight."""
     network, moved = Network(), [[], []]
     windows = []
 
@@ -111,15 +113,41 @@ def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_wher
         windows.append((before, now, sync))
         return True
 
-    groups = [fixed_group(network, r, moved[r], wanted) for r in (0, 1)]
+    groups = [fixed_group(network, r, moved[r], wanted, tau=tau) for r, tau in ((0, 3), (1, 2))]
     threads = []
     for group, step in zip(groups, (12, 9), strict=True):
         expected = group.expected_fragments(step, MAX_STEPS, {"tokens": 100})
         threads.append(in_background(group, step, expected))
     for thread, _ in threads:
         thread.join(timeout=10)
-    assert [result["start"].called_off for _, result in threads] == [True, True]
+    starts = [result["start"] for _, result in threads]
+    assert [(s.called_off, s.lands_together) for s in starts] == [(False, True), (False, True)]
     assert windows[:2] == [(0, 12, 1)] * 2
+    for r, step in ((0, 15), (1, 11)):
+        record, restart = finish(groups[r], starts[r], step)
+        assert not restart and record == {"step": 15, "sync": 1, "launch_step": 12}, record
+        assert groups[r].take_window() == (0, 12, 1)
+    assert moved == [[], [15]]
+    assert len(network.calls) == 2, "one agreement each, in the background"
+
+
+def test_a_save_so_near_the_end_that_tau_would_pass_it_is_called_off_then_agreed_again_blocking():
+    """The same save window at sync 1, launched at steps 97 (replica 0, τ 3) and 94 (replica 1, τ 2): landed
+    together, both would continue at 97 + 3 = max_steps, past the room the last sync needs. Both background
+    agreements call the sync off (nothing is exchanged); each then launches again where it would have landed
+    (replica 0 at 99, replica 1 at 96), agreeing in the foreground: a blocking sync that carries the window, so both
+    continue at the furthest of those steps, 99, where the save falls on every replica; the called-off agreement's
+    bytes go with it."""
+    network, moved = Network(), [[], []]
+    groups = [fixed_group(network, r, moved[r], lambda before, now, sync: True, tau=tau)
+              for r, tau in ((0, 3), (1, 2))]
+    threads = []
+    for group, step in zip(groups, (97, 94), strict=True):
+        expected = group.expected_fragments(step, MAX_STEPS, {"tokens": 100})
+        threads.append(in_background(group, step, expected))
+    for thread, _ in threads:
+        thread.join(timeout=10)
+    assert [result["start"].called_off for _, result in threads] == [True, True]
     again = {}
 
     def land(r, step):
@@ -129,7 +157,7 @@ def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_wher
         start = group.start(step, MAX_STEPS, {}, fragments)
         again[r] = finish(group, start, step)[0], start, group.take_window()
 
-    landing = [threading.Thread(target=land, args=(r, step), name=f"inner-{r}") for r, step in ((0, 14), (1, 12))]
+    landing = [threading.Thread(target=land, args=(r, step), name=f"inner-{r}") for r, step in ((0, 99), (1, 96))]
     for t in landing:
         t.start()
     for t in landing:
@@ -137,9 +165,9 @@ def test_a_sync_where_a_save_falls_is_called_off_then_agreed_again_blocking_wher
     assert sorted(name for _, name in network.calls[2:]) == ["inner-0", "inner-1"], "agreed again in the foreground"
     for r in (0, 1):
         record, start, window = again[r]
-        assert record["step"] == 14 and "launch_step" not in record and record["sync"] == 1
-        assert window == (0, 14, 1) and start.extra_bytes == 2 * 64
-    assert moved == [[], [14]]
+        assert record["step"] == 99 and "launch_step" not in record and record["sync"] == 1
+        assert window == (0, 99, 1) and start.extra_bytes == 2 * 64
+    assert moved == [[], [99]]
 
 
 def test_the_replica_at_max_steps_calls_the_last_sync_off_and_agrees_again_in_the_same_order_as_the_others():

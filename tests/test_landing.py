@@ -24,6 +24,7 @@ from torch import nn
 from transformers import TrainerCallback, default_data_collator
 
 from hf_diloco import DiLoCoConfig, DiLoCoTrainer, engine
+from hf_diloco.backends import SyncStart
 from hf_diloco.codecs import ErrorFeedback, make_codec
 from hf_diloco.comm import ReplicaComm
 from hf_diloco.fragments import Fragment, exchange, fragments_of, land, outer_round
@@ -304,9 +305,9 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
     def engine_with_flight(round_seconds: float):
         calls = []
         sync_engine = object.__new__(engine.SyncEngine)
-        sync_engine.args = SimpleNamespace(round_seconds=round_seconds)
+        sync_engine.args = SimpleNamespace(round_seconds=round_seconds, sync_timeout=5.0)
         sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
-                                              take_window=lambda: None,
+                                              take_window=lambda: None, agrees_windows=False,
                                               comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
         sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
         sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
@@ -342,6 +343,47 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
     rounds, _, calls = engine_with_flight(0.0)
     rounds.sync(11, 100)
     assert calls == [("land", 10, 11), ("launch", 11)], "rounds of H steps: the sync that comes due lands it first"
+
+
+def test_under_time_budgets_a_sync_where_a_save_falls_lands_at_tau_exchange_done_or_not_and_launches_nothing_there():
+    """An overlapped time-budget sync launched at step 10 with τ 2 whose start says it lands together (a save
+    falls at it: hf_diloco.backends.FixedGroup): at step 11, though the next budget is spent, nothing lands and
+    nothing is launched (it lands at τ, not earlier); at step 12 it lands with its exchange still running (the
+    landing waits for it) and no sync is launched at that step although the budget is spent, so the outcome is a
+    boundary with nothing in flight, where the save falls; the next step launches the next sync."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    calls = []
+    sync_engine = object.__new__(engine.SyncEngine)
+    sync_engine.args = SimpleNamespace(round_seconds=1.0, sync_timeout=5.0)
+    sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
+                                          take_window=lambda: (0, 10, 1), agrees_windows=True,
+                                          comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
+    sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
+    sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
+    flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
+    flight.started = SyncStart(fragments=[0], lands_together=True)
+    flight.agreed.set()
+    sync_engine.in_flight = flight
+
+    def land(landing, step, max_steps):
+        calls.append(("land", landing.launched_at, step, landing.future.done()))
+        sync_engine.in_flight = None
+        return False
+
+    def launch(step, max_steps):
+        calls.append(("launch", step))
+        sync_engine.in_flight = engine.Flight(launched_at=step, lands_at=step + 2, outer_lr=0.7, measured=[],
+                                              began=0.0, future=Future())
+        return sync_engine.in_flight
+
+    sync_engine.land, sync_engine.launch = land, launch
+    assert not sync_engine.sync(11, 100).synced and calls == []
+    outcome = sync_engine.sync(12, 100)
+    assert calls == [("land", 10, 12, False)], "landed at τ, its exchange not done"
+    assert outcome.synced and outcome.at_boundary and outcome.window == (0, 10, 1), outcome
+    assert sync_engine.sync(13, 100).synced and calls[-1] == ("launch", 13)
 
 
 def test_a_blocking_sync_is_algorithm_1_one_bucket_at_a_time_over_the_fragments_it_carries():

@@ -10,11 +10,22 @@ for the runs that ask for it, and lifted between runs.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from helpers import ACCELERATE_CPU_4PROC, REPO, accelerate_launch, replica_runs
+from transformers import AutoModelForCausalLM
 
 from hf_diloco.metrics import read_syncs
+
+
+def digest(model) -> str:
+    """tests/scripts/replica_run.py's digest of a model's parameters (float32 bytes, in the model's order)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -55,6 +66,7 @@ def budget_runs(slow: str, group: int) -> dict[str, dict]:
     they ask for it."""
     slow_ranks = {str(rank): slow for rank in range(group, 2 * group)}
     budget = {"inner_steps": 10, "round_seconds": ROUND_SECONDS, "max_steps": MAX_STEPS, "cgroup_by_rank": slow_ranks}
+    blocking = {**budget, "sync_delay": 0}  # (time budgets overlap by default: these runs hold blocking syncs)
     runs = {}
     if group == 1:  # the runs with the tightest bounds on time spent in syncs first, in processes fresh from start
         runs["overlap"] = {**budget, "num_fragments": 2, "compression": "int4", "error_feedback": True,
@@ -62,7 +74,7 @@ def budget_runs(slow: str, group: int) -> dict[str, dict]:
         runs["slow-link"] = {"inner_steps": 10, "round_seconds": SHORT_BUDGET, "max_steps": 100_000,
                              "sync_delay": "auto", "slow_sync_seconds": SLOW_LINK, "save_every_rounds": 0,
                              "stop_after_syncs": 7}
-    runs.update({layout: {**budget, **sync} for layout, (sync, size) in LAYOUTS.items() if size == group})
+    runs.update({layout: {**blocking, **sync} for layout, (sync, size) in LAYOUTS.items() if size == group})
     if group == 1:
         # Rounds long enough that the quota's period evens out: replica 1 is about 4 times slower per round.
         runs["rounds-of-h"] = {"inner_steps": 20, "max_steps": 200, "cgroup_by_rank": {"1": slow}}
@@ -160,11 +172,12 @@ def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay
     fragment's sync is launched when the budget is spent, agreed on in its background thread, and lands τ of the
     replica's own steps later, τ chosen from its own seconds per step (replica 0's choice is made from its step
     time, under half of replica 1's), so neither replica spends more than 20% of its training time inside syncs.
-    Where a save falls, or the run ends, the agreement calls the sync off and every replica launches it again,
-    blocking, where it would have landed: it lands at one step everywhere, and the steps of the called-off launch
-    are in it (every step a replica took is in exactly one sync's count). Every replica continues at the furthest
-    one's step plus the steps it took while the sync was in flight; the weights are each replica's tokens over the
-    most; the last sync, at max_steps, carries both fragments, and the replicas end identical."""
+    Where a round checkpoint falls (save_every_rounds 1, the default: every second sync) the sync overlaps all the
+    same: every replica lands it after exactly τ of its own steps, so all continue at one step and save there with
+    nothing in flight (each checkpoint holds the parameters replica 0 held right after that sync). Only the last
+    sync, at max_steps, is blocking; it carries both fragments, and the replicas end identical. Every step a replica
+    took is in exactly one sync's count; every replica continues at the furthest one's step plus the steps it took
+    while the sync was in flight; the weights are each replica's tokens over the most."""
     folder, (fast, slow) = two["overlap"]
     records = read_syncs(folder / "run")
     assert len(records) >= 4, records
@@ -172,12 +185,17 @@ def test_time_budget_syncs_overlap_with_each_replicas_own_steps_under_sync_delay
     assert [r["sync"] for r in records] == list(range(1, len(records) + 1))
     assert records[-1]["step"] == MAX_STEPS and "launch_step" not in records[-1]
     assert fast["digests"][-1] == slow["digests"][-1], "identical parameters at the end"
-    # save_every_rounds 1 (the default) saves after every second sync: such a sync is blocking everywhere, so
-    # every replica lands it, and saves, at the same step; the others overlap.
     overlapped = [r for r in records if "launch_step" in r]
-    assert [r["sync"] for r in records if "launch_step" not in r] == \
-        [r["sync"] for r in records if r["sync"] % 2 == 0 or r is records[-1]], records
-    assert (folder / "run" / f"checkpoint-{records[-1]['step']}").is_dir()
+    assert overlapped == records[:-1], [(r["sync"], r.get("launch_step"), r["step"]) for r in records]
+    saved = {int(c.name.split("-")[1]): c for c in (folder / "run").glob("checkpoint-*")}
+    rounds = [r for r in records[:-1] if r["sync"] % 2 == 0]
+    assert records[-1]["step"] in saved and rounds, (sorted(saved), [r["step"] for r in rounds])
+    after_sync = dict(fast["digests"])  # (step, digest of replica 0's parameters right after its sync there)
+    for r in rounds:  # (save_total_limit keeps the newest: check the ones still there, at least one)
+        if r["step"] in saved:
+            model = AutoModelForCausalLM.from_pretrained(saved[r["step"]], dtype=torch.float32)
+            assert digest(model) == after_sync[r["step"]], f"checkpoint-{r['step']} is not the state after its sync"
+    assert any(r["step"] in saved for r in rounds), (sorted(saved), [r["step"] for r in rounds])
     # Landed after τ >= 1 of replica 0's own steps, beyond the step both continued at.
     assert all(r["step"] > r["launch_step"] for r in overlapped)
     chosen = [r["sync_delay_auto"] for r in records if "sync_delay_auto" in r]
@@ -243,7 +261,8 @@ def test_with_rounds_of_h_steps_the_record_says_how_long_the_fast_replica_waited
 
 
 def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syncs_on(tmp_path):
-    """A time-budget run (no quota: two replicas at about the same speed) saves a checkpoint at every sync; resumed
+    """A time-budget run (no quota: two replicas at about the same speed, sync_delay unset: overlapped) saves a
+    checkpoint at every sync, each landed together at one step, every sync but the last overlapped; resumed
     from its first one it continues the sync count the checkpoint holds, every replica at the checkpoint's step, and
     ends at max_steps. What is exact: the step, the sync numbering and the schedule. How many steps each replica
     takes before a sync follows its clock, so the parameters are not compared with the uninterrupted run's (given
@@ -256,6 +275,7 @@ def test_a_time_budget_run_resumes_from_its_round_checkpoint_and_numbers_its_syn
     records = read_syncs(full)
     checkpoints = sorted(full.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
     assert [int(c.name.split("-")[1]) for c in checkpoints] == [r["step"] for r in records], "a save every sync"
+    assert all("launch_step" in r for r in records[:-1]), "time budgets overlap by default, saves included"
     first = checkpoints[0]
     state = torch.load(first / "process-1" / "diloco_replica.pt", weights_only=True)
     assert state["backend"] == {"syncs": 1}

@@ -242,7 +242,7 @@ PAIR = {
     "slow-link-budget": {"max_steps": 240, "round_seconds": 0.2, "step_sleep": 0.03, "slow_sync_seconds": 0.6,
                          "round": {"sync_delay": "auto"}},
     "budget-overlap": {"max_steps": 200, "round_seconds": 0.5, "step_sleep": 0.02,
-                       "round": {"sync_delay": 1, "overlap_landing": "eager"},
+                       "round": {"sync_delay": 1, "overlap_landing": "eager", "save_every_rounds": 1},
                        "replica 1": {"step_sleep": 0.3}},
     "non-finite": {"max_steps": 16, "inner_steps": 4, "replica 1": {"nan_at_step": 6}},
     "bf16-weights-int4+ef": {"max_steps": 12, "inner_steps": 4, "weights": "bfloat16", "round": BF16_CODECS["int4+ef"]},
@@ -469,11 +469,18 @@ def test_under_time_budgets_an_overlapped_sync_lands_once_its_exchange_is_done_s
     the exchange is still waiting for replica 1 then, at a later step once it is done, so replica 0's loop is
     blocked only by its snapshot and the landing (under 0.03 s a sync at the median, against replica 1's half-step
     arrival spread of up to 0.15 s that a landing at exactly τ would wait for). The last budget is sized to end as
-    replica 0 reaches max_steps. Every sync is committed by both, and the replicas end identical."""
+    replica 0 reaches max_steps. Every sync is committed by both, and the replicas end identical. A round
+    checkpoint after every sync (save_every_rounds 1) costs no blocking sync: each replica saves in its own folder
+    at a step where a sync landed and none is in flight, and every sync but the last overlaps."""
     folder = pair / "budget-overlap"
     records = read_syncs(folder / "replica-0")
     middle = records[1:-1]  # the first sync carries start-up; the last one lands at max_steps, blocking
     assert len(middle) >= 6 and all(r["committed"] and r["participants"] == 2 for r in records), records
+    assert all("launch_step" in r for r in records[:-1]), [(r["sync"], r.get("launch_step")) for r in records]
+    for r in range(2):
+        saved = sorted(int(c.name.split("-")[1]) for c in (folder / f"replica-{r}").glob("checkpoint-*"))
+        landed = {rec["step"] for rec in read_syncs(folder / f"replica-{r}")}
+        assert saved and set(saved) <= landed, (r, saved, sorted(landed))
     late = [r for r in middle if r["step"] - r["launch_step"] > 1]
     assert late, [(r.get("launch_step"), r["step"]) for r in middle]
     blocked = sorted(r["blocked_seconds"] for r in middle)
