@@ -6,6 +6,8 @@ loss) and answers with values (hf_diloco.engine.SyncOutcome), which the callback
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_diloco"
 
 
@@ -111,3 +113,45 @@ def test_nothing_under_the_callback_imports_transformers_or_touches_trainer_stat
     assert {"engine", "backends", "torchft_backend", "gate", "health", "outer", "fragments", "records"} <= under
     contacts = {name: trainer_contacts((PACKAGE / f"{name}.py").read_text()) for name in sorted(under)}
     assert {name: found for name, found in contacts.items() if found} == {}
+
+
+def hops(*flags: str) -> dict[str, list[str]]:
+    """benchmarks/hops.py's call chains of one sync (tiny model, one replica, this tree): target → the hf_diloco
+    frames from the callback's on_step_end (or the top of the engine's background thread) down to it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(PACKAGE.parent / "benchmarks" / "hops.py"), *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    chains, current = {}, None
+    for line in out.stdout.splitlines():
+        if line.startswith("hops to "):
+            current = chains.setdefault(line[len("hops to "):].split(":")[0], [])
+        elif line.startswith("  ") and current is not None:
+            current.append(line.strip())
+        else:
+            current = None
+    return chains
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("flags", [(), ("--sync-delay", "1"), ("--backend", "torchft")],
+                         ids=["torch-blocking", "torch-overlapped", "torchft-blocking"])
+def test_a_sync_reaches_the_network_and_the_copy_back_through_the_fragments_verbs(flags):
+    """From the callback, every sync reaches θ_i ← θ_global only through Fragment.copy_back, called by the sync's
+    own function (outer_round for a blocking one, land for an overlapped or voted one) under SyncEngine.land; its
+    network is comm's sum_replicas under the fragments' average (_average_bucket), in the inner loop for a blocking
+    sync and in the engine's background thread (_in_background, then exchange) for an overlapped one. Measured on a
+    real run (benchmarks/hops.py, which records the chains with sys.setprofile)."""
+    chains = hops(*flags)
+    copy = chains["copy_back"]
+    assert copy[0] == "diloco_callback.DiLoCoCallback.on_step_end" and copy[-1] == "fragments.Fragment.copy_back"
+    assert "engine.SyncEngine.land" in copy
+    overlapped = "--sync-delay" in flags
+    assert copy[-2] == ("fragments.land" if overlapped or "torchft" in flags else "fragments.outer_round"), copy
+    network = chains["sum_replicas (background thread)" if overlapped else "sum_replicas"]
+    assert network[-2:] == ["fragments._average_bucket", "comm.ReplicaComm.sum_replicas"], network
+    assert network[0] == ("engine.SyncEngine._in_background" if overlapped else
+                          "diloco_callback.DiLoCoCallback.on_step_end"), network
+    assert not any(hop.startswith(("trainer.", "transformers")) for hop in copy + network)
