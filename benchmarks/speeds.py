@@ -24,7 +24,9 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
   drop lasted.
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
-drop. `--overlap` runs the time-budget rounds blocking and overlapped (`sync_delay 1`), nothing else. `--quality`
+drop. `--overlap` runs the time-budget rounds blocking (`sync_delay 0`) and as the defaults run them (`sync_delay`
+unset: τ auto), both with the recipe's round checkpoint after every sync (`save_every_rounds: 1`; the other tables
+turn saves off), nothing else. `--quality`
 compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 8 nominal steps,
 400 steps (about 50 syncs, 45 or so overlapped), plain and with the delayed outer Nesterov, under 60%, 60%, 20% and
 under three quotas of 46.67% each (the same 1.4 cores), the equal-speed runs' max_steps sized from the rates below
@@ -96,8 +98,10 @@ INNER_STEPS = 20
 QUALITY_INNER_STEPS, QUALITY_STEPS = 8, 400  # --quality: about 50 syncs (overlapped ones land later: 45 or so)
 REPEATS = 3
 FLAGGED = 1.03  # goodput above this is beyond physics plus measurement noise
-TASK = ["--block_size", "128", "--per_device_train_batch_size", "4", "--save_strategy", "no",
-        "--save_every_rounds", "0", "--eval_strategy", "steps", "--eval_on_start", "false", "--sync_timeout", "300"]
+# --overlap: the recipe's own saves (save_every_rounds 1: a round checkpoint after every sync), as a user runs it
+DEFAULT_SAVES_TASK = ["--block_size", "128", "--per_device_train_batch_size", "4", "--save_strategy", "no",
+                      "--eval_strategy", "steps", "--eval_on_start", "false", "--sync_timeout", "300"]
+TASK = [*DEFAULT_SAVES_TASK, "--save_every_rounds", "0"]
 
 
 class QuotaGroups:
@@ -256,6 +260,14 @@ def launch(folder: Path, processes: int, overrides: list[str], groups: QuotaGrou
         sys.exit(f"speeds: only replicas {sorted(placer.placed)} were put under a quota; the run does not count.")
 
 
+def overlaps(overrides: list[str]) -> bool:
+    """Whether a run with these flags overlaps its syncs: a sync_delay above 0, or none given under time budgets
+    (where it is auto by default)."""
+    if "--sync_delay" in overrides:
+        return overrides[overrides.index("--sync_delay") + 1] != "0"
+    return "--round_seconds" in overrides
+
+
 def own_row(record: dict, replica: int = 0) -> dict:
     return next(m for m in record["replicas"] if m["replica"] == replica)
 
@@ -310,8 +322,9 @@ def main() -> None:
                              "fragments, sync_delay auto) and with the delayed outer Nesterov (outer_momentum_delay "
                              f"{DELAY}); results/speeds-methods-<backends>.*")
     parser.add_argument("--overlap", action="store_true",
-                        help="time-budget rounds blocking against overlapped (sync_delay 1: a sync lands τ steps after "
-                             "its launch, or once its exchange is done if later); "
+                        help="time-budget rounds blocking (sync_delay 0) against the defaults (sync_delay unset: τ "
+                             "auto, a sync lands τ steps after its launch, or once its exchange is done if later), "
+                             "both with the recipe's round checkpoint after every sync; "
                              "results/speeds-overlap-<backends>.*")
     parser.add_argument("--quality", action="store_true",
                         help="eval loss at equal tokens against the same replicas at equal speed: time-budget rounds "
@@ -355,16 +368,18 @@ def main() -> None:
             alone = before
             groups.set_quotas(QUOTAS)
             round_seconds = round(inner * alone[QUOTAS][0]["seconds_per_step"], 2)
-            budget = ["--inner_steps", str(inner), "--round_seconds", str(round_seconds)]
-            streamed = [*budget, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
+            clock = ["--inner_steps", str(inner), "--round_seconds", str(round_seconds)]
+            budget = [*clock, "--sync_delay", "0"]  # blocking, as these tables compare (unset, τ would be auto)
+            streamed = [*clock, "--compression", "int4", "--error_feedback", "true", "--num_fragments", "2",
                         "--sync_delay", "auto"]
             delayed = [*budget, "--outer_momentum_delay", str(DELAY)]
             # (name, overrides, quota drop, quotas, max_steps)
             rows = [(f"fixed H = {INNER_STEPS}", ["--inner_steps", str(INNER_STEPS)], False, QUOTAS, steps),
                     (f"time budget {round_seconds:g} s", budget, False, QUOTAS, steps)]
-            if args.overlap:
-                rows = [rows[1], (f"time budget {round_seconds:g} s, sync_delay 1", [*budget, "--sync_delay", "1"],
-                                  False, QUOTAS, steps)]
+            if args.overlap:  # as the shipped recipe runs: its round checkpoints on, overlap by default
+                rows = [(f"time budget {round_seconds:g} s, sync_delay 0", [*budget, "--sync_delay", "0"], False,
+                         QUOTAS, steps),
+                        (f"time budget {round_seconds:g} s, defaults (τ auto)", clock, False, QUOTAS, steps)]
             elif args.methods:
                 rows += [("time budget, int4 + EF, 2 fragments, τ auto", streamed, False, QUOTAS, steps),
                          (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps)]
@@ -375,7 +390,7 @@ def main() -> None:
                 fast = alone[QUOTAS][0]["tokens_per_second"]
                 equal_steps = round(steps * capacity_of(alone, QUOTAS) / fast / len(QUOTAS))
                 equal = (EQUAL,) * len(QUOTAS)
-                overlapped = [*budget, "--sync_delay", "1"]
+                overlapped = [*clock, "--sync_delay", "1"]
                 rows = [rows[1], (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps),
                         ("time budget, sync_delay 1, mixed landing", overlapped, False, QUOTAS, steps),
                         ("time budget, sync_delay 1, eager landing", [*overlapped, "--overlap_landing", "eager"],
@@ -402,7 +417,8 @@ def main() -> None:
                     seeded = ["--seed", str(repeat), "--lr_scheduler_type", "constant_with_warmup"] \
                         if args.quality else []
                     try:
-                        launch(folder, len(QUOTAS), [*TASK, "--max_steps", str(run_steps), "--eval_steps",
+                        launch(folder, len(QUOTAS), [*(DEFAULT_SAVES_TASK if args.overlap else TASK), "--max_steps",
+                                                     str(run_steps), "--eval_steps",
                                                      str(run_steps), *seeded, *extra], groups, backend=backend)
                     finally:
                         if dropping:
@@ -410,7 +426,7 @@ def main() -> None:
                             dropping.join()
                     available = capacity_of(alone, quotas)
                     runs[name].append(measure(folder, backend, available, dropping.window if dropping else (), lost,
-                                              mixed="--sync_delay" in extra and "eager" not in extra))
+                                              mixed=overlaps(extra) and "eager" not in extra))
                     runs[name][-1].update(available=available, quotas=quotas)
                     print(f"  goodput {runs[name][-1]['goodput']:.1%}, {runs[name][-1]['tokens']:,} tokens",
                           flush=True)

@@ -73,7 +73,16 @@ def _question(title: str, index: int) -> str:
 def builtin_chat() -> Dataset:
     """A chat dataset written from the built-in corpus, no download: one conversation per passage, in `messages`
     format (a user asks for a passage of a reference topic by its title and number, the assistant answers with it),
-    about 2,000 rows; the same on every machine."""
+    about 2,000 rows; the same on every machine.
+
+    Returns:
+        a datasets.Dataset with one column, `messages` (a list of {"role", "content"} turns), which TRL's
+        SFTTrainer takes as it is.
+
+    >>> chats = builtin_chat()
+    >>> chats.column_names, [turn["role"] for turn in chats[0]["messages"]]
+    (['messages'], ['user', 'assistant'])
+    """
     rows, count = [], {}
     for title, passage in _reference_passages():
         index = count[title] = count.get(title, -1) + 1
@@ -85,7 +94,15 @@ def builtin_chat() -> Dataset:
 def builtin_preferences() -> Dataset:
     """A preference dataset written from the built-in corpus, no download, in TRL's conversational format: for each
     passage's question, `chosen` answers with the passage and `rejected` with a passage of another topic (the one
-    half the corpus further on)."""
+    half the corpus further on).
+
+    Returns:
+        a datasets.Dataset with `prompt`, `chosen` and `rejected` (each a list of turns), which TRL's DPOTrainer
+        takes as it is.
+
+    >>> builtin_preferences().column_names
+    ['prompt', 'chosen', 'rejected']
+    """
     passages = _reference_passages()
     rows, count, half = [], {}, len(passages) // 2
     for i, (title, passage) in enumerate(passages):
@@ -381,7 +398,24 @@ def _key(value) -> bytes:
 
 def build_datasets(run: RunArguments, tokenizer, shard: tuple[int, int] | None = None):
     """Load, tokenize and split the corpus named by `run`: (train, eval or None). A streamed corpus is split
-    between replicas here when `shard` (this replica's index, the number of replicas) is given."""
+    between replicas here when `shard` (this replica's index, the number of replicas) is given.
+
+    Args:
+        run: the data fields (`dataset_name`: "builtin", a local file or folder, or a Hub dataset;
+            `dataset_config_name`, `text_column`, `block_size`, `eval_fraction`, `streaming`, ...).
+        tokenizer: the model's tokenizer.
+        shard: (this replica's index, the number of replicas), for a streamed corpus only; a map-style one is
+            split between replicas by the trainer's sampler instead.
+
+    Returns:
+        (train, eval): datasets of `block_size`-token blocks with `input_ids` and `labels`; eval is None with
+        `eval_fraction` 0 (a streamed corpus holds none out).
+
+    >>> from hf_diloco.models import byte_tokenizer
+    >>> train, held_out = build_datasets(RunArguments(dataset_name="builtin", block_size=64), byte_tokenizer())
+    >>> len(train[0]["input_ids"]), sorted(train[0]), len(held_out) < len(train)
+    (64, ['input_ids', 'labels'], True)
+    """
     if run.streaming:
         return build_streaming_datasets(run, tokenizer, shard)
     dataset = load_text_dataset(run.dataset_name, run.dataset_config, run.text_column, tokenizer)
@@ -558,7 +592,25 @@ def _ids(tokenizer, texts: list[str], length: int, pad_with: int) -> tuple[list[
 def build_task_datasets(run, task: Task, tokenizer, model_config=None):
     """(train, eval or None) for a task other than causal-lm: rows as the task's model takes them, fixed shapes,
     the last `eval_fraction` of the rows held out. `model_config`: the model's, for a dataset of images of the
-    user's (their size, channels and classes) and for class names (`label2id`; `class_names`)."""
+    user's (their size, channels and classes) and for class names (`label2id`; `class_names`).
+
+    Args:
+        run: the data fields, as for `build_datasets` (`dataset_name` "builtin" writes the task's built-in rows).
+        task: hf_diloco.tasks.get_task(name): masked-lm, sequence-classification, seq2seq or image-classification.
+        tokenizer: the model's tokenizer (None for an image classifier).
+        model_config: the model's config, where the rows depend on it (images; a classifier's class names).
+
+    Returns:
+        (train, eval): datasets whose rows the task's collator batches as they are (`task_collator`); eval is None
+        with `eval_fraction` 0.
+
+    >>> from hf_diloco.models import byte_tokenizer
+    >>> from hf_diloco.tasks import get_task
+    >>> train, _ = build_task_datasets(RunArguments(dataset_name="builtin", block_size=64),
+    ...                                get_task("sequence-classification"), byte_tokenizer())
+    >>> sorted(train[0]), len(train[0]["input_ids"])
+    (['attention_mask', 'input_ids', 'labels'], 64)
+    """
     if task.name == MASKED_LM:  # the corpus in blocks, as for causal LM; the collator makes masks and labels
         train, held = build_datasets(run, tokenizer)
         return tuple(None if part is None else part.remove_columns("labels") for part in (train, held))

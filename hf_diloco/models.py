@@ -64,7 +64,20 @@ BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + 
 
 def give_chat_template(tokenizer) -> bool:
     """Whether `tokenizer` can render conversations: it has a chat template, or it is the built-in byte tokenizer,
-    which is given BYTE_CHAT_TEMPLATE (saved with it, so the trained model renders chats as it was trained)."""
+    which is given BYTE_CHAT_TEMPLATE (saved with it, so the trained model renders chats as it was trained).
+
+    Args:
+        tokenizer: a transformers tokenizer; the byte tokenizer's `chat_template` is set in place.
+
+    Returns:
+        True when `tokenizer.apply_chat_template` can now render a conversation (TRL's SFT and DPO trainers need
+        it), False when it has no template and is not the byte tokenizer.
+
+    >>> tokenizer = byte_tokenizer()
+    >>> give_chat_template(tokenizer), tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+    ...                                                               tokenize=False)
+    (True, '<|user|>\\nhi</s>\\n')
+    """
     if getattr(tokenizer, "chat_template", None):
         return True
     if isinstance(tokenizer, ByT5Tokenizer) and len(tokenizer) == len(byte_tokenizer()):
@@ -107,6 +120,19 @@ def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: 
     encoder) said in one logged line (`Loaded.note`); a checkpoint the task cannot train (`check_fits_task`), and a
     tokenizer that cannot be loaded, is empty or has more ids than the model's embeddings, are refused in one
     sentence (ConfigError): nothing is substituted.
+
+    Args:
+        name_or_path: a preset (`tiny-llama`, `tiny-bert`, ..., the `model` field's help lists them), a folder that
+            `save_pretrained` wrote, or a Hub model id.
+        max_positions: a preset's context length (its position embeddings); ignored for a checkpoint.
+        seed: a preset's initialisation seed (identical seeds, identical weights on every replica).
+        tokenizer_name_or_path: another tokenizer than the model's, or "byte" for the built-in byte tokenizer.
+        dtype: "auto", "float32" or "bfloat16": the weights' dtype.
+        task: one of hf_diloco.tasks.TASKS ("causal-lm", "masked-lm", "sequence-classification", ...).
+        labels: a classifier's class names, in id order.
+
+    Returns:
+        (model, tokenizer); the tokenizer is None for an image classifier.
 
     >>> model, tokenizer = load_model_and_tokenizer("tiny-bert", task="sequence-classification",
     ...                                             labels=["negative", "positive"])

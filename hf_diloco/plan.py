@@ -788,7 +788,23 @@ def plan(setting: Setting, context: dict | None = None, scale: bool = False, max
 def predict(recipe: str, **options) -> dict:
     """What `hf-diloco plan RECIPE ... --json` prints, from Python (the app's Preview): `options` are the command's
     flags, spelt with underscores (`replicas=8, link="1gbit", gpu="h100", sync_delay="auto", sharded=True`).
-    Loads torch and transformers, as the command does: a page that must stay light runs the command instead."""
+    Loads torch and transformers, as the command does: a page that must stay light runs the command instead.
+
+    Args:
+        recipe: a recipe's path (recipes/*.yaml or one of the user's).
+        **options: the flags of `hf-diloco plan` (`hf-diloco plan --help` lists them); True for a switch.
+
+    Returns:
+        the plan as `--json` prints it: the setting, one row per method (DDP, DiLoCo with each codec and schedule)
+        with its bytes, seconds and utilisation, and the recommendation.
+
+    >>> from pathlib import Path
+    >>> recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-pretrain.yaml"
+    >>> planned = predict(str(recipe), replicas=2, link="10mbit", tokens_per_second=15000)
+    >>> best = planned["recommendation"]
+    >>> planned["rows"][0]["method"], best["inner_steps"], best["meets_target"]
+    ('ddp', 50, True)
+    """
     from .recipes import Parser
 
     argv = ["plan", recipe]

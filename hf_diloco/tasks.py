@@ -203,7 +203,18 @@ def build_task_preset(name: str, task: Task, tokenizer, max_positions: int, seed
 
 def task_collator(task: Task, tokenizer):
     """How a batch is made: masking for masked LM (15% of the tokens, BERT's recipe), rows as they are for the
-    others (every row already has the task's fixed shape)."""
+    others (every row already has the task's fixed shape).
+
+    Args:
+        task: the task (`get_task(name)`).
+        tokenizer: the model's tokenizer (masked LM draws its mask token from it).
+
+    Returns:
+        a data collator for Trainer's `data_collator`.
+
+    >>> task_collator(get_task("sequence-classification"), None).__name__
+    'default_data_collator'
+    """
     from transformers import DataCollatorForLanguageModeling, default_data_collator
 
     if task.name == MASKED_LM:
@@ -220,5 +231,16 @@ def accuracy(prediction) -> dict:
 
 
 def task_metrics(task: Task):
-    """Trainer's compute_metrics for `task`: accuracy for classifiers, None (the loss alone) for the others."""
+    """Trainer's compute_metrics for `task`: accuracy for classifiers, None (the loss alone) for the others.
+
+    Args:
+        task: the task (`get_task(name)`).
+
+    Returns:
+        a function for Trainer's `compute_metrics` (its result, `accuracy`, reaches the records as
+        eval_accuracy), or None.
+
+    >>> task_metrics(get_task("image-classification")).__name__, task_metrics(get_task("causal-lm"))
+    ('accuracy', None)
+    """
     return accuracy if task.metric == "accuracy" else None

@@ -312,7 +312,20 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
                  group: int | None = None, sharded: bool | None = None, tp: int | None = None) -> dict[str, str]:
     """What a run would do, computed from the model alone: sizes, memory per process and the bytes of a round;
     nothing is trained. `processes`, `group`, `sharded` and `tp` give the layout of an accelerate config (`launch
-    --dry-run`); by default it is this launch's."""
+    --dry-run`); by default it is this launch's.
+
+    Args:
+        run: the run's model and data settings.
+        config: the DiLoCo settings.
+        processes: the launch's number of processes (default: this launch's world size).
+        group: processes per replica (default: `config.replica_group_size`).
+        sharded: whether a replica's members shard the model (FSDP2).
+        tp: the tensor-parallel size inside a replica.
+
+    Returns:
+        the plan's rows, name → value as `hf-diloco train --dry-run` prints them (sizes, memory per process,
+        bytes of a round, the layout's note where one applies).
+    """
     from .codecs import CODECS, make_codec
     from .comm import ring_all_reduce_bytes, sync_bytes
     from .metrics import format_bytes
@@ -481,7 +494,17 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
     current step (`StopOnRequest`). A request made while the model and data load is honoured at the start.
     Unless `run.verbose`, the console is calm (hf_diloco.console: one progress bar, one line per sync;
     transformers' own progress bars are turned off for the process). `callbacks` are added to the trainer.
-    Returns the trainer.
+
+    Args:
+        run: what to train on and how the process behaves (model, data, task, trainer kind, LoRA, console).
+        config: the DiLoCo and Trainer settings (a DiLoCoConfig, TrainingArguments' fields included).
+        callbacks: TrainerCallbacks added to the trainer.
+        stop_signals: whether SIGUSR1, SIGTERM and SIGINT stop the run at the next sync (main thread only).
+
+    Returns:
+        the trainer, trained; its model is saved under `config.output_dir`.
+
+    The README's quickstart (`hf-diloco train --config recipes/tiny-pretrain.yaml`) runs this in each process.
     """
     from .files import hold_run_folder
     from .run_callbacks import RunRecorder, StopOnRequest
