@@ -62,6 +62,7 @@ class Knobs:
     model_name_or_path: str = ""
     dataset_name: str = ""
     task: str = ""
+    trainer: str = ""
     num_machines: str = ""
     machine_rank: str = ""
     main_process_ip: str = ""
@@ -70,7 +71,7 @@ class Knobs:
 
 
 RECIPE_FIELDS = ("inner_steps", "outer_lr", "outer_momentum", "max_steps", "model_name_or_path", "dataset_name",
-                 "task")
+                 "task", "trainer")
 # The replicas knob becomes --num_processes = replicas × replica_group_size (see flags).
 LAUNCH_FIELDS = {"replicas": "--num_processes", "num_machines": "--num_machines", "machine_rank": "--machine_rank",
                  "main_process_ip": "--main_process_ip", "main_process_port": "--main_process_port"}
@@ -88,7 +89,7 @@ NUMBERS = {
     "restarts": ("restarts", int, 0, None),
 }
 SHORT_NAMES = {"replicas": "x", "inner_steps": "H", "outer_lr": "olr", "outer_momentum": "mom", "max_steps": "steps",
-               "model_name_or_path": "", "dataset_name": "", "task": "", "num_machines": "nodes",
+               "model_name_or_path": "", "dataset_name": "", "task": "", "trainer": "", "num_machines": "nodes",
                "restarts": "restarts"}
 # The model presets, read from hf_diloco/models.py's PRESETS keys without importing it (it imports torch), and the
 # task presets (hf_diloco.tasks imports nothing heavy).
@@ -297,6 +298,8 @@ def check_knobs(knobs: Knobs) -> None:
             check_number(text, *NUMBERS[name])
         elif name == "task" and text not in TASKS:
             raise FormError(f"task must be one of {', '.join(TASKS)}, got {text!r}.")
+        elif name == "trainer" and text not in checks.TRAINERS:
+            raise FormError(f"trainer must be one of {', '.join(checks.TRAINERS)}, got {text!r}.")
     machines, rank = str(knobs.num_machines).strip(), str(knobs.machine_rank).strip()
     if machines and rank and int(rank) >= int(machines):
         raise FormError(f"this machine's rank must be below the number of machines ({machines}), got {rank}; "

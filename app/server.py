@@ -37,6 +37,7 @@ from starlette.middleware import Middleware
 
 from app import forms, guard, views
 from hf_diloco import runs
+from hf_diloco.checks import TRAINERS
 from hf_diloco.errors import ConfigError
 from hf_diloco.launch import free_port
 from hf_diloco.tasks import TASKS
@@ -47,6 +48,7 @@ KNOB_LABELS = {
     "outer_lr": "Outer learning rate", "outer_momentum": "Outer momentum", "max_steps": "Max steps",
     "model_name_or_path": "Model preset or path", "dataset_name": "Dataset (builtin, file, folder or Hub id)",
     "task": "Task (what the model learns; each task's preset: tiny-t5, tiny-bert, tiny-vit)",
+    "trainer": "Trainer (ddp: the data-parallel baseline of the same recipe, TRL's trainer kept for sft and dpo)",
     "num_machines": "Machines", "machine_rank": "This machine's rank", "main_process_ip": "Main machine address",
     "main_process_port": "Main machine port",
     "restarts": "Restarts per replica (torchft; blank: 3)",
@@ -394,6 +396,8 @@ def build(runs_dir: Path, data_dirs: list[Path] | None = None) -> gr.Blocks:
                         knobs[knob] = gr.Textbox(label=KNOB_LABELS[knob], elem_id=f"knob-{knob}")
                     knobs["task"] = gr.Dropdown([("as in the recipe", ""), *((name, name) for name in TASKS)], value="",
                                                 label=KNOB_LABELS["task"], elem_id="knob-task")
+                    knobs["trainer"] = gr.Dropdown([("as in the recipe", ""), *((name, name) for name in TRAINERS)],
+                                                   value="", label=KNOB_LABELS["trainer"], elem_id="knob-trainer")
                 with gr.Accordion("Distributed settings (multi-node; blank = as in the accelerate config)", open=False):
                     with gr.Row():
                         for knob in DISTRIBUTED:

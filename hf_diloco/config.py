@@ -754,7 +754,8 @@ class RunArguments:
                           "DPOTrainer with DiLoCo, on conversations or preference pairs; pip install "
                           "'hf-diloco[trl]'; their fields, such as max_length, join the recipe's), or 'ddp' for the "
                           "ordinary data-parallel Trainer baseline (gradients all-reduced every step; the DiLoCo "
-                          "fields are ignored).", "choices": list(TRAINERS)},
+                          "fields are ignored; on a recipe that says sft or dpo, --trainer ddp keeps TRL's trainer "
+                          "and its fields).", "choices": list(TRAINERS)},
     )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model, > 0 trains PEFT LoRA "
                                                       "adapters (only they are synced and counted)."})

@@ -71,9 +71,12 @@ def parse_train_args(recipe: str | None, overrides: list[str], checking_only: bo
     values = read_yaml(recipe, "recipe") if recipe else {}
     # A recipe that names no output folder writes under runs/, where `hf-diloco app` looks by default.
     values.setdefault("output_dir", f"runs/{Path(recipe).stem if recipe else 'run'}")
+    trainer = _named(values, overrides, "trainer", "diloco")
+    if trainer == "ddp" and values.get("trainer") in TRL_TRAINERS:
+        # The baseline of a TRL recipe keeps TRL's trainer and its fields (max_length, beta, ...), without DiLoCo.
+        trainer = values["trainer"]
     try:
-        arguments = config_class(_named(values, overrides, "trainer", "diloco"),
-                                 _named(values, overrides, "task", "causal-lm"))
+        arguments = config_class(trainer, _named(values, overrides, "task", "causal-lm"))
     except ConfigError as error:
         raise CLIError(str(error)) from None
     parser = field_parser(arguments)

@@ -360,7 +360,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         "model": f"{run.model_name_or_path} ({total:,} parameters, {trainable:,} trainable and synced)",
         "data": f"{run.dataset_name}" + (f" [{run.dataset_config}]" if run.dataset_config else "")
         + (f", rows as TRL prepares them (chat template), at most {config.max_length} tokens each"
-           if run.trainer in TRL_TRAINERS else
+           if trl_of(run, config) else
            (", streamed" if run.streaming else "") + f", {run.block_size}-token blocks, column {run.text_column!r}"),
         "replicas in this launch": (f"1 of {replicas} (outer_backend torchft: one launch per replica)" if on_torchft
                                     else f"{replicas} of {group} process(es) each")
@@ -383,7 +383,7 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
                             if config.inner_optimizer == "muon" else optim)
         + f" lr {config.learning_rate} weight decay {config.weight_decay}, "
         f"warmup {config.warmup_steps}, {schedule}",
-        "tokens per inner step per process": ("at most " if run.trainer in TRL_TRAINERS else "")
+        "tokens per inner step per process": ("at most " if trl_of(run, config) else "")
         + f"{tokens_per_step(run, config):,}",
         "pseudo-gradient per round": format_bytes(trainable * 4) + " (fp32)",
         f"sent across replicas per process per round, M={shown}": f"{format_bytes(per_round)} with "
@@ -475,9 +475,15 @@ def memory_per_process(model, config: DiLoCoConfig, shards: int, share: dict[str
             + "; activations not counted")
 
 
+def trl_of(run: RunArguments, config: DiLoCoConfig) -> str | None:
+    """The TRL trainer a run trains with, "sft" or "dpo" (with DiLoCo, or as a TRL recipe's `trainer: ddp`
+    baseline, whose config is still TRL's: hf_diloco.recipes.parse_train_args), else None."""
+    return run.trainer if run.trainer in TRL_TRAINERS else getattr(config, "trl_trainer", None)
+
+
 def tokens_per_step(run: RunArguments, config: DiLoCoConfig) -> int:
     """Tokens an inner step takes per process: its blocks, or with a TRL trainer its rows at most (max_length)."""
-    length = config.max_length if run.trainer in TRL_TRAINERS else run.block_size
+    length = config.max_length if trl_of(run, config) else run.block_size
     return config.per_device_train_batch_size * config.gradient_accumulation_steps * length
 
 
@@ -551,8 +557,7 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     if task.name != CAUSAL_LM:
         train_dataset, eval_dataset = build_task_datasets(run, task, tokenizer, model.config)
     else:
-        train_dataset, eval_dataset = (trl_datasets if run.trainer in TRL_TRAINERS else build_datasets)(run, tokenizer,
-                                                                                                        shard)
+        train_dataset, eval_dataset = (trl_datasets if trl_of(run, config) else build_datasets)(run, tokenizer, shard)
     if eval_dataset is None and config.eval_strategy != "no":
         raise ConfigError(
             "eval_strategy asks for evaluation but eval_fraction is 0, so there is nothing to evaluate on."
@@ -561,16 +566,23 @@ def _train(run: RunArguments, config: DiLoCoConfig, checkpoint: str | None, reco
     common = dict(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
                   processing_class=tokenizer, data_collator=task_collator(task, tokenizer),
                   compute_metrics=task_metrics(task))
-    if run.trainer in TRL_TRAINERS:  # TRL prepares the data (chat template, tokens, its collator)
+    if trl_of(run, config):  # TRL prepares the data (chat template, tokens, its collator)
         from . import trl
 
         del common["data_collator"]
-        if run.trainer == "dpo":  # its reference: with LoRA the adapter-free model, else a copy of the start
+        if trl_of(run, config) == "dpo":  # its reference: with LoRA the adapter-free model, else a copy of the start
             common["ref_model"] = None if run.lora_r > 0 else copy.deepcopy(model)
-        kind = trl.DiLoCoSFTTrainer if run.trainer == "sft" else trl.DiLoCoDPOTrainer
-        trainer = kind(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
-        if stopper.requested:
-            trainer.request_stop()
+        if run.trainer == "ddp":  # the baseline: TRL's own trainer and config, no DiLoCo
+            if config.inner_optimizer == "muon":
+                raise ConfigError("the trainer: ddp baseline of a TRL recipe trains with TRL's own trainer and its "
+                                  "optimizer (optim), which has no muon; set inner_optimizer adamw for the baseline.")
+            kind, common["args"] = trl.baseline(config)
+            trainer = kind(**common, callbacks=[clock, recorder, stopper, *callbacks])
+        else:
+            kind = trl.DiLoCoSFTTrainer if run.trainer == "sft" else trl.DiLoCoDPOTrainer
+            trainer = kind(**common, callbacks=[clock, recorder, *callbacks], stop_signals=stop_signals)
+            if stopper.requested:
+                trainer.request_stop()
     elif run.trainer == "diloco":
         # Its own stop handling, at a round boundary for all replicas together; a request made while loading is
         # handed on.

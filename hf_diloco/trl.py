@@ -18,7 +18,7 @@ move its reference towards its own weights between syncs, and the replicas' refe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .config import ConfigError, DiLoCoConfig
 from .trainer import DiLoCoMixin
@@ -33,10 +33,14 @@ except ImportError as error:  # the optional extra is not installed
 class DiLoCoSFTConfig(SFTConfig, DiLoCoConfig):
     """SFTConfig's fields and defaults, with DiLoCoConfig's fields and checks."""
 
+    trl_trainer = "sft"  # (not a field) the TRL trainer this config is of: the `trainer: ddp` baseline keeps it
+
 
 @dataclass
 class DiLoCoDPOConfig(DPOConfig, DiLoCoConfig):
     """DPOConfig's fields and defaults, with DiLoCoConfig's fields and checks."""
+
+    trl_trainer = "dpo"  # (not a field)
 
     def __post_init__(self):
         if self.sync_ref_model:
@@ -55,3 +59,17 @@ class DiLoCoDPOTrainer(DiLoCoMixin, DPOTrainer):
     """TRL's DPOTrainer, each process a DiLoCo replica (args: DiLoCoDPOConfig)."""
 
     config_class = DiLoCoDPOConfig
+
+
+def baseline(config: DiLoCoSFTConfig | DiLoCoDPOConfig) -> tuple[type, SFTConfig | DPOConfig]:
+    """The `trainer: ddp` baseline of a TRL recipe: TRL's own trainer class (no DiLoCo: gradients all-reduced every
+    step, as a user runs it without hf-diloco) and its own config, holding `config`'s values of that config's
+    fields (the DiLoCo fields have no place in it).
+
+    >>> trainer, args = baseline(DiLoCoSFTConfig(output_dir="/tmp/sft", max_length=64, inner_steps=5, use_cpu=True))
+    >>> trainer.__name__, type(args).__name__, args.max_length, hasattr(args, "inner_steps")
+    ('SFTTrainer', 'SFTConfig', 64, False)
+    """
+    trainer, arguments = (SFTTrainer, SFTConfig) if isinstance(config, DiLoCoSFTConfig) else (DPOTrainer, DPOConfig)
+    names = {f.name for f in fields(arguments) if f.init}
+    return trainer, arguments(**{f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in names})

@@ -34,6 +34,11 @@ def test_sharded_and_trl_recipes_preview_the_one_launch_start_runs(form_app):
     command, message = client.predict(*form, api_name="/preview")
     assert "Form is valid" in message, message
     assert " --num_processes 2 " in command and " --max_steps 4 " in command, command
+    # The trainer picker: the DDP baseline of the same SFT recipe (TRL's trainer kept, tests/test_trl.py).
+    form = ["", "sft-lora.yaml", sft, "cpu-2proc.yaml", *knobs(trainer="ddp", max_steps=4)]
+    command, message = client.predict(*form, api_name="/preview")
+    assert "Form is valid" in message, message
+    assert " --max_steps 4 --trainer ddp" in command + " ", command
     # The task picker: another task from the pre-training recipe, with that task's preset.
     form = ["", "tiny-pretrain.yaml", "", "cpu-2proc.yaml", *knobs(task="seq2seq", model_name_or_path="tiny-t5")]
     command, message = client.predict(*form, api_name="/preview")
@@ -534,3 +539,17 @@ def test_the_instant_check_refuses_what_preview_refuses_for_the_forms_own_values
     drafts_before = sorted((tmp_path / "runs" / "drafts").glob("*"))
     app.check("tiny-pretrain.yaml", TINY_YAML + "# edited\n", *knobs())
     assert sorted((tmp_path / "runs" / "drafts").glob("*")) == drafts_before
+
+
+@pytest.mark.process
+def test_a_trainer_the_picker_does_not_offer_is_refused_in_one_sentence(tmp_path):
+    """Gradio keeps the trainer picker to its choices (diloco, sft, dpo, ddp); the form's own check refuses any
+    other value that reaches it, in one sentence, before anything runs."""
+    sys.path.insert(0, str(REPO))
+    from app.server import App
+
+    app = App(tmp_path / "runs")
+    command, message, planned = app.preview("", "tiny-pretrain.yaml", "", "cpu-2proc.yaml",
+                                            *knobs(trainer="deepspeed"))
+    assert "trainer must be one of diloco, sft, dpo, ddp, got 'deepspeed'." in message, message
+    assert not command and not planned

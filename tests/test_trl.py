@@ -156,3 +156,37 @@ def test_what_trl_cannot_serve_is_refused_in_one_sentence(tmp_path, monkeypatch)
     monkeypatch.delattr(hf_diloco, "trl", raising=False)
     with pytest.raises(ConfigError, match=r"trainer dpo is TRL's DPOTrainer, and TRL is not installed: pip install"):
         config_class("dpo")
+
+
+def test_trainer_ddp_on_a_trl_recipe_is_trls_own_trainer_without_diloco(tmp_path):
+    """`--trainer ddp` on recipes/sft-lora.yaml, 2 processes, 4 steps: TRL's SFTTrainer with data parallelism and
+    the recipe's own fields (max_length, LoRA), as a user runs it without hf-diloco: no sync record, TRL's metrics
+    logged every step (mean_token_accuracy; num_tokens counts both processes' tokens, gathered every step, which
+    DiLoCo's replicas never do), the adapter saved, run_config.json naming the baseline. The DPO recipe's baseline
+    plans alike (a dry run), and the baseline refuses inner_optimizer muon, which TRL's trainer cannot take, in one
+    sentence."""
+    out = tmp_path / "run"
+    result = accelerate_launch(["-m", "hf_diloco.cli", "train", "--config", "recipes/sft-lora.yaml", "--trainer",
+                                "ddp", "--max_steps", "4", "--per_device_train_batch_size", "2", "--eval_strategy",
+                                "no", "--report_to", "none", "--logging_steps", "1", "--save_every_rounds", "0",
+                                "--output_dir", str(out)], timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not (out / "syncs.jsonl").exists(), "no DiLoCo sync"
+    logged = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    steps = [entry for entry in logged if "mean_token_accuracy" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2, 3, 4], logged
+    assert (out / "adapter_model.safetensors").exists()
+    assert json.loads((out / "run_config.json").read_text())["run"]["trainer"] == "ddp"
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert f.keys() and all("lora_" in name for name in f.keys())
+    plan = cli("train", "--config", "recipes/dpo-lora.yaml", "--trainer", "ddp", "--dry-run",
+               "--output_dir", str(tmp_path / "dpo"))
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert plan.stdout.split()[plan.stdout.split().index("trainer") + 1] == "ddp", plan.stdout
+    assert "rows as TRL prepares them" in plan.stdout, plan.stdout
+    refused = subprocess.run([sys.executable, "-m", "hf_diloco.cli", "train", "--config", "recipes/sft-lora.yaml",
+                              "--trainer", "ddp", "--inner_optimizer", "muon", "--max_steps", "2", "--output_dir",
+                              str(tmp_path / "muon")], cwd=REPO, env=env(), capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "TRL's own trainer and its optimizer (optim), which has no muon" in refused.stderr.strip().splitlines()[-1]
