@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, accelerate_launch
 
 README = REPO / "README.md"
 LINK = re.compile(r"\]\(([^)#]+)(#[^)]*)?\)")
@@ -35,31 +35,75 @@ def test_the_readme_is_a_front_page_whose_links_resolve():
     assert listed - {"index.md"} <= {t.removeprefix("docs/") for t in targets}, "the README links every page"
 
 
-def test_the_readmes_python_example_trains(tmp_path, monkeypatch):
-    """The README's Python block, as written, with its run shortened (4 steps, H = 2) and its folder in tmp."""
+@pytest.mark.process
+def test_the_readmes_python_example_trains_two_replicas_under_accelerate_launch(tmp_path):
+    """The README's Python block, as written, saved as a script and run with `accelerate launch` on two processes as
+    the README says (every process a replica), its run shortened (4 steps, H = 2) and its folder in tmp: both
+    replicas take part in each of the two syncs and the model is saved."""
+    from hf_diloco.metrics import read_syncs
+
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    out = tmp_path / "runs" / "my-run"
     shorter = {"inner_steps=50": "inner_steps=2", "max_steps=400": "max_steps=4", "eval_steps=50": "eval_steps=2",
-               "block_size=256": "block_size=32"}
+               "block_size=256": "block_size=32", 'output_dir="runs/my-run"': f"output_dir={str(out)!r}"}
     assert all(setting in code for setting in shorter), "the example's settings are where the test expects them"
-    shortened = code
     for setting, short in shorter.items():
-        shortened = shortened.replace(setting, short)
-    monkeypatch.chdir(tmp_path)
-    exec(compile(shortened + "\nRESULT = trainer.state.global_step\n", "README.md", "exec"), scope := {})
-    assert scope["RESULT"] == 4
-    records = (tmp_path / "runs" / "my-run" / "syncs.jsonl").read_text().splitlines()
-    assert len(records) == 2
+        code = code.replace(setting, short)
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    result = accelerate_launch([str(script)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_syncs(out)
+    assert [r["step"] for r in records] == [2, 4], records
+    assert all([m["participated"] for m in r["replicas"]] == [True, True] for r in records), records
+    assert (out / "model.safetensors").exists() or (out / "checkpoint-4").is_dir()
+
+
+def test_the_guides_mixin_block_gives_diloco_to_a_trainer_of_ones_own(tmp_path):
+    """docs/guides/your-model.md's DiLoCoMixin block, as written, with the names it leaves to the user bound to a
+    Trainer subclass and a TrainingArguments subclass with a field of its own: the config has both argument sets
+    (its own field's default stands), and the trainer trains as one replica, syncing at H = 2."""
+    from dataclasses import dataclass, field
+
+    import torch
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    page = (REPO / "docs" / "guides" / "your-model.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "DiLoCoMixin" in block)
+
+    @dataclass
+    class MyTrainerConfig(TrainingArguments):
+        temperature: float = field(default=0.5)
+
+    class MyTrainer(Trainer):
+        pass
+
+    scope = {"MyTrainerConfig": MyTrainerConfig, "MyTrainer": MyTrainer}
+    exec(compile(code, "your-model.md", "exec"), scope)
+    args = scope["MyConfig"](output_dir=str(tmp_path), inner_steps=2, max_steps=4, per_device_train_batch_size=2,
+                             save_strategy="no", save_every_rounds=0, report_to="none", disable_tqdm=True,
+                             use_cpu=True)
+    assert args.temperature == 0.5 and args.inner_steps == 2
+    from helpers import tiny_llama
+
+    data = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64} for _ in range(8)]
+    trainer = scope["MyDiLoCoTrainer"](model=tiny_llama(), args=args, train_dataset=data,
+                                       data_collator=default_data_collator)
+    trainer.train()
+    assert len((tmp_path / "syncs.jsonl").read_text().splitlines()) == 2
 
 
 def test_every_python_block_of_the_docs_parses_and_imports_what_exists():
-    """The README's example runs (above); the docs' other Python blocks are fragments of a user's script (their
-    model, data and own trainer are the user's): each parses, and every name it imports from hf_diloco exists."""
+    """Every Python block of the README and the docs is run by a test: the README's and the DiLoCoMixin one here,
+    the SFT and DPO ones as two replicas in tests/test_trl.py, the seq2seq and DiLoCoTrainer-task ones as two
+    replicas in tests/test_tasks.py, the app's API client in tests/test_app.py. Here: each block parses, and every
+    name it imports from hf_diloco exists (7 blocks at least)."""
     import ast
     import importlib
 
     blocks = [(page, code) for page in [README, *(REPO / "docs").rglob("*.md")]
               for code in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
-    assert len(blocks) >= 4
+    assert len(blocks) >= 7
     imported = 0
     for page, code in blocks:
         tree = ast.parse(code, filename=str(page))

@@ -27,27 +27,34 @@ def trl_runs(tmp_path_factory):
     """name → folder of each TRL_RUNS run, both trained in turn by one launch of two processes."""
     folder = tmp_path_factory.mktemp("trl")
     runs = [{"out": str(folder / name), "trainer": trainer, "lora": lora} for name, (trainer, lora) in TRL_RUNS.items()]
-    runs.append({"out": str(folder / "guide"), "guide_block": True})
+    runs += [{"out": str(folder / f"guide-{kind}"), "guide_block": kind} for kind in ("sft", "dpo")]
     for run in runs:
         (folder / run["out"]).mkdir()
     result = accelerate_launch([SCRIPT, json.dumps(runs)], timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {name: folder / name for name in [*TRL_RUNS, "guide"]}
+    return {name: folder / name for name in [*TRL_RUNS, "guide-sft", "guide-dpo"]}
 
 
-def test_the_guides_sft_block_trains_two_replicas_as_written(trl_runs):
-    """docs/guides/your-model.md's SFTTrainer block, launched as the page says (two processes): it trains two
-    replicas for its 20 steps, both taking part in the syncs at 10 and 20, and checkpoints the model at the end."""
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_the_guides_trl_blocks_train_two_replicas_as_written(trl_runs, kind):
+    """docs/guides/your-model.md's SFTTrainer and DPOTrainer blocks, launched as the page says (two processes):
+    each trains two replicas for its 20 steps, both taking part in the syncs at 10 and 20, and checkpoints the model
+    (the DPO block: its LoRA adapter, given as TRL's peft_config, the only weights synced) at the end."""
     import math
 
     from safetensors.torch import load_file
 
-    out = trl_runs["guide"] / "run"
+    out = trl_runs[f"guide-{kind}"] / "run"
     records = read_syncs(out)
     assert [r["step"] for r in records] == [10, 20], records
     assert all([m["participated"] for m in r["replicas"]] == [True, True] and math.isfinite(r["loss"])
                for r in records), records
-    assert load_file(out / "checkpoint-20" / "model.safetensors")
+    if kind == "sft":
+        assert load_file(out / "checkpoint-20" / "model.safetensors")
+    else:
+        adapter = load_file(out / "checkpoint-20" / "adapter_model.safetensors")
+        assert adapter and all("lora_" in name for name in adapter)
+        assert {r["synced_parameters"] for r in records} == {sum(t.numel() for t in adapter.values())}
 
 
 @pytest.mark.parametrize("name", list(TRL_RUNS))

@@ -2,7 +2,7 @@
 
 Argument: a JSON object: `out` (folder), `trainer` ("sft" or "dpo"), `lora` (bool, or "peft_config": LoRA given
 to the trainer as TRL takes it), or `out` and `guide_block`:
-true (the SFT block of docs/guides/your-model.md, run as written into `<out>/run`); or a list of them, trained in
+"sft" or "dpo" (that block of docs/guides/your-model.md, run as written into `<out>/run`); or a list of them, trained in
 turn by the same processes. The tiny-llama preset with the
 byte tokenizer (and its chat template) trains on the first 64 rows of the built-in chat or preference data, H = 2,
 4 steps, logging every step. Each rank writes `rank<r>.json`: the torch.distributed collectives it made inside
@@ -108,13 +108,17 @@ def run(settings: dict) -> None:
 
 
 def run_guide_block(settings: dict) -> None:
-    """The SFT block of docs/guides/your-model.md as a user saves and launches it, its output_dir moved to `out`."""
+    """The SFT or DPO block (`guide_block`: "sft" or "dpo") of docs/guides/your-model.md as a user saves and
+    launches it, its output_dir moved to `out`."""
     import re
 
+    kind = settings["guide_block"]
     page = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "your-model.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "DiLoCoSFTTrainer(" in block)
-    assert 'output_dir="runs/sft"' in code, code
-    exec(code.replace('output_dir="runs/sft"', f"output_dir={str(Path(settings['out']) / 'run')!r}"), {})
+    trainer = "DiLoCoSFTTrainer(" if kind == "sft" else "DiLoCoDPOTrainer("
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if trainer in block)
+    folder = f'output_dir="runs/{kind}"'
+    assert folder in code, code
+    exec(code.replace(folder, f"output_dir={str(Path(settings['out']) / 'run')!r}"), {})
 
 
 given = json.loads(sys.argv[1])
