@@ -163,8 +163,8 @@ def test_a_replica_that_claims_a_trillion_tokens_weighs_no_more_than_the_weight_
     from hf_diloco.backends import WEIGHT_LIMIT
 
     if backend == "torch":  # (tokens weigh a sync only under time budgets there: rounds of H weigh alike)
-        final = run_torch_backend(tmp_path / "run", {"round_seconds": 0.3}, max_steps=24, step_sleep=0.02,
-                                  claim_tokens=[1, 2, 10**12])
+        final = run_torch_backend(tmp_path / "run", {"round_seconds": 0.3, "sync_delay": 0}, max_steps=48,
+                                  step_sleep=0.02, claim_tokens=[1, 2, 10**12])  # (blocking: a sync every budget)
         folders = [tmp_path / "run" / "run"]
     else:
         final = run_torchft(tmp_path / "run", {}, claim_tokens=[1, 2, 10**12])
