@@ -76,12 +76,14 @@ def builtin_chat() -> Dataset:
     about 2,000 rows; the same on every machine.
 
     Returns:
-        a datasets.Dataset with one column, `messages` (a list of {"role", "content"} turns), which TRL's
-        SFTTrainer takes as it is.
+        Dataset: one column, `messages` (a list of turns, each with a role and its content), which TRL's
+            SFTTrainer takes as it is.
 
-    >>> chats = builtin_chat()
-    >>> chats.column_names, [turn["role"] for turn in chats[0]["messages"]]
-    (['messages'], ['user', 'assistant'])
+    Examples:
+        >>> chats = builtin_chat()
+        >>> first = chats[0]
+        >>> chats.column_names, [turn["role"] for turn in first["messages"]]
+        (['messages'], ['user', 'assistant'])
     """
     rows, count = [], {}
     for title, passage in _reference_passages():
@@ -97,11 +99,11 @@ def builtin_preferences() -> Dataset:
     half the corpus further on).
 
     Returns:
-        a datasets.Dataset with `prompt`, `chosen` and `rejected` (each a list of turns), which TRL's DPOTrainer
-        takes as it is.
+        Dataset: `prompt`, `chosen` and `rejected` (each a list of turns), which TRL's DPOTrainer takes as it is.
 
-    >>> builtin_preferences().column_names
-    ['prompt', 'chosen', 'rejected']
+    Examples:
+        >>> builtin_preferences().column_names
+        ['prompt', 'chosen', 'rejected']
     """
     passages = _reference_passages()
     rows, count, half = [], {}, len(passages) // 2
@@ -402,19 +404,21 @@ def build_datasets(run: RunArguments, tokenizer, shard: tuple[int, int] | None =
 
     Args:
         run: the data fields (`dataset_name`: "builtin", a local file or folder, or a Hub dataset;
-            `dataset_config_name`, `text_column`, `block_size`, `eval_fraction`, `streaming`, ...).
-        tokenizer: the model's tokenizer.
+            `dataset_config`, `text_column`, `block_size`, `eval_fraction`, `streaming`, ...).
+        tokenizer (PreTrainedTokenizerBase): the model's tokenizer.
         shard: (this replica's index, the number of replicas), for a streamed corpus only; a map-style one is
             split between replicas by the trainer's sampler instead.
 
     Returns:
-        (train, eval): datasets of `block_size`-token blocks with `input_ids` and `labels`; eval is None with
-        `eval_fraction` 0 (a streamed corpus holds none out).
+        tuple[Dataset, Dataset | None]: (train, eval), datasets of `block_size`-token blocks with `input_ids` and
+            `labels`; eval is None with `eval_fraction` 0 (a streamed corpus holds none out).
 
-    >>> from hf_diloco.models import byte_tokenizer
-    >>> train, held_out = build_datasets(RunArguments(dataset_name="builtin", block_size=64), byte_tokenizer())
-    >>> len(train[0]["input_ids"]), sorted(train[0]), len(held_out) < len(train)
-    (64, ['input_ids', 'labels'], True)
+    Examples:
+        >>> from hf_diloco.models import byte_tokenizer
+        >>> train, held_out = build_datasets(RunArguments(dataset_name="builtin", block_size=64), byte_tokenizer())
+        >>> first = train[0]
+        >>> len(first["input_ids"]), sorted(first), len(held_out) < len(train)
+        (64, ['input_ids', 'labels'], True)
     """
     if run.streaming:
         return build_streaming_datasets(run, tokenizer, shard)
@@ -595,21 +599,25 @@ def build_task_datasets(run, task: Task, tokenizer, model_config=None):
     user's (their size, channels and classes) and for class names (`label2id`; `class_names`).
 
     Args:
-        run: the data fields, as for `build_datasets` (`dataset_name` "builtin" writes the task's built-in rows).
+        run (RunArguments): the data fields, as for `build_datasets` (`dataset_name` "builtin" writes the task's
+            built-in rows).
         task: hf_diloco.tasks.get_task(name): masked-lm, sequence-classification, seq2seq or image-classification.
-        tokenizer: the model's tokenizer (None for an image classifier).
-        model_config: the model's config, where the rows depend on it (images; a classifier's class names).
+        tokenizer (PreTrainedTokenizerBase | None): the model's tokenizer (None for an image classifier).
+        model_config (PretrainedConfig | None): the model's config, where the rows depend on it (images; a
+            classifier's class names).
 
     Returns:
-        (train, eval): datasets whose rows the task's collator batches as they are (`task_collator`); eval is None
-        with `eval_fraction` 0.
+        tuple[Dataset, Dataset | None]: (train, eval), datasets whose rows the task's collator batches as they are
+            (`task_collator`); eval is None with `eval_fraction` 0.
 
-    >>> from hf_diloco.models import byte_tokenizer
-    >>> from hf_diloco.tasks import get_task
-    >>> train, _ = build_task_datasets(RunArguments(dataset_name="builtin", block_size=64),
-    ...                                get_task("sequence-classification"), byte_tokenizer())
-    >>> sorted(train[0]), len(train[0]["input_ids"])
-    (['attention_mask', 'input_ids', 'labels'], 64)
+    Examples:
+        >>> from hf_diloco.models import byte_tokenizer
+        >>> from hf_diloco.tasks import get_task
+        >>> train, _ = build_task_datasets(RunArguments(dataset_name="builtin", block_size=64),
+        ...                                get_task("sequence-classification"), byte_tokenizer())
+        >>> first = train[0]
+        >>> sorted(first), len(first["input_ids"])
+        (['attention_mask', 'input_ids', 'labels'], 64)
     """
     if task.name == MASKED_LM:  # the corpus in blocks, as for causal LM; the collator makes masks and labels
         train, held = build_datasets(run, tokenizer)

@@ -67,16 +67,18 @@ def give_chat_template(tokenizer) -> bool:
     which is given BYTE_CHAT_TEMPLATE (saved with it, so the trained model renders chats as it was trained).
 
     Args:
-        tokenizer: a transformers tokenizer; the byte tokenizer's `chat_template` is set in place.
+        tokenizer (PreTrainedTokenizerBase): a transformers tokenizer; the byte tokenizer's `chat_template` is set
+            in place.
 
     Returns:
-        True when `tokenizer.apply_chat_template` can now render a conversation (TRL's SFT and DPO trainers need
-        it), False when it has no template and is not the byte tokenizer.
+        bool: True when `tokenizer.apply_chat_template` can now render a conversation (TRL's SFT and DPO trainers
+            need it), False when it has no template and is not the byte tokenizer.
 
-    >>> tokenizer = byte_tokenizer()
-    >>> give_chat_template(tokenizer), tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-    ...                                                               tokenize=False)
-    (True, '<|user|>\\nhi</s>\\n')
+    Examples:
+        >>> tokenizer = byte_tokenizer()
+        >>> give_chat_template(tokenizer), tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+        ...                                                               tokenize=False)
+        (True, '<|user|>\\nhi</s>\\n')
     """
     if getattr(tokenizer, "chat_template", None):
         return True
@@ -132,12 +134,14 @@ def load_model_and_tokenizer(name_or_path: str, max_positions: int = 256, seed: 
         labels: a classifier's class names, in id order.
 
     Returns:
-        (model, tokenizer); the tokenizer is None for an image classifier.
+        tuple[PreTrainedModel, PreTrainedTokenizerBase | None]: (model, tokenizer); the tokenizer is None for an
+            image classifier.
 
-    >>> model, tokenizer = load_model_and_tokenizer("tiny-bert", task="sequence-classification",
-    ...                                             labels=["negative", "positive"])
-    >>> type(model).__name__, model.config.id2label
-    ('BertForSequenceClassification', {0: 'negative', 1: 'positive'})
+    Examples:
+        >>> model, tokenizer = load_model_and_tokenizer("tiny-bert", task="sequence-classification",
+        ...                                             labels=["negative", "positive"])
+        >>> type(model).__name__, model.config.id2label
+        ('BertForSequenceClassification', {0: 'negative', 1: 'positive'})
     """
     loaded = load_model(name_or_path, max_positions, seed, tokenizer_name_or_path, dtype, task, labels)
     if loaded.note:

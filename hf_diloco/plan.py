@@ -792,18 +792,20 @@ def predict(recipe: str, **options) -> dict:
 
     Args:
         recipe: a recipe's path (recipes/*.yaml or one of the user's).
-        **options: the flags of `hf-diloco plan` (`hf-diloco plan --help` lists them); True for a switch.
+        **options (str | int | float | bool): the flags of `hf-diloco plan` (`hf-diloco plan --help` lists them);
+            True for a switch.
 
     Returns:
-        the plan as `--json` prints it: the setting, one row per method (DDP, DiLoCo with each codec and schedule)
-        with its bytes, seconds and utilisation, and the recommendation.
+        dict: the plan as `--json` prints it: the setting, one row per method (DDP, DiLoCo with each codec and
+            schedule) with its bytes, seconds and utilisation, and the recommendation.
 
-    >>> from pathlib import Path
-    >>> recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-pretrain.yaml"
-    >>> planned = predict(str(recipe), replicas=2, link="10mbit", tokens_per_second=15000)
-    >>> best = planned["recommendation"]
-    >>> planned["rows"][0]["method"], best["inner_steps"], best["meets_target"]
-    ('ddp', 50, True)
+    Examples:
+        >>> from pathlib import Path
+        >>> recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-pretrain.yaml"
+        >>> planned = predict(str(recipe), replicas=2, link="10mbit", tokens_per_second=15000)
+        >>> best, first = planned["recommendation"], planned["rows"][0]
+        >>> first["method"], best["inner_steps"], best["meets_target"]
+        ('ddp', 50, True)
     """
     from .recipes import Parser
 

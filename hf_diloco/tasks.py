@@ -207,13 +207,14 @@ def task_collator(task: Task, tokenizer):
 
     Args:
         task: the task (`get_task(name)`).
-        tokenizer: the model's tokenizer (masked LM draws its mask token from it).
+        tokenizer (PreTrainedTokenizerBase | None): the model's tokenizer (masked LM draws its mask token from it).
 
     Returns:
-        a data collator for Trainer's `data_collator`.
+        Callable: a data collator for Trainer's `data_collator`.
 
-    >>> task_collator(get_task("sequence-classification"), None).__name__
-    'default_data_collator'
+    Examples:
+        >>> task_collator(get_task("sequence-classification"), None).__name__
+        'default_data_collator'
     """
     from transformers import DataCollatorForLanguageModeling, default_data_collator
 
@@ -237,10 +238,11 @@ def task_metrics(task: Task):
         task: the task (`get_task(name)`).
 
     Returns:
-        a function for Trainer's `compute_metrics` (its result, `accuracy`, reaches the records as
-        eval_accuracy), or None.
+        Callable | None: a function for Trainer's `compute_metrics` (its result, `accuracy`, reaches the records
+            as eval_accuracy), or None.
 
-    >>> task_metrics(get_task("image-classification")).__name__, task_metrics(get_task("causal-lm"))
-    ('accuracy', None)
+    Examples:
+        >>> task_metrics(get_task("image-classification")).__name__, task_metrics(get_task("causal-lm"))
+        ('accuracy', None)
     """
     return accuracy if task.metric == "accuracy" else None

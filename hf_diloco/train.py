@@ -323,8 +323,8 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         tp: the tensor-parallel size inside a replica.
 
     Returns:
-        the plan's rows, name → value as `hf-diloco train --dry-run` prints them (sizes, memory per process,
-        bytes of a round, the layout's note where one applies).
+        dict[str, str]: the plan's rows, name → value as `hf-diloco train --dry-run` prints them (sizes, memory
+            per process, bytes of a round, the layout's note where one applies).
     """
     from .codecs import CODECS, make_codec
     from .comm import ring_all_reduce_bytes, sync_bytes
@@ -508,7 +508,7 @@ def train(run: RunArguments, config: DiLoCoConfig, callbacks: Sequence = (), sto
         stop_signals: whether SIGUSR1, SIGTERM and SIGINT stop the run at the next sync (main thread only).
 
     Returns:
-        the trainer, trained; its model is saved under `config.output_dir`.
+        Trainer: the trainer, trained; its model is saved under `config.output_dir`.
 
     The README's quickstart (`hf-diloco train --config recipes/tiny-pretrain.yaml`) runs this in each process.
     """
