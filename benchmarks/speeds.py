@@ -25,7 +25,7 @@ Configurations, the same max_steps each, interleaved, 3 repeats:
 
 `--methods` puts streamed int4 + error feedback with τ auto and the delayed outer Nesterov in place of the quota
 drop. `--overlap` runs the time-budget rounds blocking (`sync_delay 0`) and as the defaults run them (`sync_delay`
-unset: τ auto), both with the recipe's round checkpoint after every sync (`save_every_rounds: 1`; the other tables
+unset: τ 1), both with the recipe's round checkpoint after every sync (`save_every_rounds: 1`; the other tables
 turn saves off), nothing else. `--quality`
 compares eval loss at equal tokens with the same replicas at equal speed: time-budget rounds of H = 8 nominal steps,
 400 steps (about 50 syncs, 45 or so overlapped), plain and with the delayed outer Nesterov, under 60%, 60%, 20% and
@@ -323,8 +323,8 @@ def main() -> None:
                              f"{DELAY}); results/speeds-methods-<backends>.*")
     parser.add_argument("--overlap", action="store_true",
                         help="time-budget rounds blocking (sync_delay 0) against the defaults (sync_delay unset: τ "
-                             "auto, a sync lands τ steps after its launch, or once its exchange is done if later), "
-                             "both with the recipe's round checkpoint after every sync; "
+                             "1, a sync lands once its exchange is done), both with the recipe's round checkpoint "
+                             "after every sync; "
                              "results/speeds-overlap-<backends>.*")
     parser.add_argument("--quality", action="store_true",
                         help="eval loss at equal tokens against the same replicas at equal speed: time-budget rounds "
@@ -379,7 +379,7 @@ def main() -> None:
             if args.overlap:  # as the shipped recipe runs: its round checkpoints on, overlap by default
                 rows = [(f"time budget {round_seconds:g} s, sync_delay 0", [*budget, "--sync_delay", "0"], False,
                          QUOTAS, steps),
-                        (f"time budget {round_seconds:g} s, defaults (τ auto)", clock, False, QUOTAS, steps)]
+                        (f"time budget {round_seconds:g} s, defaults (τ 1)", clock, False, QUOTAS, steps)]
             elif args.methods:
                 rows += [("time budget, int4 + EF, 2 fragments, τ auto", streamed, False, QUOTAS, steps),
                          (f"time budget, delayed Nesterov N = {DELAY}", delayed, False, QUOTAS, steps)]

@@ -214,11 +214,12 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "tau: inner steps a sync runs in the background before its outer step is applied (0: "
                           "blocking). Must be below inner_steps/num_fragments; the paper finds tau < 5 robust. "
                           f"'auto' (in a recipe, a flag or from Python): start at tau = {AUTO_DELAY_START} and choose "
-                          "each fragment's tau from its measured exchanges (auto_sync_delay). Unset: auto with "
+                          "each fragment's tau from its measured exchanges (auto_sync_delay). Unset: 1 with "
                           "round_seconds (a replica that spent its budget trains on while the others arrive and the "
-                          "exchange runs; costs a copy of the synced parameters' pseudo-gradient while in flight), "
-                          "0 with rounds of H steps and with contribution_loss_check (which scores a blocking "
-                          "round)."},
+                          "exchange runs, and the sync lands at the first step after its exchange is done; costs a "
+                          "copy of the pseudo-gradient while in flight, and with the mix landing at alpha 0 the steps "
+                          "taken in flight are dropped), 0 with rounds of H steps and with contribution_loss_check "
+                          "(which scores a blocking round)."},
     )
     auto_sync_delay: bool = field(
         default=False,
@@ -384,9 +385,9 @@ class DiLoCoConfig(TrainingArguments):
                           "slower replica takes fewer steps instead of making the others wait (0: off). The run still "
                           "ends at max_steps, counted by the furthest replica: after each sync every replica "
                           "continues at its step, and the merge weights each replica by the tokens it trained. Each "
-                          "replica overlaps a sync with its own steps (sync_delay, auto unless set: as many as cover "
-                          "the exchange at its own speed, and a budget too short for the exchange stretches until "
-                          "the exchanges fit again; sync_delay 0 blocks)."},
+                          "replica overlaps a sync with its own steps (sync_delay, 1 unless set: it lands once its "
+                          "exchange is done; auto: as many as cover the exchange at its own speed, and a budget too "
+                          "short for the exchange stretches until the exchanges fit again; sync_delay 0 blocks)."},
     )
     replica_address: str = field(
         default="",
@@ -442,7 +443,7 @@ class DiLoCoConfig(TrainingArguments):
         return {name: None if name.endswith("_token") else value for name, value in self.__dict__.items()}
 
     def _budgets_overlap(self) -> bool:
-        """Whether an unset sync_delay is auto: time-budget rounds whose H/F leaves room for τ, without
+        """Whether an unset sync_delay is 1: time-budget rounds whose H/F leaves room for τ, without
         contribution_loss_check (whose score needs a blocking round). Values of the wrong kind are refused later."""
         numbers = all(isinstance(v, int | float) and not isinstance(v, bool)
                       for v in (self.round_seconds, self.inner_steps, self.num_fragments))
@@ -459,8 +460,9 @@ class DiLoCoConfig(TrainingArguments):
     def _validate_diloco_fields(self) -> None:
         if self.inner_steps == "auto":
             self.inner_steps, self.auto_inner_steps = AUTO_START, True
-        if self.sync_delay is None:  # unset: time budgets overlap, rounds of H steps block
-            self.sync_delay = "auto" if self._budgets_overlap() else 0
+        if self.sync_delay is None:  # unset: time budgets overlap (τ 1: each sync lands once its exchange is
+            # done, from the first step after its launch), rounds of H steps block
+            self.sync_delay = 1 if self._budgets_overlap() else 0
         checks.check(self, ["inner_steps", *(["max_sync_overhead"] if self.auto_inner_steps else [])])
         if self.auto_inner_steps and self.outer_backend == "torchft":
             raise ConfigError("outer_backend torchft sizes its rounds with round_seconds, not auto_inner_steps; set "
