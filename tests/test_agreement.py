@@ -70,6 +70,16 @@ def in_background(group: FixedGroup, step: int, expected: list[int]):
     return thread, result
 
 
+def launched_overlapped(groups: list[FixedGroup], steps: tuple[int, ...]) -> list:
+    """Each group launches an overlapped sync at its step (100 tokens), agreeing in its background thread; their
+    starts once every agreement is done."""
+    threads = [in_background(group, step, group.expected_fragments(step, MAX_STEPS, {"tokens": 100}))
+               for group, step in zip(groups, steps, strict=True)]
+    for thread, _ in threads:
+        thread.join(timeout=10)
+    return [result["start"] for _, result in threads]
+
+
 def test_an_overlapped_launch_agrees_in_the_background_so_the_replica_that_spent_its_budget_trains_on():
     """Replica 0 spends its budget at step 12 with 120 tokens, replica 1 at step 9 with 45. Replica 0's launch
     returns at once, without a collective (replica 1 has not arrived); the agreement runs in its background thread
@@ -114,13 +124,7 @@ def test_a_sync_where_a_save_falls_overlaps_and_every_replica_continues_at_one_s
         return True
 
     groups = [fixed_group(network, r, moved[r], wanted, tau=tau) for r, tau in ((0, 3), (1, 2))]
-    threads = []
-    for group, step in zip(groups, (12, 9), strict=True):
-        expected = group.expected_fragments(step, MAX_STEPS, {"tokens": 100})
-        threads.append(in_background(group, step, expected))
-    for thread, _ in threads:
-        thread.join(timeout=10)
-    starts = [result["start"] for _, result in threads]
+    starts = launched_overlapped(groups, (12, 9))
     assert [(s.called_off, s.lands_together) for s in starts] == [(False, True), (False, True)]
     assert windows[:2] == [(0, 12, 1)] * 2
     for r, step in ((0, 15), (1, 11)):
@@ -141,13 +145,7 @@ def test_a_save_so_near_the_end_that_tau_would_pass_it_is_called_off_then_agreed
     network, moved = Network(), [[], []]
     groups = [fixed_group(network, r, moved[r], lambda before, now, sync: True, tau=tau)
               for r, tau in ((0, 3), (1, 2))]
-    threads = []
-    for group, step in zip(groups, (97, 94), strict=True):
-        expected = group.expected_fragments(step, MAX_STEPS, {"tokens": 100})
-        threads.append(in_background(group, step, expected))
-    for thread, _ in threads:
-        thread.join(timeout=10)
-    assert [result["start"].called_off for _, result in threads] == [True, True]
+    assert [start.called_off for start in launched_overlapped(groups, (97, 94))] == [True, True]
     again = {}
 
     def land(r, step):

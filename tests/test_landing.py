@@ -292,6 +292,44 @@ def test_a_voted_sync_lands_through_the_same_call_or_rolls_back(commit):
         assert torch.equal(theta.detach(), before_local)
 
 
+def engine_with_flight(round_seconds: float, together: bool = False):
+    """A SyncEngine whose backend, landing and launch are stand-ins, with an overlapped sync in flight launched at
+    step 10 with τ 2 whose exchange is running (its future unset); `together`: the backend lands windows together
+    and this sync's start, known in the background, says it lands together (a save falls at it). Returns (engine,
+    the flight, the calls it records: ("land", launched at, step), ("launch", step))."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    calls = []
+    sync_engine = object.__new__(engine.SyncEngine)
+    sync_engine.args = SimpleNamespace(round_seconds=round_seconds, sync_timeout=5.0)
+    sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
+                                          take_window=lambda: (0, 10, 1) if together else None,
+                                          agrees_windows=together,
+                                          comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
+    sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
+    sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
+    flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
+    if together:
+        flight.started = SyncStart(fragments=[0], lands_together=True)
+        flight.agreed.set()
+    sync_engine.in_flight = flight
+
+    def land(landing, step, max_steps):
+        calls.append(("land", landing.launched_at, step))
+        sync_engine.in_flight = None
+        return False
+
+    def launch(step, max_steps):
+        calls.append(("launch", step))
+        sync_engine.in_flight = engine.Flight(launched_at=step, lands_at=step + 2, outer_lr=0.7, measured=[],
+                                              began=0.0, future=Future())
+        return sync_engine.in_flight
+
+    sync_engine.land, sync_engine.launch = land, launch
+    return sync_engine, flight, calls
+
+
 def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_waits_and_the_loop_trains_on():
     """SyncEngine.sync at the end of inner steps, its backend and its sync kinds replaced by stand-ins: an
     overlapped time-budget sync launched at step 10 with τ 2 whose exchange is still running (a slow link) when
@@ -299,35 +337,6 @@ def test_under_time_budgets_a_sync_due_while_the_one_in_flight_still_exchanges_w
     step 31, once the exchange is done, it lands and the next sync is launched at once, the steps since the last
     launch in it. At max_steps the sync in flight lands whatever its exchange (the last sync waits for it); and with
     rounds of H steps the next sync lands the one in flight as before."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    def engine_with_flight(round_seconds: float):
-        calls = []
-        sync_engine = object.__new__(engine.SyncEngine)
-        sync_engine.args = SimpleNamespace(round_seconds=round_seconds, sync_timeout=5.0)
-        sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
-                                              take_window=lambda: None, agrees_windows=False,
-                                              comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
-        sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
-        sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
-        flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
-        sync_engine.in_flight = flight
-
-        def land(landing, step, max_steps):
-            calls.append(("land", landing.launched_at, step))
-            sync_engine.in_flight = None
-            return False
-
-        def launch(step, max_steps):
-            calls.append(("launch", step))
-            sync_engine.in_flight = engine.Flight(launched_at=step, lands_at=step + 2, outer_lr=0.7, measured=[],
-                                                  began=0.0, future=Future())
-            return sync_engine.in_flight
-
-        sync_engine.land, sync_engine.launch = land, launch
-        return sync_engine, flight, calls
-
     budgets, flight, calls = engine_with_flight(1.0)
     for step in (12, 20, 30):
         assert not budgets.sync(step, 100).synced and calls == [], step
@@ -351,37 +360,10 @@ def test_under_time_budgets_a_sync_where_a_save_falls_lands_at_tau_exchange_done
     nothing is launched (it lands at τ, not earlier); at step 12 it lands with its exchange still running (the
     landing waits for it) and no sync is launched at that step although the budget is spent, so the outcome is a
     boundary with nothing in flight, where the save falls; the next step launches the next sync."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    calls = []
-    sync_engine = object.__new__(engine.SyncEngine)
-    sync_engine.args = SimpleNamespace(round_seconds=1.0, sync_timeout=5.0)
-    sync_engine.backend = SimpleNamespace(run_over=lambda: False, due=lambda step, max_steps, progress: True,
-                                          take_window=lambda: (0, 10, 1), agrees_windows=True,
-                                          comm=SimpleNamespace(control=SimpleNamespace(members_any=bool)))
-    sync_engine.schedule, sync_engine.progress = SimpleNamespace(end=None), engine.Progress()
-    sync_engine.tuner, sync_engine.continue_at = SimpleNamespace(syncs_landed=0), None
-    flight = engine.Flight(launched_at=10, lands_at=12, outer_lr=0.7, measured=[], began=0.0, future=Future())
-    flight.started = SyncStart(fragments=[0], lands_together=True)
-    flight.agreed.set()
-    sync_engine.in_flight = flight
-
-    def land(landing, step, max_steps):
-        calls.append(("land", landing.launched_at, step, landing.future.done()))
-        sync_engine.in_flight = None
-        return False
-
-    def launch(step, max_steps):
-        calls.append(("launch", step))
-        sync_engine.in_flight = engine.Flight(launched_at=step, lands_at=step + 2, outer_lr=0.7, measured=[],
-                                              began=0.0, future=Future())
-        return sync_engine.in_flight
-
-    sync_engine.land, sync_engine.launch = land, launch
+    sync_engine, flight, calls = engine_with_flight(1.0, together=True)
     assert not sync_engine.sync(11, 100).synced and calls == []
     outcome = sync_engine.sync(12, 100)
-    assert calls == [("land", 10, 12, False)], "landed at τ, its exchange not done"
+    assert calls == [("land", 10, 12)] and not flight.future.done(), "landed at τ, its exchange not done"
     assert outcome.synced and outcome.at_boundary and outcome.window == (0, 10, 1), outcome
     assert sync_engine.sync(13, 100).synced and calls[-1] == ("launch", 13)
 

@@ -184,6 +184,7 @@ def test_trainer_ddp_on_a_trl_recipe_is_trls_own_trainer_without_diloco(tmp_path
     assert [entry["step"] for entry in steps] == [1, 2, 3, 4], logged
     assert (out / "adapter_model.safetensors").exists()
     assert json.loads((out / "run_config.json").read_text())["run"]["trainer"] == "ddp"
+    assert (out / "run_metrics.json").exists()
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         assert f.keys() and all("lora_" in name for name in f.keys())
     plan = cli("train", "--config", "recipes/dpo-lora.yaml", "--trainer", "ddp", "--dry-run",
