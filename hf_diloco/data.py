@@ -547,13 +547,18 @@ def class_names(run, task: Task) -> list[str] | None:
 
 
 def _rows(run, task: Task) -> list[tuple]:
-    """The task's (input, target) rows: built-in, or the two columns COLUMNS names of the dataset run names."""
+    """The task's (input, target) rows: built-in, or the two columns COLUMNS names of the dataset run names. A
+    classifier's rows of the user's are shuffled once with a fixed seed (the same order on every replica), as its
+    images are, so that the held-out tail of a file kept in the order of its labels is not one class."""
     if run.dataset_name == BUILTIN:
         return builtin_pairs() if task.name == SEQ2SEQ else builtin_labelled_texts()
     dataset = load_raw_dataset(run.dataset_name, run.dataset_config)
     wanted = COLUMNS[task.name]
     _check_task_columns(run.dataset_name, dataset.column_names or [], task.name)
-    return list(zip(dataset[wanted[0]], dataset[wanted[1]], strict=True))
+    rows = list(zip(dataset[wanted[0]], dataset[wanted[1]], strict=True))
+    if task.name == SEQUENCE_CLASSIFICATION:
+        rows = [rows[i] for i in np.random.default_rng(0).permutation(len(rows))]
+    return rows
 
 
 def user_images(run, model_config) -> tuple[np.ndarray, np.ndarray]:

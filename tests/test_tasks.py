@@ -169,6 +169,30 @@ def test_a_folder_of_images_per_class_becomes_rows_of_the_models_size_and_classe
                                                                                       num_labels=2))
 
 
+def test_a_text_classifiers_file_sorted_by_label_is_held_out_with_every_class(tmp_path):
+    """A JSONL of 40 texts kept in the order of their labels (20 "alpha", then 20 "beta"), a quarter held out: the
+    held-out rows hold both classes, every row is there once with its own label, and a second build (another
+    replica) gives the same split, row for row."""
+    from types import SimpleNamespace
+
+    from hf_diloco.models import byte_tokenizer
+
+    data = tmp_path / "sorted.jsonl"
+    texts = [(f"row {n} of {label}", label) for label in ("alpha", "beta") for n in range(20)]
+    data.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in texts))
+    run = RunArguments(task="sequence-classification", dataset_name=str(data), block_size=16, eval_fraction=0.25)
+    config = SimpleNamespace(label2id={"alpha": 0, "beta": 1})
+    tokenizer = byte_tokenizer()
+    builds = [build_task_datasets(run, TASKS["sequence-classification"], tokenizer, config) for _ in range(2)]
+    (train, held), (again_train, again_held) = builds
+    assert len(held) == 10 and {int(r["labels"]) for r in held} == {0, 1}
+    assert [r["input_ids"].tolist() for r in held] == [r["input_ids"].tolist() for r in again_held]
+    assert [r["input_ids"].tolist() for r in train] == [r["input_ids"].tolist() for r in again_train]
+    decoded = sorted((tokenizer.decode([t for t, m in zip(r["input_ids"], r["attention_mask"], strict=True) if m],
+                                       skip_special_tokens=True), int(r["labels"])) for r in [*train, *held])
+    assert decoded == sorted((text, config.label2id[label]) for text, label in texts)
+
+
 def test_a_users_dataset_without_the_tasks_columns_is_refused_before_anything_starts(tmp_path):
     """The launch asks a dataset of the user's for its task's columns: a pairs file passes for seq2seq, images
     sorted into class folders for image classification; images not sorted so, and texts without labels, are refused
