@@ -94,6 +94,7 @@ FIELDS: dict[str, Allowed] = {
     "error_feedback_decay": Allowed("in (0, 1]", lambda v: 0 < v <= 1),
     "outer_momentum_delay": _at_least(1, "a whole number of syncs, 1 (plain Nesterov) or more"),
     "outer_delayed_scale": Allowed("in (0, 1]", lambda v: 0 < v <= 1),
+    "outer_momentum_restart": _at_least(0, "a whole number of syncs, 0 (never) or more"),
     # streaming
     "num_fragments": _at_least(1),
     "sync_delay": _at_least(0, "a whole number of steps, 0 or more"),

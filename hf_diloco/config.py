@@ -115,6 +115,13 @@ class DiLoCoConfig(TrainingArguments):
         metadata={"help": "With outer_momentum_delay N > 1: the factor c on each pseudo-gradient applied at every sync "
                           "(θ ← θ − lr·c·Δ); 1/N makes N syncs together move like one Nesterov step on their mean."},
     )
+    outer_momentum_restart: int = field(
+        default=0,
+        metadata={"help": "Start the outer momentum afresh every this many syncs of a parameter: the sync after a "
+                          "restart builds it from its own averaged pseudo-gradient alone (outer-momentum restarts, "
+                          "arXiv 2605.28585: stale momentum dropped, the inner steps' progress kept). 0: never. "
+                          "Needs outer_optimizer sgd with outer_momentum above 0 and outer_momentum_delay 1."},
+    )
     outer_optimizer: str = field(
         default="sgd",
         metadata={"help": "Outer optimizer: 'sgd' (the paper's choice) or 'adamw' (for ablations).",
@@ -472,7 +479,12 @@ class DiLoCoConfig(TrainingArguments):
             raise ConfigError(
                 f"outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.outer_optimizer!r}."
             )
-        checks.check(self, ["outer_momentum_delay", "outer_delayed_scale"])
+        checks.check(self, ["outer_momentum_delay", "outer_delayed_scale", "outer_momentum_restart"])
+        if self.outer_momentum_restart and (self.outer_optimizer != "sgd" or self.outer_momentum == 0
+                                            or self.outer_momentum_delay > 1):
+            raise ConfigError("outer_momentum_restart restarts the outer SGD's momentum, so it needs outer_optimizer "
+                              "sgd with outer_momentum above 0 and outer_momentum_delay 1; set "
+                              "outer_momentum_restart 0 or change those.")
         if self.outer_momentum_delay > 1 and (self.outer_optimizer != "sgd" or self.outer_momentum == 0):
             raise ConfigError("outer_momentum_delay delays the outer SGD's momentum, so it needs outer_optimizer sgd "
                               "with outer_momentum above 0; set outer_momentum_delay 1 or change those.")

@@ -206,7 +206,7 @@ def outer_settings(args: DiLoCoConfig) -> dict:
     return dict(lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_nesterov,
                 optimizer=args.outer_optimizer, offload=args.offload_outer_state,
                 momentum_delay=args.outer_momentum_delay, delayed_scale=args.outer_delayed_scale,
-                bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)))
+                momentum_restart=args.outer_momentum_restart, bucket_numel=max(1, int(args.sync_bucket_mb * 2**20 / 4)))
 
 
 @dataclass(frozen=True)

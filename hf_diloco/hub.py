@@ -70,6 +70,7 @@ DILOCO_ROWS = (
     ("outer_momentum", "outer momentum", 0.9),
     ("outer_nesterov", "Nesterov", True),
     ("outer_momentum_delay", "syncs between outer momentum updates (delayed Nesterov)", 1),
+    ("outer_momentum_restart", "syncs between outer momentum restarts (0: never)", 0),
     ("round_seconds", "seconds of inner steps per round (time budget; 0: H steps)", 0.0),
     ("replica_group_size", "processes per replica", 1),
     ("sharded_replica", "each replica sharded over its processes by FSDP2", False),

@@ -93,14 +93,50 @@ class DelayedNesterov(torch.optim.Optimizer):
                     state["count"] = 0
 
 
+class RestartedSGD(torch.optim.SGD):
+    """torch's SGD with momentum (Nesterov or heavy ball) whose momentum starts afresh every `restart` steps of a
+    parameter: the step after each restart builds its momentum from that step's gradient alone, as a first step
+    does (outer-momentum restarts, arXiv 2605.28585: the stale momentum dropped, what the inner steps made kept).
+    Each parameter counts its own steps (`since_restart`, kept in the optimizer's state and its checkpoint), so a
+    fragment synced less often restarts after as many of its own syncs.
+
+    >>> theta = nn.Parameter(torch.zeros(1))
+    >>> opt = RestartedSGD([theta], lr=1.0, momentum=0.5, nesterov=True, restart=2)
+    >>> for g in (1.0, 2.0, 3.0):
+    ...     theta.grad = torch.tensor([g])
+    ...     opt.step()
+    >>> theta.item()    # −(1 + 0.5·1), −(2 + 0.5·2.5), then afresh: −(3 + 0.5·3)
+    -9.25
+    """
+
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool, restart: int):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.restart = restart
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for param in stepped:
+            state = self.state[param]
+            if state.get("since_restart", 0) >= self.restart:
+                state.pop("momentum_buffer", None)
+                state["since_restart"] = 0
+        super().step(closure)
+        for param in stepped:
+            self.state[param]["since_restart"] = self.state[param].get("since_restart", 0) + 1
+
+
 def build_outer_optimizer(
     params: list[nn.Parameter], name: str, lr: float, momentum: float, nesterov: bool, momentum_delay: int = 1,
-    delayed_scale: float = 1.0,
+    delayed_scale: float = 1.0, momentum_restart: int = 0,
 ) -> torch.optim.Optimizer:
     """The outer optimizer over θ_global: the paper's Nesterov SGD (its momentum moved every `momentum_delay`
-    steps when above 1: DelayedNesterov), or AdamW (beta1 = momentum) for ablations."""
+    steps when above 1: DelayedNesterov; restarted every `momentum_restart` steps when above 0: RestartedSGD), or
+    AdamW (beta1 = momentum) for ablations."""
     if name == "sgd" and momentum_delay > 1:
         return DelayedNesterov(params, lr=lr, momentum=momentum, delay=momentum_delay, scale=delayed_scale)
+    if name == "sgd" and momentum_restart > 0 and momentum > 0:
+        return RestartedSGD(params, lr=lr, momentum=momentum, nesterov=nesterov, restart=momentum_restart)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
     if name == "adamw":
@@ -211,6 +247,7 @@ class OuterState:
         fragments: list[list[int]] | None = None,
         momentum_delay: int = 1,
         delayed_scale: float = 1.0,
+        momentum_restart: int = 0,
     ):
         params = list(params)
         if not params:
@@ -229,7 +266,7 @@ class OuterState:
         held = [p.detach().to(device=state_device, dtype=torch.float32, copy=True) for p in self.params]
         self.global_params = [nn.Parameter(h.pin_memory() if pin else h) for h in held]
         self.optimizer = build_outer_optimizer(self.global_params, optimizer, lr, momentum, nesterov,
-                                               momentum_delay, delayed_scale)
+                                               momentum_delay, delayed_scale, momentum_restart)
         # Buckets never straddle fragments: fragment f syncs buckets fragment_buckets[f].
         fragments = fragments or [list(range(len(self.params)))]
         self.buckets: list[list[int]] = []

@@ -378,7 +378,9 @@ def dry_run_plan(run: RunArguments, config: DiLoCoConfig, processes: int | None 
         "outer optimizer": f"{config.outer_optimizer} lr {config.outer_lr} momentum {config.outer_momentum}"
         + (" Nesterov" if config.outer_nesterov else "")
         + (f", its momentum moved every {config.outer_momentum_delay} syncs (pseudo-gradients × "
-           f"{config.outer_delayed_scale:g} in between)" if config.outer_momentum_delay > 1 else ""),
+           f"{config.outer_delayed_scale:g} in between)" if config.outer_momentum_delay > 1 else "")
+        + (f", its momentum restarted every {config.outer_momentum_restart} syncs"
+           if config.outer_momentum_restart else ""),
         "inner optimizer": ("muon (weight matrices) + adamw (embeddings, heads, vectors)"
                             if config.inner_optimizer == "muon" else optim)
         + f" lr {config.learning_rate} weight decay {config.weight_decay}, "

@@ -460,6 +460,23 @@ def test_the_dry_run_names_the_delayed_outer_momentum_and_refuses_it_without_mom
         "with outer_momentum above 0; set outer_momentum_delay 1 or change those."]
 
 
+def test_the_dry_run_names_the_outer_momentum_restarts_and_refuses_them_where_there_is_none_to_restart():
+    """`--outer_momentum_restart 5`: the plan says the momentum restarts every 5 syncs; with no outer momentum,
+    with the delayed Nesterov or with AdamW outside, refused in one sentence, exit 2; a negative count too."""
+    plan = cli("train", "--config", RECIPE, "--outer_momentum_restart", "5", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "sgd lr 0.7 momentum 0.9 Nesterov, its momentum restarted every 5 syncs" in plan.stdout
+    sentence = ("hf-diloco: error: outer_momentum_restart restarts the outer SGD's momentum, so it needs "
+                "outer_optimizer sgd with outer_momentum above 0 and outer_momentum_delay 1; set "
+                "outer_momentum_restart 0 or change those.")
+    for other in (["--outer_momentum", "0"], ["--outer_momentum_delay", "2"], ["--outer_optimizer", "adamw"]):
+        refused = cli("train", "--config", RECIPE, "--outer_momentum_restart", "5", *other, "--dry-run")
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [sentence], (other, refused.stderr)
+    negative = cli("train", "--config", RECIPE, "--outer_momentum_restart", "-1", "--dry-run")
+    assert negative.returncode == 2 and "outer_momentum_restart" in negative.stderr
+    assert "Traceback" not in negative.stderr
+
+
 def test_the_checker_answers_dry_runs_and_plans_and_refuses_anything_else(tmp_path):
     """hf_diloco.checker (the app's form checks, one process kept between them): each request line is answered on
     one line after its mark, as the command's own process would have ended; a command that could start something,

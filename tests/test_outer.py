@@ -43,6 +43,26 @@ def test_nesterov_outer_steps_match_hand_computation():
     assert replica.tolist() == pytest.approx([0.634, 2.542], abs=1e-6)
 
 
+def outer_steps(deltas: list[torch.Tensor], synced: list[list[bool]], **settings) -> list[float]:
+    """θ_global after the outer Nesterov SGD (lr 0.7, β 0.9, and `settings`) of two buckets (θ of 3 and 2 values)
+    stepped with `deltas`, bucket b at sync s where synced[s][b], with a checkpoint taken after sync 3 and loaded
+    into a new state that continues."""
+    replica = [nn.Parameter(torch.tensor([1.0, 2.0, 3.0])), nn.Parameter(torch.tensor([4.0, 5.0]))]
+    outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
+    assert outer.buckets == [[0], [1]]
+    (fragment,) = fragments_of(outer)
+    for s, delta in enumerate(deltas):
+        for b, part in ((0, delta[:3]), (1, delta[3:])):
+            if synced[s][b]:
+                fragment.outer_step(b, part.clone())
+        if s == 3:
+            saved = outer.state_dict()
+            outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
+            outer.load_state_dict(saved)
+            (fragment,) = fragments_of(outer)
+    return torch.cat([p.detach().reshape(-1) for p in outer.global_params]).tolist()
+
+
 def test_delayed_nesterov_matches_a_hand_loop_and_is_nesterov_sgd_at_delay_1():
     """outer_momentum_delay: over 7 syncs with pseudo-gradients from a seeded generator, two buckets (θ of 3 and 2
     values, the second synced only at every other sync, as a second fragment would be), DelayedNesterov (lr 0.7,
@@ -51,22 +71,6 @@ def test_delayed_nesterov_matches_a_hand_loop_and_is_nesterov_sgd_at_delay_1():
     torch.manual_seed(0)
     deltas = [torch.randn(5) for _ in range(7)]
     synced = [[True, s % 2 == 0] for s in range(7)]  # bucket 1 syncs at syncs 0, 2, 4, 6
-
-    def run(**settings):
-        replica = [nn.Parameter(torch.tensor([1.0, 2.0, 3.0])), nn.Parameter(torch.tensor([4.0, 5.0]))]
-        outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
-        assert outer.buckets == [[0], [1]]
-        (fragment,) = fragments_of(outer)
-        for s, delta in enumerate(deltas):
-            for b, part in ((0, delta[:3]), (1, delta[3:])):
-                if synced[s][b]:
-                    fragment.outer_step(b, part.clone())
-            if s == 3:  # a checkpoint in the middle: a new state from the saved one continues alike
-                saved = outer.state_dict()
-                outer = OuterState(replica, lr=0.7, momentum=0.9, nesterov=True, bucket_numel=3, **settings)
-                outer.load_state_dict(saved)
-                (fragment,) = fragments_of(outer)
-        return torch.cat([p.detach().reshape(-1) for p in outer.global_params]).tolist()
 
     # the rule, value by value: θ −= η·c·g every sync; every N-th sync of a value, m = β·m + mean(g), θ −= η·β·m
     theta, m, acc, count = [1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5, [0.0] * 5, [0] * 5
@@ -82,7 +86,7 @@ def test_delayed_nesterov_matches_a_hand_loop_and_is_nesterov_sgd_at_delay_1():
                 m[j] = 0.9 * m[j] + acc[j] / 3
                 theta[j] -= 0.7 * 0.9 * m[j]
                 acc[j], count[j] = 0.0, 0
-    assert run(momentum_delay=3, delayed_scale=0.5) == pytest.approx(theta, abs=1e-6)
+    assert outer_steps(deltas, synced, momentum_delay=3, delayed_scale=0.5) == pytest.approx(theta, abs=1e-6)
     from hf_diloco.outer import DelayedNesterov
 
     plain = [nn.Parameter(torch.zeros(5)) for _ in range(2)]
@@ -93,6 +97,33 @@ def test_delayed_nesterov_matches_a_hand_loop_and_is_nesterov_sgd_at_delay_1():
             param.grad = delta.clone()
             optimizer.step()
     assert plain[1].tolist() == pytest.approx(plain[0].tolist(), abs=1e-6)
+
+
+def test_outer_momentum_restarts_match_a_hand_loop_and_survive_a_checkpoint():
+    """outer_momentum_restart: over 7 syncs with seeded pseudo-gradients, two buckets (the second synced at every
+    other sync, as a second fragment would be), Nesterov SGD (lr 0.7, β 0.9) restarted every 3 syncs of a value
+    matches a plain-Python loop of Nesterov's rule whose momentum is set to 0 every 3 of that value's syncs, within
+    1e-6, across a checkpoint taken and loaded between syncs 3 and 4; with a restart after more syncs than the run
+    has, it is torch's Nesterov SGD."""
+    torch.manual_seed(1)
+    deltas = [torch.randn(5) for _ in range(7)]
+    synced = [[True, s % 2 == 0] for s in range(7)]
+
+    theta, m, count = [1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5, [0] * 5
+    for s, delta in enumerate(deltas):
+        for j in range(5):
+            if not synced[s][j // 3]:
+                continue
+            if count[j] == 3:
+                m[j], count[j] = 0.0, 0
+            g = float(delta[j])
+            m[j] = 0.9 * m[j] + g  # from 0, the first step's momentum is g, as torch's first step makes it
+            theta[j] -= 0.7 * (g + 0.9 * m[j])
+            count[j] += 1
+    restarted, plain = outer_steps(deltas, synced, momentum_restart=3), outer_steps(deltas, synced)
+    assert restarted == pytest.approx(theta, abs=1e-6)
+    assert restarted != pytest.approx(plain, abs=1e-3)  # the restarts changed the steps
+    assert outer_steps(deltas, synced, momentum_restart=100) == pytest.approx(plain, abs=1e-6)
 
 
 def test_plain_momentum_differs_from_nesterov():
