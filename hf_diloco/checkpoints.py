@@ -6,7 +6,9 @@ therefore be half written, by a process killed while saving. This module is what
 Design choices:
 - A checkpoint is complete when its marker, `diloco_complete.json`, is there and every file the marker lists is
   there with the size it lists. The process that saves for a filesystem (`should_save`) writes the marker last,
-  after every process has said through the rendezvous store that its part is written. Listing the files makes a
+  after every process has said through the rendezvous store that its part is written; it waits for that in a
+  background thread (`Marking`), so a replica that saved before the others trains on instead of waiting for the
+  slowest to write. Listing the files makes a
   deletion that is not ours (Trainer's own clean-up at the end of training with `save_total_limit: 1`, an `rm -r`
   stopped midway) read as incomplete too, whatever order the files went in.
 - Folders written by earlier versions have no marker; they were complete by construction (those versions wrote
@@ -33,6 +35,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 CHECKPOINT_PREFIX = "checkpoint-"  # Trainer's PREFIX_CHECKPOINT_DIR plus its "-"
@@ -94,6 +98,37 @@ def mark_complete(folder: Path, step: int, processes: int) -> None:
     _flush(folder / MARKER_FILE)
     (folder / SAVING_FILE).unlink(missing_ok=True)
     _flush(folder)
+
+
+class Marking:
+    """The marker of the newest checkpoint this process saved for its filesystem, written in a background thread
+    once `written()` says every process's part is there (then the checkpoint is rotated), so that the replica that
+    saves trains on meanwhile. One at a time and in order: the next save and the end of training `join` the one
+    before. A part that never comes (a process that died) leaves the folder without its marker, incomplete, as a
+    kill while saving does."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self, folder: Path, step: int, processes: int, written: Callable[[], bool],
+              then: Callable[[], object]) -> None:
+        self.join()
+
+        def mark() -> None:
+            if written():
+                mark_complete(folder, step, processes)
+                then()
+            else:
+                print(f"[diloco] {folder.name} stays incomplete: not every process wrote its part in time",
+                      flush=True)
+
+        self._thread = threading.Thread(target=mark, name=f"diloco-mark-{folder.name}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def _crc32(path: Path) -> int:

@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -272,7 +273,7 @@ _TRAININGS = itertools.count(1)  # trainings begun in this process: every proces
 class Rendezvous:
     """The launch's rendezvous store (TCPStore) beside the collectives: a few bytes that need no collective. Who
     reached which sync (`arrive`), so that a sync that timed out names the replicas it waited for
-    (`naming_the_absent`); that every process wrote its part of a checkpoint (`wait_for_parts`); numbers known only
+    (`naming_the_absent`); that a process wrote its part of a checkpoint (`written`, `wait_for`); numbers known only
     after the last collective (`replica_values`). Outside a launch (one process) every call does nothing.
 
     The store outlives a training: a launch that trains several times (a second Trainer, or `train()` again) must
@@ -310,18 +311,28 @@ class Rendezvous:
         if store is not None:
             store.set(self.key(f"arrived/{dist.get_rank()}"), str(step))
 
-    def wait_for_parts(self, name: str, timeout_seconds: float) -> None:
-        """Tell every process that this one's part of `name` (a checkpoint) is written, and wait until all have.
+    def written(self, name: str) -> None:
+        """Say that this process's part of `name` (a checkpoint, or a step of writing one) is done."""
+        store = self.store()
+        if store is not None:
+            store.set(self.key(f"{name}/{dist.get_rank()}"), "1")
 
-        Runs through the rendezvous store at a round boundary, not as a collective between syncs.
-        """
+    def wait_for(self, name: str, ranks: list[int] | None, timeout_seconds: float) -> bool:
+        """Wait until the processes `ranks` (None: every process of the launch) have said `written(name)`; False
+        if they have not within `timeout_seconds`. The store is looked at every 20 ms rather than waited on, so a
+        wait in a background thread (a checkpoint's marker) holds the store for one look at a time, never across
+        the main thread's own use of it. Runs at a sync boundary, not as a collective between syncs."""
         store = self.store()
         if store is None:
-            return
-        topology = self.topology
-        store.set(self.key(f"{name}/{dist.get_rank()}"), "1")
-        keys = [self.key(f"{name}/{rank}") for rank in range(topology.num_replicas * topology.group_size)]
-        store.wait(keys, timedelta(seconds=timeout_seconds))
+            return True
+        everyone = range(self.topology.num_replicas * self.topology.group_size)
+        keys = [self.key(f"{name}/{rank}") for rank in (everyone if ranks is None else ranks)]
+        deadline = time.monotonic() + timeout_seconds
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def replica_values(self, name: str, value: float, timeout_seconds: float) -> list[float] | None:
         """Every replica's `value` (its first member's), through the rendezvous store; None outside a launch.

@@ -46,6 +46,7 @@ from .comm import ReplicaComm
 from .config import ConfigError, DiLoCoConfig
 from .data import ReplicaSliceSampler, split_stream
 from .diloco_callback import DiLoCoCallback
+from .errors import RunError
 from .files import read_json, write_json
 from .inner import InnerOptimizer, check_resumable
 from .run_callbacks import StopOnRequest
@@ -161,6 +162,7 @@ class DiLoCoMixin(InnerOptimizer):
                               f"this launch are one replica: set replica_group_size {processes} (or launch one "
                               f"process per replica).")
         self.stop_signals = stop_signals
+        self.marking = checkpoints.Marking()  # the newest checkpoint's marker, written once every part is there
         # Before the outer loop's callback, so that a stop file found at a round's last step rides that round.
         self.stopper = StopOnRequest(args.output_dir)
         self.add_callback(self.stopper)
@@ -278,8 +280,11 @@ class DiLoCoMixin(InnerOptimizer):
             if not path.exists():
                 write_json(path, trainer_settings(self))
         self.comm.rendezvous.begin_training()
-        with graceful_stop_signals(self.request_stop) if self.stop_signals else contextlib.nullcontext():
-            return super().train(*args, **kwargs)
+        try:
+            with graceful_stop_signals(self.request_stop) if self.stop_signals else contextlib.nullcontext():
+                return super().train(*args, **kwargs)
+        finally:
+            self.marking.join()  # the last checkpoint's marker is written before train() returns
 
     def request_stop(self) -> None:
         """Stop at the round's end, every replica after the same step, with a checkpoint (as SIGTERM; signal-safe)."""
@@ -327,10 +332,11 @@ class DiLoCoMixin(InnerOptimizer):
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint, named and written by Trainer (`checkpoint-<step>`), marked complete only when whole.
 
-        The process that saves for its filesystem clears the folder and leaves a note before any process writes
-        (a barrier through the rendezvous store); every process writes its part and marks it; once every process
-        has said so (the store again), the saving process writes the marker, then rotates. A process killed at any
-        instant leaves a folder without the marker, which resume and rotation ignore (see hf_diloco.checkpoints).
+        The process that saves for its filesystem clears the folder and leaves a note before any other process
+        writes (they wait for it through the rendezvous store); every process writes its part and says so (the store
+        again); once every process has, the saving process writes the marker, then rotates, in the background
+        (checkpoints.Marking), so that no replica waits at a save for a slower one to write. A process killed at
+        any instant leaves a folder without the marker, which resume and rotation ignore (see hf_diloco.checkpoints).
         """
         step = self.state.global_step
         run_dir = Path(self._get_output_dir(trial=trial))
@@ -342,21 +348,29 @@ class DiLoCoMixin(InnerOptimizer):
                 print(f"[diloco] no checkpoint at step {step}: θ_global is not finite; the newest checkpoint stays "
                       f"the one to resume from", flush=True)
             return
+        self.marking.join()  # the checkpoint before is marked (and rotated) first
         # One process per filesystem, as Trainer saves: the main process, or each machine's with save_on_each_node
-        # (machines without a shared filesystem).
+        # (machines without a shared filesystem). The others write once it has cleared the folder.
+        rendezvous = self.comm.rendezvous
         if self.args.should_save:
             checkpoints.begin(folder)
-        self.comm.rendezvous.wait_for_parts(f"{folder.name}/begun", self.args.sync_timeout)
+            rendezvous.written(f"{folder.name}/begun")
+        else:
+            saver = self.args.process_index - self.args.local_process_index if self.args.save_on_each_node else 0
+            if not rendezvous.wait_for(f"{folder.name}/begun", [saver], self.args.sync_timeout):
+                raise RunError(f"process {saver}, which saves {folder.name}, did not begin it within sync_timeout "
+                               f"({self.args.sync_timeout:g} s).")
         # Trainer would rotate before the marker exists (see compat.trainer_rotation_off); checkpoints.rotate runs
         # once the checkpoint is whole.
         with compat.trainer_rotation_off(self.args) as limit:
             super()._save_checkpoint(model, trial)
         checkpoints.finish_part(self._replica_dir(str(folder)))
-        self.comm.rendezvous.wait_for_parts(folder.name, self.args.sync_timeout)
+        rendezvous.written(folder.name)
         if self.args.should_save:
-            checkpoints.mark_complete(folder, step, self.args.world_size)
-            if limit:
-                checkpoints.rotate(run_dir, limit, self.state.best_model_checkpoint)
+            best = self.state.best_model_checkpoint
+            self.marking.start(folder, step, self.args.world_size,
+                               lambda: rendezvous.wait_for(folder.name, None, self.args.sync_timeout),
+                               lambda: limit and checkpoints.rotate(run_dir, limit, best))
 
     def _replica_dir(self, checkpoint: str) -> Path:
         return checkpoints.part_dir(checkpoint, self.args.process_index)

@@ -104,6 +104,31 @@ def test_every_file_and_folder_is_on_disk_before_the_marker_is_written(tmp_path,
     assert (checkpoints.MARKER_FILE, True) in synced and synced[-1] == (".", True), synced
 
 
+def test_the_marker_is_written_in_the_background_once_every_part_is_there_one_checkpoint_at_a_time(tmp_path, capsys):
+    """checkpoints.Marking: `start` returns while the other processes' parts are still missing, and the marker
+    (then the rotation) follows once they are there; the next checkpoint's start first waits for the one before,
+    so markers and rotations keep their order; parts that never come leave the folder incomplete, said in a line."""
+    import threading
+
+    arrived = threading.Event()
+    marking = checkpoints.Marking()
+    first = written(tmp_path, 5)
+    rotated = []
+    marking.start(first, 5, 2, lambda: arrived.wait(10), lambda: rotated.append(checkpoints.is_complete(first)))
+    assert not checkpoints.is_complete(first) and not rotated  # the saver trains on meanwhile
+    arrived.set()
+    second = written(tmp_path, 10)
+    marking.start(second, 10, 2, lambda: True, lambda: rotated.append(10))
+    assert checkpoints.is_complete(first) and rotated[0] is True  # the first was marked before the second began
+    marking.join()
+    assert checkpoints.is_complete(second) and rotated == [True, 10]
+    never = written(tmp_path, 15)
+    marking.start(never, 15, 2, lambda: False, lambda: rotated.append(15))
+    marking.join()
+    assert not checkpoints.is_complete(never) and rotated == [True, 10]
+    assert "checkpoint-15 stays incomplete: not every process wrote its part in time" in capsys.readouterr().out
+
+
 def test_each_training_of_a_launch_keeps_its_own_keys_in_the_rendezvous_store():
     """The store outlives a training: a second Trainer in the same processes, or a second `train()`, must not find
     the parts of a checkpoint of the same step already marked written by the training before. Each Rendezvous (one
