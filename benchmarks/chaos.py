@@ -18,16 +18,22 @@ the final eval loss against the fault-free run's, the rounds the survivors commi
 whether every replica ends with the same model, and whether every round checkpoint a replica saved is complete.
 The rounds use int4 with error feedback, so that a round fits a 1 Mbit/s link (0.37 MB per replica per round).
 
-`--round-seconds T` runs both with time-budget rounds of T seconds overlapped with `sync_delay: auto` instead of
-rounds of H steps (results/chaos-time-budget.*): during the slow phase the budget stretches to the slow link's
+`--round-seconds T` runs both with time-budget rounds of T seconds instead of rounds of H steps
+(results/chaos-time-budget.*), overlapped as the defaults overlap them (sync_delay unset: τ = 1); `--sync-delay auto`
+sizes τ from the measured exchange instead, so that during the slow phase the budget stretches to the slow link's
 exchange instead of every round waiting for it.
+
+Saves as the shipped recipe for one site makes them (recipes/tiny-pretrain.yaml: a round checkpoint after every
+round, `save_every_rounds: 1`), not turned off: each of them is a save window, landed together by every replica,
+so overlap stays on through them. `--save-every-rounds N` changes it.
 
 `--landing eager` lands those overlapped syncs with `overlap_landing: eager` (the steps a replica takes while its
 sync is in flight are kept on top of the new θ_global) instead of the mix landing at α 0, which drops them: during
 the slow phase τ covers a slow exchange, tens of steps, so the mix landing throws most of that phase's compute away
 (results/chaos-time-budget-eager.*).
 
-    python benchmarks/chaos.py [--quick] [--seed N] [--round-seconds T [--landing mix|eager]]
+    python benchmarks/chaos.py [--quick] [--seed N] [--save-every-rounds N]
+                               [--round-seconds T [--landing mix|eager] [--sync-delay auto|N]]
 """
 
 from __future__ import annotations
@@ -179,15 +185,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps, the same faults closer together")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choice of replicas to kill")
     parser.add_argument("--round-seconds", type=float, default=0.0,
-                        help="time-budget rounds of this many seconds, overlapped with sync_delay auto (0: rounds "
-                             "of H steps)")
+                        help="time-budget rounds of this many seconds, overlapped as the defaults overlap them "
+                             "(0: rounds of H steps)")
+    parser.add_argument("--sync-delay", default="",
+                        help="sync_delay of the time-budget rounds (auto or a number of steps; unset: the default)")
+    parser.add_argument("--save-every-rounds", type=int, default=1,
+                        help="a round checkpoint every this many rounds (default 1, recipes/tiny-pretrain.yaml's)")
     parser.add_argument("--landing", choices=["mix", "eager"], default="mix",
                         help="overlap_landing of the time-budget rounds' overlapped syncs (with --round-seconds)")
     args = parser.parse_args()
     if args.round_seconds < 0:
         sys.exit(f"chaos: --round-seconds must be 0 or more, not {args.round_seconds:g}.")
-    if args.landing != "mix" and not args.round_seconds:
-        sys.exit("chaos: --landing applies to overlapped time-budget rounds: give --round-seconds too.")
+    if (args.landing != "mix" or args.sync_delay) and not args.round_seconds:
+        sys.exit("chaos: --landing and --sync-delay apply to overlapped time-budget rounds: give --round-seconds too.")
+    if args.save_every_rounds < 0:
+        sys.exit(f"chaos: --save-every-rounds must be 0 or more, not {args.save_every_rounds}.")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -206,10 +218,10 @@ def main() -> None:
                  "--eval_on_start", "false", "--logging_steps", str(steps), "--disable_tqdm", "true",
                  "--compression", "int4", "--error_feedback", "true", "--min_replicas", "2",
                  "--sync_grace_seconds", "5", "--sync_timeout", "20", "--save_strategy", "no",
-                 "--save_every_rounds", "5", "--end_linger_seconds", "60"]
+                 "--save_every_rounds", str(args.save_every_rounds), "--end_linger_seconds", "60"]
     if args.round_seconds:
-        overrides += ["--round_seconds", str(args.round_seconds), "--sync_delay", "auto",
-                      "--overlap_landing", args.landing]
+        overrides += ["--round_seconds", str(args.round_seconds), "--overlap_landing", args.landing]
+        overrides += ["--sync_delay", args.sync_delay] if args.sync_delay else []
     try:
         with tempfile.TemporaryDirectory() as tmp_name, star(REPLICAS) as network:
             tmp = Path(tmp_name)
@@ -235,19 +247,21 @@ def main() -> None:
                             "wall s", "committed rounds",
                             "eval loss", "vs no fault", "rounds committed during the 30 s cut", "replicas identical",
                             "round checkpoints complete", "exit codes"], rows)
-    rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with sync_delay auto, {args.landing} " \
+    delay = f"sync_delay {args.sync_delay}" if args.sync_delay else "the default sync_delay (1)"
+    rounds = f"time-budget rounds of {args.round_seconds:g} s overlapped with {delay}, {args.landing} " \
         "landing" if args.round_seconds else f"H = {inner}"
     events = "; ".join(f"{e['at']:.0f} s {e['action']} site {e['replica']}" + (f" ({e['skipped']})"
                                                                               if "skipped" in e else "")
                        for e in chaos["events"])
     table += (f"\n\n3 torchft replicas at 3 sites (network namespaces on one switch, 2 CPU cores shared), {steps} "
-              f"steps, {rounds}, int4 + error feedback, min_replicas 2, a round checkpoint every 5 rounds, "
+              f"steps, {rounds}, int4 + error feedback, min_replicas 2, a round checkpoint every "
+              f"{args.save_every_rounds} round(s), "
               f"`--max-restarts 5` at each site. Faults (seconds after the first committed round): {events}. "
               f"Goodput = (tokens merged in committed rounds − those whose steps a mix landing dropped: the "
               f"`in_flight_steps` of each replica's overlapped syncs) ÷ (wall × 3 × {rate:,.0f} tokens/s, the "
               f"fault-free run's merged rate per replica); replica 0 blocked: Σ its records' blocked_seconds ÷ wall. "
               f"One run each.")
-    if args.round_seconds:
+    if args.round_seconds and clean["largest_budget"] and chaos["largest_budget"]:
         table += (f" The largest budget a sync stretched to: {clean['largest_budget']:.2f} s without faults, "
                   f"{chaos['largest_budget']:.2f} s under chaos.")
     plt = pyplot()

@@ -136,7 +136,8 @@ def run(backend: str, scenario: str, folder: Path, overrides: list[str], kill_ev
             "bytes_per_round": sum(sent) / len(sent) if sent else 0.0,
             "useful_tokens": sum(r["tokens"] for r in rounds), "eval_loss": summary.get("eval_loss_final"),
             "kills": killer.kills if killer else [],
-            "round_compute_seconds": [r["compute_seconds"] for r in rounds]}
+            "round_compute_seconds": [r["compute_seconds"] for r in rounds],
+            "participants": [sum(bool(m.get("participated")) for m in r["replicas"]) for r in rounds]}
 
 
 def main() -> None:
@@ -189,9 +190,11 @@ def main() -> None:
         rows.append([r["variant"], r["backend"], r["scenario"], f"{r['goodput']:.1%}", f"{r['useful_tokens']:,}",
                      f"{r['wall_seconds']:.0f}", r["rounds"], f"{r['bytes_per_round'] / 1e6:.3f}",
                      f"{r['eval_loss'] or float('nan'):.4f}", f"{loss_change:+.2%}",
-                     ", ".join(map(str, r["kills"])) or "-"])
+                     ", ".join(map(str, r["kills"])) or "-",
+                     ", ".join(f"{k + 1} ({n})" for k, n in enumerate(r["participants"]) if n < REPLICAS) or "-"])
     table = markdown_table(["round", "backend", "scenario", "goodput", "useful tokens", "wall s", "rounds",
-                            "MB per round", "eval loss", "vs its fault-free", "killed after rounds"], rows)
+                            "MB per round", "eval loss", "vs its fault-free", "killed after rounds",
+                            "rounds without every replica (how many took part)"], rows)
     table += (f"\n\n3 replicas, {steps} steps, H = {inner} ({total_rounds} rounds of H), 128-token blocks, batch 4; "
               f"kill: replica 2 SIGKILLed every {kill_every} rounds and restarted. Goodput = useful tokens ÷ (wall × "
               f"capacity), capacity = {REPLICAS} × {rate:,.0f} tokens/s (the first torch fault-free run's rate per "
